@@ -1,1 +1,34 @@
-"""kvbridge.kernels."""
+"""kvbridge.kernels: data-plane ops on paged KV tensors and the reference decoder.
+
+The KV tensor layout is defined in ``layout`` (one tensor per layer,
+``[num_blocks, 2, block_size, num_kv_heads, head_size]``). Each op runs a Triton kernel on CUDA
+tensors and a torch twin on CPU tensors; ``dispatch`` holds the rule and the override.
+"""
+
+from .cache_ops import copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks
+from .dispatch import set_default_use_triton, should_use_triton
+from .layout import (
+    KVCacheShape,
+    block_nbytes,
+    check_block_ids,
+    check_kv_caches,
+    kv_cache_shape,
+    staging_nbytes,
+    staging_shape,
+)
+
+__all__ = [
+    "KVCacheShape",
+    "block_nbytes",
+    "check_block_ids",
+    "check_kv_caches",
+    "copy_blocks",
+    "gather_blocks",
+    "kv_cache_shape",
+    "reshape_and_cache",
+    "scatter_blocks",
+    "set_default_use_triton",
+    "should_use_triton",
+    "staging_nbytes",
+    "staging_shape",
+]

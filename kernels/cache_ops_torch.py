@@ -1,0 +1,63 @@
+"""Torch reference twins of the KV cache kernels in ``cache_ops_triton``.
+
+Each function has the same signature and effect as its Triton twin; ``cache_ops`` validates the
+arguments and picks one of the two. These functions assume validated input (see ``cache_ops``
+for the contracts) and run on any device; on CPU they are the production path, so the bulk
+movers use ``index_select`` / ``index_copy_`` (one vectorised memcpy per block) rather than
+Python loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def reshape_and_cache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key[t]`` / ``value[t]`` to slot ``slot_mapping[t]`` of ``kv_cache``; -1 skips."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    block_idx = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    block_offset = slot_mapping - block_idx * block_size
+    kv_cache[block_idx, 0, block_offset] = key.to(kv_cache.dtype)
+    kv_cache[block_idx, 1, block_offset] = value.to(kv_cache.dtype)
+
+
+def copy_blocks_torch(kv_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """For every layer and every row ``(src, dst)`` of ``block_mapping``: block dst := block src.
+
+    All sources are read before any destination is written (gather, then scatter), so a chain
+    such as ``[(1, 2), (2, 3)]`` copies the old contents of block 2 into block 3.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src_ids = block_mapping[:, 0]
+    dst_ids = block_mapping[:, 1]
+    for kv_cache in kv_caches:
+        kv_cache.index_copy_(0, dst_ids, kv_cache.index_select(0, src_ids))
+
+
+def gather_blocks_torch(
+    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, staging: torch.Tensor
+) -> torch.Tensor:
+    """``staging[l, i] = kv_caches[l][block_ids[i]]`` for every layer ``l``; returns ``staging``."""
+    for layer_idx, kv_cache in enumerate(kv_caches):
+        torch.index_select(kv_cache, 0, block_ids, out=staging[layer_idx])
+    return staging
+
+
+def scatter_blocks_torch(
+    staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor
+) -> None:
+    """``kv_caches[l][block_ids[i]] = staging[l, i]`` for every layer ``l`` (a repeated id: the
+    last row wins on CPU; the order is undefined on CUDA, as for ``index_copy_``)."""
+    for layer_idx, kv_cache in enumerate(kv_caches):
+        kv_cache.index_copy_(0, block_ids, staging[layer_idx])
