@@ -1,0 +1,236 @@
+"""Chained block hashes: the identity of a full block of tokens for prefix caching.
+
+A block's hash covers its parent's hash, its token ids and the extra keys of every input that
+changes its K/V (LoRA adapter, multimodal items, cache salt, prompt embeddings), so two blocks
+match only when everything before and inside them matches (seed 001, section 1;
+vllm/v1/core/kv_cache_utils.py ``hash_block_tokens``)::
+
+    h0 = H((ROOT, (t0..t15),  extra0))
+    h1 = H((h0,   (t16..t31), extra1))
+
+Hashes are computed over canonical CBOR (or msgpack for ``"sha256"``) of plain tuples, so they are
+identical in every process and on every node; the root hash comes from a fixed seed, never from
+``PYTHONHASHSEED`` or ``os.urandom``. Extra keys are tagged tuples so that domains never collide:
+``("lora", name)``, ``("mm", identifier, offset_in_block)``, ``("cache_salt", salt)`` (first
+block only; the chain carries it on), ``("prompt_embeds", sha256 digest of the block's rows)``.
+
+The prefix-cache key is the block hash plus the KV cache group id appended as 4 big-endian bytes
+(``make_block_hash_with_group_id``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import cbor2
+import msgpack
+import xxhash
+
+if TYPE_CHECKING:
+    from .request import Request
+
+__all__ = [
+    "HASH_FN_NAMES",
+    "BlockHash",
+    "BlockHashListWithBlockSize",
+    "BlockHashWithGroupId",
+    "HashFn",
+    "generate_block_hash_extra_keys",
+    "get_block_hash",
+    "get_group_id",
+    "get_hash_fn_by_name",
+    "get_request_block_hasher",
+    "get_root_hash",
+    "hash_block_tokens",
+    "make_block_hash_with_group_id",
+]
+
+BlockHash: TypeAlias = bytes
+"""Digest of one full block (32 bytes for sha256, 16 for xxh3_128)."""
+
+BlockHashWithGroupId: TypeAlias = bytes
+"""``block_hash + group_id.to_bytes(4, "big")``: the key of ``cached_block_hash_to_block``."""
+
+HashFn: TypeAlias = Callable[[Any], bytes]
+"""Maps a tuple of plain values (ints, str, bytes, None, tuples) to a digest."""
+
+_GROUP_ID_BYTES = 4
+_ROOT_SEED = "kvbridge-root-v1"
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def _sha256_msgpack(obj: Any) -> bytes:
+    return hashlib.sha256(msgpack.packb(obj, use_bin_type=True)).digest()
+
+
+def _xxhash_cbor(obj: Any) -> bytes:
+    return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+
+
+_HASH_FNS: dict[str, HashFn] = {
+    "sha256_cbor": _sha256_cbor,
+    "sha256": _sha256_msgpack,
+    "xxhash_cbor": _xxhash_cbor,
+}
+HASH_FN_NAMES: tuple[str, ...] = tuple(_HASH_FNS)
+_FN_TO_NAME: dict[HashFn, str] = {fn: name for name, fn in _HASH_FNS.items()}
+_ROOT_HASHES: dict[HashFn, BlockHash] = {}
+
+
+def get_hash_fn_by_name(name: str) -> HashFn:
+    """Return the hash function called ``name``: ``"sha256_cbor"`` (default), ``"sha256"``
+    (sha256 over msgpack) or ``"xxhash_cbor"`` (xxh3_128 over canonical CBOR).
+
+    Raises ValueError for any other name.
+    """
+    try:
+        return _HASH_FNS[name]
+    except KeyError:
+        raise ValueError(f"unknown hash function {name!r}; choose one of {HASH_FN_NAMES}") from None
+
+
+def _resolve(hash_fn: str | HashFn) -> HashFn:
+    return get_hash_fn_by_name(hash_fn) if isinstance(hash_fn, str) else hash_fn
+
+
+def get_root_hash(hash_fn: str | HashFn) -> BlockHash:
+    """Parent hash of the first block (vLLM's ``NONE_HASH``), from a fixed seed.
+
+    ``hash_fn(("kvbridge-root-v1", name))``: the same bytes in every process and on every node
+    for the same hash function. Cached per function.
+    """
+    fn = _resolve(hash_fn)
+    root = _ROOT_HASHES.get(fn)
+    if root is None:
+        name = _FN_TO_NAME.get(fn, getattr(fn, "__qualname__", "custom"))
+        root = fn((_ROOT_SEED, name))
+        _ROOT_HASHES[fn] = root
+    return root
+
+
+def hash_block_tokens(
+    hash_fn: str | HashFn,
+    parent_block_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash one full block: ``hash_fn((parent or ROOT, tuple(token_ids), extra_keys))``.
+
+    Args:
+        hash_fn: a function or its name (see ``get_hash_fn_by_name``).
+        parent_block_hash: the previous block's hash; ``None`` for the first block.
+        token_ids: the block's ``block_size`` token ids.
+        extra_keys: tagged tuples from ``generate_block_hash_extra_keys`` or ``None``.
+    Returns the digest (bytes). Pure; mutates nothing.
+    """
+    fn = _resolve(hash_fn)
+    parent = get_root_hash(fn) if parent_block_hash is None else parent_block_hash
+    return fn((parent, tuple(token_ids), extra_keys))
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """Cache key of ``block_hash`` in KV cache group ``group_id`` (4 big-endian bytes appended)."""
+    return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big")
+
+
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    """Inverse of ``make_block_hash_with_group_id``: the block hash part."""
+    return key[:-_GROUP_ID_BYTES]
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """Inverse of ``make_block_hash_with_group_id``: the group id part."""
+    return int.from_bytes(key[-_GROUP_ID_BYTES:], "big")
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int
+) -> tuple[Any, ...] | None:
+    """Tagged extra keys for the block covering tokens ``[start_token_idx, end_token_idx)``.
+
+    Order: ``("lora", name)``; one ``("mm", identifier, offset - start_token_idx)`` per
+    multimodal item overlapping the block (offset relative to the block start, negative when the
+    item began in an earlier block); ``("cache_salt", salt)`` when ``start_token_idx == 0``;
+    ``("prompt_embeds", sha256(rows))`` when the request carries prompt embeddings for the block.
+    Returns ``None`` when there is no extra key. Source: vllm/v1/core/kv_cache_utils.py
+    ``generate_block_hash_extra_keys``; seed 001, section 1.
+    """
+    keys: list[tuple[Any, ...]] = []
+    if request.lora_name is not None:
+        keys.append(("lora", request.lora_name))
+    for feature in request.mm_features:
+        if feature.offset < end_token_idx and feature.offset + feature.length > start_token_idx:
+            keys.append(("mm", feature.identifier, feature.offset - start_token_idx))
+    if start_token_idx == 0 and request.cache_salt is not None:
+        keys.append(("cache_salt", request.cache_salt))
+    digest = request.prompt_embeds_digest(start_token_idx, end_token_idx)
+    if digest is not None:
+        keys.append(("prompt_embeds", digest))
+    return tuple(keys) if keys else None
+
+
+def get_request_block_hasher(
+    block_size: int, hash_fn: str | HashFn = "sha256_cbor"
+) -> Callable[[Request], list[BlockHash]]:
+    """Return ``hasher(request) -> new hashes`` for full blocks not yet in
+    ``request.block_hashes`` (the caller, ``Request``, extends its list with them).
+
+    ``block_size`` is the hash granularity in tokens (vLLM's ``hash_block_size``). Only full
+    blocks of ``request.all_token_ids`` are hashed; a partial tail block is hashed once it fills.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    fn = _resolve(hash_fn)
+
+    def request_block_hasher(request: Request) -> list[BlockHash]:
+        token_ids = request.all_token_ids
+        num_hashed = len(request.block_hashes)
+        parent = request.block_hashes[-1] if num_hashed else None
+        new_hashes: list[BlockHash] = []
+        start = num_hashed * block_size
+        while start + block_size <= len(token_ids):
+            end = start + block_size
+            extra = generate_block_hash_extra_keys(request, start, end)
+            parent = hash_block_tokens(fn, parent, token_ids[start:end], extra)
+            new_hashes.append(parent)
+            start = end
+        return new_hashes
+
+    return request_block_hasher
+
+
+class BlockHashListWithBlockSize(Sequence[BlockHash]):
+    """Read-only view of hashes made at ``hash_block_size`` as hashes of ``block_size`` blocks.
+
+    With ``block_size = k * hash_block_size`` the hash of a large block ``i`` is the
+    concatenation of the ``k`` fine hashes it covers (the last of which already chains everything
+    before it). Only complete large blocks are visible. Mirrors vLLM's class of the same name.
+    """
+
+    __slots__ = ("_block_hashes", "_ratio")
+
+    def __init__(self, block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int):
+        if block_size % hash_block_size:
+            raise ValueError(
+                f"block_size {block_size} is not a multiple of hash_block_size {hash_block_size}"
+            )
+        self._block_hashes = block_hashes
+        self._ratio = block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self._block_hashes) // self._ratio
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = index * self._ratio
+        return b"".join(self._block_hashes[start : start + self._ratio])
