@@ -19,6 +19,17 @@ from .block_hash import (
     hash_block_tokens,
     make_block_hash_with_group_id,
 )
+from .block_pool import BlockPool
+from .coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
+from .integrity import check_manager_integrity, check_pool_integrity
+from .kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from .kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from .kv_cache_spec import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -30,31 +41,63 @@ from .kv_cache_spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .request import MultiModalFeature, Request, RequestStatus, SamplingParams
+from .single_type_managers import (
+    CrossAttentionManager,
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+    get_manager_for_kv_cache_spec,
+)
 
 __all__ = [
     "HASH_FN_NAMES",
+    "AllBlocksCleared",
     "AttentionSpec",
     "BlockHash",
     "BlockHashListWithBlockSize",
     "BlockHashWithGroupId",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CrossAttentionManager",
     "CrossAttentionSpec",
+    "FreeKVCacheBlockQueue",
+    "FullAttentionManager",
     "FullAttentionSpec",
     "HashFn",
+    "HybridKVCacheCoordinator",
+    "KVCacheBlock",
+    "KVCacheBlocks",
     "KVCacheConfig",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "KVCacheEvent",
     "KVCacheGroupSpec",
+    "KVCacheManager",
     "KVCacheSpec",
     "KVCacheTensor",
+    "MambaManager",
     "MambaSpec",
     "MultiModalFeature",
+    "PrefixCacheStats",
     "Request",
     "RequestStatus",
     "SamplingParams",
+    "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
     "SlidingWindowSpec",
+    "UnitaryKVCacheCoordinator",
+    "check_manager_integrity",
+    "check_pool_integrity",
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",
     "get_hash_fn_by_name",
+    "get_kv_cache_coordinator",
+    "get_manager_for_kv_cache_spec",
     "get_request_block_hasher",
     "get_root_hash",
     "hash_block_tokens",

@@ -1,0 +1,286 @@
+"""``BlockPool``: the fixed set of physical KV blocks, their free queue and the prefix-cache map.
+
+Free and evict are different things (seed 001, section 5; vllm/v1/core/block_pool.py):
+
+* *free* is ownership: ``free_blocks`` drops a reference; at zero the block joins the free queue.
+  A hashed block stays findable while it waits there (lazy invalidation).
+* *evict* is discoverability: the hash entry is dropped, when ``get_new_blocks`` hands the block
+  out again (always before it is handed out) or when ``evict_blocks`` is asked to.
+
+Free queue order is the eviction order: unhashed blocks go to the front (reused first, they can
+never hit), hashed blocks to the tail (kept longest, LRU-like). Block 0 is the null block: taken
+out at start, never hashed, never queued, its ref count never kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from .block_hash import (
+    BlockHash,
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
+from .kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from .request import Request
+
+__all__ = ["BlockPool"]
+
+
+class BlockPool:
+    """``num_gpu_blocks`` blocks shared by every KV cache group of one node.
+
+    Args:
+        num_gpu_blocks: total block ids including the null block 0 (>= 1).
+        enable_caching: keep a prefix-cache map (otherwise hashes are never stored).
+        hash_block_size: token granularity of ``request.block_hashes`` (informational here;
+            ``cache_full_blocks`` receives hashes already at the group's block size).
+        enable_kv_cache_events: record events for ``take_events``.
+        kv_event_medium: the ``medium`` field of recorded events.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int | None = None,
+        enable_kv_cache_events: bool = False,
+        kv_event_medium: str | None = None,
+    ) -> None:
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1 (block 0 is the null block), "
+                             f"got {num_gpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_medium = kv_event_medium
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id=i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # key -> {block_id: block}: two requests that computed the same block at the same time
+        # each hold a copy with the same hash; either serves a hit (vLLM's BlockHashToBlockMap).
+        self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.kv_event_queue: list[KVCacheEvent] = []
+
+    # -- lookup -------------------------------------------------------------------------------
+    def get_block(self, block_id: int) -> KVCacheBlock:
+        """The block with id ``block_id``. ValueError when out of range."""
+        if not 0 <= block_id < self.num_gpu_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_gpu_blocks})")
+        return self.blocks[block_id]
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group in ``kv_cache_group_ids`` for ``block_hash``, or None if
+        any group misses (every requested group must hit; seed 001, section 2). Pure."""
+        found: list[KVCacheBlock] = []
+        cache = self.cached_block_hash_to_block
+        for group_id in kv_cache_group_ids:
+            entry = cache.get(make_block_hash_with_group_id(block_hash, group_id))
+            if not entry:
+                return None
+            found.append(next(iter(entry.values())))
+        return found
+
+    # -- caching ------------------------------------------------------------------------------
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under ``block_hashes[i]``.
+
+        ``block_hashes`` are at this group's ``block_size``. Null blocks (window padding) are
+        skipped; a block already carrying the same key is left alone; a block carrying a
+        different key raises RuntimeError (it would make the map lie). Mutates the blocks'
+        hashes and the map; records one ``BlockStored`` when events are on.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        if num_full_blocks > len(blocks) or num_full_blocks > len(block_hashes):
+            raise ValueError(
+                f"request {request.request_id}: {num_full_blocks} full blocks but "
+                f"{len(blocks)} blocks and {len(block_hashes)} hashes"
+            )
+        stored_hashes: list[bytes] = []
+        stored_ids: list[int] = []
+        stored_tokens: list[int] = []
+        first_stored_pos = -1
+        events = self.enable_kv_cache_events
+        cache = self.cached_block_hash_to_block
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            if block._block_hash is not None:
+                if block._block_hash != key:
+                    raise RuntimeError(
+                        f"block {block.block_id} already cached under another hash "
+                        f"(request {request.request_id}, position {i})"
+                    )
+                continue
+            block._block_hash = key
+            entry = cache.get(key)
+            if entry is None:
+                cache[key] = {block.block_id: block}
+            else:
+                entry[block.block_id] = block
+            if events:
+                if first_stored_pos < 0:
+                    first_stored_pos = i
+                stored_hashes.append(block_hash)
+                stored_ids.append(block.block_id)
+                stored_tokens.extend(request.all_token_ids[i * block_size : (i + 1) * block_size])
+        if events and stored_hashes:
+            parent = block_hashes[first_stored_pos - 1] if first_stored_pos > 0 else None
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=stored_hashes,
+                    parent_block_hash=parent,
+                    token_ids=stored_tokens,
+                    block_size=block_size,
+                    lora_name=request.lora_name,
+                    medium=self.kv_event_medium,
+                    group_id=kv_cache_group_id,
+                    block_ids=stored_ids,
+                )
+            )
+
+    # -- allocation ---------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the front of the free queue, ref_cnt 0 -> 1.
+
+        A block that still has a hash is evicted first (its map entry removed, a BlockRemoved
+        recorded) so no later lookup can find content about to be overwritten (seed 000,
+        "正确顺序三"). ValueError if fewer blocks are free (the caller checks capacity first).
+        """
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} free"
+            )
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        for block in ret:
+            if block._block_hash is not None:
+                self._maybe_evict_cached_block(block)
+            if block.ref_cnt != 0:
+                raise RuntimeError(
+                    f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}"
+                )
+            block.ref_cnt = 1
+        return ret
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop ``block``'s hash from the map and the block. True if it had one."""
+        key = block._block_hash
+        if key is None:
+            return False
+        entry = self.cached_block_hash_to_block.get(key)
+        if entry is None or entry.pop(block.block_id, None) is None:
+            raise RuntimeError(
+                f"block {block.block_id} carries a hash the prefix-cache map does not list"
+            )
+        if not entry:
+            del self.cached_block_hash_to_block[key]
+        block._block_hash = None
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[get_block_hash(key)],
+                    medium=self.kv_event_medium,
+                    group_id=get_group_id(key),
+                    block_ids=[block.block_id],
+                )
+            )
+        return True
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each (hit) block; a ref_cnt-0 block leaves the free queue.
+
+        Null blocks are ignored. Source: seed 001, section 3.
+        """
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block, in the given (eviction) order.
+
+        Blocks reaching ref_cnt 0 join the free queue: unhashed ones at the front, hashed ones at
+        the tail, each set keeping ``ordered_blocks`` order (seed 000, "回收顺序"). Null blocks are
+        ignored. RuntimeError naming the block if a ref count would go below zero (freed twice).
+        """
+        without_hash: list[KVCacheBlock] = []
+        with_hash: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise RuntimeError(
+                    f"block {block.block_id} freed with ref_cnt {block.ref_cnt} (double free)"
+                )
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (without_hash if block._block_hash is None else with_hash).append(block)
+        if without_hash:
+            self.free_block_queue.prepend_n(without_hash)
+        if with_hash:
+            self.free_block_queue.append_n(with_hash)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Remove the prefix-cache identity of the given blocks, whatever their ref_cnt.
+
+        Ownership and queue position are unchanged (an evicted free block stays where it is;
+        it now simply cannot hit). Unhashed blocks are skipped. ValueError on a bad id.
+        """
+        for block_id in block_ids:
+            self._maybe_evict_cached_block(self.get_block(block_id))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash, only when no block is in use (all but the null block free).
+
+        Returns False, changing nothing, when any block is held; True after clearing (records
+        ``AllBlocksCleared``). Free queue order is unchanged.
+        """
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:
+            return False
+        self.cached_block_hash_to_block = {}
+        for block in self.blocks:
+            block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared(medium=self.kv_event_medium))
+        return True
+
+    # -- accounting ---------------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        """Blocks on the free queue (cached-but-unreferenced blocks count as free)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks (all but the null block) held by requests, in [0, 1]."""
+        total = self.num_gpu_blocks - 1
+        if total <= 0:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / total
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return the recorded events, oldest first, and clear the record."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
