@@ -11,3 +11,5 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["_redis_fixture"]

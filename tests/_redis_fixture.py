@@ -1,0 +1,139 @@
+"""A real ``redis-server`` for tests, started on a free port in a temporary directory.
+
+Registered as a pytest plugin from ``tests/conftest.py`` (``pytest_plugins = ["_redis_fixture"]``).
+
+Fixtures:
+
+- ``redis_server`` (module scope): a running :class:`RedisServer`; ``.url`` is ``redis://...``.
+  ``.stop()`` and ``.start()`` stop and restart it on the same port mid-test (for "Redis stopped
+  mid-run" tests); the fixture restarts it if a test left it stopped and kills it at the end.
+- ``redis_url`` (function scope): the server's URL after ``FLUSHALL``, so every test starts empty.
+
+A missing ``redis-server`` binary FAILS the test with a clear message (CI installs it); it never
+skips.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+_START_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One ``redis-server`` process without persistence (``--save '' --appendonly no``)."""
+
+    def __init__(self, binary: str, workdir: Path, port: int) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Start the server and wait until it answers PING; raises RuntimeError if it does not."""
+        if self.running:
+            return
+        log_path = self.workdir / "redis.log"
+        self._proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.workdir),
+                "--logfile", str(log_path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2, socket_timeout=0.2)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    log = log_path.read_text() if log_path.exists() else ""
+                    raise RuntimeError(
+                        f"redis-server exited with code {self._proc.returncode} on port "
+                        f"{self.port}; log:\n{log}"
+                    )
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"redis-server on port {self.port} did not answer PING within "
+                        f"{_START_TIMEOUT_S} s"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: data is lost, as after a crash) and wait for it to exit."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+
+def start_redis_server(workdir: Path) -> RedisServer:
+    """Start a server on a free port; fails the calling test if ``redis-server`` is missing."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "redis-server is not on PATH; the block-index tests need a real Redis server "
+            "(install the redis-server package, as CI does)",
+            pytrace=False,
+        )
+    server = RedisServer(binary, workdir, _free_port())
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with tempfile.TemporaryDirectory(prefix="kvbridge-redis-") as tmp:
+        server = start_redis_server(Path(tmp))
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    if not redis_server.running:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    yield redis_server.url
+    if not redis_server.running:
+        redis_server.start()

@@ -1,0 +1,272 @@
+"""Block index: both backends behave the same (DESIGN.md, "Block index"; issue 6 parts 1-3, 5).
+
+Redis cases run against a real ``redis-server`` started by ``tests/_redis_fixture.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from kvbridge.connector.block_index import (
+    NO_HIT,
+    BlockIndex,
+    IndexNamespace,
+    InMemoryBlockIndex,
+    PrefixHit,
+)
+from kvbridge.connector.redis_block_index import RedisBlockIndex
+from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+_NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
+_TTL_S = 30.0
+
+
+def _hashes(num_blocks: int, *, prompt: str = "p") -> list[bytes]:
+    """A chain of distinct 32-byte block hashes (stand-ins for a prompt's block hashes)."""
+    return [hashlib.sha256(f"{prompt}/{i}".encode()).digest() for i in range(num_blocks)]
+
+
+def _stored(
+    block_hashes: list[bytes], *, first_block_id: int = 1, group_id: int = 0,
+    medium: str | None = None,
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=block_hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=_NS.block_size,
+        lora_name=None,
+        medium=medium,
+        group_id=group_id,
+        block_ids=list(range(first_block_id, first_block_id + len(block_hashes))),
+    )
+
+
+def _removed(block_hashes: list[bytes], *, group_id: int = 0) -> BlockRemoved:
+    return BlockRemoved(block_hashes=block_hashes, medium=None, group_id=group_id, block_ids=[])
+
+
+def _make_index(kind: str, request: pytest.FixtureRequest, namespace: IndexNamespace) -> BlockIndex:
+    if kind == "memory":
+        return InMemoryBlockIndex(namespace)
+    url = request.getfixturevalue("redis_url")
+    return RedisBlockIndex(namespace, url, retry_interval_s=0.0)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def index(request: pytest.FixtureRequest) -> Iterator[BlockIndex]:
+    idx = _make_index(request.param, request, _NS)
+    yield idx
+    idx.close()
+
+
+def _runs(hit: PrefixHit) -> list[tuple[str, int]]:
+    return [(h.node_id, h.num_blocks) for h in hit.holders]
+
+
+def test_stored_adds_and_removed_removes(index: BlockIndex) -> None:
+    prompt = _hashes(10)
+    assert index.register_node("A", 1, ttl_s=_TTL_S) == "ok"
+    assert index.publish("A", 1, [_stored(prompt[:8], first_block_id=5)]).status == "ok"
+    hit = index.longest_prefix(prompt)
+    # A stored blocks 0..7 in block ids 5..12.
+    assert hit.num_blocks == 8
+    assert hit.holders[0].block_ids() == [list(range(5, 13))]
+    assert hit.holders[0].tier == "device"
+    # Evicting block 7 (the tail, as LRU does) shortens the run to 7; evicting block 3 cuts it
+    # to 3, because a run must be contiguous from block 0.
+    index.publish("A", 1, [_removed([prompt[7]])])
+    assert index.longest_prefix(prompt).num_blocks == 7
+    index.publish("A", 1, [_removed([prompt[3]])])
+    assert _runs(index.longest_prefix(prompt)) == [("A", 3)]
+    assert index.stats.publishes == 3 and index.stats.publish_ops == 10
+
+
+def test_cleared_drops_only_that_nodes_entries(index: BlockIndex) -> None:
+    prompt = _hashes(6)
+    for node_id in ("A", "B"):
+        index.register_node(node_id, 1, ttl_s=_TTL_S)
+        index.publish(node_id, 1, [_stored(prompt)])
+    index.publish("A", 1, [AllBlocksCleared(medium=None)])
+    assert _runs(index.longest_prefix(prompt)) == [("B", 6)]
+
+
+def test_restart_drops_old_entries_and_fences_the_old_incarnation(index: BlockIndex) -> None:
+    prompt = _hashes(12)
+    index.register_node("A", 100, ttl_s=_TTL_S)
+    index.publish("A", 100, [_stored(prompt)])
+    # (1) A restarts as incarnation 101: every entry of 100 is gone at once.
+    assert index.register_node("A", 101, ttl_s=_TTL_S) == "ok"
+    assert index.longest_prefix(prompt) == NO_HIT
+    # (2) A zombie of incarnation 100 keeps publishing and heart-beating: refused.
+    assert index.publish("A", 100, [_stored(prompt)]).status == "fenced"
+    assert index.heartbeat("A", 100, ttl_s=_TTL_S) == "fenced"
+    assert index.register_node("A", 100, ttl_s=_TTL_S) == "fenced"
+    assert index.longest_prefix(prompt) == NO_HIT
+    # (3) The new incarnation's entries count.
+    index.publish("A", 101, [_stored(prompt[:4])])
+    hit = index.longest_prefix(prompt)
+    assert (hit.num_blocks, hit.holders[0].incarnation) == (4, 101)
+    assert index.stats.publishes_fenced == 1
+
+
+def test_node_that_stops_heart_beating_expires(index: BlockIndex) -> None:
+    prompt = _hashes(5)
+    ttl_s = 0.3
+    index.register_node("A", 1, ttl_s=ttl_s)
+    index.register_node("B", 1, ttl_s=ttl_s)
+    index.publish("A", 1, [_stored(prompt)])
+    index.publish("B", 1, [_stored(prompt[:2])])
+    # Only B heart-beats (with a long TTL); after A's TTL, A's entries are gone, B's stay.
+    assert index.heartbeat("B", 1, ttl_s=_TTL_S) == "ok"
+    time.sleep(ttl_s + 0.15)
+    assert _runs(index.longest_prefix(prompt)) == [("B", 2)]
+    # A's late heartbeat is fenced; registering again starts it empty.
+    assert index.heartbeat("A", 1, ttl_s=_TTL_S) == "fenced"
+    assert index.register_node("A", 1, ttl_s=_TTL_S) == "ok"
+    assert _runs(index.longest_prefix(prompt)) == [("B", 2)]
+
+
+def test_longest_prefix_prefers_the_deepest_holder(index: BlockIndex) -> None:
+    prompt = _hashes(80)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.register_node("B", 1, ttl_s=_TTL_S)
+    index.register_node("C", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt[:40], first_block_id=1)])
+    index.publish("B", 1, [_stored(prompt[:60], first_block_id=200, medium="CPU")])
+    hit = index.longest_prefix(prompt)
+    # A holds the first 40 blocks, B the first 60: B wins with 60; C holds nothing.
+    assert hit.num_blocks == 60
+    assert _runs(hit) == [("B", 60), ("A", 40)]
+    assert hit.best_holder is not None and hit.best_holder.tier == "host"  # medium "CPU"
+    assert hit.best_holder.block_ids() == [list(range(200, 260))]
+    # Node C asking for remote holders only, excluding B: A's 40.
+    assert _runs(index.longest_prefix(prompt, exclude_node_ids=["B"])) == [("A", 40)]
+    assert index.stats.lookup_hits == 2
+
+
+def test_unknown_and_empty_prompts_have_no_hit(index: BlockIndex) -> None:
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(_hashes(4))])
+    assert index.longest_prefix(_hashes(4, prompt="other")) == NO_HIT
+    assert index.longest_prefix([]) == NO_HIT
+    # A prompt whose block 0 differs shares nothing, even if later blocks match.
+    assert index.longest_prefix([b"\0" * 32, *_hashes(4)[1:]]) == NO_HIT
+
+
+def test_every_requested_group_must_be_held(index: BlockIndex) -> None:
+    prompt = _hashes(10)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt, group_id=0), _stored(prompt[:6], group_id=1)])
+    # Group 0 holds 10 blocks, group 1 only 6: the run for both is 6.
+    hit = index.longest_prefix(prompt, group_ids=(0, 1))
+    assert hit.num_blocks == 6
+    assert [len(ids) for ids in hit.holders[0].block_ids()] == [6, 6]
+    assert index.longest_prefix(prompt, group_ids=(0,)).num_blocks == 10
+    assert index.longest_prefix(prompt, group_ids=(2,)) == NO_HIT
+
+
+def test_bad_arguments_raise_value_error(index: BlockIndex) -> None:
+    with pytest.raises(ValueError):
+        index.longest_prefix([b"\1" * 32, b"\2" * 16])  # mixed hash lengths
+    with pytest.raises(ValueError):
+        index.longest_prefix(_hashes(2), group_ids=())
+    with pytest.raises(ValueError):
+        index.register_node("a:b", 1, ttl_s=_TTL_S)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_different_namespaces_never_match(kind: str, request: pytest.FixtureRequest) -> None:
+    prompt = _hashes(8)
+    writer = _make_index(kind, request, _NS)
+    if kind == "memory":
+        # One process: a namespace is one index object, so a second namespace is a second object.
+        readers = [InMemoryBlockIndex(IndexNamespace(model_name="m2", block_size=16,
+                                                     hash_fn_name="sha256_cbor"))]
+    else:
+        readers = [
+            _make_index(kind, request, IndexNamespace(model_name=m, block_size=b, hash_fn_name=f))
+            for m, b, f in [("m2", 16, "sha256_cbor"), ("tiny-llama", 32, "sha256_cbor"),
+                            ("tiny-llama", 16, "xxhash_cbor")]
+        ]
+    writer.register_node("A", 1, ttl_s=_TTL_S)
+    writer.publish("A", 1, [_stored(prompt)])
+    assert writer.longest_prefix(prompt).num_blocks == 8
+    for reader in readers:
+        reader.register_node("A", 1, ttl_s=_TTL_S)
+        assert reader.longest_prefix(prompt) == NO_HIT
+
+
+def test_garbage_entries_are_skipped_and_counted(redis_url: str) -> None:
+    index = RedisBlockIndex(_NS, redis_url)
+    prompt = _hashes(10)
+    index.register_node("A", 7, ttl_s=_TTL_S)
+    index.register_node("B", 7, ttl_s=_TTL_S)
+    index.publish("A", 7, [_stored(prompt)])
+    index.publish("B", 7, [_stored(prompt[:3])])
+    raw = redis.Redis.from_url(redis_url)
+    prefix = _NS.key_prefix
+    # (1) A's entry for block 4 is overwritten with a 3-byte value: A's run stops at 4.
+    raw.hset(f"{prefix}:blk:A:{7:020d}:0", prompt[4], b"bad")
+    # (2) A node record that is not an incarnation, and one of the wrong type.
+    raw.sadd(f"{prefix}:nodes", "X", "Y")
+    raw.set(f"{prefix}:node:X", "not-a-number")
+    raw.rpush(f"{prefix}:node:Y", "a list")
+    # (3) Foreign keys in other namespaces and outside any are never read.
+    raw.set("kvbridge:bi:other:16:sha256:nodes", "junk")
+    hit = index.longest_prefix(prompt)
+    assert _runs(hit) == [("A", 4), ("B", 3)]
+    assert index.stats.garbage_entries == 3  # bad entry + X + Y
+    assert index.stats.lookups_failed == 0
+
+
+def test_redis_stopped_gives_no_hit_then_recovers(redis_server, redis_url: str, caplog) -> None:
+    index = RedisBlockIndex(_NS, redis_url, retry_interval_s=0.0)
+    prompt = _hashes(20)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    assert index.longest_prefix(prompt).num_blocks == 20
+    # (1) Redis dies: lookups answer NO_HIT with a warning, publishes are dropped; nothing raises.
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING, logger="kvbridge.connector.redis_block_index"):
+        assert index.longest_prefix(prompt) == NO_HIT
+        assert index.longest_prefix(prompt) == NO_HIT
+        assert index.publish("A", 1, [_stored(prompt)]).status == "unavailable"
+        assert index.heartbeat("A", 1, ttl_s=_TTL_S) == "unavailable"
+    assert index.stats.lookups_failed == 2
+    assert (index.stats.publishes_dropped, index.stats.publish_ops_dropped) == (1, 20)
+    assert any("Redis trouble" in r.getMessage() for r in caplog.records)
+    # (2) Redis is back (empty: it kept nothing): the node is fenced until it registers again,
+    # then the index works as before.
+    redis_server.start()
+    assert index.publish("A", 1, [_stored(prompt)]).status == "fenced"
+    assert index.register_node("A", 1, ttl_s=_TTL_S) == "ok"
+    assert index.publish("A", 1, [_stored(prompt[:5])]).status == "ok"
+    assert index.longest_prefix(prompt).num_blocks == 5
+    assert index.stats.reconnects == 1
+
+
+def test_redis_back_off_skips_calls_until_the_interval_passes(redis_server, redis_url) -> None:
+    now = [0.0]
+    index = RedisBlockIndex(_NS, redis_url, retry_interval_s=5.0, clock=lambda: now[0])
+    prompt = _hashes(3)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    redis_server.stop()
+    assert index.longest_prefix(prompt) == NO_HIT  # tried, failed: down until t = 5 s
+    redis_server.start()
+    now[0] = 4.9
+    # Inside the back-off window nothing is tried, even though Redis is back.
+    assert index.register_node("A", 1, ttl_s=_TTL_S) == "unavailable"
+    assert index.longest_prefix(prompt) == NO_HIT
+    assert index.stats.lookups_failed == 2
+    now[0] = 5.0
+    assert index.register_node("A", 1, ttl_s=_TTL_S) == "ok"
+    index.publish("A", 1, [_stored(prompt)])
+    assert index.longest_prefix(prompt).num_blocks == 3
+    assert index.stats.reconnects == 1
