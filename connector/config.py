@@ -1,0 +1,109 @@
+"""``kv_transfer_config``: the connector's settings, read from a mapping shaped like vLLM's.
+
+vLLM passes ``--kv-transfer-config '{"kv_connector": ..., "kv_role": ..., "engine_id": ...,
+"kv_connector_extra_config": {...}}'`` (vllm/config/kv_transfer.py). We accept the same outer
+keys; everything of ours lives under ``kv_connector_extra_config``:
+
+===========================  ========  ==========================================================
+key                          default   meaning
+===========================  ========  ==========================================================
+``host``                     127.0.0.1  address the transport listens on (and advertises to peers)
+``port``                     0         listen port; 0 picks a free one
+``transport``                ucxx      ``"ucxx"`` or ``"loopback"`` (in-process, for tests)
+``load_timeout_s``           30.0      deadline of one remote load (decode side)
+``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
+                                       a heartbeat
+``heartbeat_interval_s``     2.0       how often a puller extends the leases it depends on
+``load_failure_policy``      recompute ``"recompute"`` or ``"fail"``
+``index_url``                None      ``redis://host:port/db``, ``"memory"`` or None (no index)
+``min_remote_hit_blocks``    1         a remote hit must beat the local hit by this many blocks
+``model_name``               kvbridge  part of the index namespace and the handshake
+===========================  ========  ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.kvmanager.connector_interface import KVRole
+
+from .errors import KVTransferConfigError
+
+__all__ = ["KVTransferConfig"]
+
+_TRANSPORTS = ("ucxx", "loopback")
+_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVTransferConfig:
+    """Validated connector settings (see the module docstring for every key)."""
+
+    kv_connector: str = "KVBridgeConnector"
+    kv_role: KVRole = KVRole.BOTH
+    engine_id: str = "kvbridge-0"
+    host: str = "127.0.0.1"
+    port: int = 0
+    transport: str = "ucxx"
+    load_timeout_s: float = 30.0
+    lease_s: float = 30.0
+    heartbeat_interval_s: float = 2.0
+    load_failure_policy: str = "recompute"
+    index_url: str | None = None
+    min_remote_hit_blocks: int = 1
+    model_name: str = "kvbridge"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in _TRANSPORTS:
+            raise KVTransferConfigError(
+                f"transport must be one of {_TRANSPORTS}, got {self.transport!r}"
+            )
+        if self.load_failure_policy not in _POLICIES:
+            raise KVTransferConfigError(
+                f"load_failure_policy must be one of {_POLICIES}, got {self.load_failure_policy!r}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise KVTransferConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("load_timeout_s", "lease_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise KVTransferConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_interval_s >= self.lease_s:
+            raise KVTransferConfigError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be shorter than "
+                f"lease_s ({self.lease_s}), or leases expire between heartbeats"
+            )
+        if self.min_remote_hit_blocks < 1:
+            raise KVTransferConfigError(
+                f"min_remote_hit_blocks must be >= 1, got {self.min_remote_hit_blocks}"
+            )
+        if not self.engine_id:
+            raise KVTransferConfigError("engine_id must be a non-empty string")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> KVTransferConfig:
+        """Read a vLLM-shaped mapping. Raises KVTransferConfigError naming an unknown key or a
+        bad value."""
+        config = dict(config)
+        outer = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config"}
+        unknown = set(config) - outer
+        if unknown:
+            raise KVTransferConfigError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
+        extra = dict(config.get("kv_connector_extra_config") or {})
+        known = {f for f in cls.__dataclass_fields__ if f not in outer | {"extra"}}
+        kwargs: dict[str, Any] = {k: extra.pop(k) for k in list(extra) if k in known}
+        try:
+            role = KVRole(config.get("kv_role", KVRole.BOTH.value))
+        except ValueError as exc:
+            raise KVTransferConfigError(
+                f"kv_role must be one of {[r.value for r in KVRole]}, got {config.get('kv_role')!r}"
+            ) from exc
+        return cls(
+            kv_connector=str(config.get("kv_connector", "KVBridgeConnector")),
+            kv_role=role,
+            engine_id=str(config.get("engine_id", "kvbridge-0")),
+            extra=extra,
+            **kwargs,
+        )

@@ -1,0 +1,28 @@
+"""The connector's error types.
+
+Everything that arrives over the network (``kv_transfer_params``, a peer's replies, index
+entries) is validated; a bad value raises ``KVTransferParamsError`` (or another
+``KVConnectorError``), which the node catches at the request boundary: that request fails with a
+clear message and the node keeps serving (DESIGN.md, "Reliability rules").
+"""
+
+from __future__ import annotations
+
+__all__ = ["KVConnectorError", "KVTransferConfigError", "KVTransferParamsError"]
+
+
+class KVConnectorError(Exception):
+    """Base class of the connector's errors."""
+
+
+class KVTransferConfigError(KVConnectorError, ValueError):
+    """A ``kv_transfer_config`` mapping is malformed (a caller mistake at start-up)."""
+
+
+class KVTransferParamsError(KVConnectorError, ValueError):
+    """A request's ``kv_transfer_params`` are malformed; names the offending field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"kv_transfer_params.{field}: {problem}")
+        self.field = field
+        self.problem = problem

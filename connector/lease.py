@@ -1,0 +1,106 @@
+"""Leases on the prefill side: how long P keeps a finished request's blocks for a puller.
+
+A prefill node that finished a request with ``do_remote_decode`` keeps its blocks referenced
+(``delay_free``) until the decode node reports the pull done, or until the lease runs out; each
+heartbeat from the puller extends it (DESIGN.md, "Reliability rules": a prefill node never pins
+blocks forever). Expiry and release both hand the request id back once, as ``finished_sending``,
+so the scheduler frees the blocks exactly once whichever comes first.
+
+Thread-safety: heartbeats and completion notices arrive on the transport's event-loop thread,
+``pop_finished`` runs on the engine thread; one lock guards the table.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+__all__ = ["LeaseTable"]
+
+
+@dataclass(slots=True)
+class _Lease:
+    expires_at: float
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+class LeaseTable:
+    """Request id -> lease on its blocks.
+
+    Args:
+        lease_s: lease length in seconds; a grant or heartbeat sets expiry to ``now + lease_s``.
+        clock: wall-clock source (seconds since the epoch); injectable for tests.
+    """
+
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.time) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.lease_s = lease_s
+        self._clock = clock
+        self._leases: dict[str, _Lease] = {}
+        self._released: list[str] = []
+        self._num_expired = 0
+        self._num_released = 0
+        self._lock = threading.Lock()
+
+    def grant(self, request_id: str, block_ids: tuple[tuple[int, ...], ...]) -> float:
+        """Start a lease; returns its expiry. Raises ValueError if one is already held."""
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a lease")
+            expires_at = self._clock() + self.lease_s
+            self._leases[request_id] = _Lease(expires_at, block_ids)
+            return expires_at
+
+    def extend(self, request_ids: Iterable[str]) -> int:
+        """A heartbeat: push the expiry of each named lease to ``now + lease_s``. Unknown ids
+        (already released or expired) are ignored. Returns how many were extended."""
+        with self._lock:
+            expires_at = self._clock() + self.lease_s
+            n = 0
+            for request_id in request_ids:
+                lease = self._leases.get(request_id)
+                if lease is not None:
+                    lease.expires_at = max(lease.expires_at, expires_at)
+                    n += 1
+            return n
+
+    def release(self, request_id: str) -> bool:
+        """The puller is done (or gave up): end the lease now. False if it was not held."""
+        with self._lock:
+            if self._leases.pop(request_id, None) is None:
+                return False
+            self._released.append(request_id)
+            self._num_released += 1
+            return True
+
+    def is_held(self, request_id: str) -> bool:
+        """True while ``request_id``'s lease is granted and not yet expired or released."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is not None and lease.expires_at > self._clock()
+
+    def block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...] | None:
+        """The blocks a live lease protects, per group, or None."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return None if lease is None else lease.block_ids
+
+    def pop_finished(self) -> tuple[set[str], int]:
+        """Ids whose lease ended since the last call (released or expired) and how many of them
+        expired. Each id is returned once."""
+        with self._lock:
+            now = self._clock()
+            expired = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
+            for rid in expired:
+                del self._leases[rid]
+            self._num_expired += len(expired)
+            finished = set(self._released) | set(expired)
+            self._released.clear()
+            return finished, len(expired)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)

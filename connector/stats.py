@@ -1,0 +1,92 @@
+"""Transfer statistics a node exports (issue 5, part 5; the node server turns them into
+Prometheus metrics).
+
+All counters only grow; durations are kept as running sums plus a bounded window of recent
+samples for percentiles. Thread-safe: the worker half updates them from the transport's event
+loop thread while the server reads them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["KVTransferStats"]
+
+_WINDOW = 4096
+
+
+def _percentile(samples: list[float], q: float) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class KVTransferStats:
+    """Counters and durations of KV movement on one node.
+
+    Attributes (units in the names): ``bytes_received`` / ``bytes_sent`` (KV payload bytes),
+    ``num_loads`` (pulls that landed), ``num_failed_loads`` (pulls that failed, timed out or were
+    refused), ``num_blocks_received``, ``num_load_errors_blocks`` (local blocks that did not
+    land), ``num_expired_leases`` (blocks held for a puller that never came back),
+    ``num_released_leases`` (completion notices), ``transfer_s`` (pull durations, seconds),
+    ``queue_s`` (from the request's arrival to the pull's start, seconds).
+    """
+
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    num_loads: int = 0
+    num_failed_loads: int = 0
+    num_blocks_received: int = 0
+    num_load_errors_blocks: int = 0
+    num_expired_leases: int = 0
+    num_released_leases: int = 0
+    num_rejected_params: int = 0
+    transfer_s_sum: float = 0.0
+    queue_s_sum: float = 0.0
+    _transfer_s: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW), repr=False)
+    _queue_s: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW), repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_load(
+        self, *, nbytes: int, num_blocks: int, transfer_s: float, queue_s: float
+    ) -> None:
+        """A pull landed: ``nbytes`` of KV in ``num_blocks`` blocks took ``transfer_s``."""
+        with self._lock:
+            self.num_loads += 1
+            self.bytes_received += nbytes
+            self.num_blocks_received += num_blocks
+            self.transfer_s_sum += transfer_s
+            self.queue_s_sum += queue_s
+            self._transfer_s.append(transfer_s)
+            self._queue_s.append(queue_s)
+
+    def record_failed_load(self, *, num_failed_blocks: int) -> None:
+        with self._lock:
+            self.num_failed_loads += 1
+            self.num_load_errors_blocks += num_failed_blocks
+
+    def add(self, name: str, amount: int = 1) -> None:
+        """Increase the integer counter ``name`` (e.g. ``"num_expired_leases"``)."""
+        if name.startswith("_") or not isinstance(getattr(self, name, None), int):
+            raise ValueError(f"{name!r} is not a counter of KVTransferStats")
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain dict of every counter plus transfer p50/p99 and GB/s, for reports/metrics."""
+        with self._lock:
+            transfer = list(self._transfer_s)
+            queue = list(self._queue_s)
+            out = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        out["transfer_s_p50"] = _percentile(transfer, 0.50)
+        out["transfer_s_p99"] = _percentile(transfer, 0.99)
+        out["queue_s_p50"] = _percentile(queue, 0.50)
+        out["receive_gb_per_s"] = (
+            out["bytes_received"] / out["transfer_s_sum"] / 1e9 if out["transfer_s_sum"] else None
+        )
+        return out

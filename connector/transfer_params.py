@@ -1,0 +1,158 @@
+"""``kv_transfer_params``: what a proxy carries from the prefill node P to the decode node D.
+
+The shapes follow vLLM's NIXL connector (vllm/distributed/kv_transfer/kv_connector/v1/
+nixl_connector.py). A request for P carries ``{"do_remote_decode": true}``; P's
+``request_finished`` answers with ``RemotePrefillParams.to_dict()``, which the proxy forwards to
+D unchanged. Everything here came over the network, so ``RemotePrefillParams.parse`` checks every
+field's type and range and raises ``KVTransferParamsError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import KVTransferParamsError
+
+__all__ = ["RemotePrefillParams", "wants_remote_decode", "wants_remote_prefill"]
+
+_MAX_BLOCK_ID = 2**31 - 1
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """True when a request asks this (prefill) node to keep its KV for a decode node."""
+    return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
+
+
+def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    """True when a request's prompt KV was computed on another node and must be pulled."""
+    return bool(params) and params.get("do_remote_prefill") is True  # type: ignore[union-attr]
+
+
+def _require(params: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in params:
+        raise KVTransferParamsError(key, "missing")
+    value = params[key]
+    # bool is an int subclass; a JSON true where a number belongs is still a type error.
+    if isinstance(value, bool) and kind is not bool:
+        raise KVTransferParamsError(key, f"expected {kind}, got bool")
+    if not isinstance(value, kind):
+        raise KVTransferParamsError(key, f"expected {kind}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RemotePrefillParams:
+    """Where D pulls a request's prompt KV from.
+
+    Attributes:
+        remote_engine_id: P's engine id.
+        remote_incarnation: P's incarnation when it produced the params; a restarted P (new
+            incarnation) no longer holds these blocks, and the pull is refused at handshake.
+        remote_request_id: the request id on P (names the lease D extends and releases).
+        remote_host, remote_port: P's transport listen address.
+        remote_block_ids: P's block ids per KV cache group, in position order; 0 is P's null
+            block (a position P no longer holds, e.g. outside a sliding window).
+        remote_num_tokens: prompt tokens whose KV P computed (positions ``[0, n)``).
+        lease_expires_at: P's wall clock (seconds since the epoch) when P stops holding the
+            blocks unless D's heartbeats extend the lease.
+    """
+
+    remote_engine_id: str
+    remote_incarnation: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    remote_num_tokens: int
+    lease_expires_at: float
+
+    @classmethod
+    def parse(
+        cls, params: Mapping[str, Any], *, num_groups: int, block_size: int
+    ) -> RemotePrefillParams:
+        """Validate D-side params.
+
+        Args:
+            params: the request's ``kv_transfer_params`` (``do_remote_prefill`` true).
+            num_groups: KV cache groups on this node; ``remote_block_ids`` must have as many.
+            block_size: tokens per block (same on both nodes, checked again at handshake); every
+                group lists exactly ``cdiv(remote_num_tokens, block_size)`` ids.
+
+        Raises:
+            KVTransferParamsError: a field is missing, of the wrong type or out of range.
+        """
+        if not isinstance(params, Mapping):
+            raise KVTransferParamsError(
+                "<root>", f"expected a mapping, got {type(params).__name__}"
+            )
+        engine_id = _require(params, "remote_engine_id", str)
+        incarnation = _require(params, "remote_incarnation", str)
+        request_id = _require(params, "remote_request_id", str)
+        host = _require(params, "remote_host", str)
+        port = _require(params, "remote_port", int)
+        num_tokens = _require(params, "remote_num_tokens", int)
+        expires = _require(params, "lease_expires_at", (int, float))
+        raw_ids = _require(params, "remote_block_ids", (list, tuple))
+        for key, value in (
+            ("remote_engine_id", engine_id),
+            ("remote_request_id", request_id),
+            ("remote_host", host),
+        ):
+            if not value:
+                raise KVTransferParamsError(key, "must be non-empty")
+        if not 1 <= port <= 65535:
+            raise KVTransferParamsError("remote_port", f"must be in [1, 65535], got {port}")
+        if num_tokens < 1:
+            raise KVTransferParamsError("remote_num_tokens", f"must be >= 1, got {num_tokens}")
+        if len(raw_ids) != num_groups:
+            raise KVTransferParamsError(
+                "remote_block_ids", f"expected {num_groups} groups, got {len(raw_ids)}"
+            )
+        num_blocks = -(-num_tokens // block_size)
+        block_ids = tuple(_check_group_ids(g, ids, num_blocks) for g, ids in enumerate(raw_ids))
+        return cls(
+            remote_engine_id=engine_id,
+            remote_incarnation=incarnation,
+            remote_request_id=request_id,
+            remote_host=host,
+            remote_port=port,
+            remote_block_ids=block_ids,
+            remote_num_tokens=num_tokens,
+            lease_expires_at=float(expires),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON/msgpack-ready form D receives (``do_remote_prefill`` set)."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_incarnation": self.remote_incarnation,
+            "remote_request_id": self.remote_request_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "remote_block_ids": [list(ids) for ids in self.remote_block_ids],
+            "remote_num_tokens": self.remote_num_tokens,
+            "lease_expires_at": self.lease_expires_at,
+        }
+
+
+def _check_group_ids(group_id: int, ids: Any, num_blocks: int) -> tuple[int, ...]:
+    field = f"remote_block_ids[{group_id}]"
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+        raise KVTransferParamsError(field, f"expected a list of ints, got {type(ids).__name__}")
+    if len(ids) != num_blocks:
+        raise KVTransferParamsError(
+            field, f"expected {num_blocks} ids for remote_num_tokens, got {len(ids)}"
+        )
+    for block_id in ids:
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            raise KVTransferParamsError(field, f"block id {block_id!r} is not an int")
+        if not 0 <= block_id <= _MAX_BLOCK_ID:
+            raise KVTransferParamsError(field, f"block id {block_id} out of range")
+    real = [b for b in ids if b != 0]
+    if len(set(real)) != len(real):
+        raise KVTransferParamsError(field, "block ids repeat")
+    return tuple(ids)
