@@ -1,1 +1,69 @@
-"""kvbridge.transport."""
+"""kvbridge.transport: moving paged KV blocks between nodes.
+
+``Transport`` (``base``) is the protocol; ``UcxxTransport`` moves bytes over UCX (imported
+lazily, so loading this package does not load UCX), ``LoopbackTransport`` is its in-process twin
+for unit tests. ``wire`` is the msgpack control schema, ``metadata`` the handshake metadata and
+compatibility check.
+"""
+
+from typing import Any
+
+from .base import (
+    DEFAULT_CHUNK_BYTES,
+    BlockValidator,
+    GroupRead,
+    HeartbeatCallback,
+    HolderCallbacks,
+    PeerAddress,
+    ReadResult,
+    TransferDoneCallback,
+    TransferDoneNotice,
+    Transport,
+)
+from .errors import (
+    HandshakeError,
+    TransferCancelledError,
+    TransferError,
+    TransferTimeoutError,
+    TransportError,
+    WireError,
+)
+from .loopback import LoopbackFaults, LoopbackNetwork, LoopbackTransport
+from .metadata import KVGroupLayout, NodeMetadata, check_compatible
+from .wire import WIRE_VERSION
+
+
+def __getattr__(name: str) -> Any:
+    if name == "UcxxTransport":
+        from .ucxx_transport import UcxxTransport
+
+        return UcxxTransport
+    raise AttributeError(name)
+
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "WIRE_VERSION",
+    "BlockValidator",
+    "GroupRead",
+    "HandshakeError",
+    "HeartbeatCallback",
+    "HolderCallbacks",
+    "KVGroupLayout",
+    "LoopbackFaults",
+    "LoopbackNetwork",
+    "LoopbackTransport",
+    "NodeMetadata",
+    "PeerAddress",
+    "ReadResult",
+    "TransferCancelledError",
+    "TransferDoneCallback",
+    "TransferDoneNotice",
+    "TransferError",
+    "TransferTimeoutError",
+    "Transport",
+    "TransportError",
+    "UcxxTransport",
+    "WireError",
+    "check_compatible",
+]

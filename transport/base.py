@@ -1,0 +1,246 @@
+"""The ``Transport`` protocol: what the connector calls, stated once for both implementations.
+
+Roles. Every node is both a *holder* (serves reads of its KV blocks to peers) and a *requester*
+(pulls blocks from peers into its own KV tensors). A read is a pull: "give me these remote block
+ids, per group and layer, into these local block ids". Local and remote ids are paired by
+position (DESIGN.md, "Reliability rules").
+
+Lease support. The transport carries the messages; the policy lives in the connector:
+
+- requester side: ``send_heartbeat(peer, request_ids)`` periodically while a request's blocks are
+  needed; ``notify_transfer_done(peer, request_id, success=..., reason=...)`` once per request
+  when the pull finished, failed, or was abandoned (a decode node that rejects a request).
+- holder side: ``on_heartbeat(peer_engine_id, request_ids)`` extends leases;
+  ``on_transfer_done(TransferDoneNotice)`` releases the request's blocks.
+- holder side, per read: ``block_validator(group_id, block_ids, expected_hashes)`` returns the
+  positions whose block no longer carries the expected hash; those blocks are not sent and come
+  back to the requester in ``ReadResult.failed_local_block_ids`` (never stale bytes). The
+  transport compares nothing itself: hashes are opaque bytes.
+
+Callbacks run on the holder's event loop thread and must not block.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .metadata import NodeMetadata
+
+
+class PeerAddress(NamedTuple):
+    """Where a holder listens for control connections (``kv_transfer_params`` remote_host /
+    remote_port)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupRead:
+    """One KV cache group's part of a read.
+
+    Attributes:
+        group_id: index into the node's ``kv_caches_by_group`` (same on both nodes).
+        remote_block_ids: block ids on the holder, ``[1, remote num_blocks)``.
+        local_block_ids: block ids here, same length, distinct, ``[1, local num_blocks)``;
+            ``local_block_ids[i]`` receives ``remote_block_ids[i]`` in every layer of the group.
+        expected_hashes: optional opaque bytes per block (``block_hash``) the holder must still
+            hold for ``remote_block_ids[i]``; checked by the holder's ``block_validator``.
+    """
+
+    group_id: int
+    remote_block_ids: Sequence[int]
+    local_block_ids: Sequence[int]
+    expected_hashes: Sequence[bytes] | None = None
+
+
+class ReadResult(NamedTuple):
+    """Outcome of a read that reached its end.
+
+    ``failed_local_block_ids``: local ids (all groups, request order) whose remote block failed
+    the holder's hash check, so their bytes did not land; every other local id did land.
+    """
+
+    request_id: str
+    num_blocks_landed: int
+    num_bytes_landed: int
+    failed_local_block_ids: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_local_block_ids
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransferDoneNotice:
+    """A requester's completion notice for one request (success or failure)."""
+
+    peer_engine_id: str
+    request_id: str
+    success: bool
+    reason: str
+
+
+BlockValidator = Callable[[int, list[int], list[bytes]], Sequence[int]]
+"""``(group_id, block_ids, expected_hashes) -> positions that do not match``."""
+HeartbeatCallback = Callable[[str, list[str]], None]
+"""``(peer_engine_id, request_ids) -> None``."""
+TransferDoneCallback = Callable[[TransferDoneNotice], None]
+
+
+@dataclass(kw_only=True, slots=True)
+class HolderCallbacks:
+    """Holder-side hooks the connector registers with ``Transport.set_callbacks``."""
+
+    block_validator: BlockValidator | None = None
+    on_heartbeat: HeartbeatCallback | None = None
+    on_transfer_done: TransferDoneCallback | None = None
+
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Staging chunk size: large enough that per-message cost is small (DESIGN.md table: 2,048
+separate 16 KiB messages ran at 0.33 GB/s), small enough to pipeline gather/send/scatter."""
+
+
+class Transport(abc.ABC):
+    """Moves paged KV blocks between nodes. Both ``UcxxTransport`` and ``LoopbackTransport``
+    implement this contract with the same semantics.
+
+    Construction: ``Impl(metadata, kv_caches_by_group, *, host=..., port=0, ...)`` where
+    ``kv_caches_by_group[g][layer]`` is that layer's KV tensor
+    ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (kvbridge.kernels.layout), on CPU or
+    CUDA. The tensors are read (holder) and mutated (requester: the local block rows of a read)
+    by the transport; nothing else is mutated.
+    """
+
+    metadata: NodeMetadata
+    callbacks: HolderCallbacks
+
+    @property
+    def engine_id(self) -> str:
+        return self.metadata.engine_id
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> PeerAddress:
+        """Host and port peers connect to (valid after ``start``)."""
+
+    def set_callbacks(
+        self,
+        *,
+        block_validator: BlockValidator | None = None,
+        on_heartbeat: HeartbeatCallback | None = None,
+        on_transfer_done: TransferDoneCallback | None = None,
+    ) -> None:
+        """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset."""
+        self.callbacks = HolderCallbacks(
+            block_validator=block_validator,
+            on_heartbeat=on_heartbeat,
+            on_transfer_done=on_transfer_done,
+        )
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start serving on ``address``."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop serving, fail in-flight reads (``TransferError``), release staging. Idempotent."""
+
+    @abc.abstractmethod
+    async def connect(self, peer: PeerAddress | tuple[str, int]) -> NodeMetadata:
+        """Handshake with ``peer`` (cached per peer; a new incarnation reconnects).
+
+        Returns:
+            the peer's ``NodeMetadata``.
+
+        Raises:
+            HandshakeError: incompatible peer (names the differing field) or no answer.
+            TransportError: peer unreachable.
+        """
+
+    @abc.abstractmethod
+    async def read_blocks(
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_id: str,
+        groups: Sequence[GroupRead],
+        *,
+        deadline_s: float,
+    ) -> ReadResult:
+        """Pull ``remote_block_ids`` of each group from ``peer`` into ``local_block_ids`` here.
+
+        Blocks are gathered on the holder into staging chunks of about ``DEFAULT_CHUNK_BYTES``,
+        sent, and scattered here chunk by chunk (kvbridge.kernels gather/scatter).
+
+        Returns:
+            ``ReadResult``; blocks the holder's ``block_validator`` rejected are in
+            ``failed_local_block_ids``.
+
+        Raises:
+            ValueError: caller mistake (unknown group, lengths differ, local id out of
+                ``[1, num_blocks)`` or repeated, ``deadline_s <= 0``).
+            HandshakeError: incompatible peer.
+            TransferTimeoutError: ``deadline_s`` passed (holder hung or dead).
+            TransferCancelledError: ``cancel(request_id)`` was called.
+            TransferError: the holder refused (e.g. remote id out of range), died, or closed.
+                ``local_block_ids`` names every local block that did not land; blocks of a
+                partially landed read may hold any bytes.
+            asyncio.CancelledError: the task was cancelled; staging is released and the holder
+                told, as for ``cancel``.
+        """
+
+    @abc.abstractmethod
+    async def cancel(self, request_id: str) -> int:
+        """Cancel this node's in-flight reads for ``request_id``; returns how many. The holder is
+        told and stops sending; both sides release staging before the reads return."""
+
+    @abc.abstractmethod
+    async def send_heartbeat(
+        self, peer: PeerAddress | tuple[str, int], request_ids: Sequence[str]
+    ) -> None:
+        """Tell ``peer`` that these request ids are still wanted (its ``on_heartbeat``).
+
+        Raises:
+            TransportError: peer unreachable.
+        """
+
+    @abc.abstractmethod
+    async def notify_transfer_done(
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_id: str,
+        *,
+        success: bool,
+        reason: str = "",
+    ) -> None:
+        """Completion notice for ``request_id`` (its ``on_transfer_done``).
+
+        Raises:
+            TransportError: peer unreachable.
+        """
+
+
+def check_kv_caches_match(
+    metadata: NodeMetadata, kv_caches_by_group: Sequence[Sequence[torch.Tensor]]
+) -> None:
+    """Raise ``ValueError`` unless ``metadata.groups`` describes ``kv_caches_by_group``."""
+    from .metadata import KVGroupLayout
+
+    if len(kv_caches_by_group) != len(metadata.groups):
+        raise ValueError(
+            f"metadata has {len(metadata.groups)} groups, kv_caches_by_group has "
+            f"{len(kv_caches_by_group)}"
+        )
+    for group_id, (layout, caches) in enumerate(zip(metadata.groups, kv_caches_by_group, strict=False)):
+        actual = KVGroupLayout.from_kv_caches(caches)
+        if actual != layout:
+            raise ValueError(f"group {group_id}: metadata says {layout}, tensors are {actual}")
+        for layer_idx, kv_cache in enumerate(caches):
+            if not kv_cache.is_contiguous():
+                raise ValueError(f"group {group_id} layer {layer_idx}: KV tensor not contiguous")

@@ -1,0 +1,159 @@
+"""Node metadata exchanged at handshake and the compatibility check between two nodes.
+
+DESIGN.md, "Transport": the handshake exchanges engine id, incarnation (new on every restart), a
+compatibility hash over (model, dtype, block size, KV layout per group, number of layers per
+group, hash function) and the KV region layout. Different block sizes or layouts on P and D are
+refused with a message naming the differing field (DESIGN.md, "Reliability rules").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from .errors import HandshakeError
+
+KV_LAYOUT_NAME = "blocks_first:[num_blocks,2,block_size,num_kv_heads,head_size]"
+"""Name of the per-layer KV tensor layout (kvbridge.kernels.layout); part of the compat hash."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVGroupLayout:
+    """The KV region of one KV cache group on one node.
+
+    Attributes:
+        num_layers: layers in the group (one KV tensor each).
+        num_blocks: rows of each tensor; block ids are ``[0, num_blocks)``, 0 is the null block.
+        block_shape: shape of one block of one layer, ``(2, block_size, num_kv_heads, head_size)``.
+        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: Sequence[torch.Tensor]) -> KVGroupLayout:
+        """Layout of one group's layer tensors (each ``[num_blocks, *block_shape]``).
+
+        Raises:
+            ValueError: if the list is empty or the tensors disagree in shape or dtype.
+        """
+        if len(kv_caches) == 0:
+            raise ValueError("a KV cache group needs at least one layer tensor")
+        first = kv_caches[0]
+        for layer_idx, kv_cache in enumerate(kv_caches):
+            if kv_cache.shape != first.shape or kv_cache.dtype != first.dtype:
+                raise ValueError(
+                    f"layer {layer_idx}: shape {tuple(kv_cache.shape)} {kv_cache.dtype}, "
+                    f"layer 0: {tuple(first.shape)} {first.dtype}"
+                )
+        return cls(
+            num_layers=len(kv_caches),
+            num_blocks=int(first.shape[0]),
+            block_shape=tuple(int(s) for s in first.shape[1:]),
+            dtype=str(first.dtype).removeprefix("torch."),
+        )
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer."""
+        numel = 1
+        for size in self.block_shape:
+            numel *= size
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeMetadata:
+    """What a node tells its peers at handshake.
+
+    ``num_blocks`` may differ between nodes; everything else in ``groups`` must match, and so must
+    ``model_name``, ``dtype``, ``block_size`` and ``hash_fn_name``.
+    """
+
+    engine_id: str
+    model_name: str
+    dtype: str
+    block_size: int
+    hash_fn_name: str
+    groups: tuple[KVGroupLayout, ...]
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_layout: str = KV_LAYOUT_NAME
+
+    @classmethod
+    def from_kv_caches(
+        cls,
+        *,
+        engine_id: str,
+        kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+        model_name: str,
+        hash_fn_name: str,
+    ) -> NodeMetadata:
+        """Metadata of a node whose KV tensors are ``kv_caches_by_group[g][layer]``; ``dtype`` and
+        ``block_size`` are read from group 0 (axis 2 of the tensor is the block size)."""
+        groups = tuple(KVGroupLayout.from_kv_caches(caches) for caches in kv_caches_by_group)
+        if not groups:
+            raise ValueError("kv_caches_by_group is empty: a node has at least one KV cache group")
+        return cls(
+            engine_id=engine_id,
+            model_name=model_name,
+            dtype=groups[0].dtype,
+            block_size=groups[0].block_shape[1],
+            hash_fn_name=hash_fn_name,
+            groups=groups,
+        )
+
+    @property
+    def compat_hash(self) -> str:
+        """sha256 (hex) over everything two nodes must agree on (not engine id, incarnation,
+        or num_blocks)."""
+        payload = msgpack.packb(
+            [
+                self.model_name,
+                self.dtype,
+                self.block_size,
+                self.hash_fn_name,
+                self.kv_layout,
+                [[g.num_layers, list(g.block_shape), g.dtype] for g in self.groups],
+            ]
+        )
+        return hashlib.sha256(payload).hexdigest()
+
+
+def check_compatible(local: NodeMetadata, remote: NodeMetadata) -> None:
+    """Refuse a peer whose KV layout differs from ours.
+
+    Raises:
+        HandshakeError: naming the first differing field, e.g.
+            ``"block_size: local 16, remote 32"`` or ``"groups[1].num_layers: local 4, remote 2"``.
+    """
+    for name in ("model_name", "dtype", "block_size", "hash_fn_name", "kv_layout"):
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            raise HandshakeError(
+                f"incompatible peer {remote.engine_id!r}: {name}: local {mine!r}, remote {theirs!r}"
+            )
+    if len(local.groups) != len(remote.groups):
+        raise HandshakeError(
+            f"incompatible peer {remote.engine_id!r}: num_groups: local {len(local.groups)}, "
+            f"remote {len(remote.groups)}"
+        )
+    for group_id, (mine, theirs) in enumerate(zip(local.groups, remote.groups, strict=False)):
+        for name in ("num_layers", "block_shape", "dtype"):
+            if getattr(mine, name) != getattr(theirs, name):
+                raise HandshakeError(
+                    f"incompatible peer {remote.engine_id!r}: groups[{group_id}].{name}: "
+                    f"local {getattr(mine, name)!r}, remote {getattr(theirs, name)!r}"
+                )
+    if local.compat_hash != remote.compat_hash:
+        raise HandshakeError(
+            f"incompatible peer {remote.engine_id!r}: compat_hash: local {local.compat_hash}, "
+            f"remote {remote.compat_hash}"
+        )

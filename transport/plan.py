@@ -1,0 +1,145 @@
+"""Read validation and chunk planning, shared by both transports and both sides of a read.
+
+A read moves, per group entry ``i``, the *good* positions of ``groups[i]`` (all positions minus
+those the holder's validator rejected). Both sides compute the same chunk plan from the same
+inputs, so chunk ``k`` means the same blocks on both sides without sending the plan::
+
+    group entry 0 good positions:  p0 p1 p2 p3 p4 | entry 1: q0 q1 q2
+    chunks (2 blocks per chunk):   [p0 p1][p2 p3][p4] [q0 q1][q2]
+                                    k=0    k=1   k=2  k=3    k=4
+
+A chunk never spans two group entries (their layer tensors differ). A chunk of entry ``i`` holds
+``blocks_per_chunk = max(1, chunk_bytes // (num_layers * block_nbytes))`` blocks except the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from .base import BlockValidator, GroupRead
+from .errors import WireError
+from .metadata import NodeMetadata
+from .wire import MAX_BLOCKS_PER_READ, GroupReadMsg, Read
+
+
+class Chunk(NamedTuple):
+    """Positions ``[start, stop)`` of the good-position list of group entry ``entry``."""
+
+    entry: int
+    start: int
+    stop: int
+
+
+def blocks_per_chunk(metadata: NodeMetadata, group_id: int, chunk_bytes: int) -> int:
+    """How many blocks (all layers) of ``group_id`` fit in ``chunk_bytes``; at least 1."""
+    layout = metadata.groups[group_id]
+    return max(1, chunk_bytes // (layout.num_layers * layout.block_nbytes))
+
+
+def plan_chunks(
+    metadata: NodeMetadata, group_ids: Sequence[int], num_good: Sequence[int], chunk_bytes: int
+) -> list[Chunk]:
+    """The chunk plan for entries with ``num_good[i]`` good blocks of group ``group_ids[i]``."""
+    chunks = []
+    for entry, (group_id, count) in enumerate(zip(group_ids, num_good, strict=False)):
+        step = blocks_per_chunk(metadata, group_id, chunk_bytes)
+        chunks.extend(
+            Chunk(entry, start, min(start + step, count)) for start in range(0, count, step)
+        )
+    return chunks
+
+
+def good_positions(num_blocks: int, mismatched: Sequence[int]) -> list[int]:
+    """Positions ``0..num_blocks-1`` without ``mismatched``, in order."""
+    bad = set(mismatched)
+    return [p for p in range(num_blocks) if p not in bad]
+
+
+def build_group_msgs(metadata: NodeMetadata, groups: Sequence[GroupRead]) -> list[GroupReadMsg]:
+    """Check a requester's read against the local layout and turn it into wire form.
+
+    Raises:
+        ValueError: unknown group id, a group listed twice, lengths that differ, a local id
+            outside ``[1, num_blocks)`` or repeated, a negative remote id, or too many blocks.
+    """
+    msgs = []
+    seen_groups: set[int] = set()
+    total = 0
+    for group in groups:
+        if not 0 <= group.group_id < len(metadata.groups):
+            raise ValueError(f"group_id {group.group_id} not in [0, {len(metadata.groups)})")
+        if group.group_id in seen_groups:
+            raise ValueError(f"group_id {group.group_id} listed twice in one read")
+        seen_groups.add(group.group_id)
+        remote = [int(b) for b in group.remote_block_ids]
+        local = [int(b) for b in group.local_block_ids]
+        if len(remote) != len(local):
+            raise ValueError(
+                f"group {group.group_id}: {len(remote)} remote_block_ids, {len(local)} local"
+            )
+        num_blocks = metadata.groups[group.group_id].num_blocks
+        for block_id in local:
+            if not 1 <= block_id < num_blocks:
+                raise ValueError(
+                    f"group {group.group_id}: local block id {block_id} not in [1, {num_blocks})"
+                )
+        if len(set(local)) != len(local):
+            raise ValueError(f"group {group.group_id}: local_block_ids has repeats")
+        if any(b < 0 for b in remote):
+            raise ValueError(f"group {group.group_id}: negative remote block id")
+        hashes = None
+        if group.expected_hashes is not None:
+            hashes = [bytes(h) for h in group.expected_hashes]
+            if len(hashes) != len(remote):
+                raise ValueError(
+                    f"group {group.group_id}: {len(hashes)} expected_hashes, {len(remote)} blocks"
+                )
+        total += len(remote)
+        msgs.append(GroupReadMsg(group_id=group.group_id, block_ids=remote, expected_hashes=hashes))
+    if total > MAX_BLOCKS_PER_READ:
+        raise ValueError(f"a read of {total} blocks exceeds {MAX_BLOCKS_PER_READ}")
+    return msgs
+
+
+def check_read(metadata: NodeMetadata, read: Read) -> None:
+    """Holder side: every group id and remote block id of ``read`` must exist here.
+
+    Raises:
+        WireError: naming the first bad group id or block id (block 0, the null block, is
+            never served).
+    """
+    for entry, group in enumerate(read.groups):
+        if group.group_id >= len(metadata.groups):
+            raise WireError(
+                f"groups[{entry}]: group_id {group.group_id} not in [0, {len(metadata.groups)})"
+            )
+        num_blocks = metadata.groups[group.group_id].num_blocks
+        for position, block_id in enumerate(group.block_ids):
+            if not 1 <= block_id < num_blocks:
+                raise WireError(
+                    f"groups[{entry}] (group {group.group_id}): block id {block_id} at position "
+                    f"{position} not in [1, {num_blocks})"
+                )
+
+
+def find_mismatched(read: Read, validator: BlockValidator | None) -> list[list[int]]:
+    """Holder side: positions per group entry whose block fails the expected-hash check.
+
+    Raises:
+        RuntimeError: the validator returned a position outside the group (a connector bug).
+    """
+    mismatched: list[list[int]] = []
+    for group in read.groups:
+        if group.expected_hashes is None or validator is None or not group.block_ids:
+            mismatched.append([])
+            continue
+        positions = sorted(
+            {int(p) for p in validator(group.group_id, group.block_ids, group.expected_hashes)}
+        )
+        if positions and not (positions[0] >= 0 and positions[-1] < len(group.block_ids)):
+            raise RuntimeError(
+                f"block_validator returned positions {positions} for {len(group.block_ids)} blocks"
+            )
+        mismatched.append(positions)
+    return mismatched

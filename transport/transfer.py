@@ -1,0 +1,126 @@
+"""Requester-side bookkeeping of one read, and the deadline / cancel / abort driver both
+transports share.
+
+A read's outcome is exactly one of: ``ReadResult`` (every good block landed), or a
+``TransferError`` naming the local blocks that did not land. ``landed`` records, per group entry,
+the positions already scattered, so the error can name exactly the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from .base import ReadResult
+from .errors import TransferCancelledError, TransferError, TransferTimeoutError
+from .wire import GroupReadMsg
+
+_TRANSFER_IDS = itertools.count(1)
+_TAG_PREFIX = int.from_bytes(os.urandom(2), "big") << 46
+
+
+def next_transfer_id() -> int:
+    """A transfer id unique in this process (> 0)."""
+    return next(_TRANSFER_IDS)
+
+
+def tag_base_for(transfer_id: int) -> int:
+    """UCX tag of chunk 0 of a transfer; chunk ``k`` uses ``tag_base + k``. Tags are matched on
+    the requester's worker only, so they must be unique per requester process: a random prefix
+    plus the transfer id shifted past the largest chunk index."""
+    return _TAG_PREFIX | ((transfer_id & ((1 << 26) - 1)) << 20)
+
+
+@dataclass(kw_only=True, slots=True)
+class ReadState:
+    """One in-flight read on the requester."""
+
+    request_id: str
+    transfer_id: int
+    groups: list[GroupReadMsg]
+    local_block_ids: list[list[int]]
+    landed: list[set[int]] = field(default_factory=list)
+    mismatched: list[list[int]] = field(default_factory=list)
+    num_bytes_landed: int = 0
+    cancel_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.landed = [set() for _ in self.groups]
+        self.mismatched = [[] for _ in self.groups]
+
+    def not_landed(self) -> tuple[int, ...]:
+        """Local ids (request order) that did not land."""
+        return tuple(
+            block_id
+            for entry, local in enumerate(self.local_block_ids)
+            for position, block_id in enumerate(local)
+            if position not in self.landed[entry]
+        )
+
+    def result(self) -> ReadResult:
+        failed = tuple(
+            self.local_block_ids[entry][p] for entry, bad in enumerate(self.mismatched) for p in bad
+        )
+        return ReadResult(
+            request_id=self.request_id,
+            num_blocks_landed=sum(len(s) for s in self.landed),
+            num_bytes_landed=self.num_bytes_landed,
+            failed_local_block_ids=failed,
+        )
+
+    def error(self, cls: type[TransferError], message: str) -> TransferError:
+        return cls(message, request_id=self.request_id, local_block_ids=self.not_landed())
+
+
+def local_ids_of(groups: Sequence[object]) -> list[list[int]]:
+    return [[int(b) for b in g.local_block_ids] for g in groups]  # type: ignore[attr-defined]
+
+
+async def drive_read(
+    state: ReadState,
+    core: Awaitable[ReadResult],
+    abort: Callable[[str], Awaitable[None]],
+    deadline_s: float,
+) -> ReadResult:
+    """Run ``core`` until it finishes, ``deadline_s`` passes, ``state.cancel_event`` is set, or
+    the calling task is cancelled. In the last three cases ``abort(reason)`` runs (it stops the
+    core and releases staging on both sides) before this returns or raises.
+
+    Raises:
+        TransferTimeoutError, TransferCancelledError: naming the local blocks not landed.
+        TransferError: from ``core``.
+        asyncio.CancelledError: the calling task was cancelled.
+    """
+    core_task = asyncio.ensure_future(core)
+    cancel_task = asyncio.ensure_future(state.cancel_event.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {core_task, cancel_task}, timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    except asyncio.CancelledError:
+        await _stop(core_task, cancel_task, abort, "task cancelled")
+        raise
+    if core_task in done:
+        cancel_task.cancel()
+        return core_task.result()
+    if cancel_task in done:
+        await _stop(core_task, cancel_task, abort, "cancelled")
+        raise state.error(TransferCancelledError, "read cancelled")
+    await _stop(core_task, cancel_task, abort, "deadline passed")
+    raise state.error(TransferTimeoutError, f"no completion within the {deadline_s:.3f} s deadline")
+
+
+async def _stop(
+    core_task: asyncio.Future[ReadResult],
+    cancel_task: asyncio.Future[object],
+    abort: Callable[[str], Awaitable[None]],
+    reason: str,
+) -> None:
+    cancel_task.cancel()
+    core_task.cancel()
+    # The core releases its own staging in its ``finally``; then ``abort`` tells the holder.
+    await asyncio.shield(asyncio.gather(core_task, return_exceptions=True))
+    await asyncio.shield(abort(reason))

@@ -1,0 +1,297 @@
+"""Holder side of ``UcxxTransport``: accepts control connections, checks every message, and
+streams requested blocks to the requester in staging chunks over UCX tag sends.
+
+Per read: check ids (``plan.check_read``), ask the connector's ``block_validator``, answer
+``ReadOk``, then for chunk ``k`` of the plan: gather into a staging buffer, send it with tag
+``tag_base + k``; at most ``window`` chunks are in flight, so gather of chunk ``k + 1`` overlaps
+the send of chunk ``k``. A ``Cancel`` stops new sends and answers how many were issued (the
+requester drains those, so no send is left waiting). A dead requester or a passed deadline
+aborts the transfer's endpoint.
+
+Every malformed message gets an ``ErrorMsg`` to that peer only; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import ucxx
+from kvbridge.kernels import gather_blocks
+
+from .base import HolderCallbacks, TransferDoneNotice
+from .control import read_frame, write_message
+from .errors import HandshakeError, TransportError, WireError
+from .metadata import NodeMetadata, check_compatible
+from .plan import check_read, find_mismatched, good_positions, plan_chunks
+from .staging import StagingPool, chunk_view, synchronize, wire_buffer
+from .wire import (
+    Cancel,
+    CancelOk,
+    ErrorMsg,
+    Heartbeat,
+    Hello,
+    HelloOk,
+    Read,
+    ReadOk,
+    TransferDone,
+    decode_message,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAX_FINISHED_KEPT = 1024
+
+
+@dataclass(kw_only=True, slots=True)
+class _Serve:
+    read: Read
+    num_chunks_issued: int = 0
+    cancelled: bool = False
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class _Conn:
+    peer_engine_id: str
+    worker_address: object
+    writer: asyncio.StreamWriter
+    serves: OrderedDict[int, _Serve] = field(default_factory=OrderedDict)
+
+
+class UcxxHolder:
+    """Serves reads of ``kv_caches_by_group`` to peers. Owned by ``UcxxTransport``."""
+
+    def __init__(
+        self,
+        metadata: NodeMetadata,
+        kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+        callbacks: HolderCallbacks,
+        window: int,
+    ):
+        self.metadata = metadata
+        self.kv_caches_by_group = kv_caches_by_group
+        self.callbacks = callbacks
+        self.window = window
+        self.pools: dict[int, StagingPool] = {}
+        self.worker_address = b""
+        self._conns: set[asyncio.Task[None]] = set()
+        self.num_active_serves = 0
+
+    def pool_for(self, chunk_bytes: int, max_block_bytes: int) -> StagingPool:
+        capacity = max(chunk_bytes, max_block_bytes)
+        if capacity not in self.pools:
+            device = self.kv_caches_by_group[0][0].device
+            self.pools[capacity] = StagingPool(capacity, device)
+        return self.pools[capacity]
+
+    async def handle_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """``asyncio.start_server`` callback: one requester's control connection."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        conn: _Conn | None = None
+        try:
+            conn = await self._handshake(reader, writer)
+            if conn is not None:
+                await self._serve_connection(conn, reader)
+        except (asyncio.IncompleteReadError, ConnectionError, TransportError):
+            pass
+        finally:
+            self._conns.discard(task)
+            if conn is not None:
+                for serve in conn.serves.values():
+                    if serve.task is not None:
+                        serve.task.cancel()
+            writer.close()
+
+    async def close(self) -> None:
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> _Conn | None:
+        try:
+            message = decode_message(await read_frame(reader))
+            if not isinstance(message, Hello):
+                raise WireError(f"expected Hello first, got {type(message).__name__}")
+            check_compatible(self.metadata, message.metadata)
+            address = ucxx.get_ucx_address_from_buffer(message.worker_address)
+        except (WireError, HandshakeError) as exc:
+            code = "incompatible" if isinstance(exc, HandshakeError) else "bad_message"
+            await write_message(writer, ErrorMsg(transfer_id=0, code=code, message=str(exc)))
+            return None
+        await write_message(
+            writer, HelloOk(metadata=self.metadata, worker_address=self.worker_address)
+        )
+        return _Conn(
+            peer_engine_id=message.metadata.engine_id, worker_address=address, writer=writer
+        )
+
+    async def _serve_connection(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                payload = await read_frame(reader)
+            except WireError as exc:  # bad length prefix: the stream cannot be trusted further
+                await write_message(
+                    conn.writer, ErrorMsg(transfer_id=0, code="bad_frame", message=str(exc))
+                )
+                return
+            try:
+                message = decode_message(payload)
+            except WireError as exc:
+                await write_message(
+                    conn.writer, ErrorMsg(transfer_id=0, code="bad_message", message=str(exc))
+                )
+                continue
+            await self._dispatch(conn, message)
+
+    async def _dispatch(self, conn: _Conn, message: object) -> None:
+        if isinstance(message, Read):
+            await self._start_read(conn, message)
+        elif isinstance(message, Cancel):
+            serve = conn.serves.get(message.transfer_id)
+            issued = 0
+            if serve is not None:
+                serve.cancelled = True
+                issued = serve.num_chunks_issued
+            await write_message(
+                conn.writer, CancelOk(transfer_id=message.transfer_id, num_chunks_issued=issued)
+            )
+        elif isinstance(message, Heartbeat):
+            if self.callbacks.on_heartbeat is not None:
+                self.callbacks.on_heartbeat(conn.peer_engine_id, message.request_ids)
+        elif isinstance(message, TransferDone):
+            if self.callbacks.on_transfer_done is not None:
+                self.callbacks.on_transfer_done(
+                    TransferDoneNotice(
+                        peer_engine_id=conn.peer_engine_id,
+                        request_id=message.request_id,
+                        success=message.success,
+                        reason=message.reason,
+                    )
+                )
+        else:
+            await write_message(
+                conn.writer,
+                ErrorMsg(
+                    transfer_id=0,
+                    code="bad_message",
+                    message=f"{type(message).__name__} is not a requester message",
+                ),
+            )
+
+    async def _start_read(self, conn: _Conn, read: Read) -> None:
+        if read.transfer_id in conn.serves:
+            await write_message(
+                conn.writer,
+                ErrorMsg(
+                    transfer_id=read.transfer_id,
+                    code="bad_request",
+                    message=f"transfer_id {read.transfer_id} already used",
+                ),
+            )
+            return
+        try:
+            check_read(self.metadata, read)
+            mismatched = find_mismatched(read, self.callbacks.block_validator)
+        except WireError as exc:
+            await write_message(
+                conn.writer,
+                ErrorMsg(transfer_id=read.transfer_id, code="bad_request", message=str(exc)),
+            )
+            return
+        await write_message(
+            conn.writer, ReadOk(transfer_id=read.transfer_id, mismatched=mismatched)
+        )
+        serve = _Serve(read=read)
+        conn.serves[read.transfer_id] = serve
+        while len(conn.serves) > _MAX_FINISHED_KEPT:
+            oldest_id, oldest = next(iter(conn.serves.items()))
+            if oldest.task is not None and not oldest.task.done():
+                break
+            del conn.serves[oldest_id]
+        serve.task = asyncio.ensure_future(self._send_blocks(conn, serve, mismatched))
+
+    async def _send_blocks(self, conn: _Conn, serve: _Serve, mismatched: list[list[int]]) -> None:
+        read = serve.read
+        self.num_active_serves += 1
+        endpoint = None
+        pending: list[tuple[asyncio.Future[object], torch.Tensor]] = []
+        pool: StagingPool | None = None
+        clean = False
+        try:
+            async with asyncio.timeout(read.deadline_ms / 1000):
+                endpoint = await ucxx.create_endpoint_from_worker_address(
+                    conn.worker_address, endpoint_error_handling=False
+                )
+                good = [
+                    good_positions(len(g.block_ids), mismatched[i])
+                    for i, g in enumerate(read.groups)
+                ]
+                group_ids = [g.group_id for g in read.groups]
+                chunks = plan_chunks(
+                    self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes
+                )
+                max_block_bytes = max(
+                    layout.num_layers * layout.block_nbytes for layout in self.metadata.groups
+                )
+                pool = self.pool_for(read.chunk_bytes, max_block_bytes)
+                for chunk_idx, chunk in enumerate(chunks):
+                    if len(pending) >= self.window:
+                        send, buffer = pending.pop(0)
+                        await send
+                        pool.release(buffer)
+                    if serve.cancelled:
+                        break
+                    group = read.groups[chunk.entry]
+                    caches = self.kv_caches_by_group[group.group_id]
+                    layout = self.metadata.groups[group.group_id]
+                    ids = [group.block_ids[p] for p in good[chunk.entry][chunk.start : chunk.stop]]
+                    buffer = pool.acquire()
+                    staging = chunk_view(
+                        buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
+                    )
+                    gather_blocks(
+                        caches, torch.tensor(ids, dtype=torch.int64).to(caches[0].device), staging
+                    )
+                    synchronize(staging)
+                    if serve.cancelled:  # a Cancel arrived while we gathered
+                        pool.release(buffer)
+                        break
+                    send = asyncio.ensure_future(
+                        endpoint.send(
+                            wire_buffer(staging), tag=read.tag_base + chunk_idx, force_tag=True
+                        )
+                    )
+                    serve.num_chunks_issued += 1
+                    pending.append((send, buffer))
+                while pending:
+                    send, buffer = pending.pop(0)
+                    await send
+                    pool.release(buffer)
+                clean = True
+        except (TimeoutError, asyncio.CancelledError, Exception) as exc:
+            if not isinstance(exc, TimeoutError | asyncio.CancelledError):
+                logger.warning("serving transfer %d failed: %r", read.transfer_id, exc)
+        finally:
+            self.num_active_serves -= 1
+            for send, buffer in pending:
+                send.cancel()
+                if pool is not None:
+                    pool.forget(buffer)
+            if endpoint is not None:
+                if clean:
+                    with contextlib.suppress(Exception):
+                        await endpoint.close(period=10**8)
+                else:
+                    endpoint.abort(period=10**8)

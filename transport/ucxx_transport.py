@@ -1,0 +1,386 @@
+"""``Transport`` over UCX (the ``ucxx`` package): TCP control channel, UCX tag messages for
+block bytes.
+
+Set-up (DESIGN.md, "Transport", measured table): the handshake carries each side's UCX worker
+address; data endpoints are created from worker addresses with ``endpoint_error_handling=False``
+so UCX can use shared memory on one host; liveness comes from the TCP control connection and the
+deadlines, not from UCX. The progress mode is ``"blocking"`` unless ``progress_mode`` or
+``UCXPY_PROGRESS_MODE`` says otherwise (``"thread"`` reached about half the bandwidth here).
+UCX state is per process: every ``UcxxTransport`` in a process shares one worker.
+
+Requester side of a read (holder side: ``ucxx_holder``)::
+
+    send Read ──> ReadOk(mismatched) ──> for chunk k: recv(tag_base + k) into staging,
+                                         scatter into local blocks; ``window`` recvs posted
+
+A cancelled, timed-out or task-cancelled read aborts its endpoint (cancelling posted receives),
+then sends ``Cancel``; the holder answers how many chunks it issued and the requester receives
+(and drops) those it had not yet received, so neither side keeps a UCX request waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Sequence
+
+import torch
+import ucxx
+from kvbridge.kernels import scatter_blocks
+
+from .base import (
+    DEFAULT_CHUNK_BYTES,
+    GroupRead,
+    HolderCallbacks,
+    PeerAddress,
+    ReadResult,
+    Transport,
+    check_kv_caches_match,
+)
+from .control import HolderConnection, read_frame, write_message
+from .errors import HandshakeError, TransferError, TransportError, WireError
+from .metadata import NodeMetadata, check_compatible
+from .plan import build_group_msgs, good_positions, plan_chunks
+from .staging import StagingPool, chunk_view, synchronize, wire_buffer
+from .transfer import ReadState, drive_read, local_ids_of, next_transfer_id, tag_base_for
+from .ucxx_holder import UcxxHolder
+from .wire import Cancel, CancelOk, ErrorMsg, Heartbeat, Hello, HelloOk, Read, ReadOk, TransferDone
+
+DEFAULT_PROGRESS_MODE = "blocking"
+HANDSHAKE_TIMEOUT_S = 10.0
+CANCEL_REPLY_TIMEOUT_S = 2.0
+
+
+def init_ucx(progress_mode: str | None = None) -> None:
+    """Initialise UCX for this process once (later calls are no-ops)."""
+    mode = progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", DEFAULT_PROGRESS_MODE)
+    with contextlib.suppress(RuntimeError):  # already initialised by an earlier transport
+        ucxx.init(progress_mode=mode)
+
+
+class UcxxTransport(Transport):
+    """``Transport`` over ucxx. See ``Transport`` for the contract.
+
+    Args:
+        metadata: this node's ``NodeMetadata`` (must describe ``kv_caches_by_group``).
+        kv_caches_by_group: ``[group][layer]`` KV tensors, CPU or CUDA.
+        host, port: where to listen for control connections (port 0: any free port).
+        chunk_bytes: staging chunk size of reads this node makes.
+        window: chunks in flight per read on each side (2: gather k+1 while k is on the wire).
+        progress_mode: ucxx progress mode (see module docstring).
+    """
+
+    def __init__(
+        self,
+        metadata: NodeMetadata,
+        kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = 2,
+        progress_mode: str | None = None,
+    ):
+        check_kv_caches_match(metadata, kv_caches_by_group)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.metadata = metadata
+        self.kv_caches_by_group = [list(g) for g in kv_caches_by_group]
+        self.callbacks = HolderCallbacks()
+        self.chunk_bytes = chunk_bytes
+        self.window = window
+        self._progress_mode = progress_mode
+        self._host, self._port = host, port
+        self._server: asyncio.base_events.Server | None = None
+        self._address: PeerAddress | None = None
+        self._holder = UcxxHolder(metadata, self.kv_caches_by_group, self.callbacks, window)
+        self._conns: dict[PeerAddress, HolderConnection] = {}
+        self._connect_locks: dict[PeerAddress, asyncio.Lock] = {}
+        self._reads: dict[int, ReadState] = {}
+        max_block_bytes = max(g.num_layers * g.block_nbytes for g in metadata.groups)
+        self.staging = StagingPool(
+            max(chunk_bytes, max_block_bytes), self.kv_caches_by_group[0][0].device
+        )
+
+    def set_callbacks(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().set_callbacks(**kwargs)
+        self._holder.callbacks = self.callbacks
+
+    @property
+    def address(self) -> PeerAddress:
+        if self._address is None:
+            raise RuntimeError("UcxxTransport.address read before start()")
+        return self._address
+
+    @property
+    def num_inflight_reads(self) -> int:
+        return len(self._reads)
+
+    @property
+    def num_active_serves(self) -> int:
+        """Reads this node is serving right now."""
+        return self._holder.num_active_serves
+
+    @property
+    def num_holder_staging_outstanding(self) -> int:
+        return sum(p.num_outstanding for p in self._holder.pools.values())
+
+    async def start(self) -> None:
+        init_ucx(self._progress_mode)
+        ucxx.continuous_ucx_progress()
+        self._holder.worker_address = ucxx.get_worker_address().tobytes()
+        self._server = await asyncio.start_server(
+            self._holder.handle_connection, self._host, self._port
+        )
+        port = self._server.sockets[0].getsockname()[1]
+        self._address = PeerAddress(self._host, int(port))
+
+    async def close(self) -> None:
+        for state in list(self._reads.values()):
+            state.cancel_event.set()
+        if self._server is not None:
+            self._server.close()
+        await self._holder.close()
+        for conn in list(self._conns.values()):
+            await conn.close()
+        self._conns.clear()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            self._server = None
+
+    # ------------------------------------------------------------------ control
+
+    async def connect(self, peer: PeerAddress | tuple[str, int]) -> NodeMetadata:
+        peer = PeerAddress(*peer)
+        lock = self._connect_locks.setdefault(peer, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(peer)
+            if conn is not None and conn.alive:
+                return conn.remote
+            conn = await self._open(peer)
+            self._conns[peer] = conn
+            return conn.remote
+
+    async def _open(self, peer: PeerAddress) -> HolderConnection:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(peer.host, peer.port), HANDSHAKE_TIMEOUT_S
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise TransportError(f"peer {tuple(peer)} unreachable: {exc}") from None
+        try:
+            await write_message(
+                writer, Hello(metadata=self.metadata, worker_address=self._holder.worker_address)
+            )
+            try:
+                from .wire import decode_message
+
+                reply = decode_message(
+                    await asyncio.wait_for(read_frame(reader), HANDSHAKE_TIMEOUT_S)
+                )
+            except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
+                raise HandshakeError(f"no handshake answer from {tuple(peer)}: {exc!r}") from None
+            except WireError as exc:
+                raise HandshakeError(f"bad handshake answer from {tuple(peer)}: {exc}") from None
+            if isinstance(reply, ErrorMsg):
+                raise HandshakeError(f"refused by peer {tuple(peer)}: {reply.message}")
+            if not isinstance(reply, HelloOk):
+                raise HandshakeError(
+                    f"expected HelloOk from {tuple(peer)}, got {type(reply).__name__}"
+                )
+            check_compatible(self.metadata, reply.metadata)
+        except BaseException:
+            writer.close()
+            raise
+        return HolderConnection(reader, writer, reply.metadata, reply.worker_address)
+
+    async def send_heartbeat(
+        self, peer: PeerAddress | tuple[str, int], request_ids: Sequence[str]
+    ) -> None:
+        await self.connect(peer)
+        await self._conns[PeerAddress(*peer)].send(Heartbeat(request_ids=list(request_ids)))
+
+    async def notify_transfer_done(
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_id: str,
+        *,
+        success: bool,
+        reason: str = "",
+    ) -> None:
+        await self.connect(peer)
+        await self._conns[PeerAddress(*peer)].send(
+            TransferDone(request_id=request_id, success=success, reason=reason)
+        )
+
+    async def cancel(self, request_id: str) -> int:
+        states = [s for s in self._reads.values() if s.request_id == request_id]
+        for state in states:
+            state.cancel_event.set()
+        await asyncio.sleep(0)
+        return len(states)
+
+    # ------------------------------------------------------------------ reads
+
+    async def read_blocks(
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_id: str,
+        groups: Sequence[GroupRead],
+        *,
+        deadline_s: float,
+    ) -> ReadResult:
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        msgs = build_group_msgs(self.metadata, groups)
+        transfer_id = next_transfer_id()
+        state = ReadState(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            groups=msgs,
+            local_block_ids=local_ids_of(groups),
+        )
+        read = Read(
+            transfer_id=transfer_id,
+            request_id=request_id,
+            tag_base=tag_base_for(transfer_id),
+            chunk_bytes=self.chunk_bytes,
+            deadline_ms=max(1, int(deadline_s * 1000)),
+            groups=msgs,
+        )
+        self._reads[transfer_id] = state
+        received: set[int] = set()
+        try:
+            try:
+                await asyncio.wait_for(self.connect(peer), deadline_s)
+            except HandshakeError:
+                raise
+            except (TransportError, asyncio.TimeoutError) as exc:
+                raise state.error(TransferError, f"cannot reach holder: {exc!r}") from None
+            conn = self._conns[PeerAddress(*peer)]
+            return await drive_read(
+                state,
+                self._run_read(conn, read, state, received),
+                lambda reason: self._abort_read(conn, read, received),
+                deadline_s,
+            )
+        finally:
+            del self._reads[transfer_id]
+
+    async def _run_read(
+        self, conn: HolderConnection, read: Read, state: ReadState, received: set[int]
+    ) -> ReadResult:
+        reply_future = conn.expect(read.transfer_id, ReadOk)
+        try:
+            await conn.send(read)
+            reply = await reply_future
+        except TransportError as exc:
+            raise state.error(TransferError, str(exc)) from None
+        if isinstance(reply, ErrorMsg):
+            raise state.error(TransferError, f"holder refused the read: {reply.message}")
+        assert isinstance(reply, ReadOk)
+        if len(reply.mismatched) != len(read.groups) or any(
+            p >= len(g.block_ids) for g, ps in zip(read.groups, reply.mismatched, strict=False) for p in ps
+        ):
+            raise state.error(TransferError, "holder sent a ReadOk that does not fit the read")
+        state.mismatched = reply.mismatched
+        good = [
+            good_positions(len(g.block_ids), reply.mismatched[i]) for i, g in enumerate(read.groups)
+        ]
+        group_ids = [g.group_id for g in read.groups]
+        chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
+        if not chunks:
+            return state.result()
+        endpoint = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(conn.remote_worker_address),
+            endpoint_error_handling=False,
+        )
+        posted: dict[int, tuple[asyncio.Future[object], torch.Tensor, torch.Tensor]] = {}
+
+        def post(chunk_idx: int) -> None:
+            chunk = chunks[chunk_idx]
+            group = read.groups[chunk.entry]
+            layout = self.metadata.groups[group.group_id]
+            buffer = self.staging.acquire()
+            staging = chunk_view(
+                buffer,
+                layout.num_layers,
+                chunk.stop - chunk.start,
+                layout.block_shape,
+                self.kv_caches_by_group[group.group_id][0].dtype,
+            )
+            recv = asyncio.ensure_future(
+                endpoint.recv(wire_buffer(staging), tag=read.tag_base + chunk_idx, force_tag=True)
+            )
+            posted[chunk_idx] = (recv, buffer, staging)
+
+        try:
+            for chunk_idx in range(min(self.window, len(chunks))):
+                post(chunk_idx)
+            for chunk_idx, chunk in enumerate(chunks):
+                recv, buffer, staging = posted[chunk_idx]
+                await asyncio.wait({recv, conn.lost}, return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():
+                    raise state.error(
+                        TransferError, f"holder connection lost: {conn.lost.result()}"
+                    )
+                recv.result()
+                received.add(chunk_idx)
+                del posted[chunk_idx]
+                group = read.groups[chunk.entry]
+                caches = self.kv_caches_by_group[group.group_id]
+                positions = good[chunk.entry][chunk.start : chunk.stop]
+                local_ids = torch.tensor(
+                    [state.local_block_ids[chunk.entry][p] for p in positions], dtype=torch.int64
+                )
+                scatter_blocks(staging, caches, local_ids.to(caches[0].device))
+                synchronize(staging)
+                self.staging.release(buffer)
+                state.landed[chunk.entry].update(positions)
+                state.num_bytes_landed += staging.numel() * staging.element_size()
+                if chunk_idx + self.window < len(chunks):
+                    post(chunk_idx + self.window)
+            return state.result()
+        finally:
+            if posted:
+                endpoint.abort(period=10**8)  # cancels the posted receives
+                recvs = [recv for recv, _, _ in posted.values()]
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*recvs, return_exceptions=True), 1.0)
+                for recv, buffer, _ in posted.values():
+                    if recv.done():
+                        self.staging.release(buffer)
+                    else:
+                        self.staging.forget(buffer)
+            else:
+                with contextlib.suppress(Exception):
+                    await endpoint.close(period=10**8)
+
+    async def _abort_read(self, conn: HolderConnection, read: Read, received: set[int]) -> None:
+        """Tell the holder to stop, then receive and drop the chunks it already issued."""
+        if not conn.alive:
+            return
+        reply_future = conn.expect(read.transfer_id, CancelOk)
+        try:
+            await conn.send(Cancel(transfer_id=read.transfer_id))
+            reply = await asyncio.wait_for(reply_future, CANCEL_REPLY_TIMEOUT_S)
+        except (TransportError, asyncio.TimeoutError):
+            conn.forget(read.transfer_id, CancelOk)
+            return
+        if not isinstance(reply, CancelOk):
+            return
+        for chunk_idx in range(reply.num_chunks_issued):
+            if chunk_idx in received:
+                continue
+            buffer = self.staging.acquire()
+            recv = asyncio.ensure_future(
+                ucxx.recv(wire_buffer(buffer), tag=read.tag_base + chunk_idx)
+            )
+            await asyncio.wait({recv, conn.lost}, timeout=CANCEL_REPLY_TIMEOUT_S)
+            if recv.done():
+                self.staging.release(buffer)
+            else:
+                self.staging.forget(buffer)
+                return
