@@ -77,13 +77,15 @@ def paged_attention_prefill_kernel(
 
         first_pos = seq_len - query_len + tile_m * BLOCK_M
         last_pos = tl.minimum(first_pos + BLOCK_M, seq_len) - 1
-        key_begin = first_pos * 0
+        # Keys any row of this tile may see: [window_start, last_pos]. Positions outside are
+        # never loaded: their blocks may be the null block (sliding window) holding anything.
+        window_start = first_pos * 0
         if USE_SLIDING_WINDOW:
-            key_begin = tl.maximum(first_pos - sliding_window + 1, 0)
-        key_begin = (key_begin // TILE_N) * TILE_N
+            window_start = tl.maximum(first_pos - sliding_window + 1, 0)
+        key_begin = (window_start // TILE_N) * TILE_N
         for tile_start in range(key_begin, last_pos + 1, TILE_N):
             key_pos = tile_start + tl.arange(0, TILE_N).to(tl.int64)
-            key_in_seq = key_pos <= last_pos
+            key_in_seq = (key_pos >= window_start) & (key_pos <= last_pos)
             physical = tl.load(
                 block_table_ptr + req_idx * block_table_stride + key_pos // BLOCK_SIZE,
                 mask=key_in_seq,

@@ -120,8 +120,8 @@ def reshape_and_cache_kernel(
         )
         dst = (kv_cache_ptr + block_idx * cache_block_stride + block_offset * cache_slot_stride
                + heads * cache_head_stride + dims)
-        tl.store(dst, key.to(kv_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + cache_kv_stride, value.to(kv_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, key, mask=mask)
+        tl.store(dst + cache_kv_stride, value, mask=mask)
 
 
 def reshape_and_cache_triton(
@@ -130,7 +130,11 @@ def reshape_and_cache_triton(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Twin of ``reshape_and_cache_torch``."""
+    """Twin of ``reshape_and_cache_torch``. A key/value of another dtype than the cache is cast
+    by torch first (round to nearest even, as the twin; the interpreter's casts may differ), so
+    the kernel only moves bits."""
+    key = key.to(kv_cache.dtype)
+    value = value.to(kv_cache.dtype)
     if key.stride(2) != 1 or value.stride(2) != 1:
         key, value = key.contiguous(), value.contiguous()
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
