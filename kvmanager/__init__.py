@@ -103,3 +103,55 @@ __all__ = [
     "hash_block_tokens",
     "make_block_hash_with_group_id",
 ]
+
+# Scheduler, connector interface, block tables, model runner and engine (issue 3 parts 2, 4-6).
+from .block_table import NULL_BLOCK_ID, BlockTable, MultiGroupBlockTable
+from .connector_interface import (
+    ForwardContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVLoadFailurePolicy,
+    KVRole,
+    MatchedTokens,
+    NoOpConnector,
+    RequestFinishedResult,
+)
+from .engine import Engine, EngineConfig, RequestOutput
+from .model_runner import ModelRunner, make_kv_cache_config
+from .scheduler import Scheduler
+from .scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+__all__ += [
+    "NULL_BLOCK_ID",
+    "BlockTable",
+    "CachedRequestData",
+    "Engine",
+    "EngineConfig",
+    "EngineCoreOutput",
+    "ForwardContext",
+    "KVConnectorBase",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "KVLoadFailurePolicy",
+    "KVRole",
+    "MatchedTokens",
+    "ModelRunner",
+    "ModelRunnerOutput",
+    "MultiGroupBlockTable",
+    "NewRequestData",
+    "NoOpConnector",
+    "RequestFinishedResult",
+    "RequestOutput",
+    "Scheduler",
+    "SchedulerOutput",
+    "make_kv_cache_config",
+]
