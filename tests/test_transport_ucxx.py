@@ -1,0 +1,289 @@
+"""UcxxTransport between real processes on 127.0.0.1 (issue 4, "What must hold").
+
+A holder process (tests/_transport_helpers.py) fills its KV tensors from a seed; the requester
+rebuilds the same tensors locally and compares bytes. Its block_validator accepts the expected
+hash ``b"{group_id}:{block_id}"`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import pytest_asyncio
+import torch
+
+pytest.importorskip("ucxx")
+
+from _transport_helpers import NUM_BLOCKS, make_kv_caches, make_metadata  # noqa: E402
+
+from kvbridge.transport import (  # noqa: E402
+    GroupRead,
+    HandshakeError,
+    TransferCancelledError,
+    TransferError,
+    TransferTimeoutError,
+    UcxxTransport,
+)
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+
+HELPER = Path(__file__).with_name("_transport_helpers.py")
+HOLDER_SEED = 7
+SLOW_SEED = 11
+
+
+class HolderProcess:
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert line.startswith("PORT "), f"holder did not start: {line!r}"
+        self.address = ("127.0.0.1", int(line.split()[1]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def holder():
+    process = HolderProcess("--seed", str(HOLDER_SEED))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_holder():
+    process = HolderProcess("--seed", str(SLOW_SEED), "--chunk-delay-s", "0.2")
+    yield process
+    process.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def requester():
+    caches = make_kv_caches(seed=0)
+    transport = UcxxTransport(make_metadata("requester", caches), caches, chunk_bytes=1 << 13)
+    await transport.start()
+    yield transport
+    await transport.close()
+
+
+def _random_read(rng: random.Random, num_blocks: int, layers: int = 2) -> list[GroupRead]:
+    reads = []
+    for group_id in range(layers):
+        remote = rng.sample(range(1, NUM_BLOCKS), num_blocks)
+        local = rng.sample(range(1, NUM_BLOCKS), num_blocks)
+        reads.append(GroupRead(group_id=group_id, remote_block_ids=remote, local_block_ids=local))
+    return reads
+
+
+def _assert_landed(
+    caches: list[list[torch.Tensor]], source: list[list[torch.Tensor]], reads: list[GroupRead]
+) -> None:
+    for read in reads:
+        for layer, (dst, src) in enumerate(
+            zip(caches[read.group_id], source[read.group_id], strict=True)
+        ):
+            got = dst[list(read.local_block_ids)].view(torch.int16)
+            want = src[list(read.remote_block_ids)].view(torch.int16)
+            assert torch.equal(got, want), f"group {read.group_id} layer {layer} differs"
+
+
+def _assert_requester_clean(transport: UcxxTransport) -> None:
+    assert transport.num_inflight_reads == 0
+    assert transport.staging.num_outstanding == 0
+
+
+async def test_two_groups_random_ids_land_exactly(holder, requester):
+    rng = random.Random(1)
+    reads = _random_read(rng, num_blocks=20)
+    result = await requester.read_blocks(holder.address, "req-1", reads, deadline_s=20)
+    # 20 blocks per group, 3 + 2 layers of 1 KiB blocks (16*2*8*2 bytes * 2 for K/V)
+    assert result.num_blocks_landed == 40
+    assert result.num_bytes_landed == 20 * 3 * 1024 + 20 * 2 * 1024
+    assert result.failed_local_block_ids == ()
+    _assert_landed(requester.kv_caches_by_group, make_kv_caches(seed=HOLDER_SEED), reads)
+    _assert_requester_clean(requester)
+
+
+async def test_changed_block_hash_is_reported_not_sent(holder, requester):
+    for layer in requester.kv_caches_by_group[0]:
+        layer[[5, 6]] = 0
+    read = GroupRead(
+        group_id=0,
+        remote_block_ids=[9, 10],
+        local_block_ids=[5, 6],
+        expected_hashes=[b"0:9", b"0:999"],  # the holder holds "0:10" at block 10
+    )
+    result = await requester.read_blocks(holder.address, "req-hash", [read], deadline_s=20)
+    assert result.failed_local_block_ids == (6,)
+    source = make_kv_caches(seed=HOLDER_SEED)
+    assert torch.equal(requester.kv_caches_by_group[0][0][5], source[0][0][9])
+    assert not requester.kv_caches_by_group[0][0][6].any()  # never stale bytes
+    _assert_requester_clean(requester)
+
+
+async def test_incompatible_peer_refused_naming_field(requester):
+    caches = make_kv_caches(seed=3, block_size=32)
+    other = UcxxTransport(make_metadata("other", caches), caches)
+    await other.start()
+    try:
+        # the holder checks first and refuses, speaking from its side ("local" = the holder)
+        with pytest.raises(HandshakeError, match="block_size: local 32, remote 16"):
+            await requester.connect(other.address)
+        with pytest.raises(HandshakeError, match="block_size"):
+            await requester.read_blocks(other.address, "r", _random_read(random.Random(2), 1), deadline_s=5)
+    finally:
+        await other.close()
+    _assert_requester_clean(requester)
+
+
+def _raw_frame(obj: object) -> bytes:
+    payload = msgpack.packb(obj)
+    return struct.pack(">I", len(payload)) + payload
+
+
+def _raw_reply(sock: socket.socket) -> dict:
+    (length,) = struct.unpack(">I", sock.recv(4, socket.MSG_WAITALL))
+    return msgpack.unpackb(sock.recv(length, socket.MSG_WAITALL))
+
+
+async def test_malformed_and_out_of_range_get_errors_while_another_is_served(holder, requester):
+    rng = random.Random(3)
+    good_reads = _random_read(rng, num_blocks=30)
+    good = asyncio.ensure_future(
+        requester.read_blocks(holder.address, "req-good", good_reads, deadline_s=20)
+    )
+
+    def bad_peer() -> list[dict]:
+        with socket.create_connection(holder.address, timeout=10) as sock:
+            sock.sendall(_raw_frame({"v": 99, "t": "Hello"}))  # unknown schema version
+            first = _raw_reply(sock)
+        with socket.create_connection(holder.address, timeout=10) as sock:
+            sock.sendall(struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")  # not msgpack
+            second = _raw_reply(sock)
+        return [first, second]
+
+    replies = await asyncio.to_thread(bad_peer)
+    assert [r["code"] for r in replies] == ["bad_message", "bad_message"]
+    assert "schema version 99" in replies[0]["message"]
+
+    out_of_range = GroupRead(group_id=1, remote_block_ids=[3, NUM_BLOCKS], local_block_ids=[4, 5])
+    with pytest.raises(TransferError, match=f"block id {NUM_BLOCKS} at position 1") as info:
+        await requester.read_blocks(holder.address, "req-bad", [out_of_range], deadline_s=20)
+    assert info.value.local_block_ids == (4, 5)  # nothing landed
+
+    result = await good
+    assert result.num_blocks_landed == 60
+    _assert_landed(requester.kv_caches_by_group, make_kv_caches(seed=HOLDER_SEED), good_reads)
+    _assert_requester_clean(requester)
+
+
+async def test_two_concurrent_requesters_both_land(holder, requester):
+    caches = make_kv_caches(seed=0)
+    second = UcxxTransport(make_metadata("requester-2", caches), caches, chunk_bytes=1 << 14)
+    await second.start()
+    try:
+        rng = random.Random(4)
+        reads_a, reads_b = _random_read(rng, 25), _random_read(rng, 25)
+        result_a, result_b = await asyncio.gather(
+            requester.read_blocks(holder.address, "req-a", reads_a, deadline_s=20),
+            second.read_blocks(holder.address, "req-b", reads_b, deadline_s=20),
+        )
+        assert (result_a.num_blocks_landed, result_b.num_blocks_landed) == (50, 50)
+        source = make_kv_caches(seed=HOLDER_SEED)
+        _assert_landed(requester.kv_caches_by_group, source, reads_a)
+        _assert_landed(second.kv_caches_by_group, source, reads_b)
+        _assert_requester_clean(second)
+    finally:
+        await second.close()
+
+
+async def test_cancel_releases_both_sides(slow_holder, requester):
+    rng = random.Random(5)
+    reads = _random_read(rng, num_blocks=40)
+    task = asyncio.ensure_future(
+        requester.read_blocks(slow_holder.address, "req-cancel", reads, deadline_s=30)
+    )
+    await asyncio.sleep(0.5)  # the slow holder gathers one chunk every 0.2 s
+    assert await requester.cancel("req-cancel") == 1
+    with pytest.raises(TransferCancelledError) as info:
+        await task
+    assert 0 < len(info.value.local_block_ids) <= 80
+    _assert_requester_clean(requester)
+
+    # Task cancellation releases the same way.
+    task = asyncio.ensure_future(
+        requester.read_blocks(slow_holder.address, "req-task", reads, deadline_s=30)
+    )
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    _assert_requester_clean(requester)
+
+    # The holder released its side: it serves a fresh read completely.
+    small = _random_read(rng, num_blocks=2)
+    result = await requester.read_blocks(slow_holder.address, "req-after", small, deadline_s=30)
+    assert result.num_blocks_landed == 4
+    _assert_landed(requester.kv_caches_by_group, make_kv_caches(seed=SLOW_SEED), small)
+
+
+async def test_holder_side_cancel_cleanup_in_process(requester):
+    caches = make_kv_caches(seed=5)
+    holder = UcxxTransport(make_metadata("local-holder", caches), caches)
+    await holder.start()
+    try:
+        reads = _random_read(random.Random(6), num_blocks=60)
+        task = asyncio.ensure_future(
+            requester.read_blocks(holder.address, "req-local", reads, deadline_s=20)
+        )
+        await asyncio.sleep(0.02)
+        await requester.cancel("req-local")
+        try:
+            await task
+        except TransferCancelledError:
+            pass  # cancelled mid-way; finishing first is also correct
+        for _ in range(100):
+            if holder.num_active_serves == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert holder.num_active_serves == 0
+        assert holder.num_holder_staging_outstanding == 0
+        _assert_requester_clean(requester)
+    finally:
+        await holder.close()
+
+
+async def test_holder_killed_mid_transfer_fails_naming_blocks(slow_holder, requester):
+    reads = _random_read(random.Random(7), num_blocks=40)
+    task = asyncio.ensure_future(
+        requester.read_blocks(slow_holder.address, "req-kill", reads, deadline_s=30)
+    )
+    await asyncio.sleep(0.7)
+    slow_holder.proc.kill()
+    with pytest.raises(TransferError) as info:
+        await asyncio.wait_for(task, 30)
+    # the dead control connection ends it, not the 30 s deadline
+    assert not isinstance(info.value, TransferTimeoutError)
+    all_local = {b for r in reads for b in r.local_block_ids}
+    assert set(info.value.local_block_ids) <= all_local
+    assert len(info.value.local_block_ids) > 0
+    _assert_requester_clean(requester)
