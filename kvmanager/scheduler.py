@@ -75,7 +75,8 @@ class Scheduler:
         kv_load_failure_policy: ``"recompute"`` or ``"fail"`` (see ``KVLoadFailurePolicy``).
 
     Raises:
-        ValueError: on a size < 1 or an unknown policy.
+        ValueError: on a size < 1, an unknown policy, or chunked prefill off with a budget below
+            ``max_model_len``.
     """
 
     def __init__(
@@ -99,6 +100,11 @@ class Scheduler:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must "
+                f"be >= max_model_len ({max_model_len}), or a long prompt never fits a step"
+            )
         if kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError(
                 f"kv_load_failure_policy must be 'recompute' or 'fail', got "
