@@ -1,0 +1,130 @@
+"""Wire schema: round trips, and every malformed input is a WireError naming the field."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+from _transport_helpers import make_kv_caches, make_metadata
+
+from kvbridge.transport import HandshakeError, WireError, check_compatible
+from kvbridge.transport.wire import (
+    WIRE_VERSION,
+    CancelOk,
+    ErrorMsg,
+    GroupReadMsg,
+    Heartbeat,
+    Hello,
+    Read,
+    TransferDone,
+    decode_message,
+    encode_message,
+    frame_length,
+)
+
+
+def _read(**overrides) -> dict:
+    body = {
+        "v": WIRE_VERSION,
+        "t": "Read",
+        "transfer_id": 1,
+        "request_id": "r",
+        "tag_base": 0,
+        "chunk_bytes": 1 << 20,
+        "deadline_ms": 1000,
+        "groups": [{"group_id": 0, "block_ids": [1, 2], "expected_hashes": None}],
+    }
+    body.update(overrides)
+    return body
+
+
+def _decode(obj: dict):
+    return decode_message(msgpack.packb(obj))
+
+
+def test_messages_round_trip():
+    metadata = make_metadata("p", make_kv_caches(seed=0))
+    messages = [
+        Hello(metadata=metadata, worker_address=b"\x01\x02"),
+        Read(
+            transfer_id=3, request_id="r", tag_base=7, chunk_bytes=4096, deadline_ms=5,
+            groups=[GroupReadMsg(group_id=1, block_ids=[4], expected_hashes=[b"h"])],
+        ),
+        CancelOk(transfer_id=3, num_chunks_issued=0),
+        Heartbeat(request_ids=["a", "b"]),
+        TransferDone(request_id="a", success=False, reason="rejected"),
+        ErrorMsg(transfer_id=0, code="bad_message", message="x"),
+    ]
+    for message in messages:
+        frame = encode_message(message)
+        assert frame_length(frame[:4]) == len(frame) - 4
+        assert decode_message(frame[4:]) == message
+
+
+@pytest.mark.parametrize(
+    ("obj", "fragment"),
+    [
+        ({"v": 2, "t": "Read"}, "unknown schema version 2"),
+        ({"t": "Read"}, "missing field 'v'"),
+        ({"v": WIRE_VERSION, "t": "Launch"}, "unknown message type 'Launch'"),
+        (_read(transfer_id=0), "'transfer_id' = 0 is outside"),
+        (_read(transfer_id="1"), "'transfer_id' must be an int"),
+        (_read(chunk_bytes=1), "'chunk_bytes' = 1 is outside"),
+        (_read(deadline_ms=-1), "'deadline_ms' = -1"),
+        (_read(groups=[{"group_id": 0, "block_ids": [-1], "expected_hashes": None}]), "[0] = -1"),
+        (_read(groups=[{"group_id": 0, "block_ids": [1, True], "expected_hashes": None}]), "[1]"),
+        (_read(groups=[{"group_id": 0, "block_ids": [1], "expected_hashes": [b"a", b"b"]}]),
+         "2 expected_hashes for 1 block_ids"),
+        (_read(groups="x"), "'groups' must be a list"),
+        (_read(request_id="x" * 600), "at most 512"),
+    ],
+)
+def test_malformed_message_names_the_field(obj, fragment):
+    with pytest.raises(WireError) as info:
+        _decode(obj)
+    assert fragment in str(info.value)
+
+
+def test_garbage_and_bad_frame_lengths():
+    with pytest.raises(WireError, match="not a msgpack message"):
+        decode_message(b"\xc1")
+    with pytest.raises(WireError, match="must be a map"):
+        decode_message(msgpack.packb([1, 2]))
+    with pytest.raises(WireError, match="frame length 0"):
+        frame_length(b"\x00\x00\x00\x00")
+    with pytest.raises(WireError, match="outside"):
+        frame_length(b"\xff\xff\xff\xff")
+
+
+def test_hello_with_forged_compat_hash_is_refused():
+    metadata = make_metadata("p", make_kv_caches(seed=0))
+    obj = msgpack.unpackb(encode_message(Hello(metadata=metadata, worker_address=b""))[4:])
+    obj["metadata"]["compat_hash"] = "0" * 64
+    with pytest.raises(WireError, match="compat_hash"):
+        _decode(obj)
+
+
+@pytest.mark.parametrize(
+    ("remote_kwargs", "fragment"),
+    [
+        ({"block_size": 32}, "block_size: local 16, remote 32"),
+        ({"dtype": torch.float16}, "dtype: local 'bfloat16', remote 'float16'"),
+        ({"layers_per_group": (3, 4)}, "groups[1].num_layers: local 2, remote 4"),
+        ({"layers_per_group": (3,)}, "num_groups: local 2, remote 1"),
+        ({"head_size": 4}, "groups[0].block_shape"),
+    ],
+)
+def test_incompatible_metadata_names_the_field(remote_kwargs, fragment):
+    local = make_metadata("d", make_kv_caches(seed=0))
+    remote = make_metadata("p", make_kv_caches(seed=0, **remote_kwargs))
+    with pytest.raises(HandshakeError) as info:
+        check_compatible(local, remote)
+    assert fragment in str(info.value)
+
+
+def test_num_blocks_and_incarnation_may_differ():
+    local = make_metadata("d", make_kv_caches(seed=0, num_blocks=8))
+    remote = make_metadata("p", make_kv_caches(seed=0, num_blocks=100))
+    assert local.incarnation != remote.incarnation  # a new one per NodeMetadata (per start)
+    check_compatible(local, remote)
+    assert local.compat_hash == remote.compat_hash
