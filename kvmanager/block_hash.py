@@ -134,8 +134,14 @@ def hash_block_tokens(
 
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
-    """Cache key of ``block_hash`` in KV cache group ``group_id`` (4 big-endian bytes appended)."""
-    return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big")
+    """Cache key of ``block_hash`` in KV cache group ``group_id`` (4 big-endian bytes appended).
+
+    ValueError unless ``0 <= group_id < 2**32``.
+    """
+    try:
+        return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big")
+    except OverflowError:
+        raise ValueError(f"group_id {group_id} does not fit in 4 unsigned bytes") from None
 
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
