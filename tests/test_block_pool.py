@@ -1,0 +1,261 @@
+"""FreeKVCacheBlockQueue and BlockPool: exact queue orders, eviction, events, corruption."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from _kvmanager_builders import free_queue_ids, hashed_block_ids
+from kvbridge.kvmanager import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    Request,
+    check_pool_integrity,
+    get_request_block_hasher,
+    make_block_hash_with_group_id,
+)
+
+
+def _queue(n: int) -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:
+    blocks = [KVCacheBlock(block_id=i) for i in range(n)]
+    return FreeKVCacheBlockQueue(blocks), blocks
+
+
+def _ids(queue: FreeKVCacheBlockQueue) -> list[int]:
+    return [b.block_id for b in queue.get_all_free_blocks()]
+
+
+def _cached_request(num_tokens: int, block_size: int = 4, salt: str | None = None) -> Request:
+    return Request("req", list(range(num_tokens)), cache_salt=salt,
+                   block_hasher=get_request_block_hasher(block_size))
+
+
+def _cache(pool: BlockPool, req: Request, blocks: list[KVCacheBlock], group_id: int = 0) -> None:
+    pool.cache_full_blocks(req, blocks, req.block_hashes, 0, len(blocks), 4, group_id)
+
+
+# -- free queue ------------------------------------------------------------------------------
+def test_queue_pops_in_order_and_counts() -> None:
+    queue, _ = _queue(5)
+    assert queue.popleft().block_id == 0
+    assert [b.block_id for b in queue.popleft_n(2)] == [1, 2]
+    assert (_ids(queue), queue.num_free_blocks) == ([3, 4], 2)
+    assert queue.popleft_n(0) == []
+    with pytest.raises(ValueError, match="cannot pop 3 blocks: 2 free"):
+        queue.popleft_n(3)
+    queue.popleft_n(2)
+    with pytest.raises(ValueError, match="no free blocks"):
+        queue.popleft()
+
+
+def test_queue_remove_from_the_middle_append_and_prepend() -> None:
+    queue, blocks = _queue(6)
+    queue.remove(blocks[3])  # O(1) unlink from the middle (a prefix hit on a cached free block)
+    assert _ids(queue) == [0, 1, 2, 4, 5]
+    queue.append(blocks[3])
+    assert _ids(queue) == [0, 1, 2, 4, 5, 3]
+    popped = queue.popleft_n(2)
+    queue.prepend_n(popped)  # order kept: block 0 is popped next again
+    assert _ids(queue) == [0, 1, 2, 4, 5, 3]
+    queue.remove(blocks[0])
+    queue.remove(blocks[3])  # head and tail positions too
+    queue.append_n([blocks[3], blocks[0]])
+    assert (_ids(queue), queue.num_free_blocks) == ([1, 2, 4, 5, 3, 0], 6)
+
+
+def test_queue_rejects_double_remove_and_double_append() -> None:
+    queue, blocks = _queue(3)
+    queue.remove(blocks[1])
+    with pytest.raises(RuntimeError, match="block 1 is not in the free queue"):
+        queue.remove(blocks[1])
+    with pytest.raises(RuntimeError, match="block 2 is already in the free queue"):
+        queue.append(blocks[2])
+    with pytest.raises(RuntimeError, match="block 0 is already in the free queue"):
+        queue.prepend_n([blocks[0]])
+
+
+# -- pool --------------------------------------------------------------------------------------
+def test_pool_takes_out_the_null_block_at_start() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    assert free_queue_ids(pool) == [1, 2, 3, 4]
+    assert pool.get_num_free_blocks() == 4
+    check_pool_integrity(pool)
+    with pytest.raises(ValueError, match="num_gpu_blocks must be >= 1"):
+        BlockPool(0, enable_caching=True)
+    assert BlockPool(1, enable_caching=True).get_usage() == 0.0  # only the null block
+
+
+def test_free_puts_unhashed_blocks_first_and_hashed_last() -> None:
+    pool = BlockPool(8, enable_caching=True)
+    blocks = pool.get_new_blocks(4)  # 1, 2, 3, 4
+    req = _cached_request(8)
+    _cache(pool, req, blocks[:2])  # 1 and 2 hashed
+    pool.free_blocks(reversed(blocks))  # a request frees in reverse: 4, 3, 2, 1
+    # Unhashed 4, 3 are prepended (as a batch, in the order given); hashed 2, 1 appended.
+    assert free_queue_ids(pool) == [4, 3, 5, 6, 7, 2, 1]
+    check_pool_integrity(pool)
+
+
+def test_get_new_blocks_evicts_the_old_hash_before_handing_out() -> None:
+    pool = BlockPool(3, enable_caching=True, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(2)
+    req = _cached_request(8)
+    _cache(pool, req, blocks)
+    pool.free_blocks(blocks)  # queue [1, 2], both still findable
+    assert pool.get_cached_block(req.block_hashes[0], [0])[0].block_id == 1
+    pool.take_events()
+    (reused,) = pool.get_new_blocks(1)
+    assert reused.block_id == 1 and reused.block_hash is None and reused.ref_cnt == 1
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+    assert pool.get_cached_block(req.block_hashes[1], [0])[0].block_id == 2
+    assert pool.take_events() == [
+        BlockRemoved(block_hashes=[req.block_hashes[0]], medium=None, group_id=0, block_ids=[1])
+    ]
+    with pytest.raises(ValueError, match="cannot get 2 blocks: 1 free"):
+        pool.get_new_blocks(2)
+    check_pool_integrity(pool)
+
+
+def test_touch_takes_a_cached_free_block_off_the_queue() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    blocks = pool.get_new_blocks(3)
+    req = _cached_request(12)
+    _cache(pool, req, blocks)
+    pool.free_blocks(blocks)  # all hashed -> appended: [4, 1, 2, 3]
+    assert free_queue_ids(pool) == [4, 1, 2, 3]
+    pool.touch([blocks[1], pool.null_block])  # null ignored
+    assert free_queue_ids(pool) == [4, 1, 3]
+    assert (blocks[1].ref_cnt, pool.null_block.ref_cnt) == (1, 0)
+    pool.touch([blocks[1]])  # a second holder: no queue change
+    assert blocks[1].ref_cnt == 2
+    pool.free_blocks([blocks[1], blocks[1]])
+    assert free_queue_ids(pool) == [4, 1, 3, 2]
+    check_pool_integrity(pool)
+
+
+def test_free_below_zero_names_the_block() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    with pytest.raises(RuntimeError, match="block 1 freed with ref_cnt 0"):
+        pool.free_blocks([block])
+
+
+def test_get_cached_block_needs_every_group() -> None:
+    pool = BlockPool(6, enable_caching=True)
+    req = _cached_request(4)
+    g0 = pool.get_new_blocks(1)
+    g1 = pool.get_new_blocks(1)
+    _cache(pool, req, g0, group_id=0)
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == g0
+    assert pool.get_cached_block(req.block_hashes[0], [0, 1]) is None  # group 1 misses
+    _cache(pool, req, g1, group_id=1)
+    assert pool.get_cached_block(req.block_hashes[0], [0, 1]) == [g0[0], g1[0]]
+    check_pool_integrity(pool)
+
+
+def test_duplicate_blocks_with_one_hash_both_serve_and_evict_separately() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    req = _cached_request(4)
+    first, second = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    _cache(pool, req, first)
+    _cache(pool, req, second)  # two requests computed the same block concurrently
+    key = make_block_hash_with_group_id(req.block_hashes[0], 0)
+    assert sorted(pool.cached_block_hash_to_block[key]) == [1, 2]
+    pool.evict_blocks([1])
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == second
+    check_pool_integrity(pool)
+
+
+def test_evict_blocks_removes_identity_not_ownership() -> None:
+    pool = BlockPool(5, enable_caching=True, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(2)
+    req = _cached_request(8)
+    _cache(pool, req, blocks)
+    pool.free_blocks([blocks[1]])  # block 2 free but cached, block 1 still held
+    assert free_queue_ids(pool) == [3, 4, 2]
+    pool.take_events()
+    pool.evict_blocks([1, 2, 3])  # 3 has no hash: skipped
+    assert (blocks[0].ref_cnt, hashed_block_ids(pool)) == (1, [])
+    assert free_queue_ids(pool) == [3, 4, 2]  # queue position kept
+    assert [e.block_ids for e in pool.take_events()] == [[1], [2]]
+    with pytest.raises(ValueError, match="block id 9 out of range"):
+        pool.evict_blocks([9])
+    check_pool_integrity(pool)
+
+
+def test_cache_full_blocks_records_one_stored_event_and_rejects_a_rehash() -> None:
+    pool = BlockPool(5, enable_caching=True, enable_kv_cache_events=True, kv_event_medium="GPU")
+    req = _cached_request(10)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, req.block_hashes, 0, 1, 4, 0)
+    pool.cache_full_blocks(req, blocks, req.block_hashes, 1, 2, 4, 0)
+    pool.cache_full_blocks(req, blocks, req.block_hashes, 1, 2, 4, 0)  # same key: no-op
+    assert pool.take_events() == [
+        BlockStored(block_hashes=[req.block_hashes[0]], parent_block_hash=None,
+                    token_ids=[0, 1, 2, 3], block_size=4, lora_name=None, medium="GPU",
+                    group_id=0, block_ids=[1]),
+        BlockStored(block_hashes=[req.block_hashes[1]], parent_block_hash=req.block_hashes[0],
+                    token_ids=[4, 5, 6, 7], block_size=4, lora_name=None, medium="GPU",
+                    group_id=0, block_ids=[2]),
+    ]
+    other = _cached_request(10, salt="other")
+    with pytest.raises(RuntimeError, match="block 1 already cached under another hash"):
+        pool.cache_full_blocks(other, blocks, other.block_hashes, 0, 1, 4, 0)
+    check_pool_integrity(pool)
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_held() -> None:
+    pool = BlockPool(4, enable_caching=True, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, _cached_request(8), blocks)
+    assert pool.reset_prefix_cache() is False and hashed_block_ids(pool) == [1, 2]
+    pool.free_blocks(blocks)
+    pool.take_events()
+    assert pool.reset_prefix_cache() is True
+    assert hashed_block_ids(pool) == [] and all(b.block_hash is None for b in pool.blocks)
+    assert pool.take_events() == [AllBlocksCleared(medium=None)]
+    assert pool.take_events() == []  # taken once
+    check_pool_integrity(pool)
+
+
+def test_events_are_not_recorded_when_off() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, _cached_request(8), blocks)
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(3)
+    assert pool.take_events() == []
+
+
+def test_usage_is_the_held_fraction_of_usable_blocks() -> None:
+    pool = BlockPool(5, enable_caching=False)
+    pool.get_new_blocks(3)
+    assert pool.get_usage() == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda p: setattr(p.blocks[2], "ref_cnt", 1), "block 2 is in the free queue with ref_cnt"),
+        (lambda p: setattr(p.blocks[1], "ref_cnt", 0), "block 1 has ref_cnt 0 but is not in"),
+        (lambda p: setattr(p.free_block_queue, "num_free_blocks", 9), "num_free_blocks is 9"),
+        (lambda p: setattr(p.null_block, "ref_cnt", 1), "null block 0"),
+        (lambda p: p.cached_block_hash_to_block.clear(), "block 1 has a hash that the prefix"),
+    ],
+)
+def test_pool_integrity_names_the_broken_block(
+    corrupt: Callable[[BlockPool], object], message: str
+) -> None:
+    pool = BlockPool(4, enable_caching=True)
+    (held,) = pool.get_new_blocks(1)
+    _cache(pool, _cached_request(4), [held])
+    check_pool_integrity(pool)
+    corrupt(pool)
+    with pytest.raises(RuntimeError, match=message):
+        check_pool_integrity(pool)
