@@ -7,7 +7,6 @@ import asyncio
 import pytest
 import torch
 from _transport_helpers import make_kv_caches, make_metadata
-
 from kvbridge.transport import (
     GroupRead,
     HandshakeError,
@@ -31,7 +30,9 @@ async def _pair(*, holder_seed: int = 7, chunk_bytes: int = 4096, **holder_cache
     )
     requester_caches = make_kv_caches(seed=0)
     requester = LoopbackTransport(
-        make_metadata("decode", requester_caches), requester_caches, network=network,
+        make_metadata("decode", requester_caches),
+        requester_caches,
+        network=network,
         chunk_bytes=chunk_bytes,
     )
     await holder.start()
@@ -40,13 +41,20 @@ async def _pair(*, holder_seed: int = 7, chunk_bytes: int = 4096, **holder_cache
 
 
 def _reads(remote: list[int], local: list[int], group_id: int = 0, hashes=None) -> list[GroupRead]:
-    return [GroupRead(group_id=group_id, remote_block_ids=remote, local_block_ids=local,
-                      expected_hashes=hashes)]
+    return [
+        GroupRead(
+            group_id=group_id,
+            remote_block_ids=remote,
+            local_block_ids=local,
+            expected_hashes=hashes,
+        )
+    ]
 
 
 def _assert_block_equal(requester, holder, group_id: int, local_id: int, remote_id: int) -> None:
-    for dst, src in zip(requester.kv_caches_by_group[group_id],
-                        holder.kv_caches_by_group[group_id], strict=True):
+    for dst, src in zip(
+        requester.kv_caches_by_group[group_id], holder.kv_caches_by_group[group_id], strict=True
+    ):
         assert torch.equal(dst[local_id].view(torch.int16), src[remote_id].view(torch.int16))
 
 
@@ -74,8 +82,9 @@ async def test_empty_read_returns_empty_result():
 
 async def test_validator_and_fail_block_ids_report_failed_local_ids():
     holder, requester = await _pair()
-    holder.set_callbacks(block_validator=lambda g, ids, hashes: [
-        i for i, h in enumerate(hashes) if h != b"ok"])
+    holder.set_callbacks(
+        block_validator=lambda g, ids, hashes: [i for i, h in enumerate(hashes) if h != b"ok"]
+    )
     holder.faults.fail_block_ids = {12}
     reads = _reads([10, 11, 12], [20, 21, 22], hashes=[b"ok", b"stale", b"ok"])
     result = await requester.read_blocks(holder.address, "r", reads, deadline_s=5)
@@ -125,11 +134,14 @@ async def test_stalled_holder_hits_deadline():
 
 
 async def test_dropped_holder_mid_transfer_names_blocks_not_landed():
-    holder, requester = await _pair(chunk_bytes=4096)  # 4096 // (3 layers * 1 KiB): one block per chunk
+    holder, requester = await _pair(
+        chunk_bytes=4096
+    )  # 4096 // (3 layers * 1 KiB): one block per chunk
     holder.faults.drop_after_chunks = 2
     with pytest.raises(TransferError, match="went away") as info:
-        await requester.read_blocks(holder.address, "r", _reads([1, 2, 3, 4], [5, 6, 7, 8]),
-                                    deadline_s=5)
+        await requester.read_blocks(
+            holder.address, "r", _reads([1, 2, 3, 4], [5, 6, 7, 8]), deadline_s=5
+        )
     # the first two chunks (one block each) landed before the holder vanished
     assert info.value.local_block_ids == (7, 8)
     with pytest.raises(TransportError, match="unreachable"):
@@ -140,14 +152,15 @@ async def test_cancel_by_request_id_and_by_task():
     holder, requester = await _pair(chunk_bytes=4096)
     holder.faults.chunk_delay_s = 0.01
     task = asyncio.ensure_future(
-        requester.read_blocks(holder.address, "r", _reads([1, 2, 3, 4], [5, 6, 7, 8]),
-                              deadline_s=5))
+        requester.read_blocks(holder.address, "r", _reads([1, 2, 3, 4], [5, 6, 7, 8]), deadline_s=5)
+    )
     await asyncio.sleep(0.015)
     assert await requester.cancel("r") == 1
     with pytest.raises(TransferCancelledError):
         await task
     task = asyncio.ensure_future(
-        requester.read_blocks(holder.address, "r2", _reads([1, 2], [5, 6]), deadline_s=5))
+        requester.read_blocks(holder.address, "r2", _reads([1, 2], [5, 6]), deadline_s=5)
+    )
     await asyncio.sleep(0.005)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -161,13 +174,16 @@ async def test_cancel_by_request_id_and_by_task():
 async def test_heartbeat_and_transfer_done_reach_holder_callbacks():
     holder, requester = await _pair()
     heartbeats, notices = [], []
-    holder.set_callbacks(on_heartbeat=lambda peer, ids: heartbeats.append((peer, ids)),
-                         on_transfer_done=notices.append)
+    holder.set_callbacks(
+        on_heartbeat=lambda peer, ids: heartbeats.append((peer, ids)),
+        on_transfer_done=notices.append,
+    )
     await requester.send_heartbeat(holder.address, ["a", "b"])
     await requester.notify_transfer_done(holder.address, "a", success=False, reason="rejected")
     assert heartbeats == [("decode", ["a", "b"])]
     assert [(n.peer_engine_id, n.request_id, n.success, n.reason) for n in notices] == [
-        ("decode", "a", False, "rejected")]
+        ("decode", "a", False, "rejected")
+    ]
 
 
 async def test_two_requesters_read_concurrently():

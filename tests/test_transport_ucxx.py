@@ -22,9 +22,8 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from _transport_helpers import NUM_BLOCKS, make_kv_caches, make_metadata  # noqa: E402
-
-from kvbridge.transport import (  # noqa: E402
+from _transport_helpers import NUM_BLOCKS, make_kv_caches, make_metadata
+from kvbridge.transport import (
     GroupRead,
     HandshakeError,
     TransferCancelledError,
@@ -49,6 +48,8 @@ class HolderProcess:
             text=True,
         )
         line = self.proc.stdout.readline()
+        while line and not line.startswith("PORT "):  # UCX may log to stdout first
+            line = self.proc.stdout.readline()
         assert line.startswith("PORT "), f"holder did not start: {line!r}"
         self.address = ("127.0.0.1", int(line.split()[1]))
 
@@ -149,7 +150,9 @@ async def test_incompatible_peer_refused_naming_field(requester):
         with pytest.raises(HandshakeError, match="block_size: local 32, remote 16"):
             await requester.connect(other.address)
         with pytest.raises(HandshakeError, match="block_size"):
-            await requester.read_blocks(other.address, "r", _random_read(random.Random(2), 1), deadline_s=5)
+            await requester.read_blocks(
+                other.address, "r", _random_read(random.Random(2), 1), deadline_s=5
+            )
     finally:
         await other.close()
     _assert_requester_clean(requester)

@@ -6,7 +6,6 @@ import msgpack
 import pytest
 import torch
 from _transport_helpers import make_kv_caches, make_metadata
-
 from kvbridge.transport import HandshakeError, WireError, check_compatible
 from kvbridge.transport.wire import (
     WIRE_VERSION,
@@ -47,7 +46,11 @@ def test_messages_round_trip():
     messages = [
         Hello(metadata=metadata, worker_address=b"\x01\x02"),
         Read(
-            transfer_id=3, request_id="r", tag_base=7, chunk_bytes=4096, deadline_ms=5,
+            transfer_id=3,
+            request_id="r",
+            tag_base=7,
+            chunk_bytes=4096,
+            deadline_ms=5,
             groups=[GroupReadMsg(group_id=1, block_ids=[4], expected_hashes=[b"h"])],
         ),
         CancelOk(transfer_id=3, num_chunks_issued=0),
@@ -73,8 +76,10 @@ def test_messages_round_trip():
         (_read(deadline_ms=-1), "'deadline_ms' = -1"),
         (_read(groups=[{"group_id": 0, "block_ids": [-1], "expected_hashes": None}]), "[0] = -1"),
         (_read(groups=[{"group_id": 0, "block_ids": [1, True], "expected_hashes": None}]), "[1]"),
-        (_read(groups=[{"group_id": 0, "block_ids": [1], "expected_hashes": [b"a", b"b"]}]),
-         "2 expected_hashes for 1 block_ids"),
+        (
+            _read(groups=[{"group_id": 0, "block_ids": [1], "expected_hashes": [b"a", b"b"]}]),
+            "2 expected_hashes for 1 block_ids",
+        ),
         (_read(groups="x"), "'groups' must be a list"),
         (_read(request_id="x" * 600), "at most 512"),
     ],

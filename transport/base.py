@@ -237,7 +237,9 @@ def check_kv_caches_match(
             f"metadata has {len(metadata.groups)} groups, kv_caches_by_group has "
             f"{len(kv_caches_by_group)}"
         )
-    for group_id, (layout, caches) in enumerate(zip(metadata.groups, kv_caches_by_group, strict=False)):
+    for group_id, (layout, caches) in enumerate(
+        zip(metadata.groups, kv_caches_by_group, strict=False)
+    ):
         actual = KVGroupLayout.from_kv_caches(caches)
         if actual != layout:
             raise ValueError(f"group {group_id}: metadata says {layout}, tensors are {actual}")

@@ -282,7 +282,9 @@ class UcxxTransport(Transport):
             raise state.error(TransferError, f"holder refused the read: {reply.message}")
         assert isinstance(reply, ReadOk)
         if len(reply.mismatched) != len(read.groups) or any(
-            p >= len(g.block_ids) for g, ps in zip(read.groups, reply.mismatched, strict=False) for p in ps
+            p >= len(g.block_ids)
+            for g, ps in zip(read.groups, reply.mismatched, strict=False)
+            for p in ps
         ):
             raise state.error(TransferError, "holder sent a ReadOk that does not fit the read")
         state.mismatched = reply.mismatched

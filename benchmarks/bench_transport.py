@@ -1,0 +1,176 @@
+"""Transport bandwidth, as ratios to baselines measured in the same run (DESIGN.md,
+"Performance targets"):
+
+- host transfer: 64 MiB of contiguous blocks pulled with UcxxTransport between two processes /
+  single-thread memcpy of 64 MiB (target >= 0.6), and / a plain TCP socket between two processes
+  (target > 1);
+- paged transfer: 2,048 blocks of 16 KiB at random ids (gathered, chunked, scattered) / the same
+  32 MiB sent as one contiguous message (target >= 0.7).
+
+Last line: one JSON object with the ratios. Run: ``python benchmarks/bench_transport.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+from kvbridge.transport import GroupRead, NodeMetadata
+
+MIB = 1 << 20
+BLOCK_SHAPE = (2, 16, 8, 32)  # float16: 16 KiB per block
+NUM_BLOCKS = 4097  # 4,096 usable blocks = 64 MiB, block 0 is the null block
+REPEATS = 5
+
+
+def _caches(fill: bool) -> list[list[torch.Tensor]]:
+    shape = (NUM_BLOCKS, *BLOCK_SHAPE)
+    tensor = torch.randn(shape).half() if fill else torch.zeros(shape, dtype=torch.float16)
+    return [[tensor]]
+
+
+def _metadata(engine_id: str, caches: list[list[torch.Tensor]]) -> NodeMetadata:
+    return NodeMetadata.from_kv_caches(
+        engine_id=engine_id, kv_caches_by_group=caches, model_name="bench", hash_fn_name="sha256"
+    )
+
+
+async def _holder() -> None:
+    from kvbridge.transport import UcxxTransport
+
+    caches = _caches(fill=True)
+    transport = UcxxTransport(_metadata("holder", caches), caches)
+    await transport.start()
+    print(f"PORT {transport.address.port}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await transport.close()
+
+
+def _best_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / min(seconds) / 1e9
+
+
+async def _pull(port: int) -> dict[str, float]:
+    from kvbridge.transport import UcxxTransport
+
+    caches = _caches(fill=False)
+    results = {}
+    for name, chunk_bytes, remote_ids, local_ids in _cases():
+        transport = UcxxTransport(_metadata(f"req-{name}", caches), caches, chunk_bytes=chunk_bytes)
+        await transport.start()
+        reads = [GroupRead(group_id=0, remote_block_ids=remote_ids, local_block_ids=local_ids)]
+        await transport.read_blocks(("127.0.0.1", port), "warm", reads, deadline_s=60)
+        seconds = []
+        for i in range(REPEATS):
+            start = time.perf_counter()
+            await transport.read_blocks(("127.0.0.1", port), f"r{i}", reads, deadline_s=60)
+            seconds.append(time.perf_counter() - start)
+        results[name] = _best_gbps(len(remote_ids) * 16384, seconds)
+        await transport.close()
+    return results
+
+
+def _cases() -> list[tuple[str, int, list[int], list[int]]]:
+    rng = random.Random(0)
+    all_ids = list(range(1, NUM_BLOCKS))
+    return [
+        ("contiguous_64mib", 8 * MIB, all_ids, all_ids),
+        ("contiguous_32mib_one_message", 32 * MIB, all_ids[:2048], all_ids[:2048]),
+        ("paged_2048x16kib_random", 4 * MIB, rng.sample(all_ids, 2048), rng.sample(all_ids, 2048)),
+    ]
+
+
+def _memcpy_gbps() -> float:
+    torch.set_num_threads(1)
+    src = torch.randn(16 * MIB)  # 64 MiB of float32
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        dst.copy_(src)
+        seconds.append(time.perf_counter() - start)
+    return _best_gbps(64 * MIB, seconds)
+
+
+def _tcp_sender(port: int) -> None:
+    payload = bytes(64 * MIB)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(REPEATS + 1):
+            sock.sendall(payload)
+            sock.recv(1)
+
+
+def _tcp_gbps() -> float:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    sender = subprocess.Popen([sys.executable, __file__, "--tcp-sender", str(port)])
+    conn, _ = server.accept()
+    buffer = bytearray(64 * MIB)
+    view = memoryview(buffer)
+    seconds = []
+    for i in range(REPEATS + 1):
+        start = time.perf_counter()
+        received = 0
+        while received < len(buffer):
+            received += conn.recv_into(view[received:])
+        if i > 0:
+            seconds.append(time.perf_counter() - start)
+        conn.sendall(b"k")
+    conn.close()
+    server.close()
+    sender.wait(30)
+    return _best_gbps(64 * MIB, seconds)
+
+
+def main() -> None:
+    memcpy = _memcpy_gbps()
+    tcp = _tcp_gbps()
+    holder = subprocess.Popen(
+        [sys.executable, __file__, "--holder"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = holder.stdout.readline()
+        while line and not line.startswith("PORT "):  # UCX may log to stdout first
+            line = holder.stdout.readline()
+        port = int(line.split()[1])
+        ucx = asyncio.run(_pull(port))
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    print(f"memcpy 64 MiB (1 thread):          {memcpy:6.2f} GB/s")
+    print(f"TCP socket 64 MiB:                 {tcp:6.2f} GB/s")
+    for name, gbps in ucx.items():
+        print(f"ucxx {name:32s} {gbps:6.2f} GB/s")
+    contiguous = ucx["contiguous_64mib"]
+    print(
+        json.dumps(
+            {
+                "host_transfer_vs_memcpy": round(contiguous / memcpy, 3),
+                "host_transfer_vs_tcp": round(contiguous / tcp, 3),
+                "paged_vs_contiguous": round(
+                    ucx["paged_2048x16kib_random"] / ucx["contiguous_32mib_one_message"], 3
+                ),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--holder"]:
+        asyncio.run(_holder())
+    elif sys.argv[1:2] == ["--tcp-sender"]:
+        _tcp_sender(int(sys.argv[2]))
+    else:
+        main()
