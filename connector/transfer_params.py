@@ -55,6 +55,8 @@ class RemotePrefillParams:
         remote_block_ids: P's block ids per KV cache group, in position order; 0 is P's null
             block (a position P no longer holds, e.g. outside a sliding window).
         remote_num_tokens: prompt tokens whose KV P computed (positions ``[0, n)``).
+        remote_block_size: P's tokens per block; must equal D's (different block sizes are
+            refused with an error naming both, never transferred blindly).
         lease_expires_at: P's wall clock (seconds since the epoch) when P stops holding the
             blocks unless D's heartbeats extend the lease.
     """
@@ -66,6 +68,7 @@ class RemotePrefillParams:
     remote_port: int
     remote_block_ids: tuple[tuple[int, ...], ...]
     remote_num_tokens: int
+    remote_block_size: int
     lease_expires_at: float
 
     @classmethod
@@ -93,6 +96,7 @@ class RemotePrefillParams:
         host = _require(params, "remote_host", str)
         port = _require(params, "remote_port", int)
         num_tokens = _require(params, "remote_num_tokens", int)
+        remote_block_size = _require(params, "remote_block_size", int)
         expires = _require(params, "lease_expires_at", (int, float))
         raw_ids = _require(params, "remote_block_ids", (list, tuple))
         for key, value in (
@@ -106,6 +110,12 @@ class RemotePrefillParams:
             raise KVTransferParamsError("remote_port", f"must be in [1, 65535], got {port}")
         if num_tokens < 1:
             raise KVTransferParamsError("remote_num_tokens", f"must be >= 1, got {num_tokens}")
+        if remote_block_size != block_size:
+            raise KVTransferParamsError(
+                "remote_block_size",
+                f"local {block_size}, remote {remote_block_size}: prefill and decode nodes "
+                "must use the same block size",
+            )
         if len(raw_ids) != num_groups:
             raise KVTransferParamsError(
                 "remote_block_ids", f"expected {num_groups} groups, got {len(raw_ids)}"
@@ -120,6 +130,7 @@ class RemotePrefillParams:
             remote_port=port,
             remote_block_ids=block_ids,
             remote_num_tokens=num_tokens,
+            remote_block_size=remote_block_size,
             lease_expires_at=float(expires),
         )
 
@@ -135,6 +146,7 @@ class RemotePrefillParams:
             "remote_port": self.remote_port,
             "remote_block_ids": [list(ids) for ids in self.remote_block_ids],
             "remote_num_tokens": self.remote_num_tokens,
+            "remote_block_size": self.remote_block_size,
             "lease_expires_at": self.lease_expires_at,
         }
 

@@ -1,0 +1,521 @@
+"""``KVBridgeConnector``: the P/D connector (both halves), over a kvbridge ``Transport``.
+
+One disaggregated request (DESIGN.md, "One disaggregated request, end to end"):
+
+    P  request_finished -> delay_free, kv_transfer_params {remote_block_ids, lease...}
+       (blocks stay referenced under a lease; D's heartbeats extend it)
+    D  get_num_new_matched_tokens -> (remote tokens - local hit, async)
+       allocate_slots(..., delay_cache_blocks=True); update_state_after_alloc pairs blocks
+       build_connector_meta -> PullPlan per request
+       start_load_kv -> pull on the connector loop; get_finished -> finished_recving
+       (the scheduler then caches the blocks and sets num_computed_tokens <= num_tokens - 1)
+    D  completion notice -> P releases the lease -> P's get_finished -> finished_sending
+
+Which half does what follows vLLM's NIXL connector (vllm/distributed/kv_transfer/kv_connector/
+v1/nixl_connector.py); the pulls are whole-request (not layer by layer), so
+``wait_for_layer_load`` / ``save_kv_layer`` / ``wait_for_save`` have nothing to wait for: a
+request only runs after its load settled.
+
+Both halves of one node share a ``ConnectorContext`` (same process): the lease table, the
+statistics, the advertised address and, once attached, the ``KVCacheManager`` whose block hashes
+the holder checks before serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
+from kvbridge.kvmanager.connector_interface import (
+    ForwardContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    MatchedTokens,
+    RequestFinishedResult,
+)
+from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
+from kvbridge.kvmanager.request import RequestStatus
+from kvbridge.transport import (
+    GroupRead,
+    LoopbackFaults,
+    LoopbackNetwork,
+    LoopbackTransport,
+    NodeMetadata,
+    PeerAddress,
+    TransferDoneNotice,
+    TransferError,
+    Transport,
+)
+
+from .config import KVTransferConfig
+from .errors import KVConnectorError, KVTransferParamsError
+from .lease import LeaseTable
+from .loop_thread import get_loop_thread
+from .pull_plan import PullPlan, ReleaseNotice, plan_group_pulls
+from .stats import KVTransferStats
+from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager.kv_cache_manager import KVCacheManager
+    from kvbridge.kvmanager.request import Request
+    from kvbridge.kvmanager.scheduler_output import SchedulerOutput
+
+__all__ = ["ConnectorContext", "KVBridgeConnector", "KVBridgeConnectorMetadata", "PullOutcome"]
+
+logger = logging.getLogger(__name__)
+
+_NOTIFY_TIMEOUT_S = 5.0
+_START_TIMEOUT_S = 60.0
+_PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class ConnectorContext:
+    """State shared by the scheduler and worker halves of one node's connector."""
+
+    config: KVTransferConfig
+    kv_cache_config: KVCacheConfig
+    hash_fn_name: str
+    stats: KVTransferStats = field(default_factory=KVTransferStats)
+    leases: LeaseTable | None = None
+    kv_cache_manager: KVCacheManager | None = None
+    transport: Transport | None = None
+    loopback_network: LoopbackNetwork | None = None
+    loopback_faults: LoopbackFaults | None = None
+
+    def __post_init__(self) -> None:
+        if self.leases is None:
+            self.leases = LeaseTable(self.config.lease_s)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kv_cache_config.kv_cache_groups)
+
+
+@dataclass
+class KVBridgeConnectorMetadata(KVConnectorMetadata):
+    """One step's orders from the scheduler half: pulls to start, release notices to send."""
+
+    reqs_to_recv: dict[str, PullPlan] = field(default_factory=dict)
+    notices: list[ReleaseNotice] = field(default_factory=list)
+
+
+class PullOutcome(NamedTuple):
+    """How one pull settled: ``failed_local_block_ids`` did not land (empty on success)."""
+
+    request_id: str
+    failed_local_block_ids: tuple[int, ...]
+    num_bytes: int
+    error: str | None
+
+
+class KVBridgeConnector(KVConnectorBase):
+    """The P/D connector. Build both halves with ``KVBridgeConnectorFactory``.
+
+    Args:
+        role: which half this instance plays.
+        context: the node's shared ``ConnectorContext``.
+    """
+
+    def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
+        super().__init__(role, context.config.kv_role)
+        self.ctx = context
+        # scheduler half
+        self._remote: dict[str, tuple[RemotePrefillParams, int]] = {}
+        self._reqs_to_recv: dict[str, PullPlan] = {}
+        self._notices: list[ReleaseNotice] = []
+        # worker half
+        self._inflight: dict[str, Future[PullOutcome]] = {}
+        self._load_errors: set[int] = set()
+        self._heartbeat_targets: dict[str, tuple[PeerAddress, str]] = {}
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    @property
+    def stats(self) -> KVTransferStats:
+        return self.ctx.stats
+
+    # ================================================================== scheduler half
+    def parse_remote_prefill(self, params: Mapping[str, Any]) -> RemotePrefillParams:
+        """Validate a request's D-side ``kv_transfer_params`` (call at admission).
+
+        Raises:
+            KVTransferParamsError: naming the bad field.
+        """
+        return RemotePrefillParams.parse(
+            params, num_groups=self.ctx.num_groups, block_size=self.ctx.block_size
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> MatchedTokens:
+        params = request.kv_transfer_params
+        if not (self.kv_role.is_consumer and wants_remote_prefill(params)):
+            return MatchedTokens(0, False)
+        try:
+            remote = self.parse_remote_prefill(params)  # type: ignore[arg-type]
+        except KVTransferParamsError as exc:
+            # Normally refused at admission; never let bad params stop the step.
+            logger.warning("request %s: %s; computing locally", request.request_id, exc)
+            self.ctx.stats.add("num_rejected_params")
+            return MatchedTokens(0, False)
+        self._remote[request.request_id] = (remote, num_computed_tokens)
+        num_remote = min(remote.remote_num_tokens, request.num_prompt_tokens)
+        return MatchedTokens(max(num_remote - num_computed_tokens, 0), True)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        entry = self._remote.pop(request.request_id, None)
+        if entry is None:
+            return
+        remote, num_local = entry
+        if num_external_tokens == 0:
+            # The local prefix cache covers everything P offered: P only releases its blocks.
+            self._notices.append(_release(remote, success=True, reason="local prefix hit"))
+            return
+        block_size = self.ctx.block_size
+        start_block = num_local // block_size
+        end_block = _cdiv(num_local + num_external_tokens, block_size)
+        groups, unloadable = plan_group_pulls(
+            local_block_ids=blocks.get_block_ids(),
+            remote_block_ids=remote.remote_block_ids,
+            start_block=start_block,
+            end_block=end_block,
+            block_hashes=request.block_hashes,
+        )
+        self._reqs_to_recv[request.request_id] = PullPlan(
+            request_id=request.request_id,
+            params=remote,
+            groups=groups,
+            unloadable_block_ids=unloadable,
+            num_external_tokens=num_external_tokens,
+            created_at=time.monotonic(),
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVBridgeConnectorMetadata(reqs_to_recv=self._reqs_to_recv, notices=self._notices)
+        self._reqs_to_recv = {}
+        self._notices = []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> RequestFinishedResult:
+        self._remote.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if not (self.kv_role.is_producer and wants_remote_decode(params)):
+            return RequestFinishedResult(False, None)
+        if request.status not in _PRODUCER_DONE or self.ctx.transport is None:
+            return RequestFinishedResult(False, None)  # aborted or failed: nothing to hand over
+        num_tokens = request.num_prompt_tokens
+        num_blocks = _cdiv(num_tokens, self.ctx.block_size)
+        held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
+        expires_at = self.ctx.leases.grant(request.request_id, held)  # type: ignore[union-attr]
+        address = self.ctx.transport.address
+        out = RemotePrefillParams(
+            remote_engine_id=self.ctx.config.engine_id,
+            remote_incarnation=self.ctx.transport.metadata.incarnation,
+            remote_request_id=request.request_id,
+            remote_host=address.host,
+            remote_port=address.port,
+            remote_block_ids=held,
+            remote_num_tokens=num_tokens,
+            remote_block_size=self.ctx.block_size,
+            lease_expires_at=expires_at,
+        )
+        return RequestFinishedResult(True, out.to_dict())
+
+    def notify_rejected(self, params: Mapping[str, Any], reason: str) -> bool:
+        """A request with remote-prefill params was refused before admission: tell its prefill
+        node to release the blocks now rather than at lease expiry. Best effort; returns whether
+        a notice was sent off."""
+        if self.ctx.transport is None or not wants_remote_prefill(params):
+            return False
+        try:
+            host, port = str(params["remote_host"]), int(params["remote_port"])
+            remote_request_id = str(params["remote_request_id"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        notice = ReleaseNotice(host, port, remote_request_id, False, reason)
+        get_loop_thread().submit(_send_notice(self.ctx.transport, notice))
+        return True
+
+    # ================================================================== worker half
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Start this node's transport over the KV tensors (group order from the config)."""
+        super().register_kv_caches(kv_caches)
+        if self.ctx.transport is not None:
+            raise RuntimeError("register_kv_caches called twice for one node's connector")
+        by_group = [
+            [kv_caches[name] for name in group.layer_names]
+            for group in self.ctx.kv_cache_config.kv_cache_groups
+        ]
+        metadata = NodeMetadata.from_kv_caches(
+            engine_id=self.ctx.config.engine_id,
+            kv_caches_by_group=by_group,
+            model_name=self.ctx.config.model_name,
+            hash_fn_name=self.ctx.hash_fn_name,
+        )
+        transport = self._make_transport(metadata, by_group)
+        transport.set_callbacks(
+            block_validator=self._validate_blocks,
+            on_heartbeat=self._on_heartbeat,
+            on_transfer_done=self._on_transfer_done,
+        )
+        loop = get_loop_thread()
+        loop.run(transport.start(), _START_TIMEOUT_S)
+        self.ctx.transport = transport
+        self._heartbeat_task = loop.run(self._start_heartbeats(), _START_TIMEOUT_S)
+        logger.info(
+            "%s: transport %s listening on %s:%d",
+            self.ctx.config.engine_id,
+            self.ctx.config.transport,
+            *transport.address,
+        )
+
+    def _make_transport(
+        self, metadata: NodeMetadata, by_group: Sequence[Sequence[torch.Tensor]]
+    ) -> Transport:
+        config = self.ctx.config
+        if config.transport == "loopback":
+            if self.ctx.loopback_network is None:
+                raise KVConnectorError("transport 'loopback' needs a LoopbackNetwork")
+            return LoopbackTransport(
+                metadata,
+                by_group,
+                network=self.ctx.loopback_network,
+                host=config.host,
+                port=config.port,
+                faults=self.ctx.loopback_faults,
+            )
+        from kvbridge.transport import UcxxTransport  # ucxx is imported only when used
+
+        return UcxxTransport(metadata, by_group, host=config.host, port=config.port)
+
+    def start_load_kv(self, forward_context: ForwardContext) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeConnectorMetadata):
+            return
+        transport = self.ctx.transport
+        if transport is None:
+            raise RuntimeError("start_load_kv before register_kv_caches")
+        loop = get_loop_thread()
+        for notice in meta.notices:
+            loop.submit(_send_notice(transport, notice))
+        for req_id, plan in meta.reqs_to_recv.items():
+            if req_id in self._inflight:
+                raise RuntimeError(f"request {req_id!r} already has a pull in flight")
+            self._inflight[req_id] = loop.submit(self._pull(transport, plan))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # whole-request pulls: a request runs only after its load settled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        return None  # the holder serves reads from its KV tensors; nothing to push
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        transport = self.ctx.transport
+        # An abort while the pull is in flight: cancel it; it is reported once it settled, and
+        # until then the scheduler keeps the blocks (nobody else may be handed them).
+        for req_id in finished_req_ids:
+            future = self._inflight.get(req_id)
+            if future is not None and not future.done() and transport is not None:
+                get_loop_thread().submit(transport.cancel(req_id))
+        finished_recving: set[str] = set()
+        for req_id, future in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[req_id]
+            outcome = future.result()
+            self._load_errors.update(outcome.failed_local_block_ids)
+            finished_recving.add(req_id)
+        finished_sending, num_expired = self.ctx.leases.pop_finished()  # type: ignore[union-attr]
+        if num_expired:
+            self.ctx.stats.add("num_expired_leases", num_expired)
+            logger.warning("%d lease(s) expired without a completion notice", num_expired)
+        return finished_sending or None, finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        transport, self.ctx.transport = self.ctx.transport, None
+        if transport is None:
+            return
+        loop = get_loop_thread()
+
+        async def _close() -> None:
+            if self._heartbeat_task is not None:
+                self._heartbeat_task.cancel()
+            await transport.close()
+
+        try:
+            loop.run(_close(), _START_TIMEOUT_S)
+        except Exception:  # shutting down: log, never raise
+            logger.exception("%s: transport close failed", self.ctx.config.engine_id)
+
+    # ------------------------------------------------------------------ the pull
+    async def _pull(self, transport: Transport, plan: PullPlan) -> PullOutcome:
+        """Pull one request's blocks. Never raises: every failure becomes failed blocks."""
+        params = plan.params
+        peer = PeerAddress(params.remote_host, params.remote_port)
+        started = time.monotonic()
+        deadline_at = started + self.ctx.config.load_timeout_s
+        failed: set[int] = set(plan.unloadable_block_ids)
+        num_bytes = 0
+        error: str | None = None
+        self._heartbeat_targets[plan.request_id] = (peer, params.remote_request_id)
+        try:
+            peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
+            if (peer_meta.engine_id, peer_meta.incarnation) != (
+                params.remote_engine_id,
+                params.remote_incarnation,
+            ):
+                raise KVConnectorError(
+                    f"peer {peer.host}:{peer.port} is {peer_meta.engine_id}/"
+                    f"{peer_meta.incarnation}, the params name {params.remote_engine_id}/"
+                    f"{params.remote_incarnation} (restarted or replaced)"
+                )
+            reads = [
+                GroupRead(
+                    group_id=g.group_id,
+                    remote_block_ids=g.remote_block_ids,
+                    local_block_ids=g.local_block_ids,
+                    expected_hashes=g.expected_hashes,
+                )
+                for g in plan.groups
+                if g.local_block_ids
+            ]
+            if reads:
+                result = await transport.read_blocks(
+                    peer,
+                    plan.request_id,
+                    reads,
+                    deadline_s=max(deadline_at - time.monotonic(), 1e-3),
+                )
+                failed.update(result.failed_local_block_ids)
+                num_bytes = result.num_bytes_landed
+                if result.failed_local_block_ids:
+                    error = f"{len(result.failed_local_block_ids)} block(s) changed on the holder"
+        except TransferError as exc:
+            failed.update(exc.local_block_ids)
+            error = str(exc)
+        except (Exception, asyncio.TimeoutError) as exc:
+            failed.update(plan.local_block_ids())
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._heartbeat_targets.pop(plan.request_id, None)
+        elapsed = time.monotonic() - started
+        if failed:
+            self.ctx.stats.record_failed_load(num_failed_blocks=len(failed))
+            logger.warning("pull of %s failed: %s", plan.request_id, error)
+        else:
+            self.ctx.stats.record_load(
+                nbytes=num_bytes,
+                num_blocks=sum(len(g.local_block_ids) for g in plan.groups),
+                transfer_s=elapsed,
+                queue_s=started - plan.created_at,
+            )
+        notice = _release(params, success=not failed, reason=error or "")
+        await _send_notice(transport, notice)
+        return PullOutcome(plan.request_id, tuple(sorted(failed)), num_bytes, error)
+
+    async def _start_heartbeats(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        """Extend the leases of every pull in flight, grouped by holder."""
+        interval = self.ctx.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            transport = self.ctx.transport
+            if transport is None:
+                return
+            by_peer: dict[PeerAddress, list[str]] = {}
+            for peer, remote_request_id in list(self._heartbeat_targets.values()):
+                by_peer.setdefault(peer, []).append(remote_request_id)
+            for peer, request_ids in by_peer.items():
+                try:
+                    await asyncio.wait_for(
+                        transport.send_heartbeat(peer, request_ids), _NOTIFY_TIMEOUT_S
+                    )
+                except Exception as exc:
+                    logger.debug("heartbeat to %s failed: %s", peer, exc)
+
+    # ------------------------------------------------------------------ holder callbacks
+    def _validate_blocks(
+        self, group_id: int, block_ids: list[int], expected_hashes: list[bytes]
+    ) -> list[int]:
+        """Positions whose block no longer holds the expected content (never stale bytes)."""
+        manager = self.ctx.kv_cache_manager
+        bad: list[int] = []
+        for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
+            if not expected:
+                continue
+            if manager is None:
+                bad.append(pos)
+                continue
+            actual = manager.block_pool.blocks[block_id].block_hash
+            if actual != make_block_hash_with_group_id(expected, group_id):
+                bad.append(pos)
+        return bad
+
+    def _on_heartbeat(self, peer_engine_id: str, request_ids: list[str]) -> None:
+        self.ctx.leases.extend(request_ids)  # type: ignore[union-attr]
+
+    def _on_transfer_done(self, notice: TransferDoneNotice) -> None:
+        leases = self.ctx.leases
+        held = leases.block_ids(notice.request_id)  # type: ignore[union-attr]
+        if leases.release(notice.request_id) and held is not None:  # type: ignore[union-attr]
+            self.ctx.stats.add("num_released_leases")
+            if notice.success:
+                self.ctx.stats.add("bytes_sent", self._held_nbytes(held))
+
+    def _held_nbytes(self, held: tuple[tuple[int, ...], ...]) -> int:
+        total = 0
+        for group, ids in zip(self.ctx.kv_cache_config.kv_cache_groups, held, strict=True):
+            page = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+            total += page * sum(1 for b in ids if b != 0)
+        return total
+
+
+def _release(remote: RemotePrefillParams, *, success: bool, reason: str) -> ReleaseNotice:
+    return ReleaseNotice(
+        remote.remote_host, remote.remote_port, remote.remote_request_id, success, reason
+    )
+
+
+async def _send_notice(transport: Transport, notice: ReleaseNotice) -> None:
+    """Best effort: an unreachable holder releases at lease expiry instead."""
+    try:
+        await asyncio.wait_for(
+            transport.notify_transfer_done(
+                PeerAddress(notice.host, notice.port),
+                notice.remote_request_id,
+                success=notice.success,
+                reason=notice.reason,
+            ),
+            _NOTIFY_TIMEOUT_S,
+        )
+    except Exception as exc:
+        logger.info("release notice for %s not delivered: %s", notice.remote_request_id, exc)

@@ -1,0 +1,57 @@
+"""One asyncio event loop per process, on a daemon thread, for the connector's network work.
+
+The engine loop is synchronous; transports are asyncio. Every connector in a process submits its
+coroutines to this one loop: UCX keeps one worker per process and loopback transports of several
+nodes in one process must share a loop (their events and futures are loop-bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread", "get_loop_thread"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An event loop running forever on a daemon thread."""
+
+    def __init__(self, name: str = "kvbridge-connector-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Schedule ``coro`` on the loop; returns a thread-safe future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (never call from the loop thread)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.run called from its own loop thread (deadlock)")
+        return self.submit(coro).result(timeout_s)
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+
+_loop_thread: LoopThread | None = None
+_lock = threading.Lock()
+
+
+def get_loop_thread() -> LoopThread:
+    """The process's connector loop, started on first use."""
+    global _loop_thread
+    with _lock:
+        if _loop_thread is None:
+            _loop_thread = LoopThread()
+        return _loop_thread

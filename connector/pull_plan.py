@@ -1,0 +1,127 @@
+"""What the decode side pulls for one request: local and remote blocks paired by position.
+
+A request on D holds, per KV cache group, a block table whose first ``start_block`` positions
+came from its own prefix cache; the positions after that, up to the end of the external tokens,
+are the pull's targets. Position ``i`` of D's table receives position ``i`` of P's table — pairing
+is by position, never by counting from the end (DESIGN.md, "Reliability rules"), so a partial
+local hit simply trims the remote list from the front::
+
+    position:   0 ... start_block-1 | start_block ... end_block-1 | end_block ...
+    D (local):  prefix-cache hits    | pull targets                | new tokens
+    P (remote): (not pulled)         | pull sources                |
+
+A position whose local block is the null block (outside a sliding window on D) is skipped; a
+position where D needs a block but P holds only its null block cannot be loaded and is reported
+as a load error up front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .transfer_params import RemotePrefillParams
+
+__all__ = ["GroupPull", "PullPlan", "ReleaseNotice", "plan_group_pulls"]
+
+NULL_BLOCK_ID = 0
+UNCHECKED_HASH = b""
+"""Expected hash of a position the holder cannot check (the partial last block has no hash)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPull:
+    """One KV cache group's part of a pull; the three tuples have equal length."""
+
+    group_id: int
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    expected_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """Everything the worker half needs to pull one request's external KV.
+
+    Attributes:
+        request_id: the request here (D).
+        params: where from (P's address, request id, incarnation).
+        groups: per group, the paired blocks.
+        unloadable_block_ids: local blocks P cannot supply (its null block at that position).
+        num_external_tokens: tokens covered by the pull.
+        created_at: ``time.monotonic()`` when the scheduler planned it (queueing time starts).
+    """
+
+    request_id: str
+    params: RemotePrefillParams
+    groups: tuple[GroupPull, ...]
+    unloadable_block_ids: tuple[int, ...]
+    num_external_tokens: int
+    created_at: float
+
+    def local_block_ids(self) -> tuple[int, ...]:
+        """Every local block this pull writes or was meant to write."""
+        ids = [b for g in self.groups for b in g.local_block_ids]
+        return (*ids, *self.unloadable_block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseNotice:
+    """Tell a prefill node it can release a request's blocks (no pull needed, or gave up)."""
+
+    host: str
+    port: int
+    remote_request_id: str
+    success: bool
+    reason: str
+
+
+def plan_group_pulls(
+    *,
+    local_block_ids: Sequence[Sequence[int]],
+    remote_block_ids: Sequence[Sequence[int]],
+    start_block: int,
+    end_block: int,
+    block_hashes: Sequence[bytes],
+) -> tuple[tuple[GroupPull, ...], tuple[int, ...]]:
+    """Pair local and remote blocks of positions ``[start_block, end_block)`` in every group.
+
+    Args:
+        local_block_ids: D's block ids per group (the request's whole table).
+        remote_block_ids: P's block ids per group (``kv_transfer_params``).
+        start_block: first position to pull (D's local prefix hit, in blocks).
+        end_block: one past the last position (``cdiv(local hit + external tokens, block_size)``).
+        block_hashes: the request's full-block hashes (D computed them from the same tokens);
+            position ``i`` expects ``block_hashes[i]`` on P, or nothing past the last full block.
+
+    Returns:
+        ``(groups, unloadable_local_block_ids)``.
+
+    Raises:
+        ValueError: a table is shorter than ``end_block`` (a caller mistake).
+    """
+    groups: list[GroupPull] = []
+    unloadable: list[int] = []
+    for group_id, (local, remote) in enumerate(zip(local_block_ids, remote_block_ids, strict=True)):
+        if len(local) < end_block or len(remote) < end_block:
+            raise ValueError(
+                f"group {group_id}: tables of {len(local)} local / {len(remote)} remote blocks, "
+                f"pull needs positions [{start_block}, {end_block})"
+            )
+        pulled_remote: list[int] = []
+        pulled_local: list[int] = []
+        expected: list[bytes] = []
+        for pos in range(start_block, end_block):
+            local_id, remote_id = local[pos], remote[pos]
+            if local_id == NULL_BLOCK_ID:
+                continue  # D does not need this position (outside its window)
+            if remote_id == NULL_BLOCK_ID:
+                unloadable.append(local_id)
+                continue
+            pulled_local.append(local_id)
+            pulled_remote.append(remote_id)
+            expected.append(block_hashes[pos] if pos < len(block_hashes) else UNCHECKED_HASH)
+        groups.append(
+            GroupPull(group_id, tuple(pulled_remote), tuple(pulled_local), tuple(expected))
+        )
+    return tuple(groups), tuple(unloadable)
