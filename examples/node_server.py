@@ -1,0 +1,387 @@
+"""One kvbridge node over an OpenAI-style HTTP API (FastAPI + uvicorn).
+
+    python examples/node_server.py --role prefill --port 8100 --index-url redis://127.0.0.1:6379/0
+    python examples/node_server.py --role decode  --port 8200 --index-url redis://127.0.0.1:6379/0
+
+Routes:
+
+- ``POST /v1/completions``: ``{"prompt": str | [int], "max_tokens": int, "stream": bool,
+  "kv_transfer_params": {...} | null, "ignore_eos": bool}`` (vLLM's proxy puts
+  ``kv_transfer_params`` in the body). Answers an OpenAI ``text_completion`` with
+  ``choices[0].token_ids``, the top-level ``kv_transfer_params`` for the next hop (a prefill node's
+  pull ticket for the decode node), and ``kvbridge`` (this node's timings and cache hit). With
+  ``"stream": true`` it answers server-sent events, one chunk per step, ending ``data: [DONE]``.
+  A malformed body is a 400 with a message; the node keeps serving.
+- ``GET /health``: 200 ``{"status": "ok", "role", "engine_id", ...}``; 503 once the engine loop
+  died.
+- ``GET /metrics``: Prometheus text (examples/node_metrics.py); ``GET /v1/stats``: the same as JSON.
+
+Roles map onto vLLM's ``kv_role``: ``prefill`` -> ``kv_producer``, ``decode`` -> ``kv_consumer``,
+``both`` -> ``kv_both``, ``store`` -> ``kv_both`` with ``"store": true`` in
+``kv_connector_extra_config`` (the remote store tier: a node that holds cold blocks others pull;
+what it does beyond a ``kv_both`` node belongs to the store-tier connector). ``both`` without
+``--kv-transfer-config`` and ``--index-url`` is a plain node without a connector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from kvbridge.kernels import ModelConfig, ReferenceDecoder
+from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
+from node_loop import EngineLoop, RequestRejected
+from node_metrics import make_registry, node_stats
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+__all__ = ["ROLE_TO_KV_ROLE", "BadRequest", "CompletionBody", "build_app", "build_engine", "main"]
+
+logger = logging.getLogger("kvbridge.node")
+
+ROLE_TO_KV_ROLE = {
+    "prefill": "kv_producer",
+    "decode": "kv_consumer",
+    "both": "kv_both",
+    "store": "kv_both",
+}
+_MAX_TOKENS_LIMIT = 1 << 16
+
+
+class BadRequest(ValueError):
+    """A malformed request body (answered 400)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompletionBody:
+    """A validated ``/v1/completions`` body."""
+
+    prompt: str | list[int]
+    max_tokens: int
+    stream: bool
+    ignore_eos: bool
+    kv_transfer_params: dict[str, Any] | None
+
+    @classmethod
+    def parse(cls, body: Any) -> CompletionBody:
+        """Raises BadRequest naming the bad field. Only greedy sampling exists: a ``temperature``
+        other than 0 is refused rather than ignored."""
+        if not isinstance(body, dict):
+            raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # OpenAI allows a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequest("prompt: must be non-empty")
+        elif isinstance(prompt, list):
+            if not prompt or not all(type(t) is int for t in prompt):
+                raise BadRequest("prompt: a token list must be a non-empty list of ints")
+        else:
+            raise BadRequest("prompt: required, a string or a list of token ids")
+        max_tokens = body.get("max_tokens", 16)
+        if type(max_tokens) is not int or not 1 <= max_tokens <= _MAX_TOKENS_LIMIT:
+            raise BadRequest(f"max_tokens: must be an int in [1, {_MAX_TOKENS_LIMIT}]")
+        temperature = body.get("temperature", 0)
+        if temperature not in (0, 0.0, None):
+            raise BadRequest("temperature: this node samples greedily; use 0")
+        stream = body.get("stream", False)
+        ignore_eos = body.get("ignore_eos", False)
+        for name, value in (("stream", stream), ("ignore_eos", ignore_eos)):
+            if not isinstance(value, bool):
+                raise BadRequest(f"{name}: must be a boolean")
+        params = body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise BadRequest("kv_transfer_params: must be an object or null")
+        return cls(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=stream,
+            ignore_eos=ignore_eos,
+            kv_transfer_params=params,
+        )
+
+
+# ---------------------------------------------------------------------- engine construction
+def load_model(name: str) -> ReferenceDecoder:
+    """``tiny`` / ``tiny_hybrid`` (seeded weights, identical in every process) or an HF dir."""
+    if name == "tiny":
+        return ReferenceDecoder(ModelConfig.tiny())
+    if name == "tiny_hybrid":
+        return ReferenceDecoder(ModelConfig.tiny_hybrid())
+    if Path(name).is_dir():
+        return ReferenceDecoder.from_pretrained(name)
+    raise ValueError(f"--model must be tiny, tiny_hybrid or a model directory, got {name!r}")
+
+
+def kv_transfer_config_dict(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The node's vLLM-shaped ``kv_transfer_config`` from ``--kv-transfer-config``, ``--role``,
+    ``--index-url`` and ``--engine-id`` (None: a plain node without a connector).
+
+    Raises:
+        ValueError: bad JSON, or a ``kv_role`` in the JSON that contradicts ``--role``.
+    """
+    raw = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
+    if raw is None and args.index_url is None and args.role == "both":
+        return None
+    config = dict(raw or {})
+    kv_role = ROLE_TO_KV_ROLE[args.role]
+    if config.setdefault("kv_role", kv_role) != kv_role:
+        raise ValueError(
+            f"--role {args.role} means kv_role {kv_role!r}, but --kv-transfer-config says "
+            f"{config['kv_role']!r}"
+        )
+    config.setdefault("kv_connector", "KVBridgeConnector")
+    default_id = f"{args.role}-{args.port}-{uuid.uuid4().hex[:6]}"
+    config.setdefault("engine_id", args.engine_id or default_id)
+    extra = dict(config.get("kv_connector_extra_config") or {})
+    if args.index_url is not None:
+        extra["index_url"] = args.index_url
+    extra.setdefault("host", args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
+    extra.setdefault("model_name", f"kvbridge-{args.model}")
+    if args.role == "store":
+        extra["store"] = True
+    config["kv_connector_extra_config"] = extra
+    return config
+
+
+def build_connector_factory(config: dict[str, Any], engine_config: EngineConfig, model: Any):
+    """The glue to ``kvbridge.connector``: a callable ``role -> connector half`` (both halves
+    share one context), plus a hook run once the engine exists.
+
+    Returns ``(factory, attach)``; ``attach(engine)`` gives the connector the engine's
+    ``KVCacheManager`` (the holder re-checks block hashes before serving).
+    """
+    from kvbridge.connector.config import KVTransferConfig
+    from kvbridge.connector.kvbridge_connector import ConnectorContext, KVBridgeConnector
+    from kvbridge.kvmanager import make_kv_cache_config
+
+    kv_config = KVTransferConfig.from_dict(config)
+    context = ConnectorContext(
+        config=kv_config,
+        kv_cache_config=make_kv_cache_config(
+            model.config, num_blocks=engine_config.num_blocks, block_size=engine_config.block_size
+        ),
+        hash_fn_name=engine_config.hash_fn,
+    )
+
+    def factory(role):
+        return KVBridgeConnector(role, context)
+
+    def attach(engine: Engine) -> None:
+        context.kv_cache_manager = engine.kv_cache_manager
+
+    return factory, attach, kv_config
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
+    """The node's ``Engine`` and engine id from the CLI arguments."""
+    model = load_model(args.model)
+    config = kv_transfer_config_dict(args)
+    policy = "recompute"
+    if config is not None:
+        policy = (config.get("kv_connector_extra_config") or {}).get(
+            "load_failure_policy", "recompute"
+        )
+    engine_config = EngineConfig(
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
+        kv_load_failure_policy=policy,
+        enable_kv_cache_events=config is not None,
+    )
+    if config is None:
+        return Engine(model, engine_config), args.engine_id or f"{args.role}-{args.port}"
+    factory, attach, kv_config = build_connector_factory(config, engine_config, model)
+    engine = Engine(model, engine_config, connector_factory=factory)
+    attach(engine)
+    return engine, kv_config.engine_id
+
+
+# ---------------------------------------------------------------------- HTTP
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def build_app(loop: EngineLoop, *, role: str, engine_id: str, model_name: str) -> FastAPI:
+    """The FastAPI app of one node around a started ``EngineLoop``."""
+    app = FastAPI(title=f"kvbridge node ({role})")
+    registry = make_registry(loop, role=role, engine_id=engine_id)
+    started_at = time.time()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {
+            "status": "ok" if loop.alive else "error",
+            "role": role,
+            "engine_id": engine_id,
+            "model": model_name,
+            "block_size": loop.engine.config.block_size,
+            "started_at": started_at,
+        }
+        if not loop.alive:
+            body["error"] = repr(loop.error)
+        return JSONResponse(body, 200 if loop.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(node_stats(loop, role=role, engine_id=engine_id))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Any:
+        try:
+            raw = await request.json()
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error(400, f"body is not valid JSON: {exc}")
+        try:
+            body = CompletionBody.parse(raw)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        if not loop.alive:
+            return _error(503, f"engine loop stopped: {loop.error!r}", "server_error")
+        params = SamplingParams(max_tokens=body.max_tokens, ignore_eos=body.ignore_eos)
+        results = loop.submit(request_id, body.prompt, params, body.kv_transfer_params)
+        first = await results.get()
+        if isinstance(first, RequestRejected):
+            return _error(400, first.message)
+        if body.stream:
+            return StreamingResponse(
+                _stream(loop, request_id, first, results, model_name),
+                media_type="text/event-stream",
+            )
+        item = first
+        try:
+            while not item[0].finished:
+                item = await results.get()
+                if isinstance(item, RequestRejected):
+                    return _error(500, item.message, "server_error")
+        except asyncio.CancelledError:
+            loop.abort(request_id)
+            raise
+        return JSONResponse(_completion_json(request_id, model_name, *item, final=True))
+
+    return app
+
+
+def _completion_json(
+    request_id: str, model_name: str, output: Any, timings: Any, *, final: bool
+) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "text": output.text if final else "",
+        "token_ids": list(output.token_ids if final else output.new_token_ids),
+        "finish_reason": output.finish_reason if output.finished else None,
+    }
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [choice],
+        "kv_transfer_params": output.kv_transfer_params,
+    }
+    if final:
+        num_prompt = len(output.prompt_token_ids)
+        body["usage"] = {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": len(output.token_ids),
+            "total_tokens": num_prompt + len(output.token_ids),
+        }
+        body["kvbridge"] = {"num_cached_tokens": output.num_cached_tokens, **timings.to_dict()}
+    return body
+
+
+async def _stream(
+    loop: EngineLoop, request_id: str, first: Any, results: asyncio.Queue, model_name: str
+) -> AsyncIterator[bytes]:
+    item = first
+    try:
+        while True:
+            if isinstance(item, RequestRejected):
+                error = {"error": {"message": item.message, "type": "server_error"}}
+                yield f"data: {json.dumps(error)}\n\n".encode()
+                break
+            output, timings = item
+            chunk = _completion_json(request_id, model_name, output, timings, final=False)
+            chunk["choices"][0]["text"] = loop.engine.tokenizer.decode(output.new_token_ids)
+            if output.finished:
+                chunk["usage"] = _completion_json(
+                    request_id, model_name, output, timings, final=True
+                )["usage"]
+                chunk["kvbridge"] = {
+                    "num_cached_tokens": output.num_cached_tokens,
+                    **timings.to_dict(),
+                }
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if output.finished:
+                break
+            item = await results.get()
+        yield b"data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        loop.abort(request_id)
+        raise
+
+
+# ---------------------------------------------------------------------- CLI
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default="tiny", help="tiny, tiny_hybrid or an HF model dir")
+    parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks incl. null block")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-transfer-config", default=None, help="vLLM-shaped JSON")
+    parser.add_argument("--index-url", default=None, help="redis://host:port/db or memory")
+    parser.add_argument("--engine-id", default=None)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {args.role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    )
+    torch.set_num_threads(args.torch_threads)
+    engine, engine_id = build_engine(args)
+    loop = EngineLoop(engine)
+    loop.start()
+    app = build_app(loop, role=args.role, engine_id=engine_id, model_name=args.model)
+    logger.info("node %s (%s) serving on http://%s:%d", engine_id, args.role, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        loop.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
