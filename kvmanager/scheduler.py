@@ -381,6 +381,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self._prompt_logprobs.pop(request.request_id, None)  # recomputed from position 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -421,8 +422,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in recomputed:
                 continue  # aborted during the step, or its inputs were bad
-            if req_id in model_runner_output.prompt_logprobs_dict:
-                self._add_prompt_logprobs(request, model_runner_output.prompt_logprobs_dict[req_id])
+            chunk = model_runner_output.prompt_logprobs_dict.get(req_id)
+            if chunk is not None and request.num_output_tokens == 0:  # not after a resume
+                self._add_prompt_logprobs(request, chunk)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end: no token yet
             index = model_runner_output.req_id_to_index[req_id]

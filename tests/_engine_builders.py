@@ -9,6 +9,7 @@ import functools
 import torch
 from kvbridge.kernels import ByteTokenizer, ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig
+from kvbridge.kvmanager.engine import ConnectorFactory
 
 BLOCK_SIZE = 8
 SLIDING_WINDOW = 16  # two blocks: long prompts leave null blocks in the sliding group
@@ -77,6 +78,7 @@ def make_engine(
     prefix_caching: bool = True,
     max_num_seqs: int = 8,
     kv_load_failure_policy: str = "recompute",
+    connector_factory: ConnectorFactory | None = None,
 ) -> Engine:
     """An engine on the shared tiny model; ``chunk_size`` is the per-step token budget (a
     prompt longer than it is prefilled in chunks)."""
@@ -89,7 +91,7 @@ def make_engine(
         enable_prefix_caching=prefix_caching,
         kv_load_failure_policy=kv_load_failure_policy,
     )
-    return Engine(tiny_model(hybrid=hybrid), config)
+    return Engine(tiny_model(hybrid=hybrid), config, connector_factory=connector_factory)
 
 
 def min_blocks_for(max_model_len: int, *, hybrid: bool) -> int:
