@@ -38,6 +38,7 @@ from .connector_interface import (
     KVConnectorOutput,
     KVConnectorRole,
     KVLoadFailurePolicy,
+    MatchedTokens,
     NoOpConnector,
 )
 from .kv_cache_manager import KVCacheManager
@@ -137,6 +138,14 @@ class Scheduler:
         self._failed_recving_first_bad_token: dict[str, int] = {}
         # Requests that already hold blocks while waiting (their async load settled): no lookup.
         self._skip_lookup_req_ids: set[str] = set()
+        # Requests that recompute from scratch after a load failure: no connector lookup again.
+        self._local_only_req_ids: set[str] = set()
+        # Requests moved back to waiting outside schedule(): the runner drops their rows next step.
+        self._pending_preempted_req_ids: set[str] = set()
+        self._sliding_windows = [
+            getattr(group.kv_cache_spec, "sliding_window", None)
+            for group in kv_cache_manager.kv_cache_config.kv_cache_groups
+        ]
         # Finished requests whose blocks stay referenced, and why.
         self._held_req_ids: dict[str, set[str]] = {}
         self._prompt_logprobs: dict[str, list[float | None]] = {}
@@ -210,6 +219,7 @@ class Scheduler:
         cached_reqs: list[Request] = []
         new_block_ids: dict[str, tuple[list[int], ...] | None] = {}
         preempted_req_ids: set[str] = set()
+        rows_to_drop, self._pending_preempted_req_ids = self._pending_preempted_req_ids, set()
 
         # (1) Running requests, in order.
         req_index = 0
@@ -260,7 +270,10 @@ class Scheduler:
             if num_tokens_before == 0 and request.request_id not in self._skip_lookup_req_ids:
                 looked_up = True
                 new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
-                matched = self.connector.get_num_new_matched_tokens(request, num_local)
+                if request.request_id in self._local_only_req_ids:
+                    matched = MatchedTokens(0, False)
+                else:
+                    matched = self.connector.get_num_new_matched_tokens(request, num_local)
                 if matched.num_external_tokens is None:
                     skipped.append(self.waiting.popleft())
                     continue
@@ -301,6 +314,7 @@ class Scheduler:
                     request.num_cached_tokens = num_local + num_external
             self.waiting.popleft()
             self._skip_lookup_req_ids.discard(request.request_id)
+            self._local_only_req_ids.discard(request.request_id)
             if num_external:
                 self._load_ranges[request.request_id] = (num_local, num_local + num_external)
             if load_kv_async:
@@ -327,7 +341,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_req_ids,
+            preempted_req_ids=preempted_req_ids | rows_to_drop,
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
 
@@ -399,12 +413,43 @@ class Scheduler:
         if first_bad is not None:
             num_loaded = min(num_loaded, first_bad)
         num_computed = min(num_loaded, request.num_tokens - 1)
+        request.status = RequestStatus.WAITING
+        if not self._can_resume_from(req_id, num_computed):
+            self._restart_from_scratch(request)
+            return True
         if num_computed > 0:
             self.kv_cache_manager.cache_blocks(request, num_computed)
         request.num_computed_tokens = num_computed
-        request.status = RequestStatus.WAITING
         self._skip_lookup_req_ids.add(req_id)
         return True
+
+    def _can_resume_from(self, req_id: str, num_computed_tokens: int) -> bool:
+        """Whether every block that attention reads or writes from ``num_computed_tokens`` on
+        is a real block in every group. A sliding-window group holds null blocks before the
+        window of the progress it was allocated for; cutting progress back below that window
+        (a load error) would read and write through the null block."""
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+        for window, ids in zip(self._sliding_windows, block_ids, strict=True):
+            first_token = 0 if window is None else max(0, num_computed_tokens - window + 1)
+            if any(block_id == 0 for block_id in ids[first_token // self.block_size :]):
+                return False
+        return True
+
+    def _restart_from_scratch(self, request: Request) -> None:
+        """Free every block and recompute from position 0 (local prefix hits allowed, no
+        connector lookup). A running request goes back to the front of the waiting queue."""
+        req_id = request.request_id
+        logger.warning("request %s: recomputing from scratch after a load failure", req_id)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        self._skip_lookup_req_ids.discard(req_id)
+        self._local_only_req_ids.add(req_id)
+        self._prompt_logprobs.pop(req_id, None)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+            self._pending_preempted_req_ids.add(req_id)
 
     # ------------------------------------------------------------------ update
     def update_from_output(
@@ -494,6 +539,7 @@ class Scheduler:
         req_id = request.request_id
         self.finished_req_ids.add(req_id)
         self._skip_lookup_req_ids.discard(req_id)
+        self._local_only_req_ids.discard(req_id)
         self._failed_recving_first_bad_token.pop(req_id, None)
         block_ids = self.kv_cache_manager.get_block_ids(req_id)
         delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
@@ -588,7 +634,11 @@ class Scheduler:
             if request.is_finished():
                 continue
             if self.kv_load_failure_policy == "recompute":
-                request.num_computed_tokens = min(request.num_computed_tokens, first_bad)
+                num_computed = min(request.num_computed_tokens, first_bad)
+                if self._can_resume_from(req_id, num_computed):
+                    request.num_computed_tokens = num_computed
+                else:
+                    self._restart_from_scratch(request)
             else:
                 self._remove_from_queues(request)
                 request.status = RequestStatus.FINISHED_ERROR

@@ -86,8 +86,9 @@ class SchedulerOutput:
         num_scheduled_tokens: request id -> tokens computed this step (>= 1 each).
         total_num_scheduled_tokens: their sum (<= ``max_num_batched_tokens``).
         finished_req_ids: requests finished since the last step; the runner drops their rows.
-        preempted_req_ids: requests preempted this step; the runner drops their rows (they come
-            back later as new requests).
+        preempted_req_ids: requests preempted (or restarted after a load failure) since the last
+            step; the runner drops their rows first: they come back as new requests, possibly in
+            this same output.
         kv_connector_metadata: ``build_connector_meta``'s result for this step.
     """
 

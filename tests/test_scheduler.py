@@ -30,6 +30,7 @@ from kvbridge.kvmanager import (
     SamplingParams,
     Scheduler,
     SchedulerOutput,
+    SlidingWindowSpec,
 )
 
 BLOCK_SIZE = 4
@@ -482,5 +483,77 @@ def test_sync_load_error_drops_the_token_and_recomputes():
     # (2) tokens 4..9 recomputed; the request completes.
     output, outs = _step(scheduler, connector)
     assert output.num_scheduled_tokens == {"d": 6}
+    assert outs[0].finish_reason == "length"
+    _assert_scheduler_empty(scheduler)
+
+
+def _make_hybrid_scheduler(*, connector: KVConnectorBase, sliding_window: int) -> Scheduler:
+    common = dict(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    config = KVCacheConfig(
+        32,
+        [
+            KVCacheGroupSpec(["model.layers.0.self_attn"], FullAttentionSpec(**common)),
+            KVCacheGroupSpec(
+                ["model.layers.1.self_attn"],
+                SlidingWindowSpec(**common, sliding_window=sliding_window),
+            ),
+        ],
+    )
+    return Scheduler(
+        KVCacheManager(config, 64), block_size=BLOCK_SIZE, max_model_len=64,
+        connector=connector, kv_load_failure_policy="recompute",
+    )
+
+
+def test_load_error_before_the_sliding_window_restarts_from_scratch():
+    connector = _FakeConnector(load_polls=1)
+    scheduler = _make_hybrid_scheduler(connector=connector, sliding_window=BLOCK_SIZE)
+    _make_request(scheduler, "d", 16, do_remote_prefill=True)
+    connector.fail_block_positions["d"] = [1]
+    # (1a) 16 external tokens: the sliding group only needs the last window, so its first
+    # three blocks are the null block; the full group gets four real blocks.
+    _step(scheduler, connector)
+    full_ids, sliding_ids = scheduler.kv_cache_manager.get_block_ids("d")
+    assert sliding_ids[:3] == [0, 0, 0] and 0 not in full_ids
+    # (2a) block 1 failed: resuming at token 4 would read the window through null blocks, so
+    # the request frees everything and recomputes all 16 tokens, without asking the connector.
+    output, outs = _step(scheduler, connector)
+    assert output.num_scheduled_tokens == {"d": 16}
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert connector.calls.count("get_num_new_matched_tokens") == 1
+    assert outs[0].finish_reason == "length"
+    _assert_scheduler_empty(scheduler)
+
+
+def test_load_error_with_no_null_block_resumes_at_the_bad_block():
+    connector = _FakeConnector(load_polls=1)
+    scheduler = _make_hybrid_scheduler(connector=connector, sliding_window=8 * BLOCK_SIZE)
+    _make_request(scheduler, "d", 16, do_remote_prefill=True)
+    connector.fail_block_positions["d"] = [2]
+    _step(scheduler, connector)  # (1) the 32-token window covers the prompt: no null block
+    assert 0 not in scheduler.kv_cache_manager.get_block_ids("d")[1]
+    # (2a) every block before the bad one is real in both groups: resume at token 8.
+    output, _ = _step(scheduler, connector)
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert output.num_scheduled_tokens == {"d": 8}
+    _assert_scheduler_empty(scheduler)
+
+
+def test_sync_load_error_before_the_window_moves_the_running_request_back():
+    connector = _FakeConnector()
+    scheduler = _make_hybrid_scheduler(connector=connector, sliding_window=BLOCK_SIZE)
+    request = _make_request(scheduler, "d", 16, do_remote_prefill=True, sync_load=True)
+    connector.fail_block_positions["d"] = [1]
+    # (1a) 15 external tokens loaded inside the forward, the last token computed.
+    # (1c) block 1 failed and the sliding group's early blocks are null: the request leaves
+    # the running queue, its token is void and its blocks are freed.
+    output, outs = _step(scheduler, connector)
+    assert output.num_scheduled_tokens == {"d": 1} and outs == []
+    assert request.status == RequestStatus.PREEMPTED and scheduler.waiting[0] is request
+    # (2a) the runner is told to drop d's row, and d comes back as a new request from token 0.
+    output, outs = _step(scheduler, connector)
+    assert output.preempted_req_ids == {"d"}
+    assert [(n.req_id, n.num_computed_tokens) for n in output.scheduled_new_reqs] == [("d", 0)]
+    assert output.num_scheduled_tokens == {"d": 16}
     assert outs[0].finish_reason == "length"
     _assert_scheduler_empty(scheduler)
