@@ -93,7 +93,8 @@ class Engine:
     """A single node: ``KVCacheManager`` + ``Scheduler`` + ``ModelRunner`` over one model.
 
     Args:
-        model: a ``ReferenceDecoder``, or a ``ModelConfig`` to build one with seeded weights.
+        model: a ``ReferenceDecoder`` (moved to ``config.device`` in place), or a ``ModelConfig``
+            to build one with seeded weights.
         config: node settings.
         connector_factory: builds the scheduler and worker halves of a KV connector; None for no
             KV transfer (``NoOpConnector``).
@@ -113,7 +114,7 @@ class Engine:
     ) -> None:
         if isinstance(model, ModelConfig):
             model = ReferenceDecoder(model)
-        self.model = model
+        self.model = model.to(config.device)  # nn.Module.to: in place, a no-op when already there
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
         self.kv_cache_config = make_kv_cache_config(
@@ -178,8 +179,41 @@ class Engine:
         Raises:
             ValueError: duplicate id, empty prompt, a prompt longer than ``max_model_len``, a
                 token id outside ``[0, vocab_size)``, or ``max_tokens < 1`` (from
-                ``SamplingParams``). Nothing is queued then.
+                ``SamplingParams``), or ``kv_transfer_params`` the connector cannot honour (its
+                own ``ValueError`` subclass, naming the field). Nothing is queued then, and a
+                peer holding KV for the refused request is told to release it.
         """
+        connector = self.scheduler.connector
+        try:
+            prompt_token_ids = self._check_request(request_id, prompt, kv_transfer_params)
+            if kv_transfer_params is not None:
+                connector.validate_kv_transfer_params(kv_transfer_params)
+        except ValueError as exc:
+            if kv_transfer_params:
+                # A refused request may hold KV on a peer (a prefill node's lease): release it.
+                connector.on_request_rejected(kv_transfer_params, str(exc))
+            raise
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            sampling_params or SamplingParams(),
+            block_hasher=self._block_hasher,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            kv_transfer_params=kv_transfer_params,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(prompt_token_ids=prompt_token_ids)
+        return request
+
+    def _check_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> list[int]:
+        """The prompt's token ids, or ValueError for a request the engine cannot take."""
         if request_id in self._tracked or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -203,19 +237,7 @@ class Engine:
             )
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise ValueError(f"request {request_id!r}: kv_transfer_params must be a dict")
-        request = Request(
-            request_id,
-            prompt_token_ids,
-            sampling_params or SamplingParams(),
-            block_hasher=self._block_hasher,
-            cache_salt=cache_salt,
-            lora_name=lora_name,
-            kv_transfer_params=kv_transfer_params,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
-        self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(prompt_token_ids=prompt_token_ids)
-        return request
+        return prompt_token_ids
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored). Blocks still used by a
