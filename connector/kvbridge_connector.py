@@ -241,20 +241,32 @@ class KVBridgeConnector(KVConnectorBase):
         )
         return RequestFinishedResult(True, out.to_dict())
 
-    def notify_rejected(self, params: Mapping[str, Any], reason: str) -> bool:
+    def validate_kv_transfer_params(self, kv_transfer_params: Mapping[str, Any]) -> None:
+        """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``)."""
+        if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
+            self.parse_remote_prefill(kv_transfer_params)
+
+    def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: tell its prefill
-        node to release the blocks now rather than at lease expiry. Best effort; returns whether
-        a notice was sent off."""
-        if self.ctx.transport is None or not wants_remote_prefill(params):
-            return False
+        node to release the blocks now rather than at lease expiry (best effort: an unreachable
+        or malformed address leaves it to the lease)."""
+        transport = self.ctx.transport
+        if transport is None or not isinstance(kv_transfer_params, Mapping):
+            return
+        if not wants_remote_prefill(kv_transfer_params):
+            return
         try:
-            host, port = str(params["remote_host"]), int(params["remote_port"])
-            remote_request_id = str(params["remote_request_id"])
-        except (KeyError, TypeError, ValueError):
-            return False
-        notice = ReleaseNotice(host, port, remote_request_id, False, reason)
-        get_loop_thread().submit(_send_notice(self.ctx.transport, notice))
-        return True
+            host = kv_transfer_params["remote_host"]
+            port = kv_transfer_params["remote_port"]
+            remote_request_id = kv_transfer_params["remote_request_id"]
+        except KeyError:
+            return
+        if not (isinstance(host, str) and isinstance(port, int) and 0 < port < 65536):
+            return
+        if not isinstance(remote_request_id, str):
+            return
+        notice = ReleaseNotice(host, port, remote_request_id, False, f"rejected: {reason}")
+        get_loop_thread().submit(_send_notice(transport, notice))
 
     # ================================================================== worker half
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:

@@ -224,6 +224,21 @@ class KVConnectorBase(ABC):
         """KV events produced by the connector since the last call (default: none)."""
         return ()
 
+    def validate_kv_transfer_params(  # noqa: B027 - optional hook, default accepts
+        self, kv_transfer_params: Mapping[str, Any]
+    ) -> None:
+        """Check a new request's ``kv_transfer_params`` at admission (``Engine.add_request``),
+        before anything is queued; they came over the network.
+
+        Raises:
+            ValueError: (a subclass naming the field) for params this connector cannot honour.
+                Default: accept everything.
+        """
+
+    def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:  # noqa: B027
+        """A request carrying ``kv_transfer_params`` was refused at admission: release whatever
+        a peer holds for it (e.g. a prefill node's lease). Default: nothing to release."""
+
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Learn the KV tensors (layer name -> tensor) once after allocation."""

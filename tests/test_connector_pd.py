@@ -1,0 +1,293 @@
+"""P/D disaggregation through ``KVBridgeConnector`` over the loopback transport (issue 5).
+
+Every lifecycle test narrates its steps, compares D's greedy tokens with a plain full-recompute
+forward of the same model, and ends with both schedulers empty, ``check_integrity()`` true and
+every block free on both nodes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _engine_builders import reference_greedy
+from _pd_builders import (
+    assert_node_empty,
+    decode,
+    drain,
+    kv_bytes,
+    long_prompt,
+    make_pd_pair,
+    prefill,
+    run_to_completion,
+)
+from kvbridge.connector.errors import KVTransferParamsError
+from kvbridge.kvmanager import SamplingParams
+
+MAX_TOKENS = 4
+
+
+def _stats(engine):
+    return engine.scheduler.connector.stats.snapshot()
+
+
+@pytest.fixture
+def pair_factory():
+    pairs = []
+
+    def build(**kwargs):
+        pair = make_pd_pair(**kwargs)
+        pairs.append(pair)
+        return pair
+
+    yield build
+    for pair in pairs:
+        pair.close()
+
+
+# Block size 16: 1 token, block size - 1, block size, block size + 1, many blocks.
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 150])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_decode_node_tokens_equal_single_node(pair_factory, hybrid, num_tokens):
+    pair = pair_factory(hybrid=hybrid)
+    prompt = long_prompt(num_tokens)
+
+    # (1) P prefills and hands its blocks over under a lease.
+    params = prefill(pair, "req-0", prompt)
+    assert params["remote_num_tokens"] == num_tokens
+    assert [len(ids) for ids in params["remote_block_ids"]] == [-(-num_tokens // 16)] * (
+        2 if hybrid else 1
+    )
+
+    # (2) D pulls the prompt's KV, recomputes only the last token, then decodes.
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=hybrid)
+    # Every prompt token came from P (the last one is recomputed on top of it).
+    assert output.num_cached_tokens == num_tokens
+    stats = _stats(pair.d)
+    assert (stats["num_loads"], stats["num_failed_loads"]) == (1, 0)
+
+    # (3) D's completion notice released P's lease: P frees its blocks, nothing leaks.
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_released_leases"] == 1
+    assert _stats(pair.p)["num_expired_leases"] == 0
+
+
+def test_partial_local_hit_pulls_only_the_missing_blocks(pair_factory):
+    pair = pair_factory()
+    shared = long_prompt(100)
+    # (1) D has served the first 48 tokens (3 full blocks) of this prompt locally before.
+    pair.d.add_request("warm", shared[:50], SamplingParams(max_tokens=1))
+    run_to_completion(pair.d, "warm")
+
+    # (2) P prefills the whole 100-token prompt (7 blocks).
+    params = prefill(pair, "req-0", shared)
+    # (3) D hits 48 tokens locally and pulls positions 3..6 only, paired by position.
+    output = decode(pair, "req-0", shared, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(shared, MAX_TOKENS, hybrid=False)
+    assert _stats(pair.d)["num_blocks_received"] == 4
+    assert output.num_cached_tokens == 100
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+@pytest.mark.parametrize("extra_tokens_on_d", [0, 1])
+def test_2048_token_prompt_lands_in_the_right_blocks(pair_factory, extra_tokens_on_d):
+    # 2,048 tokens at block size 64 is exactly 32 blocks: the last token's block is full, so
+    # the recompute of the last token must not shift the pairing (DESIGN: pair by position).
+    pair = pair_factory(block_size=64, num_blocks=80, max_model_len=2112)
+    prompt = long_prompt(2048)
+    params = prefill(pair, "req-0", prompt)
+    remote_ids = params["remote_block_ids"][0]
+    assert len(remote_ids) == 32
+    p_rows = [kv_bytes(pair.p, 0, block_id) for block_id in remote_ids]
+
+    d_prompt = prompt + long_prompt(1 + extra_tokens_on_d)[1:] if extra_tokens_on_d else prompt
+    pair.d.add_request("req-0", d_prompt, SamplingParams(max_tokens=2), params)
+    # Step until the load has landed and the request runs; capture D's table then.
+    deadline = time.monotonic() + 30
+    while _stats(pair.d)["num_loads"] == 0:
+        assert time.monotonic() < deadline
+        pair.d.step()
+    local_ids = pair.d.kv_cache_manager.get_block_ids("req-0")[0][:32]
+    for pos, (local_id, p_layers) in enumerate(zip(local_ids, p_rows, strict=True)):
+        d_layers = kv_bytes(pair.d, 0, local_id)
+        for layer, (d_row, p_row) in enumerate(zip(d_layers, p_layers, strict=True)):
+            # Slot 63 of the last block is the recomputed last prompt token when D's prompt
+            # is exactly P's; every other slot is P's bytes, bit for bit.
+            n = 63 if (pos == 31 and not extra_tokens_on_d) else 64
+            assert torch.equal(d_row[:, :n], p_row[:, :n]), (pos, layer)
+    output = run_to_completion(pair.d, "req-0")
+    assert output.token_ids == reference_greedy(d_prompt, 2, hybrid=False)
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+def test_abort_mid_transfer_keeps_blocks_until_the_load_settles(pair_factory):
+    pair = pair_factory()
+    prompt = long_prompt(120)
+    params = prefill(pair, "req-0", prompt)
+    pair.p_faults.serve_delay_s = 0.3  # the pull stays in flight for a while
+
+    # (1a) D admits req-0 and starts the pull.
+    pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+    pair.d.step()
+    loading_ids = set(pair.d.kv_cache_manager.get_block_ids("req-0")[0])
+    # (1b) The client aborts req-0 while its bytes are still on the way.
+    pair.d.abort_request("req-0")
+    assert "req-0" in pair.d.scheduler.held_req_ids
+    # (1c) Another request arrives: it must not be handed any block the pull writes into.
+    other = long_prompt(90, salt="Another request. ")
+    pair.d.add_request("req-1", other, SamplingParams(max_tokens=MAX_TOKENS))
+    pair.d.step()
+    assert not loading_ids & set(pair.d.kv_cache_manager.get_block_ids("req-1")[0])
+
+    # (2) The load settles (cancelled or landed); the other request's KV is intact.
+    output = run_to_completion(pair.d, "req-1")
+    assert output.token_ids == reference_greedy(other, MAX_TOKENS, hybrid=False)
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_node_stops_answering(pair_factory, policy):
+    pair = pair_factory(load_timeout_s=0.3, load_failure_policy=policy)
+    prompt = long_prompt(70)
+    params = prefill(pair, "req-0", prompt)
+    pair.p_faults.stall = True  # P accepts the read and never sends
+
+    started = time.monotonic()
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert time.monotonic() - started < 5.0  # ended by the deadline, not hung
+    if policy == "recompute":
+        assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+        assert output.finish_reason == "length"
+    else:
+        assert output.finish_reason == "error"
+    assert _stats(pair.d)["num_failed_loads"] == 1
+    assert_node_empty(pair.d)
+    pair.p_faults.stall = False
+    assert_node_empty(pair.p)
+
+
+def test_lease_expires_when_the_decode_node_never_comes(pair_factory):
+    pair = pair_factory(lease_s=0.2, heartbeat_interval_s=0.05)
+    params = prefill(pair, "req-0", long_prompt(40))
+    assert params["lease_expires_at"] > time.time()
+    assert "req-0" in pair.p.scheduler.held_req_ids  # delay_free: blocks still referenced
+    time.sleep(0.25)
+    # P's next steps see the expired lease and free the blocks exactly once.
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_expired_leases"] == 1
+    assert_node_empty(pair.d)
+
+
+def test_heartbeats_keep_the_lease_alive_during_a_slow_pull(pair_factory):
+    pair = pair_factory(lease_s=0.25, heartbeat_interval_s=0.05)
+    prompt = long_prompt(60)
+    params = prefill(pair, "req-0", prompt)
+    pair.p_faults.serve_delay_s = 0.6  # longer than the lease: only heartbeats keep it
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert _stats(pair.d)["num_failed_loads"] == 0
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_expired_leases"] == 0
+    assert_node_empty(pair.d)
+
+
+def test_stale_remote_block_ids_cost_a_recompute_not_wrong_output(pair_factory):
+    pair = pair_factory(lease_s=0.1, num_blocks=40)
+    prompt = long_prompt(100)
+    params = prefill(pair, "req-0", prompt)
+    # (1) D is late: P's lease runs out and P reuses the blocks for other prompts.
+    time.sleep(0.15)
+    drain(pair.p)
+    assert pair.p.kv_cache_manager.reset_prefix_cache()
+    for i in range(3):
+        pair.p.add_request(
+            f"other-{i}", long_prompt(150, salt=f"{i} "), SamplingParams(max_tokens=1)
+        )
+        run_to_completion(pair.p, f"other-{i}")
+    # (2) D pulls with the stale ids: P's hash check refuses the changed blocks, D recomputes.
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    stats = _stats(pair.d)
+    assert stats["num_failed_loads"] == 1 and stats["num_load_errors_blocks"] >= 1
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+def test_full_local_hit_only_notifies_the_prefill_node(pair_factory):
+    pair = pair_factory()
+    p_prompt = long_prompt(32)
+    d_prompt = long_prompt(60)  # P's prompt plus 28 more tokens
+    # (1) D already holds the first 48 tokens of d_prompt in its prefix cache.
+    pair.d.add_request("warm", d_prompt, SamplingParams(max_tokens=1))
+    run_to_completion(pair.d, "warm")
+    params = prefill(pair, "req-0", p_prompt)
+    # (2) D's local hit (48) covers all 32 remote tokens: no pull, P is told to release.
+    output = decode(pair, "req-0", d_prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(d_prompt, MAX_TOKENS, hybrid=False)
+    assert _stats(pair.d)["num_loads"] == 0
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_released_leases"] == 1
+    assert_node_empty(pair.d)
+
+
+def test_different_block_sizes_are_refused_naming_the_field(pair_factory):
+    pair = pair_factory(block_size=16, d_block_size=32)
+    prompt = long_prompt(64)
+    params = prefill(pair, "req-0", prompt)
+    with pytest.raises(KVTransferParamsError, match="remote_block_size: local 32, remote 16"):
+        pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=2), params)
+    # The refusal told P to release its blocks now, not at lease expiry.
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_released_leases"] == 1
+    assert_node_empty(pair.d)
+
+
+def _malformed(params, mutate):
+    bad = {k: (list(map(list, v)) if k == "remote_block_ids" else v) for k, v in params.items()}
+    mutate(bad)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda p: p.pop("remote_host"), "remote_host"),
+        (lambda p: p.update(remote_port="5000"), "remote_port"),
+        (lambda p: p.update(remote_port=70000), "remote_port"),
+        (lambda p: p.update(remote_num_tokens=-3), "remote_num_tokens"),
+        (lambda p: p.update(remote_block_ids=[[1, 2]]), r"remote_block_ids\[0\]"),
+        (lambda p: p["remote_block_ids"][0].__setitem__(0, -1), r"remote_block_ids\[0\]"),
+        (lambda p: p["remote_block_ids"][0].__setitem__(0, "x"), r"remote_block_ids\[0\]"),
+        (lambda p: p.update(remote_block_ids="1,2,3"), "remote_block_ids"),
+    ],
+)
+def test_malformed_params_fail_that_request_and_the_node_keeps_serving(pair_factory, mutate, field):
+    pair = pair_factory()
+    prompt = long_prompt(40)
+    params = prefill(pair, "req-0", prompt)
+    with pytest.raises(KVTransferParamsError, match=field):
+        pair.d.add_request("bad", prompt, SamplingParams(max_tokens=2), _malformed(params, mutate))
+    # The same node serves the well-formed request right after.
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+def test_block_ids_out_of_the_holders_range_become_a_load_error(pair_factory):
+    pair = pair_factory()
+    prompt = long_prompt(40)
+    params = prefill(pair, "req-0", prompt)
+    bad = _malformed(params, lambda p: p["remote_block_ids"][0].__setitem__(1, 10**6))
+    output = decode(pair, "req-0", prompt, bad, MAX_TOKENS)
+    # P refused the read (id out of its range); D recomputed: still the right tokens.
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert _stats(pair.d)["num_failed_loads"] == 1
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
