@@ -671,6 +671,12 @@ class Scheduler:
         }
         return stats
 
+    def take_events(self) -> list:
+        """KV cache events since the last call: the manager's (BlockStored, BlockRemoved,
+        AllBlocksCleared; empty unless events are enabled) then the connector's (vLLM's order
+        when the scheduler publishes events)."""
+        return [*self.kv_cache_manager.take_events(), *self.connector.take_events()]
+
     def shutdown(self) -> None:
         """Shut the connector's scheduler half down."""
         self.connector.shutdown()

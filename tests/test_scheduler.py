@@ -557,3 +557,24 @@ def test_sync_load_error_before_the_window_moves_the_running_request_back():
     assert output.num_scheduled_tokens == {"d": 16}
     assert outs[0].finish_reason == "length"
     _assert_scheduler_empty(scheduler)
+
+
+def test_take_events_returns_the_managers_then_the_connectors():
+    class _EventfulConnector(_FakeConnector):
+        def take_events(self):
+            return ["connector-event"]
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
+    config = KVCacheConfig(8, [KVCacheGroupSpec(["model.layers.0.self_attn"], spec)])
+    manager = KVCacheManager(config, 16, enable_kv_cache_events=True)
+    connector = _EventfulConnector()
+    scheduler = Scheduler(manager, block_size=BLOCK_SIZE, max_model_len=16, connector=connector)
+    _make_request(scheduler, "r", 5)
+    _step(scheduler, connector)
+    events = scheduler.take_events()
+    # One full block of the 5-token prompt was stored; the connector's event comes last.
+    assert [type(e).__name__ for e in events] == ["BlockStored", "str"]
+    assert events[-1] == "connector-event"
+    _assert_scheduler_empty(scheduler)
