@@ -18,6 +18,7 @@ from .block_hash import (
     get_root_hash,
     hash_block_tokens,
     make_block_hash_with_group_id,
+    pack_token_ids,
 )
 from .block_pool import BlockPool
 from .coordinator import (
@@ -102,6 +103,7 @@ __all__ = [
     "get_root_hash",
     "hash_block_tokens",
     "make_block_hash_with_group_id",
+    "pack_token_ids",
 ]
 
 # Scheduler, connector interface, block tables, model runner and engine (issue 3 parts 2, 4-6).

@@ -5,11 +5,12 @@ changes its K/V (LoRA adapter, multimodal items, cache salt, prompt embeddings),
 match only when everything before and inside them matches (seed 001, section 1;
 vllm/v1/core/kv_cache_utils.py ``hash_block_tokens``)::
 
-    h0 = H((ROOT, (t0..t15),  extra0))
-    h1 = H((h0,   (t16..t31), extra1))
+    h0 = H((ROOT, u32le(t0..t15),  extra0))
+    h1 = H((h0,   u32le(t16..t31), extra1))
 
-Hashes are computed over canonical CBOR (or msgpack for ``"sha256"``) of plain tuples, so they are
-identical in every process and on every node; the root hash comes from a fixed seed, never from
+Hashes are computed over canonical CBOR (or msgpack for ``"sha256"``) of plain tuples, token ids
+packed as little-endian uint32 bytes (``pack_token_ids``), so they are identical in every process
+and on every node; the root hash comes from a fixed seed, never from
 ``PYTHONHASHSEED`` or ``os.urandom``. Extra keys are tagged tuples so that domains never collide:
 ``("lora", name)``, ``("mm", identifier, offset_in_block)``, ``("cache_salt", salt)`` (first
 block only; the chain carries it on), ``("prompt_embeds", sha256 digest of the block's rows)``.
@@ -20,7 +21,9 @@ The prefix-cache key is the block hash plus the KV cache group id appended as 4 
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -45,6 +48,7 @@ __all__ = [
     "get_root_hash",
     "hash_block_tokens",
     "make_block_hash_with_group_id",
+    "pack_token_ids",
 ]
 
 BlockHash: TypeAlias = bytes
@@ -58,6 +62,36 @@ HashFn: TypeAlias = Callable[[Any], bytes]
 
 _GROUP_ID_BYTES = 4
 _ROOT_SEED = "kvbridge-root-v1"
+_TOKEN_BYTES = 4
+if array.array("I").itemsize != _TOKEN_BYTES:  # pragma: no cover - every CPython target has it
+    raise ImportError("kvbridge needs a 4-byte C unsigned int for token packing")
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, 4 bytes each: the form in which tokens are hashed.
+
+    ValueError if an id is negative or >= 2**32 (token ids are vocabulary indices).
+    """
+    try:
+        packed = array.array("I", token_ids)
+    except OverflowError:
+        bad = next(t for t in token_ids if not 0 <= t < 2**32)
+        raise ValueError(f"token id {bad} is outside [0, 2**32)") from None
+    if sys.byteorder != "little":  # pragma: no cover - little-endian hosts only in CI
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _cbor_head(major_type: int, value: int) -> bytes:
+    """Shortest CBOR head (RFC 8949 preferred serialization) for ``value`` < 2**32."""
+    top = major_type << 5
+    if value < 24:
+        return bytes((top | value,))
+    if value < 0x100:
+        return bytes((top | 24, value))
+    if value < 0x10000:
+        return bytes((top | 25,)) + value.to_bytes(2, "big")
+    return bytes((top | 26,)) + value.to_bytes(4, "big")
 
 
 def _sha256_cbor(obj: Any) -> bytes:
@@ -71,6 +105,17 @@ def _sha256_msgpack(obj: Any) -> bytes:
 def _xxhash_cbor(obj: Any) -> bytes:
     return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
 
+
+def _sha256_bytes(payload: bytes) -> bytes:
+    return hashlib.sha256(payload).digest()
+
+
+# Hash functions over canonical CBOR, by the digest they apply to the encoded bytes: for these
+# the request hasher writes the CBOR bytes itself (same bytes as cbor2, without a call per block).
+_CBOR_PAYLOAD_DIGESTS: dict[HashFn, Callable[[bytes], bytes]] = {
+    _sha256_cbor: _sha256_bytes,
+    _xxhash_cbor: xxhash.xxh3_128_digest,
+}
 
 _HASH_FNS: dict[str, HashFn] = {
     "sha256_cbor": _sha256_cbor,
@@ -119,18 +164,18 @@ def hash_block_tokens(
     token_ids: Sequence[int],
     extra_keys: tuple[Any, ...] | None = None,
 ) -> BlockHash:
-    """Hash one full block: ``hash_fn((parent or ROOT, tuple(token_ids), extra_keys))``.
+    """Hash one full block: ``hash_fn((parent or ROOT, pack_token_ids(token_ids), extra_keys))``.
 
     Args:
         hash_fn: a function or its name (see ``get_hash_fn_by_name``).
         parent_block_hash: the previous block's hash; ``None`` for the first block.
-        token_ids: the block's ``block_size`` token ids.
+        token_ids: the block's ``block_size`` token ids (each in [0, 2**32), else ValueError).
         extra_keys: tagged tuples from ``generate_block_hash_extra_keys`` or ``None``.
     Returns the digest (bytes). Pure; mutates nothing.
     """
     fn = _resolve(hash_fn)
     parent = get_root_hash(fn) if parent_block_hash is None else parent_block_hash
-    return fn((parent, tuple(token_ids), extra_keys))
+    return fn((parent, pack_token_ids(token_ids), extra_keys))
 
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
@@ -192,19 +237,44 @@ def get_request_block_hasher(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     fn = _resolve(hash_fn)
+    payload_digest = _CBOR_PAYLOAD_DIGESTS.get(fn)
+    block_bytes = block_size * _TOKEN_BYTES
+    tokens_head = _cbor_head(2, block_bytes)
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         token_ids = request.all_token_ids
         num_hashed = len(request.block_hashes)
-        parent = request.block_hashes[-1] if num_hashed else None
-        new_hashes: list[BlockHash] = []
         start = num_hashed * block_size
-        while start + block_size <= len(token_ids):
-            end = start + block_size
-            extra = generate_block_hash_extra_keys(request, start, end)
-            parent = hash_block_tokens(fn, parent, token_ids[start:end], extra)
-            new_hashes.append(parent)
-            start = end
+        num_new_blocks = (len(token_ids) - start) // block_size
+        if num_new_blocks <= 0:
+            return []
+        parent = request.block_hashes[-1] if num_hashed else get_root_hash(fn)
+        has_extra_keys = (
+            request.lora_name is not None
+            or request.cache_salt is not None
+            or bool(request.mm_features)
+            or request.prompt_embeds is not None
+        )
+        packed = pack_token_ids(token_ids[start : start + num_new_blocks * block_size])
+        new_hashes: list[BlockHash] = []
+        append = new_hashes.append
+        # Canonical CBOR of (parent, block bytes, extra): array(3) head, byte-string head +
+        # parent, byte-string head + block bytes, extra (null = 0xf6). Equal to cbor2's bytes.
+        prefix = b"\x83" + _cbor_head(2, len(parent))
+        for k in range(num_new_blocks):
+            block = packed[k * block_bytes : (k + 1) * block_bytes]
+            extra = None
+            if has_extra_keys:
+                block_start = start + k * block_size
+                extra = generate_block_hash_extra_keys(
+                    request, block_start, block_start + block_size
+                )
+            if payload_digest is None:
+                parent = fn((parent, block, extra))
+            else:
+                tail = b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
+                parent = payload_digest(b"".join((prefix, parent, tokens_head, block, tail)))
+            append(parent)
         return new_hashes
 
     return request_block_hasher

@@ -23,6 +23,7 @@ from kvbridge.kvmanager import (
     get_root_hash,
     hash_block_tokens,
     make_block_hash_with_group_id,
+    pack_token_ids,
 )
 
 _CROSS_PROCESS_SCRIPT = """
@@ -194,3 +195,33 @@ def test_request_validation_and_status() -> None:
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert req.is_finished() and req.get_finished_reason() == "length"
     assert not RequestStatus.is_finished(RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+
+def test_tokens_are_hashed_as_little_endian_uint32() -> None:
+    assert pack_token_ids([1, 0x01020304, 2**32 - 1]) == (
+        b"\x01\x00\x00\x00" + b"\x04\x03\x02\x01" + b"\xff\xff\xff\xff"
+    )
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        pack_token_ids([3, -1])
+    with pytest.raises(ValueError, match="outside"):
+        Request("r", [2**32], block_hasher=get_request_block_hasher(1))
+
+
+@pytest.mark.parametrize("name", ["sha256_cbor", "sha256", "xxhash_cbor"])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_request_hasher_fast_path_equals_hash_block_tokens(name: str, block_size: int) -> None:
+    # The request hasher writes canonical CBOR itself; it must equal the per-block cbor2 path
+    # over edge token values (CBOR head sizes change at 24, 2**8, 2**16, 2**32).
+    tokens = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1] * 7
+    image = MultiModalFeature(identifier="img", offset=5, length=9)
+    req = Request("r", tokens, block_hasher=get_request_block_hasher(block_size, name),
+                  lora_name="l", cache_salt="s", mm_features=[image])
+    parent = None
+    expected = []
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        extra = generate_block_hash_extra_keys(req, start, start + block_size)
+        parent = hash_block_tokens(name, parent, tokens[start : start + block_size], extra)
+        expected.append(parent)
+    assert req.block_hashes == expected
+    plain = Request("p", tokens, block_hasher=get_request_block_hasher(block_size, name))
+    assert plain.block_hashes[0] == hash_block_tokens(name, None, tokens[:block_size])
