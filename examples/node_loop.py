@@ -243,6 +243,10 @@ class EngineLoop:
             self._deliver(output)
 
     def _step(self) -> bool:
+        # A load that settled is admitted by the schedule() at the start of the next step, so a
+        # request seen leaving WAITING_FOR_REMOTE_KVS after a step had its KV before that step
+        # began (load_end = step start), and the step's duration is its first decode step.
+        step_start = time.monotonic()
         outputs = self.engine.step()
         now = time.monotonic()
         requests = self.engine.scheduler.requests
@@ -253,21 +257,23 @@ class EngineLoop:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 live.timings.load_start_s = now
             elif live.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                live.timings.load_end_s = now
+                live.timings.load_end_s = step_start
             live.status = request.status
         for output in outputs:
-            self._deliver(output, now)
+            self._deliver(output, now, step_start)
         self._update_counters()
         return bool(outputs)
 
-    def _deliver(self, output: RequestOutput, now: float | None = None) -> None:
+    def _deliver(
+        self, output: RequestOutput, now: float | None = None, step_start: float | None = None
+    ) -> None:
         live = self._live.get(output.request_id)
         if live is None:
             return
         now = time.monotonic() if now is None else now
         timings = live.timings
         if live.status == RequestStatus.WAITING_FOR_REMOTE_KVS and timings.load_end_s is None:
-            timings.load_end_s = now
+            timings.load_end_s = now if step_start is None else step_start
         if output.new_token_ids and timings.first_token_s is None:
             timings.first_token_s = now
         if output.finished:

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from kvbridge.kernels import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 from node_loop import EngineLoop, RequestRejected
-from node_metrics import make_registry, node_stats
+from node_metrics import connector_of, make_registry, node_stats
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 __all__ = ["ROLE_TO_KV_ROLE", "BadRequest", "CompletionBody", "build_app", "build_engine", "main"]
@@ -160,35 +160,6 @@ def kv_transfer_config_dict(args: argparse.Namespace) -> dict[str, Any] | None:
     return config
 
 
-def build_connector_factory(config: dict[str, Any], engine_config: EngineConfig, model: Any):
-    """The glue to ``kvbridge.connector``: a callable ``role -> connector half`` (both halves
-    share one context), plus a hook run once the engine exists.
-
-    Returns ``(factory, attach)``; ``attach(engine)`` gives the connector the engine's
-    ``KVCacheManager`` (the holder re-checks block hashes before serving).
-    """
-    from kvbridge.connector.config import KVTransferConfig
-    from kvbridge.connector.kvbridge_connector import ConnectorContext, KVBridgeConnector
-    from kvbridge.kvmanager import make_kv_cache_config
-
-    kv_config = KVTransferConfig.from_dict(config)
-    context = ConnectorContext(
-        config=kv_config,
-        kv_cache_config=make_kv_cache_config(
-            model.config, num_blocks=engine_config.num_blocks, block_size=engine_config.block_size
-        ),
-        hash_fn_name=engine_config.hash_fn,
-    )
-
-    def factory(role):
-        return KVBridgeConnector(role, context)
-
-    def attach(engine: Engine) -> None:
-        context.kv_cache_manager = engine.kv_cache_manager
-
-    return factory, attach, kv_config
-
-
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     """The node's ``Engine`` and engine id from the CLI arguments."""
     model = load_model(args.model)
@@ -209,10 +180,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     )
     if config is None:
         return Engine(model, engine_config), args.engine_id or f"{args.role}-{args.port}"
-    factory, attach, kv_config = build_connector_factory(config, engine_config, model)
-    engine = Engine(model, engine_config, connector_factory=factory)
-    attach(engine)
-    return engine, kv_config.engine_id
+    from kvbridge.connector.factory import create_engine
+
+    engine = create_engine(model, engine_config, config)
+    return engine, str(config["engine_id"])
 
 
 # ---------------------------------------------------------------------- HTTP
@@ -259,6 +230,9 @@ def build_app(loop: EngineLoop, *, role: str, engine_id: str, model_name: str) -
         except BadRequest as exc:
             return _error(400, str(exc))
         request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        problem = _check_kv_transfer_params(loop, body.kv_transfer_params)
+        if problem is not None:
+            return _error(400, problem)
         if not loop.alive:
             return _error(503, f"engine loop stopped: {loop.error!r}", "server_error")
         params = SamplingParams(max_tokens=body.max_tokens, ignore_eos=body.ignore_eos)
@@ -283,6 +257,21 @@ def build_app(loop: EngineLoop, *, role: str, engine_id: str, model_name: str) -
         return JSONResponse(_completion_json(request_id, model_name, *item, final=True))
 
     return app
+
+
+def _check_kv_transfer_params(loop: EngineLoop, params: dict[str, Any] | None) -> str | None:
+    """Validate a decode request's pull ticket at the door (the connector's parser); a bad one
+    is refused here, and the prefill node is told to release its blocks. Returns the problem."""
+    connector = connector_of(loop.engine)
+    if connector is None or not params or params.get("do_remote_prefill") is not True:
+        return None
+    try:
+        connector.parse_remote_prefill(params)
+    except ValueError as exc:  # KVTransferParamsError is a ValueError
+        connector.stats.add("num_rejected_params")
+        connector.notify_rejected(params, f"rejected at admission: {exc}")
+        return str(exc)
+    return None
 
 
 def _completion_json(

@@ -1,0 +1,301 @@
+"""The main job: a prefill node and a decode node on one machine serving real prompts, with KV
+crossing between them, every output checked token for token against a single-node run.
+
+    python examples/pd_pair.py                      # stdlib-docstring conversations
+    python examples/pd_pair.py --trace conversation_trace.jsonl --limit 40
+    python examples/pd_pair.py --redis-url redis://127.0.0.1:6379/0 --store
+
+What it does:
+
+1. The block index: an existing Redis (``--redis-url``), else a ``redis-server`` it starts on a
+   free port when the binary is on PATH, else the embedded in-memory index (said on one line).
+2. A prefill node (``--role prefill``), a decode node (``--role decode``) and, with ``--store``, a
+   store node, each its own ``examples/node_server.py`` process; it waits until all are healthy.
+3. The workload, through :class:`proxy.PDRouter` (P with ``do_remote_decode``, then D with P's
+   ``kv_transfer_params``), with a progress bar.
+4. The same prompts on a local single node (examples/pd_report.py), compared token for token.
+5. The report, whose last line is one JSON object; exit code 1 on any mismatch or error.
+
+Everything it started is stopped at the end, on failure and on Ctrl-C. Node logs stay in the
+work directory (printed at start) when the run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx
+import torch
+from node_server import load_model
+from pd_processes import ProcessGroup, StartupError
+from pd_report import Completed, ReferenceRunner, build_report, memcpy_gb_per_s
+from pd_workload import stdlib_conversations, trace_requests
+from proxy import HopError, PDRouter
+from tqdm import tqdm
+
+__all__ = ["main", "parse_args", "run"]
+
+logger = logging.getLogger("kvbridge.pd_pair")
+
+
+@dataclass(slots=True)
+class _Tally:
+    completed: list[Completed]
+    errors: list[str]
+    bar: tqdm
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="kvbridge P/D pair on real input, verified")
+    parser.add_argument("--model", default="tiny", help="tiny, tiny_hybrid or an HF model dir")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    parser.add_argument("--no-redis", action="store_true", help="embedded in-memory index")
+    parser.add_argument("--store", action="store_true", help="also start a store node")
+    parser.add_argument("--conversations", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--trace", default=None, help="Mooncake-format JSONL trace to replay")
+    parser.add_argument("--limit", type=int, default=32, help="trace requests to replay")
+    parser.add_argument("--load-timeout-s", type=float, default=20.0)
+    parser.add_argument("--workdir", default=None, help="logs go here (default: a temp dir)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _kv_config(args: argparse.Namespace) -> str:
+    return json.dumps(
+        {"kv_connector_extra_config": {
+            "load_timeout_s": args.load_timeout_s,
+            "lease_s": max(30.0, 2 * args.load_timeout_s),
+        }}
+    )
+
+
+async def _one(router: PDRouter, prompt: list[int], max_tokens: int, tally: _Tally) -> list[int]:
+    """One P/D completion; returns D's tokens (empty on error, which is tallied)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    try:
+        result = await router.complete(body)
+    except (HopError, httpx.HTTPError) as exc:
+        tally.errors.append(f"{type(exc).__name__}: {exc}"[:500])
+        tally.bar.update(1)
+        return []
+    choice = result.response["choices"][0]
+    timing_d = result.response.get("kvbridge", {})
+    timing_p = result.prefill.get("kvbridge", {})
+    if choice.get("finish_reason") not in ("length", "stop"):
+        tally.errors.append(f"decode finished with {choice.get('finish_reason')!r}")
+    tally.completed.append(
+        Completed(
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            token_ids=list(choice["token_ids"]),
+            ttft_s=result.prefill_hop_s + (timing_d.get("ttft_s") or 0.0),
+            prefill_s=timing_p.get("ttft_s"),
+            transfer_s=timing_d.get("kv_load_s"),
+            decode_s=timing_d.get("after_load_to_first_token_s"),
+        )
+    )
+    tally.bar.update(1)
+    return list(choice["token_ids"])
+
+
+async def _run_workload(args: argparse.Namespace, p_url: str, d_url: str, tally: _Tally) -> None:
+    router = PDRouter([p_url], [d_url], timeout_s=4 * args.load_timeout_s + 60)
+    semaphore = asyncio.Semaphore(args.concurrency)
+    try:
+        if args.trace:
+            requests = list(
+                trace_requests(
+                    args.trace,
+                    block_size=args.block_size,
+                    limit=args.limit,
+                    max_output_tokens=args.max_tokens,
+                    max_prompt_tokens=args.max_model_len - args.max_tokens,
+                )
+            )
+            tally.bar.reset(total=len(requests))
+
+            async def replay(prompt: list[int], max_tokens: int) -> None:
+                async with semaphore:
+                    await _one(router, prompt, max_tokens, tally)
+
+            await asyncio.gather(*(replay(r.prompt_token_ids, r.output_tokens) for r in requests))
+            return
+        conversations = stdlib_conversations(args.conversations, args.turns)
+        tally.bar.reset(total=args.conversations * args.turns)
+
+        async def chat(conversation) -> None:
+            while (prompt := conversation.next_prompt()) is not None:
+                if len(prompt) + args.max_tokens > args.max_model_len:
+                    tally.bar.update(1)
+                    conversation.record_answer(prompt, [])
+                    continue
+                async with semaphore:
+                    answer = await _one(router, prompt, args.max_tokens, tally)
+                conversation.record_answer(prompt, answer)
+
+        await asyncio.gather(*(chat(c) for c in conversations))
+    finally:
+        await router.aclose()
+
+
+def _verify(args: argparse.Namespace, completed: list[Completed]) -> tuple[int, list[float]]:
+    model = load_model(args.model)
+    runner = ReferenceRunner(model, block_size=args.block_size, max_model_len=args.max_model_len)
+    mismatches = 0
+    prefill_s = []
+    for item in tqdm(completed, desc="verify", disable=args.no_progress, leave=False):
+        expected, seconds = runner.run(item.prompt_token_ids, item.max_tokens)
+        prefill_s.append(seconds)
+        if expected != item.token_ids:
+            mismatches += 1
+            pairs = enumerate(zip(expected, item.token_ids, strict=False))
+            first = next(
+                (i for i, (a, b) in pairs if a != b), min(len(expected), len(item.token_ids))
+            )
+            print(
+                f"MISMATCH: prompt of {len(item.prompt_token_ids)} tokens differs at output "
+                f"token {first}: expected {expected[first:first + 4]}, got "
+                f"{item.token_ids[first:first + 4]}",
+                file=sys.stderr,
+            )
+    return mismatches, prefill_s
+
+
+def _stats(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/v1/stats", timeout=10.0).json()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole job; returns the exit code."""
+    torch.set_num_threads(1)
+    own_workdir = args.workdir is None
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvbridge-pd-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    group = ProcessGroup(workdir)
+    ok = False
+    try:
+        if args.redis_url:
+            index_url, index = args.redis_url, f"redis (existing, {args.redis_url})"
+        elif not args.no_redis and (redis_child := group.start_redis()) is not None:
+            index_url, index = redis_child.url, f"redis-server started on {redis_child.url}"
+        else:
+            index_url, index = "memory", "embedded in-memory index"
+            print("index: redis-server not used: each node keeps an embedded in-memory index "
+                  "(P/D handover works; cross-node prefix lookups do not)")
+        print(f"index: {index}; logs in {workdir}")
+        common = [
+            "--model", args.model,
+            "--block-size", str(args.block_size),
+            "--num-blocks", str(args.num_blocks),
+            "--max-model-len", str(args.max_model_len),
+            "--index-url", index_url,
+            "--kv-transfer-config", _kv_config(args),
+        ]
+        prefill = group.start_node("prefill", "prefill", common)
+        decode = group.start_node("decode", "decode", common)
+        nodes = [prefill, decode]
+        if args.store:
+            nodes.append(group.start_node("store", "store", common))
+        group.wait_healthy(nodes)
+        print("nodes: " + ", ".join(f"{n.name} {n.url} (pid {n.popen.pid})" for n in nodes))
+
+        bar = tqdm(total=0, desc="P/D requests", unit="req", disable=args.no_progress)
+        tally = _Tally([], [], bar)
+        start = time.perf_counter()
+        asyncio.run(_run_workload(args, prefill.url, decode.url, tally))
+        wall_s = time.perf_counter() - start
+        bar.close()
+        stats = {n.name: _stats(n.url) for n in nodes}
+        for n in nodes:
+            if not n.running:
+                tally.errors.append(f"{n.name} exited with code {n.popen.returncode}")
+        mismatches, reference_prefill_s = _verify(args, tally.completed)
+        report = build_report(
+            completed=tally.completed,
+            mismatches=mismatches,
+            errors=len(tally.errors),
+            reference_prefill_s=reference_prefill_s,
+            wall_s=wall_s,
+            prefill_stats=[stats["prefill"]],
+            decode_stats=[stats["decode"]],
+            store_stats=[stats["store"]] if "store" in stats else [],
+            memcpy_gbps=memcpy_gb_per_s(),
+            index=index,
+        )
+        for error in tally.errors[:10]:
+            print(f"ERROR: {error}", file=sys.stderr)
+        _print_summary(report)
+        print(json.dumps(report, sort_keys=True))
+        ok = mismatches == 0 and not tally.errors and bool(tally.completed)
+        return 0 if ok else 1
+    except StartupError as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        print(json.dumps({"errors": 1, "mismatches": None, "startup_error": str(exc)[:300]}))
+        return 1
+    finally:
+        group.stop_all()
+        if ok and own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _fmt(value: Any, unit: str = "", scale: float = 1.0) -> str:
+    return "n/a" if value is None else f"{value * scale:.3g}{unit}"
+
+
+def _print_summary(r: dict[str, Any]) -> None:
+    print(
+        f"requests {r['requests']} (completed {r['completed']}, errors {r['errors']}), "
+        f"mismatches {r['mismatches']}, prompt tokens {r['prompt_tokens']}, "
+        f"output tokens {r['output_tokens']}, wall {r['wall_s']:.1f} s"
+    )
+    for name in ("ttft_s", "prefill_s", "transfer_s", "decode_s"):
+        print(
+            f"  {name[:-2]:>8}: p50 {_fmt(r[name + '_p50'], ' ms', 1e3)}, "
+            f"p99 {_fmt(r[name + '_p99'], ' ms', 1e3)}"
+        )
+    print(
+        f"KV moved {r['kv_bytes_moved'] / 1e6:.2f} MB at {_fmt(r['kv_transfer_gb_per_s'], ' GB/s')}"
+        f" = {_fmt(r['transfer_vs_memcpy_ratio'])} x memcpy ({_fmt(r['memcpy_gb_per_s'])} GB/s); "
+        f"fetch / prefill time p50 {_fmt(r['fetch_vs_prefill_ratio_p50'])}, "
+        f"total {_fmt(r['fetch_vs_prefill_ratio_total'])}"
+    )
+    print(
+        f"prefix hits: local APC {_fmt(r['hit_rate_local_apc'])}, remote via index "
+        f"{_fmt(r['hit_rate_remote_index'])}, store {_fmt(r['hit_rate_store'])}; "
+        f"pulled from P {_fmt(r['pd_pulled_fraction'])} of D's prompt tokens; failed loads "
+        f"{r['failed_loads']}, expired leases {r['expired_leases']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM behaves like Ctrl-C: the finally block stops every child.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted: stopped every process it started", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

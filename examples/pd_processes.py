@@ -1,0 +1,170 @@
+"""Child processes of examples/pd_pair.py: Redis and kvbridge nodes, each with a log file, and a
+``ProcessGroup`` that stops everything it started (SIGTERM, then SIGKILL after a grace period),
+also when the parent is interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+__all__ = ["ManagedProcess", "ProcessGroup", "StartupError", "free_port", "node_command"]
+
+_NODE_SERVER = Path(__file__).resolve().parent / "node_server.py"
+_STOP_GRACE_S = 8.0
+
+
+class StartupError(RuntimeError):
+    """A child did not come up; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ManagedProcess:
+    """One child process; its stdout and stderr go to ``log_path``."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    url: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL. Idempotent."""
+        if self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5.0)
+
+    def kill(self) -> None:
+        """SIGKILL now (a crash, for failure tests)."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(5.0)
+
+
+@dataclass
+class ProcessGroup:
+    """Starts children and stops all of them (reverse start order) on :meth:`stop_all`."""
+
+    workdir: Path
+    children: list[ManagedProcess] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: Sequence[str], *, url: str | None = None) -> ManagedProcess:
+        log_path = self.workdir / f"{name}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - owned by the child
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches only the parent, which stops the children
+        )
+        log.close()
+        child = ManagedProcess(name, popen, log_path, url)
+        self.children.append(child)
+        return child
+
+    def start_redis(self) -> ManagedProcess | None:
+        """A ``redis-server`` without persistence on a free port, or None when the binary is not
+        on PATH. Raises StartupError when it does not answer PING within 10 s."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            return None
+        import redis
+
+        port = free_port()
+        child = self.spawn(
+            "redis",
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            url=f"redis://127.0.0.1:{port}/0",
+        )
+        client = redis.Redis.from_url(child.url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10.0
+        try:
+            while time.monotonic() < deadline:
+                if not child.running:
+                    break
+                try:
+                    if client.ping():
+                        return child
+                except redis.RedisError:
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        raise StartupError(f"redis-server did not start on port {port}:\n{child.log_tail()}")
+
+    def start_node(self, name: str, role: str, extra_args: Sequence[str] = ()) -> ManagedProcess:
+        port = free_port()
+        return self.spawn(
+            name, node_command(role, port, extra_args), url=f"http://127.0.0.1:{port}"
+        )
+
+    def wait_healthy(self, children: Sequence[ManagedProcess], timeout_s: float = 90.0) -> None:
+        """Poll each child's ``/health`` until 200. Raises StartupError (with the child's log
+        tail) when one exits or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        pending = [c for c in children if c.url and c.url.startswith("http")]
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for child in list(pending):
+                    if not child.running:
+                        raise StartupError(
+                            f"{child.name} exited with code {child.popen.returncode}:\n"
+                            f"{child.log_tail()}"
+                        )
+                    try:
+                        if client.get(f"{child.url}/health").status_code == 200:
+                            pending.remove(child)
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(c.name for c in pending)
+                    raise StartupError(
+                        f"not healthy within {timeout_s} s: {names}\n{pending[0].log_tail()}"
+                    )
+                if pending:
+                    time.sleep(0.2)
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+
+
+def node_command(role: str, port: int, extra_args: Sequence[str] = ()) -> list[str]:
+    """The argv that starts examples/node_server.py for ``role`` on ``port``."""
+    return [sys.executable, str(_NODE_SERVER), "--role", role, "--port", str(port), *extra_args]
