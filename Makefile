@@ -13,5 +13,9 @@ test: setup
 lint:
 	$(PYTHON) -m ruff check .
 
+demo:
+	$(PIP) install -q -e '.[serve,ucx]'
+	$(PYTHON) examples/pd_pair.py
+
 bench: setup
 	$(PYTHON) benchmarks/bench_kvmanager.py
