@@ -183,6 +183,10 @@ class Engine:
                 own ``ValueError`` subclass, naming the field). Nothing is queued then, and a
                 peer holding KV for the refused request is told to release it.
         """
+        if request_id in self._tracked or request_id in self.scheduler.requests:
+            # Not a rejection of this request's KV: the live request with this id may still
+            # need what a peer holds for it, so no release notice.
+            raise ValueError(f"request id {request_id!r} is already in use")
         connector = self.scheduler.connector
         try:
             prompt_token_ids = self._check_request(request_id, prompt, kv_transfer_params)
@@ -214,8 +218,6 @@ class Engine:
         kv_transfer_params: dict[str, Any] | None,
     ) -> list[int]:
         """The prompt's token ids, or ValueError for a request the engine cannot take."""
-        if request_id in self._tracked or request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"request {request_id!r}: empty prompt")

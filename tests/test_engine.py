@@ -465,3 +465,34 @@ def test_prefill_node_hands_kv_to_decode_node(hybrid: bool, warm_decode_node: bo
     prefill.step()
     _assert_all_blocks_free(prefill)
     _assert_all_blocks_free(decode)
+
+
+class _PickyConnector(NoOpConnector):
+    """Refuses params without "ok" at admission and records release notices."""
+
+    def __init__(self, role: KVConnectorRole) -> None:
+        super().__init__(role)
+        self.rejected: list[str] = []
+
+    def validate_kv_transfer_params(self, kv_transfer_params) -> None:
+        if not kv_transfer_params.get("ok"):
+            raise ValueError("kv_transfer_params lacks 'ok'")
+
+    def on_request_rejected(self, kv_transfer_params, reason: str) -> None:
+        self.rejected.append(reason)
+
+
+def test_refused_kv_transfer_params_notify_the_connector_but_a_duplicate_id_does_not():
+    engine = make_engine(connector_factory=_PickyConnector)
+    connector = engine.scheduler.connector
+    with pytest.raises(ValueError, match="lacks 'ok'"):
+        engine.add_request("r", text_prompt(5), kv_transfer_params={"bad": 1})
+    assert connector.rejected == ["kv_transfer_params lacks 'ok'"]  # the peer may release
+    engine.add_request("r", text_prompt(5), kv_transfer_params={"ok": True})
+    # A second request with a live id is refused without a release: "r" still needs its KV.
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("r", text_prompt(5), kv_transfer_params={"ok": True})
+    assert connector.rejected == ["kv_transfer_params lacks 'ok'"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_all_blocks_free(engine)
