@@ -22,29 +22,32 @@ entry costs a recompute, never wrong output.
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 from urllib.parse import quote
 
+import numpy as np
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 Tier = Literal["device", "host", "store"]
 IndexStatus = Literal["ok", "fenced", "unavailable"]
 
-# One entry value, the same bytes in both backends: block id (uint32 big-endian) + tier code.
-ENTRY_STRUCT = struct.Struct(">Ic")
-ENTRY_NUM_BYTES = ENTRY_STRUCT.size  # 5
 TIER_TO_CODE: dict[str, bytes] = {"device": b"d", "host": b"h", "store": b"s"}
 CODE_TO_TIER: dict[bytes, Tier] = {b"d": "device", b"h": "host", b"s": "store"}
 # Slowest tier of a run describes the cost of pulling it (device < host < store).
 TIER_RANK: dict[str, int] = {"device": 0, "host": 1, "store": 2}
+RANK_TO_TIER: tuple[Tier, ...] = ("device", "host", "store")
 _MEDIUM_TO_TIER: dict[str, Tier] = {
-    "gpu": "device", "cuda": "device", "device": "device",
-    "cpu": "host", "host": "host",
-    "store": "store", "disk": "store", "remote": "store",
+    "gpu": "device",
+    "cuda": "device",
+    "device": "device",
+    "cpu": "host",
+    "host": "host",
+    "store": "store",
+    "disk": "store",
+    "remote": "store",
 }
 INCARNATION_DIGITS = 20  # zero-padded decimal so string order equals numeric order (Lua side)
 
@@ -58,6 +61,11 @@ def check_node_id(node_id: str) -> None:
     """Raise ValueError for an id that cannot be a key segment (empty, ``:`` or whitespace)."""
     if not node_id or ":" in node_id or any(c.isspace() for c in node_id):
         raise ValueError(f"node_id must be non-empty without ':' or whitespace, got {node_id!r}")
+
+
+def check_ttl(ttl_s: float) -> None:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be positive, got {ttl_s}")
 
 
 def check_incarnation(incarnation: int) -> None:
@@ -82,32 +90,48 @@ class IndexNamespace:
     model_name: str
     block_size: int
     hash_fn_name: str
+    # Entries are keyed by the first key_hash_bytes of each block hash. 8 bytes: a false match
+    # needs a 64-bit collision at the same position of one node's entries (~1e6 / 2**64 per probe)
+    # and would cost a recompute (the holder re-checks the full hash); a lookup of 625 hashes
+    # sends 5 KB instead of 20 KB, which is most of its cost.
+    key_hash_bytes: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.key_hash_bytes < 8:
+            raise ValueError(f"key_hash_bytes must be at least 8, got {self.key_hash_bytes}")
         if not self.model_name or not self.hash_fn_name:
             raise ValueError("model_name and hash_fn_name must be non-empty")
 
     @property
     def key_prefix(self) -> str:
-        """``kvbridge:bi:<model>:<block_size>:<hash_fn>``, each name %-quoted (no raw ``:``)."""
+        """``kvbridge:bi:<model>:<block_size>:<hash_fn>:k<key_hash_bytes>``, names %-quoted."""
         model = quote(self.model_name, safe="")
-        return f"kvbridge:bi:{model}:{self.block_size}:{quote(self.hash_fn_name, safe='')}"
+        hash_fn = quote(self.hash_fn_name, safe="")
+        return f"kvbridge:bi:{model}:{self.block_size}:{hash_fn}:k{self.key_hash_bytes}"
 
 
 class IndexOp(NamedTuple):
-    """One change to a node's entries. kind: ``"S"`` store, ``"R"`` remove, ``"C"`` clear tier."""
+    """One change to a node's entries: ``"S"`` store, ``"R"`` remove, ``"C"`` clear all.
+
+    ``block_id`` -1: unknown (a remove then matches any block id). ``parent_hash`` b"": block 0.
+    """
 
     kind: Literal["S", "R", "C"]
     tier: Tier
     group_id: int = 0
     block_hash: bytes = b""
-    block_id: int = 0
+    block_id: int = -1
+    parent_hash: bytes = b""
 
 
 def events_to_ops(events: Iterable[Any], default_tier: Tier = "device") -> list[IndexOp]:
     """Translate ``BlockPool.take_events()`` output into index ops, in event order.
+
+    A BlockStored's hashes form one chain: the parent of ``block_hashes[0]`` is
+    ``parent_block_hash``, of ``block_hashes[i]`` it is ``block_hashes[i - 1]``. A BlockRemoved
+    without one block id per hash removes whatever block holds the hash.
 
     Raises ValueError for an event of another type or a BlockStored whose ``block_hashes`` and
     ``block_ids`` differ in length.
@@ -121,13 +145,20 @@ def events_to_ops(events: Iterable[Any], default_tier: Tier = "device") -> list[
                     f"{len(event.block_ids)} block ids"
                 )
             tier = tier_for_medium(event.medium, default_tier)
-            ops.extend(
-                IndexOp("S", tier, event.group_id, bytes(h), block_id)
-                for h, block_id in zip(event.block_hashes, event.block_ids, strict=True)
-            )
+            parent = bytes(event.parent_block_hash or b"")
+            for block_hash, block_id in zip(event.block_hashes, event.block_ids, strict=True):
+                block_hash = bytes(block_hash)
+                ops.append(IndexOp("S", tier, event.group_id, block_hash, block_id, parent))
+                parent = block_hash  # the event's hashes are one chain, in order
         elif isinstance(event, BlockRemoved):
             tier = tier_for_medium(event.medium, default_tier)
-            ops.extend(IndexOp("R", tier, event.group_id, bytes(h)) for h in event.block_hashes)
+            block_ids = event.block_ids
+            if len(block_ids) != len(event.block_hashes):
+                block_ids = [-1] * len(event.block_hashes)
+            ops.extend(
+                IndexOp("R", tier, event.group_id, bytes(h), block_id)
+                for h, block_id in zip(event.block_hashes, block_ids, strict=True)
+            )
         elif isinstance(event, AllBlocksCleared):
             ops.append(IndexOp("C", tier_for_medium(event.medium, default_tier)))
         else:
@@ -139,29 +170,22 @@ def events_to_ops(events: Iterable[Any], default_tier: Tier = "device") -> list[
 class Holder:
     """One node's contiguous run of a looked-up prefix.
 
-    ``num_blocks``: the run's length from block 0 (every requested group held). ``tier``: the
-    slowest tier in the run. ``packed_entries[g]``: ``num_blocks`` or more packed 5-byte entries for
-    ``group_ids[g]``; decode with :meth:`block_ids` (kept packed so lookups stay cheap).
+    ``num_blocks``: the run's length from block 0 (held in every requested group). ``tier``: the
+    slowest tier in the run (device < host < store). The blocks' ids on the holder come from
+    ``BlockIndex.get_block_ids`` (a second call, for the chosen holder only).
     """
 
     node_id: str
     incarnation: int
     num_blocks: int
     tier: Tier
-    packed_entries: tuple[bytes, ...]
-
-    def block_ids(self) -> list[list[int]]:
-        """Block ids on the holder: ``[group][block]``, groups in ``group_ids`` order."""
-        n = self.num_blocks * ENTRY_NUM_BYTES
-        return [[bid for bid, _ in ENTRY_STRUCT.iter_unpack(p[:n])] for p in self.packed_entries]
-
 
 
 class PrefixHit(NamedTuple):
     """``num_blocks``: the longest run any one holder has (0: no hit).
 
-    ``holders``: every holder with a run of at least one block, longest first (ties by node id),
-    so ``holders[0]`` is the best; a caller may re-rank equal runs by tier or load.
+    ``holders``: longest run first (ties by node id), so ``holders[0]`` is a best one; by default
+    only the holders of the longest run, every holder with a run with ``all_holders=True``.
     """
 
     num_blocks: int
@@ -201,27 +225,30 @@ class IndexStats:
     errors_by_kind: dict[str, int] = field(default_factory=dict)
 
 
-def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -> int:
-    """Validate a lookup; return the common hash length in bytes (0 when no hashes)."""
+def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -> None:
+    """Raise ValueError for no group ids or hashes of different (or zero) lengths."""
     if not group_ids:
         raise ValueError("group_ids must name at least one KV cache group")
-    if not block_hashes:
-        return 0
-    lengths = set(map(len, block_hashes))
-    if len(lengths) != 1 or 0 in lengths:
-        raise ValueError(f"block hashes must share one non-zero length, got lengths {lengths}")
-    return lengths.pop()
+    if block_hashes:
+        lengths = set(map(len, block_hashes))
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError(f"block hashes must share one non-zero length, got {sorted(lengths)}")
 
 
-def make_holder(
-    node_id: str, incarnation: int, num_blocks: int, packed_entries: Sequence[bytes]
-) -> Holder:
-    """Build a Holder from packed entries (``num_blocks`` or more per group, 5 bytes each)."""
-    end = num_blocks * ENTRY_NUM_BYTES
-    # Tier codes sit at byte 4 of each entry; b"d" < b"h" < b"s" matches TIER_RANK order.
-    worst_code = max(max(packed[4:end:ENTRY_NUM_BYTES]) for packed in packed_entries)
-    tier = CODE_TO_TIER[bytes((worst_code,))]
-    return Holder(node_id, incarnation, num_blocks, tier, tuple(packed_entries))
+def join_keys(block_hashes: Sequence[bytes], key_hash_bytes: int) -> tuple[bytes, int]:
+    """The lookup keys of ``block_hashes`` concatenated, and the length of one key in bytes.
+
+    Each key is a hash cut to ``key_hash_bytes``. The hashes must share one length (checked by
+    the total length, which is cheap: this is on the lookup path); raises ValueError otherwise.
+    """
+    blob = b"".join(block_hashes)
+    hash_len = len(block_hashes[0])
+    if hash_len == 0 or len(blob) != hash_len * len(block_hashes):
+        raise ValueError("block hashes must share one non-zero length")
+    if hash_len <= key_hash_bytes:
+        return blob, hash_len
+    rows = np.frombuffer(blob, dtype=np.uint8).reshape(len(block_hashes), hash_len)
+    return rows[:, :key_hash_bytes].tobytes(), key_hash_bytes
 
 
 def sort_holders(holders: list[Holder]) -> PrefixHit:
@@ -239,10 +266,15 @@ class BlockIndex(Protocol):
       expired), an older one is refused (``"fenced"``).
     - ``heartbeat``: extend the node's life by ``ttl_s``; ``"fenced"`` if not current or expired.
     - ``publish``: apply KV events (``events_to_ops``) atomically as one batch, in order.
+      AllBlocksCleared drops every entry of the node.
     - ``longest_prefix``: ``block_hashes[i]`` is block i's hash (one length for all); a holder's run
       is the longest ``k`` such that it holds blocks ``0..k-1`` in every group of ``group_ids``.
-      Never raises for backend trouble (answers ``NO_HIT`` and counts it); raises ValueError for
-      bad arguments. Does not mutate entries (except dropping expired ones).
+      Returns the holders of the deepest run (ties: all of them, for the caller to break by
+      load), or with ``all_holders=True`` every holder with its own run. Never raises for
+      backend trouble (answers ``NO_HIT`` and counts it); raises ValueError for bad arguments.
+      Does not change live entries (stale ones it meets may be deleted).
+    - ``get_block_ids``: the holder's block ids ``[group][block]`` for ``block_hashes`` (in
+      ``group_ids`` order), or None if any is not held (anymore) or the backend is unavailable.
     """
 
     namespace: IndexNamespace
@@ -267,7 +299,16 @@ class BlockIndex(Protocol):
         group_ids: Sequence[int] = (0,),
         *,
         exclude_node_ids: Iterable[str] = (),
+        all_holders: bool = False,
     ) -> PrefixHit: ...
+
+    def get_block_ids(
+        self,
+        node_id: str,
+        incarnation: int,
+        block_hashes: Sequence[bytes],
+        group_ids: Sequence[int] = (0,),
+    ) -> list[list[int]] | None: ...
 
     def close(self) -> None: ...
 
@@ -276,13 +317,16 @@ class BlockIndex(Protocol):
 class _NodeState:
     incarnation: int
     deadline_s: float
-    # group_id -> block_hash -> packed entry (ENTRY_STRUCT)
-    group_to_entries: dict[int, dict[bytes, bytes]] = field(default_factory=dict)
+    # group_id -> block_hash -> (block_id, tier)
+    group_to_entries: dict[int, dict[bytes, tuple[int, Tier]]] = field(default_factory=dict)
 
 
 class InMemoryBlockIndex:
-    """The embedded backend: one process, shared by the nodes living in it. ``clock`` returns
-    seconds (monotonic); tests may inject one."""
+    """The embedded backend: one process, shared by the nodes living in it.
+
+    Lookups scan each node's run block by block (exact, O(len(block_hashes)) per node); this is
+    also the reference the Redis backend is tested against. ``clock`` returns monotonic seconds.
+    """
 
     def __init__(
         self, namespace: IndexNamespace, *, clock: Callable[[], float] = time.monotonic
@@ -303,6 +347,7 @@ class InMemoryBlockIndex:
     def register_node(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
         check_node_id(node_id)
         check_incarnation(incarnation)
+        check_ttl(ttl_s)
         if incarnation < self._node_to_max_incarnation.get(node_id, -1):
             return "fenced"
         self._node_to_max_incarnation[node_id] = incarnation
@@ -315,6 +360,7 @@ class InMemoryBlockIndex:
         return "ok"
 
     def heartbeat(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
+        check_ttl(ttl_s)
         state = self._live_node(node_id)
         if state is None or state.incarnation != incarnation:
             self.stats.heartbeats_failed += 1
@@ -335,20 +381,19 @@ class InMemoryBlockIndex:
         if state is None or state.incarnation != incarnation:
             self.stats.publishes_fenced += 1
             return PublishResult("fenced", len(ops))
+        key_len = self.namespace.key_hash_bytes
         for op in ops:
-            code = TIER_TO_CODE[op.tier]
+            key = op.block_hash[:key_len]
             if op.kind == "S":
                 entries = state.group_to_entries.setdefault(op.group_id, {})
-                entries[op.block_hash] = ENTRY_STRUCT.pack(op.block_id, code)
+                entries[key] = (op.block_id, op.tier)
             elif op.kind == "R":
                 entries = state.group_to_entries.get(op.group_id, {})
-                packed = entries.get(op.block_hash)
-                if packed is not None and packed[4:5] == code:
-                    del entries[op.block_hash]
+                held = entries.get(key)
+                if held is not None and held[1] == op.tier and op.block_id in (-1, held[0]):
+                    del entries[key]
             else:
-                for entries in state.group_to_entries.values():
-                    for block_hash in [h for h, p in entries.items() if p[4:5] == code]:
-                        del entries[block_hash]
+                state.group_to_entries.clear()
         self.stats.publishes += 1
         self.stats.publish_ops += len(ops)
         return PublishResult("ok", len(ops))
@@ -359,35 +404,60 @@ class InMemoryBlockIndex:
         group_ids: Sequence[int] = (0,),
         *,
         exclude_node_ids: Iterable[str] = (),
+        all_holders: bool = False,
     ) -> PrefixHit:
         check_lookup_args(block_hashes, group_ids)
         self.stats.lookups += 1
         excluded = set(exclude_node_ids)
+        key_len = self.namespace.key_hash_bytes
+        keys = [h[:key_len] for h in block_hashes]
         holders: list[Holder] = []
         for node_id in sorted(self._nodes):
             state = self._live_node(node_id)
             if state is None or node_id in excluded:
                 continue
             depth = len(block_hashes)
-            packed_per_group: list[bytes] = []
+            worst_rank = 0
             for group_id in group_ids:
                 entries = state.group_to_entries.get(group_id, {})
-                run: list[bytes] = []
-                for block_hash in block_hashes[:depth]:
-                    packed = entries.get(block_hash)
-                    if packed is None:
-                        break
-                    run.append(packed)
-                depth = len(run)
-                packed_per_group.append(b"".join(run))
-                if depth == 0:
-                    break
-            if depth > 0:
-                holders.append(make_holder(node_id, state.incarnation, depth, packed_per_group))
+                run = 0
+                while run < depth and keys[run] in entries:
+                    run += 1
+                depth = run
+            for group_id in group_ids if depth else ():
+                entries = state.group_to_entries[group_id]
+                for key in keys[:depth]:
+                    worst_rank = max(worst_rank, TIER_RANK[entries[key][1]])
+            if depth:
+                tier = RANK_TO_TIER[worst_rank]
+                holders.append(Holder(node_id, state.incarnation, depth, tier))
+        if holders and not all_holders:
+            best = max(holder.num_blocks for holder in holders)
+            holders = [holder for holder in holders if holder.num_blocks == best]
         hit = sort_holders(holders)
         if hit.num_blocks:
             self.stats.lookup_hits += 1
         return hit
+
+    def get_block_ids(
+        self,
+        node_id: str,
+        incarnation: int,
+        block_hashes: Sequence[bytes],
+        group_ids: Sequence[int] = (0,),
+    ) -> list[list[int]] | None:
+        check_lookup_args(block_hashes, group_ids)
+        state = self._live_node(node_id)
+        if state is None or state.incarnation != incarnation:
+            return None
+        group_to_block_ids: list[list[int]] = []
+        for group_id in group_ids:
+            entries = state.group_to_entries.get(group_id, {})
+            held = [entries.get(h[: self.namespace.key_hash_bytes]) for h in block_hashes]
+            if any(entry is None for entry in held):
+                return None
+            group_to_block_ids.append([entry[0] for entry in held if entry is not None])
+        return group_to_block_ids
 
     def close(self) -> None:
         self._nodes.clear()

@@ -4,17 +4,9 @@ Contract: ``BlockIndex`` in ``block_index.py`` (DESIGN.md, "Block index"). Every
 ``EVALSHA`` of a server-side Lua script (redis-py ``register_script`` caches it and reloads it after
 a Redis restart), so a longest-prefix lookup of any number of hashes costs one round trip.
 
-Keys, ``P`` = ``IndexNamespace.key_prefix`` (model, block size, hash function):
-
-- ``P:nodes``               set of node ids ever registered (dead ones are dropped by lookups)
-- ``P:maxinc``              hash node id -> highest incarnation registered (no TTL; fencing)
-- ``P:node:<node>``         current incarnation (20-digit decimal), TTL refreshed by heartbeats
-- ``P:blk:<node>:<inc>:<g>`` hash block_hash -> 5-byte entry (``ENTRY_STRUCT``), same TTL
-- ``P:keys:<node>``         set of the node's ``blk`` keys, same TTL
-
-The incarnation is part of every entry key, so a lookup never reads another incarnation's entries;
-registering a newer incarnation unlinks the older keys, and a stopped node's keys expire with its
-TTL. Scripts name keys they build from ARGV (fine on a single Redis, not on Redis Cluster).
+Key layout, scripts and the O(log N) exact lookup: ``redis_index_scripts.py``. A lookup sends the
+hashes cut to ``IndexNamespace.key_hash_bytes`` (625 x 8 bytes = 5 KB for a 10k-token prompt at
+block size 16, under redis-py's 6,000-byte single-buffer cut-off).
 
 Redis trouble (unreachable, slower than ``socket_timeout_s``, erroring) never raises out of this
 class: a lookup answers ``NO_HIT``, a publish is dropped, both counted in ``stats`` with a logged
@@ -27,6 +19,7 @@ wrong length or tier, records of the wrong type) is skipped and counted in
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -35,8 +28,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from . import redis_index_scripts as scripts
 from .block_index import (
-    ENTRY_STRUCT,
+    CODE_TO_TIER,
     INCARNATION_DIGITS,
     NO_HIT,
     TIER_TO_CODE,
@@ -50,149 +44,13 @@ from .block_index import (
     check_incarnation,
     check_lookup_args,
     check_node_id,
+    check_ttl,
     events_to_ops,
-    make_holder,
+    join_keys,
     sort_holders,
 )
 
 logger = logging.getLogger(__name__)
-
-# ARGV: P, node, inc, ttl_ms.  -> 1 registered, 0 refused (a newer incarnation exists).
-_REGISTER_LUA = """
-local P, node, inc, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local maxinc = redis.call('HGET', P .. ':maxinc', node)
-if maxinc and inc < maxinc then return 0 end
-redis.call('HSET', P .. ':maxinc', node, inc)
-local nodekey, keyset = P .. ':node:' .. node, P .. ':keys:' .. node
-local cur = redis.call('GET', nodekey)
-local keys = redis.call('SMEMBERS', keyset)
-if cur == inc then
-  for _, k in ipairs(keys) do redis.call('PEXPIRE', k, ttl) end
-  redis.call('PEXPIRE', keyset, ttl)
-else
-  for _, k in ipairs(keys) do redis.call('UNLINK', k) end
-  redis.call('DEL', keyset)
-end
-redis.call('SET', nodekey, inc, 'PX', ttl)
-redis.call('SADD', P .. ':nodes', node)
-return 1
-"""
-
-# ARGV: P, node, inc, ttl_ms.  -> 1 alive, 0 fenced (expired or not the current incarnation).
-_HEARTBEAT_LUA = """
-local P, node, inc, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local nodekey, keyset = P .. ':node:' .. node, P .. ':keys:' .. node
-if redis.call('GET', nodekey) ~= inc then return 0 end
-redis.call('PEXPIRE', nodekey, ttl)
-for _, k in ipairs(redis.call('SMEMBERS', keyset)) do redis.call('PEXPIRE', k, ttl) end
-redis.call('PEXPIRE', keyset, ttl)
-return 1
-"""
-
-# ARGV: P, node, inc, then 4 per op: kind, group, hash, value.  S: value = packed entry;
-# R, C: value = tier code (R deletes only an entry of that tier, C every entry of that tier).
-# -> 1 applied, 0 fenced.
-_PUBLISH_LUA = """
-local P, node, inc = ARGV[1], ARGV[2], ARGV[3]
-local nodekey, keyset = P .. ':node:' .. node, P .. ':keys:' .. node
-if redis.call('GET', nodekey) ~= inc then return 0 end
-local base = P .. ':blk:' .. node .. ':' .. inc .. ':'
-local touched = {}
-for i = 4, #ARGV, 4 do
-  local kind, h, v = ARGV[i], ARGV[i + 2], ARGV[i + 3]
-  local key = base .. ARGV[i + 1]
-  if kind == 'S' then
-    redis.call('HSET', key, h, v)
-    if not touched[key] then
-      touched[key] = true
-      redis.call('SADD', keyset, key)
-    end
-  elseif kind == 'R' then
-    local old = redis.call('HGET', key, h)
-    if old and string.sub(old, 5, 5) == v then redis.call('HDEL', key, h) end
-  else
-    for _, k in ipairs(redis.call('SMEMBERS', keyset)) do
-      local flat = redis.call('HGETALL', k)
-      for j = 1, #flat, 2 do
-        if string.sub(flat[j + 1], 5, 5) == v then redis.call('HDEL', k, flat[j]) end
-      end
-    end
-  end
-end
-local pttl = redis.call('PTTL', nodekey)
-if pttl > 0 then
-  for k in pairs(touched) do redis.call('PEXPIRE', k, pttl) end
-  redis.call('PEXPIRE', keyset, pttl)
-end
-return 1
-"""
-
-# ARGV: P, hash_len, hashes (concatenated), num_groups, group ids..., excluded node ids...
-# -> {garbage, then per holder: node, inc, run, packed entries of each group}.
-# Each node's run is read with HMGET in doubling chunks (16, 32, ...) and stops at its first miss,
-# so a node holding nothing costs one small HMGET and a node holding everything about N fields.
-_LOOKUP_LUA = """
-local P, L, blob, ng = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-local n = #blob / L
-local hashes = {}
-for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * L + 1, i * L) end
-local groups, excluded = {}, {}
-for i = 1, ng do groups[i] = ARGV[4 + i] end
-for i = 5 + ng, #ARGV do excluded[ARGV[i]] = true end
-local garbage = 0
-local function run_of(key, limit)
-  local run, chunk, parts = 0, 16, {}
-  while run < limit do
-    local vals = redis.pcall('HMGET', key, unpack(hashes, run + 1, math.min(limit, run + chunk)))
-    if type(vals) ~= 'table' or vals.err then
-      garbage = garbage + 1
-      return run, parts
-    end
-    for j = 1, #vals do
-      local v = vals[j]
-      if not v then return run, parts end
-      local t = string.byte(v, 5)
-      if #v ~= 5 or (t ~= 100 and t ~= 104 and t ~= 115) then
-        garbage = garbage + 1
-        return run, parts
-      end
-      run = run + 1
-      parts[run] = v
-    end
-    chunk = chunk * 2
-  end
-  return run, parts
-end
-local out = {0}
-local nodes = redis.pcall('SMEMBERS', P .. ':nodes')
-if type(nodes) ~= 'table' or nodes.err then return {1} end
-for _, node in ipairs(nodes) do
-  if not excluded[node] then
-    local inc = redis.pcall('GET', P .. ':node:' .. node)
-    if not inc then
-      redis.call('SREM', P .. ':nodes', node)
-    elseif type(inc) ~= 'string' or not string.match(inc, '^%d+$') then
-      garbage = garbage + 1
-    else
-      local depth, packed = n, {}
-      for gi = 1, ng do
-        local run, parts = run_of(P .. ':blk:' .. node .. ':' .. inc .. ':' .. groups[gi], depth)
-        depth = run
-        packed[gi] = parts
-        if depth == 0 then break end
-      end
-      if depth > 0 then
-        out[#out + 1] = node
-        out[#out + 1] = inc
-        out[#out + 1] = depth
-        for gi = 1, ng do out[#out + 1] = table.concat(packed[gi], '', 1, depth) end
-      end
-    end
-  end
-end
-out[1] = garbage
-return out
-"""
 
 _TROUBLE = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
 
@@ -227,10 +85,11 @@ class RedisBlockIndex:
         self._retry_interval_s = retry_interval_s
         self._clock = clock
         self._down_until_s: float | None = None  # set while Redis is considered down
-        self._register = self._client.register_script(_REGISTER_LUA)
-        self._heartbeat = self._client.register_script(_HEARTBEAT_LUA)
-        self._publish = self._client.register_script(_PUBLISH_LUA)
-        self._lookup = self._client.register_script(_LOOKUP_LUA)
+        self._register = self._client.register_script(scripts.REGISTER_LUA)
+        self._heartbeat = self._client.register_script(scripts.HEARTBEAT_LUA)
+        self._publish = self._client.register_script(scripts.PUBLISH_LUA)
+        self._lookup = self._client.register_script(scripts.LOOKUP_LUA)
+        self._get_block_ids = self._client.register_script(scripts.GET_BLOCK_IDS_LUA)
 
     # -- Redis trouble -------------------------------------------------------------------------
 
@@ -251,7 +110,11 @@ class RedisBlockIndex:
         if self._down_until_s is None:
             logger.warning(
                 "block index: Redis trouble during %s (%s: %s); falling back to no hit, "
-                "retrying in %.2f s", what, kind, exc, self._retry_interval_s,
+                "retrying in %.2f s",
+                what,
+                kind,
+                exc,
+                self._retry_interval_s,
             )
         self._down_until_s = self._clock() + self._retry_interval_s
 
@@ -302,10 +165,14 @@ class RedisBlockIndex:
         check_node_id(node_id)
         ops = events_to_ops(events, default_tier)
         args: list[Any] = [self._prefix, node_id, self._inc_str(incarnation)]
+        key_len = self.namespace.key_hash_bytes
         for op in ops:
             code = TIER_TO_CODE[op.tier]
-            value = ENTRY_STRUCT.pack(op.block_id, code) if op.kind == "S" else code
-            args += (op.kind, op.group_id, op.block_hash, value)
+            if op.kind == "S":
+                data = op.block_id.to_bytes(4, "big") + code  # block id(4) .. tier
+            else:
+                data = code if op.block_id < 0 else code + op.block_id.to_bytes(4, "big")
+            args += (op.kind, op.group_id, op.block_hash[:key_len], op.parent_hash[:key_len], data)
         reply = self._call("publish", self._publish, args)
         if reply is None:
             self.stats.publishes_dropped += 1
@@ -324,40 +191,59 @@ class RedisBlockIndex:
         group_ids: Sequence[int] = (0,),
         *,
         exclude_node_ids: Iterable[str] = (),
+        all_holders: bool = False,
     ) -> PrefixHit:
-        hash_len = check_lookup_args(block_hashes, group_ids)
+        if not group_ids:
+            raise ValueError("group_ids must name at least one KV cache group")
         self.stats.lookups += 1
-        if hash_len == 0:
+        if not block_hashes:
             return NO_HIT
+        keys, key_len = join_keys(block_hashes, self.namespace.key_hash_bytes)
         args = [
-            self._prefix, hash_len, b"".join(block_hashes), len(group_ids),
+            self._prefix, key_len, keys, len(group_ids), 1 if all_holders else 0,
             *group_ids, *exclude_node_ids,
         ]
         reply = self._call("lookup", self._lookup, args)
         if reply is None:
             self.stats.lookups_failed += 1
             return NO_HIT
-        hit = self._parse_lookup(reply, len(group_ids))
+        self.stats.garbage_entries += int(reply[0])
+        holders = [
+            Holder(node.decode(), int(inc), int(depth), CODE_TO_TIER[tier_code])
+            for node, inc, depth, tier_code in zip(
+                reply[1::4], reply[2::4], reply[3::4], reply[4::4], strict=True
+            )
+        ]
+        hit = sort_holders(holders)
         if hit.num_blocks:
             self.stats.lookup_hits += 1
         return hit
 
-    def _parse_lookup(self, reply: list[Any], num_groups: int) -> PrefixHit:
-        self.stats.garbage_entries += int(reply[0])
-        stride = 3 + num_groups
-        holders: list[Holder] = []
-        for i in range(1, len(reply), stride):
-            node, inc, depth = reply[i], reply[i + 1], reply[i + 2]
-            holders.append(
-                make_holder(node.decode(), int(inc), int(depth), reply[i + 3 : i + stride])
-            )
-        return sort_holders(holders)
+    def get_block_ids(
+        self,
+        node_id: str,
+        incarnation: int,
+        block_hashes: Sequence[bytes],
+        group_ids: Sequence[int] = (0,),
+    ) -> list[list[int]] | None:
+        check_lookup_args(block_hashes, group_ids)
+        check_node_id(node_id)
+        if not block_hashes:
+            return [[] for _ in group_ids]
+        keys, key_len = join_keys(block_hashes, self.namespace.key_hash_bytes)
+        args = [
+            self._prefix, node_id, self._inc_str(incarnation), key_len, keys, *group_ids,
+        ]
+        reply = self._call("get_block_ids", self._get_block_ids, args)
+        if not reply:
+            return None
+        count = len(block_hashes)
+        return [list(struct.unpack(f">{count}I", packed)) for packed in reply]
 
     def close(self) -> None:
         self._client.close()
 
 
 def _ttl_ms(ttl_s: float) -> int:
-    if ttl_s <= 0:
-        raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+    check_ttl(ttl_s)
     return max(1, round(ttl_s * 1000))

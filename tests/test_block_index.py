@@ -76,7 +76,7 @@ def test_stored_adds_and_removed_removes(index: BlockIndex) -> None:
     hit = index.longest_prefix(prompt)
     # A stored blocks 0..7 in block ids 5..12.
     assert hit.num_blocks == 8
-    assert hit.holders[0].block_ids() == [list(range(5, 13))]
+    assert index.get_block_ids("A", 1, prompt[:8]) == [list(range(5, 13))]
     assert hit.holders[0].tier == "device"
     # Evicting block 7 (the tail, as LRU does) shortens the run to 7; evicting block 3 cuts it
     # to 3, because a run must be contiguous from block 0.
@@ -84,7 +84,10 @@ def test_stored_adds_and_removed_removes(index: BlockIndex) -> None:
     assert index.longest_prefix(prompt).num_blocks == 7
     index.publish("A", 1, [_removed([prompt[3]])])
     assert _runs(index.longest_prefix(prompt)) == [("A", 3)]
-    assert index.stats.publishes == 3 and index.stats.publish_ops == 10
+    # Storing block 3 again closes the hole: blocks 4..6 were held all along.
+    index.publish("A", 1, [_stored([prompt[3]], first_block_id=40)])
+    assert _runs(index.longest_prefix(prompt)) == [("A", 7)]
+    assert index.stats.publishes == 4 and index.stats.publish_ops == 11
 
 
 def test_cleared_drops_only_that_nodes_entries(index: BlockIndex) -> None:
@@ -142,12 +145,29 @@ def test_longest_prefix_prefers_the_deepest_holder(index: BlockIndex) -> None:
     hit = index.longest_prefix(prompt)
     # A holds the first 40 blocks, B the first 60: B wins with 60; C holds nothing.
     assert hit.num_blocks == 60
-    assert _runs(hit) == [("B", 60), ("A", 40)]
+    assert _runs(hit) == [("B", 60)]
     assert hit.best_holder is not None and hit.best_holder.tier == "host"  # medium "CPU"
-    assert hit.best_holder.block_ids() == [list(range(200, 260))]
+    assert _runs(index.longest_prefix(prompt, all_holders=True)) == [("B", 60), ("A", 40)]
+    assert index.get_block_ids("B", 1, prompt[:60]) == [list(range(200, 260))]
+    assert index.get_block_ids("A", 1, prompt[:41]) is None  # A does not hold block 40
+    assert index.get_block_ids("B", 2, prompt[:1]) is None  # not B's incarnation
     # Node C asking for remote holders only, excluding B: A's 40.
     assert _runs(index.longest_prefix(prompt, exclude_node_ids=["B"])) == [("A", 40)]
-    assert index.stats.lookup_hits == 2
+    assert index.stats.lookup_hits == 3
+
+
+def test_equal_runs_report_every_holder_for_the_caller_to_break_ties(index: BlockIndex) -> None:
+    prompt = _hashes(20)
+    for node_id in ("B", "A", "C"):
+        index.register_node(node_id, 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt[:12])])
+    index.publish("B", 1, [_stored(prompt[:12])])
+    index.publish("C", 1, [_stored(prompt[:11])])
+    # A and B tie at 12 (sorted by node id); C's 11 is shorter and left out by default.
+    assert _runs(index.longest_prefix(prompt)) == [("A", 12), ("B", 12)]
+    # A one-block prompt and a prompt that is exactly the held run.
+    assert _runs(index.longest_prefix(prompt[:1])) == [("A", 1), ("B", 1), ("C", 1)]
+    assert _runs(index.longest_prefix(prompt[:12])) == [("A", 12), ("B", 12)]
 
 
 def test_unknown_and_empty_prompts_have_no_hit(index: BlockIndex) -> None:
@@ -166,7 +186,8 @@ def test_every_requested_group_must_be_held(index: BlockIndex) -> None:
     # Group 0 holds 10 blocks, group 1 only 6: the run for both is 6.
     hit = index.longest_prefix(prompt, group_ids=(0, 1))
     assert hit.num_blocks == 6
-    assert [len(ids) for ids in hit.holders[0].block_ids()] == [6, 6]
+    # Both groups' blocks were stored in block ids 1..: group 0 from 1, group 1 from 1.
+    assert index.get_block_ids("A", 1, prompt[:6], (0, 1)) == [[1, 2, 3, 4, 5, 6]] * 2
     assert index.longest_prefix(prompt, group_ids=(0,)).num_blocks == 10
     assert index.longest_prefix(prompt, group_ids=(2,)) == NO_HIT
 
@@ -211,17 +232,24 @@ def test_garbage_entries_are_skipped_and_counted(redis_url: str) -> None:
     index.publish("B", 7, [_stored(prompt[:3])])
     raw = redis.Redis.from_url(redis_url)
     prefix = _NS.key_prefix
-    # (1) A's entry for block 4 is overwritten with a 3-byte value: A's run stops at 4.
-    raw.hset(f"{prefix}:blk:A:{7:020d}:0", prompt[4], b"bad")
-    # (2) A node record that is not an incarnation, and one of the wrong type.
-    raw.sadd(f"{prefix}:nodes", "X", "Y")
+
+    def entry_key(block: int) -> bytes:
+        return f"{prefix}:e:0:".encode() + prompt[block][: _NS.key_hash_bytes]
+
+    # (1) A's entry for block 9 is overwritten with a 3-byte value. The lookup probes block 0,
+    # then the last block (9): garbage, counted, not held; the binary search ends at 9 blocks.
+    raw.hset(entry_key(9), "A", b"bad")
+    # (2) Entries of block 0 from node X, whose node record is not an incarnation, and from node
+    # Y, whose node record is a list.
+    valid_looking = raw.hget(entry_key(0), "A")
+    raw.hset(entry_key(0), mapping={"X": valid_looking, "Y": valid_looking})
     raw.set(f"{prefix}:node:X", "not-a-number")
     raw.rpush(f"{prefix}:node:Y", "a list")
-    # (3) Foreign keys in other namespaces and outside any are never read.
-    raw.set("kvbridge:bi:other:16:sha256:nodes", "junk")
-    hit = index.longest_prefix(prompt)
-    assert _runs(hit) == [("A", 4), ("B", 3)]
-    assert index.stats.garbage_entries == 3  # bad entry + X + Y
+    # (3) Keys of another namespace are never read.
+    raw.set("kvbridge:bi:other:16:sha256:k8:e:0:x", "junk")
+    hit = index.longest_prefix(prompt, all_holders=True)
+    assert _runs(hit) == [("A", 9), ("B", 3)]
+    assert index.stats.garbage_entries == 3  # A's bad entry + X + Y
     assert index.stats.lookups_failed == 0
 
 
@@ -270,3 +298,57 @@ def test_redis_back_off_skips_calls_until_the_interval_passes(redis_server, redi
     index.publish("A", 1, [_stored(prompt)])
     assert index.longest_prefix(prompt).num_blocks == 3
     assert index.stats.reconnects == 1
+
+
+def test_redis_runs_match_the_in_memory_reference_under_random_churn(redis_url: str) -> None:
+    """Random stores (parent held, as a BlockPool caches), removals anywhere (holes in chains),
+    re-stores, duplicates and clears on two nodes and two groups: the Redis lookup (O(log N)
+    probes plus holes) must give exactly the in-memory linear scan's runs."""
+    import random
+
+    rng = random.Random(6)
+    reference = InMemoryBlockIndex(_NS)
+    index = RedisBlockIndex(_NS, redis_url)
+    # Prompts share prefixes: prompt k = a stem of random length, then its own blocks.
+    stem = _hashes(40, prompt="stem")
+    prompts = [stem[: rng.randrange(0, 40)] + _hashes(30, prompt=f"q{k}") for k in range(6)]
+    held: dict[tuple[str, int], set[bytes]] = {}
+    for idx in (reference, index):
+        for node_id in ("A", "B"):
+            idx.register_node(node_id, 1, ttl_s=_TTL_S)
+    for step in range(120):
+        node_id, group_id = rng.choice("AB"), rng.choice((0, 1))
+        node_held = held.setdefault((node_id, group_id), set())
+        prompt = rng.choice(prompts)
+        roll = rng.random()
+        if roll < 0.5:
+            # Cache blocks [start, end) of the prompt, start right after a held (or no) parent.
+            start = 0
+            while start < len(prompt) and prompt[start] in node_held and rng.random() < 0.8:
+                start += 1
+            end = min(len(prompt), start + rng.randrange(1, 20))
+            event = BlockStored(
+                block_hashes=prompt[start:end],
+                parent_block_hash=prompt[start - 1] if start else None,
+                token_ids=[], block_size=16, lora_name=None, medium=None, group_id=group_id,
+                block_ids=list(range(step * 100, step * 100 + end - start)),
+            )
+            node_held.update(prompt[start:end])
+        elif roll < 0.97:
+            victims = rng.sample(sorted(node_held), min(len(node_held), rng.randrange(1, 6)))
+            event = _removed(victims, group_id=group_id)
+            node_held.difference_update(victims)
+        else:
+            event = AllBlocksCleared(medium=None)
+            held[(node_id, 0)] = set()
+            held[(node_id, 1)] = set()
+        for idx in (reference, index):
+            assert idx.publish(node_id, 1, [event]).status == "ok"
+        for probe_prompt in prompts:
+            for group_ids in ((0,), (1,), (0, 1)):
+                for all_holders in (False, True):
+                    expected = reference.longest_prefix(probe_prompt, group_ids,
+                                                        all_holders=all_holders)
+                    got = index.longest_prefix(probe_prompt, group_ids, all_holders=all_holders)
+                    assert _runs(got) == _runs(expected), (step, group_ids, all_holders)
+    assert index.stats.garbage_entries == 0

@@ -1,0 +1,313 @@
+"""Server-side Lua scripts of ``RedisBlockIndex`` (one EVALSHA per index call).
+
+Keys, ``P`` = ``IndexNamespace.key_prefix``; ``<key>`` = the first ``key_hash_bytes`` of a block
+hash; ``<inc>`` = a 20-digit incarnation (string order = numeric order):
+
+- ``P:e:<g>:<key>``   hash: node id -> entry = inc(20) .. block id(4) .. tier(1) .. run(4) ..
+  slowest tier(1) .. parent key. ``run``: the node held blocks 0..run-1 of this hash's chain when
+  it stored it (0: it did not hold the parent). Every node holding the hash is one field, so one
+  HGETALL answers "who holds block i" for all nodes.
+- ``P:node:<n>``      the node's current incarnation; TTL, refreshed by heartbeats. Entries whose
+  inc differs, or whose node key is gone, are ignored by lookups (and deleted when seen).
+- ``P:nodes`` set of registered nodes; ``P:maxinc`` hash node -> highest incarnation (fencing).
+- ``P:keys:<n>``      set of the node's entry keys (to drop them all on clear, restart, expiry).
+- ``P:kids|hp|holes:<n>:<inc>:<g>`` hole records, TTL as the node key; ``P:aux:<n>`` lists them.
+  A hole is a removed hash whose descendants the node still holds: ``hp`` hash -> parent key,
+  ``holes`` zset member = hash key, score = its position; ``kids`` counts each hash's held or hole
+  children. A hole goes when its last child goes (``release`` walks up the chain).
+
+Lookups. Let probe(i) = "the node holds block i with run == i + 1". With no hole on the path,
+probe holds exactly for i below the node's run, so a binary search finds the run in O(log N)
+HGETALLs (after probing block 0 and block N-1). With holes, probe stays true below the first
+missing block t (nothing there was removed), so the search ends at some d >= t; if d > t the
+missing block t has held descendants, so it is a hole on this prompt's path at position t, and
+the run is cut there. Exact, and tested against ``InMemoryBlockIndex``'s block-by-block scan.
+
+Scripts build key names from ARGV: fine on one Redis server, not on Redis Cluster.
+"""
+
+# Shared by register and publish: drop every entry and hole record of a node (any incarnation).
+_DROP_NODE = """
+local function drop_node(P, node)
+  local keyset, auxset = P .. ':keys:' .. node, P .. ':aux:' .. node
+  for _, k in ipairs(redis.call('SMEMBERS', keyset)) do redis.call('HDEL', k, node) end
+  for _, k in ipairs(redis.call('SMEMBERS', auxset)) do redis.call('UNLINK', k) end
+  redis.call('DEL', keyset, auxset)
+end
+"""
+
+# ARGV: P, node, inc, ttl_ms -> 1 registered, 0 refused (a newer incarnation registered).
+# A new incarnation, or the same one after expiry, starts empty. Nodes that expired without
+# registering again are swept here.
+REGISTER_LUA = _DROP_NODE + """
+local P, node, inc, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local maxinc = redis.call('HGET', P .. ':maxinc', node)
+if maxinc and inc < maxinc then return 0 end
+redis.call('HSET', P .. ':maxinc', node, inc)
+local nodekey = P .. ':node:' .. node
+if redis.call('GET', nodekey) ~= inc then drop_node(P, node) end
+redis.call('SET', nodekey, inc, 'PX', ttl)
+redis.call('SADD', P .. ':nodes', node)
+for _, k in ipairs(redis.call('SMEMBERS', P .. ':aux:' .. node)) do
+  redis.call('PEXPIRE', k, ttl)
+end
+for _, other in ipairs(redis.call('SMEMBERS', P .. ':nodes')) do
+  if redis.call('EXISTS', P .. ':node:' .. other) == 0 then
+    drop_node(P, other)
+    redis.call('SREM', P .. ':nodes', other)
+  end
+end
+return 1
+"""
+
+# ARGV: P, node, inc, ttl_ms -> 1 alive, 0 fenced (expired, or not the current incarnation).
+HEARTBEAT_LUA = """
+local P, node, inc, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local nodekey = P .. ':node:' .. node
+if redis.call('GET', nodekey) ~= inc then return 0 end
+redis.call('PEXPIRE', nodekey, ttl)
+for _, k in ipairs(redis.call('SMEMBERS', P .. ':aux:' .. node)) do
+  redis.call('PEXPIRE', k, ttl)
+end
+return 1
+"""
+
+# ARGV: P, node, inc, then 5 per op: kind, group, key, parent key ('' for block 0), data.
+# S: data = block id(4) .. tier; run and slowest tier come from the node's parent entry.
+# R: data = tier [.. block id(4)]; deletes the node's entry only if they match.
+# C: drops every entry of the node.   -> 1 applied, 0 fenced.
+PUBLISH_LUA = _DROP_NODE + """
+local P, node, inc = ARGV[1], ARGV[2], ARGV[3]
+local nodekey = P .. ':node:' .. node
+if redis.call('GET', nodekey) ~= inc then return 0 end
+local keyset, auxset = P .. ':keys:' .. node, P .. ':aux:' .. node
+local tail = ':' .. node .. ':' .. inc .. ':'
+local aux = {}
+local function aux_of(g)
+  local a = aux[g]
+  if not a then
+    a = {P .. ':kids' .. tail .. g, P .. ':hp' .. tail .. g, P .. ':holes' .. tail .. g}
+    aux[g] = a
+    redis.call('SADD', auxset, a[1], a[2], a[3])
+  end
+  return a
+end
+local function mine(v) return v and #v >= 30 and string.sub(v, 1, 20) == inc end
+local function release(a, parent)
+  while parent ~= '' do
+    if redis.call('HINCRBY', a[1], parent, -1) > 0 then return end
+    redis.call('HDEL', a[1], parent)
+    local up = redis.call('HGET', a[2], parent)
+    if not up then return end
+    redis.call('HDEL', a[2], parent)
+    redis.call('ZREM', a[3], parent)
+    parent = up
+  end
+end
+for i = 4, #ARGV, 5 do
+  local kind, g, h, parent, data = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+  local ekey = P .. ':e:' .. g .. ':' .. h
+  if kind == 'S' then
+    local a = aux_of(g)
+    local run, worst = 0, string.byte(data, 5)
+    if parent == '' then
+      run = 1
+    else
+      local pv = redis.call('HGET', P .. ':e:' .. g .. ':' .. parent, node)
+      if mine(pv) then
+        local prun = struct.unpack('>I4', pv, 26)
+        if prun > 0 then
+          run = prun + 1
+          worst = math.max(worst, string.byte(pv, 30))
+        end
+      end
+    end
+    if not mine(redis.call('HGET', ekey, node)) then
+      if redis.call('HDEL', a[2], h) == 1 then
+        redis.call('ZREM', a[3], h)
+      elseif parent ~= '' then
+        redis.call('HINCRBY', a[1], parent, 1)
+      end
+      redis.call('SADD', keyset, ekey)
+    end
+    redis.call('HSET', ekey, node,
+               inc .. data .. struct.pack('>I4', run) .. string.char(worst) .. parent)
+  elseif kind == 'R' then
+    local a = aux_of(g)
+    local v = redis.call('HGET', ekey, node)
+    if mine(v) and string.sub(v, 25, 25) == string.sub(data, 1, 1)
+        and (#data == 1 or string.sub(v, 21, 24) == string.sub(data, 2, 5)) then
+      redis.call('HDEL', ekey, node)
+      redis.call('SREM', keyset, ekey)
+      local vparent = string.sub(v, 31)
+      if tonumber(redis.call('HGET', a[1], h) or '0') > 0 then
+        redis.call('HSET', a[2], h, vparent)
+        local run = struct.unpack('>I4', v, 26)
+        if run > 0 then redis.call('ZADD', a[3], run - 1, h) end
+      else
+        release(a, vparent)
+      end
+    end
+  else
+    drop_node(P, node)
+    aux = {}
+  end
+end
+local pttl = redis.call('PTTL', nodekey)
+if pttl > 0 then
+  for _, a in pairs(aux) do
+    for j = 1, 3 do redis.call('PEXPIRE', a[j], pttl) end
+  end
+end
+return 1
+"""
+
+# ARGV: P, key_len, keys (concatenated), num_groups, all ('1': every holder; '0': the holders
+# of the deepest run), group ids..., excluded node ids...
+# -> {garbage, then per holder: node, inc, run, slowest tier code}.
+LOOKUP_LUA = """
+local P, L, blob, ng = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local all = ARGV[5] == '1'
+local n = #blob / L
+local groups, excluded = {}, {}
+for i = 1, ng do groups[i] = ARGV[5 + i] end
+for i = 6 + ng, #ARGV do excluded[ARGV[i]] = true end
+local garbage = 0
+local function hash_at(pos) return string.sub(blob, pos * L + 1, (pos + 1) * L) end
+local function tier_ok(t) return t == 100 or t == 104 or t == 115 end
+local incs = {}
+local function live_inc(node)
+  local inc = incs[node]
+  if inc == nil then
+    inc = redis.pcall('GET', P .. ':node:' .. node)
+    if type(inc) == 'table' or (inc and (#inc ~= 20 or not string.match(inc, '^%d+$'))) then
+      garbage = garbage + 1
+      inc = false
+    end
+    incs[node] = inc
+  end
+  return inc
+end
+local memo = {}
+-- at(pos): node -> slowest tier code, for nodes holding block pos as the end of a full run
+-- (run == pos + 1) in every group.
+local function at(pos)
+  local r = memo[pos]
+  if r then return r end
+  r = {}
+  for gi = 1, ng do
+    local key = P .. ':e:' .. groups[gi] .. ':' .. hash_at(pos)
+    local flat = redis.pcall('HGETALL', key)
+    if type(flat) ~= 'table' or flat.err then
+      garbage = garbage + 1
+      flat = {}
+    end
+    local cur = {}
+    for j = 1, #flat, 2 do
+      local node, v = flat[j], flat[j + 1]
+      if not excluded[node] and (gi == 1 or r[node]) then
+        if #v < 30 or not tier_ok(string.byte(v, 25)) or not tier_ok(string.byte(v, 30)) then
+          garbage = garbage + 1
+        else
+          local inc = live_inc(node)
+          if inc and string.sub(v, 1, 20) == inc then
+            if struct.unpack('>I4', v, 26) == pos + 1 then
+              cur[node] = math.max(r[node] or 0, string.byte(v, 30))
+            end
+          else
+            redis.call('HDEL', key, node)
+          end
+        end
+      end
+    end
+    r = cur
+    if next(r) == nil then break end
+  end
+  memo[pos] = r
+  return r
+end
+-- Deepest d such that pred(at(d - 1)), assuming pred is monotone; 0 if not even at(0).
+local function search(pred)
+  if not pred(at(0)) then return 0 end
+  local lo, hi = 0, n
+  if n > 1 then
+    if pred(at(n - 1)) then lo = n - 1 else hi = n - 1 end
+  end
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if pred(at(mid)) then lo = mid else hi = mid end
+  end
+  return lo + 1
+end
+-- The node's run d cut at the first hole on this prompt's path, in any group.
+local function cut(node, d)
+  local tail = ':' .. node .. ':' .. live_inc(node) .. ':'
+  for gi = 1, ng do
+    local holes = redis.pcall('ZRANGEBYSCORE', P .. ':holes' .. tail .. groups[gi], 0, d - 1,
+                              'WITHSCORES')
+    if type(holes) ~= 'table' or holes.err then
+      garbage = garbage + 1
+    else
+      for j = 1, #holes, 2 do
+        local pos = tonumber(holes[j + 1])
+        if pos and pos < d and hash_at(pos) == holes[j] then d = pos end
+      end
+    end
+  end
+  return d
+end
+local function node_run(node)
+  return cut(node, search(function(s) return s[node] ~= nil end))
+end
+local out = {0}
+local function emit(node, d)
+  out[#out + 1] = node
+  out[#out + 1] = live_inc(node)
+  out[#out + 1] = d
+  out[#out + 1] = string.char(at(d - 1)[node] or 100)
+end
+if n > 0 then
+  local runs, best = {}, 0
+  if not all then
+    local d = search(function(s) return next(s) ~= nil end)
+    if d > 0 then
+      for node in pairs(at(d - 1)) do
+        runs[node] = cut(node, d)
+        best = math.max(best, runs[node])
+      end
+    end
+    all = d > 0 and best < d
+  end
+  if all then
+    runs, best = {}, 0
+    for node in pairs(at(0)) do
+      runs[node] = node_run(node)
+      best = math.max(best, runs[node])
+    end
+  end
+  for node, d in pairs(runs) do
+    if d > 0 and (ARGV[5] == '1' or d == best) then emit(node, d) end
+  end
+end
+out[1] = garbage
+return out
+"""
+
+# ARGV: P, node, inc, key_len, keys (concatenated), group ids...
+# -> per group the block ids (4 bytes each, concatenated), or nil if any is not held.
+GET_BLOCK_IDS_LUA = """
+local P, node, inc, L, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+if redis.call('GET', P .. ':node:' .. node) ~= inc then return false end
+local out = {}
+for gi = 6, #ARGV do
+  local ids = {}
+  for pos = 0, #blob / L - 1 do
+    local key = P .. ':e:' .. ARGV[gi] .. ':' .. string.sub(blob, pos * L + 1, (pos + 1) * L)
+    local v = redis.call('HGET', key, node)
+    if not v or #v < 30 or string.sub(v, 1, 20) ~= inc then return false end
+    ids[pos + 1] = string.sub(v, 21, 24)
+  end
+  out[#out + 1] = table.concat(ids)
+end
+return out
+"""
