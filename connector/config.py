@@ -17,6 +17,8 @@ key                          default   meaning
 ``load_failure_policy``      recompute ``"recompute"`` or ``"fail"``
 ``index_url``                None      ``redis://host:port/db``, ``"memory"`` or None (no index)
 ``min_remote_hit_blocks``    1         a remote hit must beat the local hit by this many blocks
+``index_ttl_s``              10.0      a node's index entries expire this long after its last
+                                       heartbeat (heartbeats every third of it)
 ``model_name``               kvbridge  part of the index namespace and the handshake
 ===========================  ========  ==========================================================
 """
@@ -53,6 +55,7 @@ class KVTransferConfig:
     load_failure_policy: str = "recompute"
     index_url: str | None = None
     min_remote_hit_blocks: int = 1
+    index_ttl_s: float = 10.0
     model_name: str = "kvbridge"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -67,7 +70,7 @@ class KVTransferConfig:
             )
         if not 0 <= self.port <= 65535:
             raise KVTransferConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("load_timeout_s", "lease_s", "heartbeat_interval_s"):
+        for name in ("load_timeout_s", "lease_s", "heartbeat_interval_s", "index_ttl_s"):
             if getattr(self, name) <= 0:
                 raise KVTransferConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_interval_s >= self.lease_s:

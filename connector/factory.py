@@ -8,6 +8,7 @@ before it serves a read). ``create_engine`` does all three steps.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,6 +81,11 @@ def create_engine(
     ``KVTransferConfig`` raise for bad settings.
     """
     model_config = model.config if isinstance(model, ReferenceDecoder) else model
+    if not isinstance(kv_transfer_config, KVTransferConfig):
+        kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)
+    if kv_transfer_config.index_url and not engine_config.enable_kv_cache_events:
+        # The index is fed from the block pool's events.
+        engine_config = dataclasses.replace(engine_config, enable_kv_cache_events=True)
     factory = KVBridgeConnectorFactory(
         kv_transfer_config,
         model_config=model_config,

@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -55,8 +55,10 @@ from kvbridge.transport import (
     Transport,
 )
 
+from .block_index import IndexNamespace, new_incarnation
 from .config import KVTransferConfig
 from .errors import KVConnectorError, KVTransferParamsError
+from .index_client import IndexClient, open_index
 from .lease import LeaseTable
 from .loop_thread import get_loop_thread
 from .pull_plan import PullPlan, ReleaseNotice, plan_group_pulls
@@ -94,6 +96,8 @@ class ConnectorContext:
     transport: Transport | None = None
     loopback_network: LoopbackNetwork | None = None
     loopback_faults: LoopbackFaults | None = None
+    incarnation: int = field(default_factory=new_incarnation)
+    index_client: IndexClient | None = None
 
     def __post_init__(self) -> None:
         if self.leases is None:
@@ -140,6 +144,7 @@ class KVBridgeConnector(KVConnectorBase):
         self._remote: dict[str, tuple[RemotePrefillParams, int]] = {}
         self._reqs_to_recv: dict[str, PullPlan] = {}
         self._notices: list[ReleaseNotice] = []
+        self._events: list[Any] = []
         # worker half
         self._inflight: dict[str, Future[PullOutcome]] = {}
         self._load_errors: set[int] = set()
@@ -166,7 +171,7 @@ class KVBridgeConnector(KVConnectorBase):
     ) -> MatchedTokens:
         params = request.kv_transfer_params
         if not (self.kv_role.is_consumer and wants_remote_prefill(params)):
-            return MatchedTokens(0, False)
+            return self._match_from_index(request, num_computed_tokens)
         try:
             remote = self.parse_remote_prefill(params)  # type: ignore[arg-type]
         except KVTransferParamsError as exc:
@@ -178,6 +183,43 @@ class KVBridgeConnector(KVConnectorBase):
         num_remote = min(remote.remote_num_tokens, request.num_prompt_tokens)
         return MatchedTokens(max(num_remote - num_computed_tokens, 0), True)
 
+    def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
+        """DESIGN step 6: a request without params asks the index for its longest prefix held
+        on another node; a hit that beats the local one by ``min_remote_hit_blocks`` is pulled
+        through the same path as a P/D handoff (no lease: the holder's hash check guards it)."""
+        client = self.ctx.index_client
+        if client is None or request.skip_reading_prefix_cache:
+            return MatchedTokens(0, False)
+        block_size = self.ctx.block_size
+        # Never plan the last token's block: it is recomputed for its logits anyway.
+        hashes = request.block_hashes[: (request.num_tokens - 1) // block_size]
+        self.ctx.stats.add("num_index_lookups")
+        found = client.find_remote_prefix(
+            hashes,
+            num_local_blocks=num_computed_tokens // block_size,
+            min_gain_blocks=self.ctx.config.min_remote_hit_blocks,
+        )
+        if found is None:
+            return MatchedTokens(0, False)
+        num_remote_tokens = found.num_blocks * block_size
+        remote = RemotePrefillParams(
+            remote_engine_id=found.holder.node_id,
+            remote_incarnation=str(found.holder.incarnation),
+            remote_request_id="",  # not a handoff: no lease to extend or release
+            remote_host=found.address.host,
+            remote_port=found.address.port,
+            remote_block_ids=tuple(tuple(ids) for ids in found.block_ids),
+            remote_num_tokens=num_remote_tokens,
+            remote_block_size=block_size,
+            lease_expires_at=0.0,
+        )
+        self._remote[request.request_id] = (remote, num_computed_tokens)
+        num_new = num_remote_tokens - num_computed_tokens
+        self.ctx.stats.add("num_index_hits")
+        tier_counter = "store_hit_tokens" if found.holder.tier == "store" else "remote_hit_tokens"
+        self.ctx.stats.add(tier_counter, num_new)
+        return MatchedTokens(num_new, True)
+
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
@@ -187,7 +229,8 @@ class KVBridgeConnector(KVConnectorBase):
         remote, num_local = entry
         if num_external_tokens == 0:
             # The local prefix cache covers everything P offered: P only releases its blocks.
-            self._notices.append(_release(remote, success=True, reason="local prefix hit"))
+            if remote.remote_request_id:
+                self._notices.append(_release(remote, success=True, reason="local prefix hit"))
             return
         block_size = self.ctx.block_size
         start_block = num_local // block_size
@@ -209,10 +252,28 @@ class KVBridgeConnector(KVConnectorBase):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._publish_events()
         meta = KVBridgeConnectorMetadata(reqs_to_recv=self._reqs_to_recv, notices=self._notices)
         self._reqs_to_recv = {}
         self._notices = []
         return meta
+
+    def _publish_events(self) -> None:
+        """Forward this step's ``BlockPool`` events to the index (one batch) and keep them for
+        ``take_events``."""
+        manager = self.ctx.kv_cache_manager
+        if manager is None or self.ctx.index_client is None:
+            return
+        events = list(manager.take_events())
+        if events:
+            self._events.extend(events)
+            self.ctx.index_client.publish(events)
+
+    def take_events(self) -> Iterable[Any]:
+        """The ``BlockPool`` events this connector forwarded to the index since the last call
+        (with an index configured, the connector drains the manager's events each step)."""
+        events, self._events = self._events, []
+        return events
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -284,6 +345,7 @@ class KVBridgeConnector(KVConnectorBase):
             model_name=self.ctx.config.model_name,
             hash_fn_name=self.ctx.hash_fn_name,
         )
+        metadata = replace(metadata, incarnation=str(self.ctx.incarnation))
         transport = self._make_transport(metadata, by_group)
         transport.set_callbacks(
             block_validator=self._validate_blocks,
@@ -294,12 +356,33 @@ class KVBridgeConnector(KVConnectorBase):
         loop.run(transport.start(), _START_TIMEOUT_S)
         self.ctx.transport = transport
         self._heartbeat_task = loop.run(self._start_heartbeats(), _START_TIMEOUT_S)
+        if self.ctx.config.index_url:
+            self._start_index(transport)
         logger.info(
             "%s: transport %s listening on %s:%d",
             self.ctx.config.engine_id,
             self.ctx.config.transport,
             *transport.address,
         )
+
+    def _start_index(self, transport: Transport) -> None:
+        config = self.ctx.config
+        namespace = IndexNamespace(
+            model_name=config.model_name,
+            block_size=self.ctx.block_size,
+            hash_fn_name=self.ctx.hash_fn_name,
+        )
+        index, directory = open_index(config.index_url, namespace)  # type: ignore[arg-type]
+        client = IndexClient(
+            index,
+            directory,
+            node_id=config.engine_id,
+            incarnation=self.ctx.incarnation,
+            group_ids=range(self.ctx.num_groups),
+            ttl_s=config.index_ttl_s,
+        )
+        client.start(*transport.address)
+        self.ctx.index_client = client
 
     def _make_transport(
         self, metadata: NodeMetadata, by_group: Sequence[Sequence[torch.Tensor]]
@@ -371,6 +454,9 @@ class KVBridgeConnector(KVConnectorBase):
         return errors
 
     def shutdown(self) -> None:
+        client, self.ctx.index_client = self.ctx.index_client, None
+        if client is not None:
+            client.close()
         transport, self.ctx.transport = self.ctx.transport, None
         if transport is None:
             return
@@ -396,7 +482,8 @@ class KVBridgeConnector(KVConnectorBase):
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
         error: str | None = None
-        self._heartbeat_targets[plan.request_id] = (peer, params.remote_request_id)
+        if params.remote_request_id:  # a handoff under a lease (index pulls have none)
+            self._heartbeat_targets[plan.request_id] = (peer, params.remote_request_id)
         try:
             peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
             if (peer_meta.engine_id, peer_meta.incarnation) != (
@@ -448,8 +535,8 @@ class KVBridgeConnector(KVConnectorBase):
                 transfer_s=elapsed,
                 queue_s=started - plan.created_at,
             )
-        notice = _release(params, success=not failed, reason=error or "")
-        await _send_notice(transport, notice)
+        if params.remote_request_id:
+            await _send_notice(transport, _release(params, success=not failed, reason=error or ""))
         return PullOutcome(plan.request_id, tuple(sorted(failed)), num_bytes, error)
 
     async def _start_heartbeats(self) -> asyncio.Task[None]:

@@ -33,6 +33,9 @@ class KVTransferStats:
     ``num_loads`` (pulls that landed), ``num_failed_loads`` (pulls that failed, timed out or were
     refused), ``num_blocks_received``, ``num_load_errors_blocks`` (local blocks that did not
     land), ``num_expired_leases`` (blocks held for a puller that never came back),
+    ``num_index_lookups`` / ``num_index_hits`` (cross-node prefix lookups and pulls they started),
+    ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens planned from another node's
+    device/host blocks, or from the store tier),
     ``num_released_leases`` (completion notices), ``transfer_s`` (pull durations, seconds),
     ``queue_s`` (from the request's arrival to the pull's start, seconds).
     """
@@ -46,6 +49,10 @@ class KVTransferStats:
     num_expired_leases: int = 0
     num_released_leases: int = 0
     num_rejected_params: int = 0
+    num_index_lookups: int = 0
+    num_index_hits: int = 0
+    remote_hit_tokens: int = 0
+    store_hit_tokens: int = 0
     transfer_s_sum: float = 0.0
     queue_s_sum: float = 0.0
     _transfer_s: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW), repr=False)

@@ -1,0 +1,116 @@
+"""Where each node's transport listens, so a request can pull from a holder the index names.
+
+The block index says *which* node holds a prefix (node id + incarnation); the directory says
+*where* to reach it (host, port). Entries expire unless re-announced (the same TTL rhythm as the
+index's node heartbeats), so a stopped node disappears from both.
+
+Two backends with one contract: ``InMemoryNodeDirectory`` (one process) and
+``RedisNodeDirectory`` (one ``SET key value EX ttl`` per announce, one ``GET`` per lookup; Redis
+trouble is logged and answers None, never raises).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import msgpack
+import redis
+
+__all__ = ["InMemoryNodeDirectory", "NodeAddress", "NodeDirectory", "RedisNodeDirectory"]
+
+logger = logging.getLogger(__name__)
+
+
+class NodeAddress(NamedTuple):
+    """A node's transport address and the incarnation listening there."""
+
+    host: str
+    port: int
+    incarnation: int
+
+
+class NodeDirectory(Protocol):
+    def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
+        """Publish (or refresh) ``node_id``'s address for ``ttl_s`` seconds."""
+        ...
+
+    def lookup(self, node_id: str) -> NodeAddress | None:
+        """The node's live address, or None (unknown, expired, or backend trouble)."""
+        ...
+
+    def withdraw(self, node_id: str) -> None:
+        """Remove the node's entry (clean shutdown)."""
+        ...
+
+
+class InMemoryNodeDirectory:
+    """Process-local directory; thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._entries: dict[str, tuple[NodeAddress, float]] = {}
+        self._lock = threading.Lock()
+
+    def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
+        with self._lock:
+            self._entries[node_id] = (address, self._clock() + ttl_s)
+
+    def lookup(self, node_id: str) -> NodeAddress | None:
+        with self._lock:
+            entry = self._entries.get(node_id)
+            if entry is None or entry[1] <= self._clock():
+                return None
+            return entry[0]
+
+    def withdraw(self, node_id: str) -> None:
+        with self._lock:
+            self._entries.pop(node_id, None)
+
+
+class RedisNodeDirectory:
+    """Directory in Redis under ``<key_prefix>:addr:<node_id>``.
+
+    Args:
+        client: a redis-py client (its socket timeouts bound every call).
+        key_prefix: the index namespace's key prefix (model, block size, hash function).
+    """
+
+    def __init__(self, client: redis.Redis, key_prefix: str) -> None:
+        self._client = client
+        self._prefix = f"{key_prefix}:addr:"
+
+    def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
+        value = msgpack.packb([address.host, address.port, address.incarnation])
+        try:
+            self._client.set(self._prefix + node_id, value, px=max(int(ttl_s * 1000), 1))
+        except redis.RedisError as exc:
+            logger.warning("node directory: announce of %s failed: %s", node_id, exc)
+
+    def lookup(self, node_id: str) -> NodeAddress | None:
+        try:
+            raw = self._client.get(self._prefix + node_id)
+        except redis.RedisError as exc:
+            logger.warning("node directory: lookup of %s failed: %s", node_id, exc)
+            return None
+        if raw is None:
+            return None
+        try:
+            host, port, incarnation = msgpack.unpackb(raw)
+            if not (isinstance(host, str) and isinstance(port, int) and 0 < port < 65536):
+                raise ValueError("bad field types")
+            if not isinstance(incarnation, int):
+                raise ValueError("bad incarnation")
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            logger.warning("node directory: garbage entry for %s skipped: %s", node_id, exc)
+            return None
+        return NodeAddress(host, port, incarnation)
+
+    def withdraw(self, node_id: str) -> None:
+        try:
+            self._client.delete(self._prefix + node_id)
+        except redis.RedisError as exc:
+            logger.warning("node directory: withdraw of %s failed: %s", node_id, exc)
