@@ -88,6 +88,33 @@ class BlockPool:
             found.append(next(iter(entry.values())))
         return found
 
+    def get_cached_prefix(
+        self, block_hashes: Sequence[BlockHash], kv_cache_group_ids: Sequence[int], max_blocks: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """The longest run ``block_hashes[0:k]`` (k <= ``max_blocks``) cached in every group, as
+        one block list per group: ``get_cached_block`` in a loop that stops at the first miss,
+        with the group suffixes built once (the full-attention hit search). Pure."""
+        cache = self.cached_block_hash_to_block
+        suffixes = [make_block_hash_with_group_id(b"", gid) for gid in kv_cache_group_ids]
+        found: tuple[list[KVCacheBlock], ...] = tuple([] for _ in suffixes)
+        limit = min(max_blocks, len(block_hashes))
+        if len(suffixes) == 1:
+            (suffix,), (out,) = suffixes, found
+            append = out.append
+            for i in range(limit):
+                entry = cache.get(block_hashes[i] + suffix)
+                if not entry:
+                    break
+                append(next(iter(entry.values())))
+            return found
+        for i in range(limit):
+            entries = [cache.get(block_hashes[i] + suffix) for suffix in suffixes]
+            if not all(entries):
+                break
+            for out, entry in zip(found, entries, strict=True):
+                out.append(next(iter(entry.values())))  # type: ignore[union-attr]
+        return found
+
     # -- caching ------------------------------------------------------------------------------
     def cache_full_blocks(
         self,

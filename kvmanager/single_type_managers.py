@@ -257,15 +257,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         alignment_tokens: int | None = None,
     ) -> tuple[list[KVCacheBlock], ...]:
         block_size = kv_cache_spec.block_size
-        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        max_num_blocks = min(max_length // block_size, len(block_hashes))
-        get_cached_block = block_pool.get_cached_block
-        for i in range(max_num_blocks):
-            cached = get_cached_block(block_hashes[i], kv_cache_group_ids)
-            if cached is None:
-                break
-            for blocks, block in zip(computed, cached, strict=True):
-                blocks.append(block)
+        computed = block_pool.get_cached_prefix(
+            block_hashes, kv_cache_group_ids, max_length // block_size
+        )
         align_blocks = (alignment_tokens or block_size) // block_size
         if align_blocks > 1:
             keep = len(computed[0]) // align_blocks * align_blocks

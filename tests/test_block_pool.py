@@ -259,3 +259,17 @@ def test_pool_integrity_names_the_broken_block(
     corrupt(pool)
     with pytest.raises(RuntimeError, match=message):
         check_pool_integrity(pool)
+
+
+def test_get_cached_prefix_stops_at_the_first_block_any_group_misses() -> None:
+    pool = BlockPool(12, enable_caching=True)
+    req = _cached_request(16)
+    g0, g1 = pool.get_new_blocks(4), pool.get_new_blocks(2)
+    _cache(pool, req, g0, group_id=0)  # positions 0-3 in group 0
+    _cache(pool, req, g1, group_id=1)  # positions 0-1 in group 1
+    assert pool.get_cached_prefix(req.block_hashes, [0], 9) == (g0,)
+    assert pool.get_cached_prefix(req.block_hashes, [0], 3) == (g0[:3],)  # max_blocks caps it
+    assert pool.get_cached_prefix(req.block_hashes, [0, 1], 9) == (g0[:2], g1)
+    pool.evict_blocks([g0[0].block_id])
+    assert pool.get_cached_prefix(req.block_hashes, [0, 1], 9) == ([], [])  # a miss at 0
+    check_pool_integrity(pool)
