@@ -195,8 +195,23 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     prune fastest); cross-attention groups are skipped.
     """
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        kv_event_medium: str | None = None,
+    ) -> None:
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            kv_event_medium,
+        )
         searchable = [m for m in self.single_type_managers if m.supports_prefix_caching]
         searchable.sort(key=lambda m: not isinstance(m, FullAttentionManager))
         self._search_order = tuple(searchable)
