@@ -171,9 +171,12 @@ class IndexClient:
             return
         result = self.index.publish(self.node_id, self.incarnation, events, default_tier=self.tier)
         if result.status == "fenced":
+            # Our registration lapsed (a long pause, or Redis lost its data): register again
+            # and apply the batch once more; blocks stored before the lapse stay unlisted.
             logger.warning("index: publish of %s fenced; registering again", self.node_id)
             self.num_reregistrations += 1
             self._register()
+            self.index.publish(self.node_id, self.incarnation, events, default_tier=self.tier)
 
     def find_remote_prefix(
         self,

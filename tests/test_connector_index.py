@@ -1,0 +1,196 @@
+"""The block index in the connector (issue 6, part 4): three nodes over the loopback transport
+and a real ``redis-server`` (fixture), each a full engine that publishes its block-pool events and
+asks the index for a request's longest prefix before it falls back to local APC."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from _engine_builders import reference_greedy, tiny_model
+from _pd_builders import assert_node_empty, long_prompt, run_to_completion
+from kvbridge.connector.factory import create_engine
+from kvbridge.kvmanager import BlockStored, Request, SamplingParams
+from kvbridge.kvmanager.engine import Engine, EngineConfig
+from kvbridge.transport import LoopbackNetwork
+
+BLOCK_SIZE = 16
+MAX_TOKENS = 3
+
+
+def make_node(engine_id: str, network: LoopbackNetwork, index_url: str, **extra) -> Engine:
+    """A ``kv_both`` node: serves its blocks to others, pulls theirs via the index."""
+    config = EngineConfig(
+        num_blocks=160, block_size=BLOCK_SIZE, max_model_len=1100, max_num_batched_tokens=1100
+    )
+    kv_transfer_config = {
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "transport": "loopback",
+            "index_url": index_url,
+            "index_ttl_s": 1.5,
+            "heartbeat_interval_s": 0.1,
+            "load_timeout_s": 5.0,
+            **extra,
+        },
+    }
+    return create_engine(
+        tiny_model(hybrid=False), config, kv_transfer_config, loopback_network=network
+    )
+
+
+def serve(engine: Engine, request_id: str, prompt: list[int], **kwargs) -> list[int]:
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS), **kwargs)
+    return run_to_completion(engine, request_id).token_ids
+
+
+def stats(engine: Engine) -> dict:
+    return engine.scheduler.connector.stats.snapshot()
+
+
+def index_client(engine: Engine):
+    return engine.scheduler.connector.ctx.index_client
+
+
+@pytest.fixture
+def nodes(redis_url):
+    network = LoopbackNetwork()
+    made: list[Engine] = []
+
+    def build(engine_id: str, **extra) -> Engine:
+        engine = make_node(engine_id, network, redis_url, **extra)
+        made.append(engine)
+        return engine
+
+    yield build
+    for engine in made:
+        engine.shutdown()
+
+
+def blocks_of(prompt: list[int]) -> int:
+    return len(prompt) // BLOCK_SIZE
+
+
+def test_request_pulls_the_longest_prefix_then_falls_back_to_local_apc(nodes):
+    a, b, c = nodes("node-a"), nodes("node-b"), nodes("node-c")
+    prompt = long_prompt(62 * BLOCK_SIZE + 5)
+    # (1) A holds the prompt's first 40 blocks, B its first 60 (both hashed and published).
+    serve(a, "warm-a", prompt[: 40 * BLOCK_SIZE + 3])
+    serve(b, "warm-b", prompt[: 60 * BLOCK_SIZE + 3])
+
+    # (2) C has nothing local: the index names B (60 > 40 blocks), C pulls 60 blocks from B.
+    tokens = serve(c, "req-0", prompt)
+    assert tokens == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    s = stats(c)
+    assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0)
+    assert s["num_blocks_received"] == 60
+    assert s["remote_hit_tokens"] == 60 * BLOCK_SIZE
+
+    # (3) A prompt nobody holds: the lookup misses and C computes it with local APC only.
+    other = long_prompt(10 * BLOCK_SIZE, salt="Nobody has seen this text. ")
+    assert serve(c, "req-1", other) == reference_greedy(other, MAX_TOKENS, hybrid=False)
+    s = stats(c)
+    assert (s["num_index_lookups"], s["num_index_hits"], s["num_loads"]) == (2, 1, 1)
+    for node in (a, b, c):
+        assert_node_empty(node)
+
+
+def test_eviction_and_restart_remove_entries_and_fence_the_old_incarnation(nodes, redis_url):
+    a = nodes("node-a")
+    prompt = long_prompt(20 * BLOCK_SIZE + 2)
+    serve(a, "warm", prompt)
+    # The prompt's block hashes, from a request built with the node's own hasher.
+    probe = Request(
+        "probe",
+        prompt,
+        SamplingParams(max_tokens=1),
+        block_hasher=a.kv_cache_manager.request_block_hasher,
+    )
+    hashes = probe.block_hashes[:20]
+    index = index_client(a).index
+
+    def depth() -> int:
+        return index.longest_prefix(hashes, (0,)).num_blocks
+
+    assert depth() == 20
+    # (1) Evicting block 5's hash on A removes it from the index at A's next step.
+    block_id = a.kv_cache_manager.block_pool.get_cached_block(hashes[5], [0])[0].block_id
+    a.kv_cache_manager.block_pool.evict_blocks({block_id})
+    a.step()
+    assert depth() == 5
+    # (2) A restarts: the new incarnation drops every entry of the old one ...
+    old_client = index_client(a)
+    a.shutdown()
+    a2 = nodes("node-a")
+    assert depth() == 0
+    # ... and a zombie publish from the old incarnation is refused.
+    zombie = BlockStored(
+        block_hashes=list(hashes[:3]),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=BLOCK_SIZE,
+        lora_name=None,
+        medium=None,
+        group_id=0,
+        block_ids=[1, 2, 3],
+    )
+    result = old_client.index.publish("node-a", old_client.incarnation, [zombie])
+    assert result.status == "fenced"
+    assert depth() == 0
+    assert_node_empty(a2)
+
+
+def test_stale_index_entry_costs_a_recompute_not_wrong_output(nodes):
+    b, c = nodes("node-b"), nodes("node-c")
+    prompt = long_prompt(12 * BLOCK_SIZE + 7)
+    serve(b, "warm", prompt)
+    # (1) B drops the blocks' hashes but the removal never reaches the index (lost publish).
+    pool = b.kv_cache_manager.block_pool
+    pool.evict_blocks({blk.block_id for blk in pool.blocks if blk.block_hash is not None})
+    b.kv_cache_manager.take_events()
+    # (2) C follows the stale entry; B's hash check refuses the blocks; C recomputes.
+    assert serve(c, "req-0", prompt) == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    s = stats(c)
+    assert (s["num_index_hits"], s["num_failed_loads"]) == (1, 1)
+    assert_node_empty(b)
+    assert_node_empty(c)
+
+
+def test_redis_outage_falls_back_to_local_apc_and_recovers(nodes, redis_server):
+    b, c = nodes("node-b"), nodes("node-c")
+    # (1) Redis goes away: requests still complete through local APC, lookups count failures.
+    redis_server.stop()
+    prompt = long_prompt(8 * BLOCK_SIZE + 3)
+    assert serve(b, "warm", prompt) == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert serve(c, "req-0", prompt) == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert stats(c)["num_index_hits"] == 0
+    assert index_client(c).index.stats.lookups_failed >= 1
+    # (2) Redis is back (empty, as after a crash): nodes register again and publish new blocks.
+    redis_server.start()
+    time.sleep(1.1)  # the index retries a down backend after its back-off interval
+    prompt2 = long_prompt(9 * BLOCK_SIZE + 3, salt="After the outage. ")
+    serve(b, "warm-2", prompt2)
+    assert serve(c, "req-1", prompt2) == reference_greedy(prompt2, MAX_TOKENS, hybrid=False)
+    assert stats(c)["num_index_hits"] == 1
+    assert_node_empty(b)
+    assert_node_empty(c)
+
+
+@pytest.mark.parametrize(
+    "b_kwargs, c_kwargs, hit",
+    [
+        ({"cache_salt": "tenant-1"}, {"cache_salt": "tenant-2"}, False),
+        ({"cache_salt": "tenant-1"}, {"cache_salt": "tenant-1"}, True),
+        ({"lora_name": "adapter-x"}, {}, False),
+        ({}, {"cache_salt": "x"}, False),
+    ],
+)
+def test_salt_and_lora_never_cross_hit_through_the_index(nodes, b_kwargs, c_kwargs, hit):
+    b, c = nodes("node-b"), nodes("node-c")
+    prompt = long_prompt(6 * BLOCK_SIZE + 1)
+    serve(b, "warm", prompt, **b_kwargs)
+    serve(c, "req-0", prompt, **c_kwargs)
+    assert stats(c)["num_index_hits"] == int(hit)
+    assert_node_empty(b)
+    assert_node_empty(c)
