@@ -198,3 +198,20 @@ def test_hash_block_size_must_divide_every_block_size() -> None:
     with pytest.raises(ValueError, match="must divide every block size"):
         KVCacheManager(make_config(10, full_attention_spec(4), full_attention_spec(8)), 100,
                        hash_block_size=8)
+
+
+def test_sliding_window_external_load_allocates_only_blocks_the_window_reads() -> None:
+    manager = make_manager(num_blocks=20, specs=[sliding_window_spec(block_size=2,
+                                                                      sliding_window=4)])
+    req = make_request(manager, "req", num_suffix_tokens=11)
+    # 10 tokens come from a remote node. The next token (position 10) reads tokens 7-10, so
+    # 10 - 4 + 1 = 7 tokens = 3 whole blocks are never read: null, not allocated, not loaded.
+    new_blocks = manager.allocate_slots(
+        req, 0, num_external_computed_tokens=10, delay_cache_blocks=True
+    )
+    assert new_blocks.get_block_ids() == ([1, 2],)
+    assert manager.get_block_ids("req") == ([0, 0, 0, 1, 2],)
+    manager.cache_blocks(req, 10)
+    assert hashed_block_ids(manager.block_pool) == [1, 2]  # null positions are never cached
+    manager.free(req)
+    assert_all_free(manager)

@@ -395,3 +395,26 @@ def test_max_model_len_caps_slots() -> None:
     assert len(manager.allocate_slots(req, 8, num_lookahead_tokens=8).blocks[0]) == 3
     manager.free(req)
     assert_all_free(manager)
+
+
+def test_local_hit_then_external_tokens_are_laid_out_by_position() -> None:
+    manager = make_manager(num_blocks=20, block_size=4)
+    tokens = unique_tokens(17)
+    warm = make_request(manager, "warm", token_ids=tokens[:5])
+    schedule_prefill(manager, warm)  # caches block 1 = tokens 0-3
+    manager.free(warm)  # queue [2, 3, ..., 19, 1]
+    req = make_request(manager, "req", token_ids=tokens)
+    hit, num_hit = manager.get_computed_blocks(req)
+    assert (hit.get_block_ids(), num_hit) == (([1],), 4)
+    # | hit 0-3 | external 4-15 | : the hit keeps position 0, the external tokens get positions
+    # 1-3 from the queue head; nothing is published while the load is in flight.
+    new_blocks = manager.allocate_slots(
+        req, 0, num_hit, hit, num_external_computed_tokens=12, delay_cache_blocks=True
+    )
+    assert new_blocks.get_block_ids() == ([2, 3, 4],)
+    assert manager.get_block_ids("req") == ([1, 2, 3, 4],)
+    assert hashed_block_ids(manager.block_pool) == [1]
+    manager.cache_blocks(req, 16)  # load confirmed: positions 1-3 are published after the hit
+    assert hashed_block_ids(manager.block_pool) == [1, 2, 3, 4]
+    manager.free(req)
+    assert_all_free(manager)
