@@ -8,12 +8,13 @@ Sources, all read at scrape time (no sampling thread):
   KV load times, and the scheduler's ``make_stats()`` (queues, preemptions, KV usage).
 - The connector's ``KVTransferStats.snapshot()`` (connector/stats.py), when the node has a
   connector that exposes ``stats``: bytes moved, pull durations, failed loads, expired leases.
-- The block index's ``IndexStats`` when the connector exposes ``index`` (lookups, hits, trouble).
+- The block index's ``IndexStats`` (``connector.ctx.index_client.index.stats``: lookups, hits,
+  Redis trouble) when the node has an index.
 
 Hit rates are fractions of prompt tokens: ``local`` = local APC hit tokens / prompt tokens looked
-up; ``remote`` = tokens obtained from another node (cached at admission minus local hits);
-``store`` = the part of ``remote`` that came from the store tier, when the connector reports it
-(``store_hit_tokens`` in its stats), else 0.
+up; ``remote`` = tokens the connector planned to pull from another node's device or host blocks
+after an index lookup (``remote_hit_tokens``; a P/D handover is not an index hit and is counted
+by ``pd_cached_tokens``); ``store`` = the same from the store tier (``store_hit_tokens``).
 """
 
 from __future__ import annotations
@@ -50,17 +51,15 @@ def node_stats(loop: Any, *, role: str, engine_id: str) -> dict[str, Any]:
     index: dict[str, Any] = {}
     if connector is not None:
         transfer = dict(connector.stats.snapshot())
-        index_obj = getattr(connector, "index", None) or getattr(
-            getattr(connector, "ctx", None), "index", None
-        )
-        if index_obj is not None and dataclasses.is_dataclass(index_obj.stats):
+        client = getattr(getattr(connector, "ctx", None), "index_client", None)
+        index_stats = getattr(getattr(client, "index", None), "stats", None)
+        if index_stats is not None and dataclasses.is_dataclass(index_stats):
             index = {
-                k: v for k, v in dataclasses.asdict(index_obj.stats).items()
-                if isinstance(v, int)
+                k: v for k, v in dataclasses.asdict(index_stats).items() if isinstance(v, int)
             }
     queries = max(counters["local_query_tokens"], 1)
     prompt_tokens = max(counters["prompt_tokens"], 1)
-    remote_tokens = max(counters["cached_tokens"] - counters["local_hit_tokens"], 0)
+    remote_tokens = int(transfer.get("remote_hit_tokens", 0) or 0)
     store_tokens = int(transfer.get("store_hit_tokens", 0) or 0)
     return {
         "role": role,
@@ -71,7 +70,7 @@ def node_stats(loop: Any, *, role: str, engine_id: str) -> dict[str, Any]:
         "index": index,
         "hit_rate": {
             "local": counters["local_hit_tokens"] / queries,
-            "remote": max(remote_tokens - store_tokens, 0) / prompt_tokens,
+            "remote": remote_tokens / prompt_tokens,
             "store": store_tokens / prompt_tokens,
         },
     }

@@ -11,7 +11,10 @@ Routes:
   ``choices[0].token_ids``, the top-level ``kv_transfer_params`` for the next hop (a prefill node's
   pull ticket for the decode node), and ``kvbridge`` (this node's timings and cache hit). With
   ``"stream": true`` it answers server-sent events, one chunk per step, ending ``data: [DONE]``.
-  A malformed body is a 400 with a message; the node keeps serving.
+  A malformed body, or a request the engine refuses at admission (``Engine.add_request`` raises
+  ``ValueError``: bad token ids, a prompt too long, malformed ``kv_transfer_params`` -- the
+  connector then tells the prefill node to release its blocks), is a 400 with the message; the
+  node keeps serving.
 - ``GET /health``: 200 ``{"status": "ok", "role", "engine_id", ...}``; 503 once the engine loop
   died.
 - ``GET /metrics``: Prometheus text (examples/node_metrics.py); ``GET /v1/stats``: the same as JSON.
@@ -47,7 +50,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from kvbridge.kernels import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 from node_loop import EngineLoop, RequestRejected
-from node_metrics import connector_of, make_registry, node_stats
+from node_metrics import make_registry, node_stats
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 __all__ = ["ROLE_TO_KV_ROLE", "BadRequest", "CompletionBody", "build_app", "build_engine", "main"]
@@ -230,9 +233,6 @@ def build_app(loop: EngineLoop, *, role: str, engine_id: str, model_name: str) -
         except BadRequest as exc:
             return _error(400, str(exc))
         request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        problem = _check_kv_transfer_params(loop, body.kv_transfer_params)
-        if problem is not None:
-            return _error(400, problem)
         if not loop.alive:
             return _error(503, f"engine loop stopped: {loop.error!r}", "server_error")
         params = SamplingParams(max_tokens=body.max_tokens, ignore_eos=body.ignore_eos)
@@ -257,21 +257,6 @@ def build_app(loop: EngineLoop, *, role: str, engine_id: str, model_name: str) -
         return JSONResponse(_completion_json(request_id, model_name, *item, final=True))
 
     return app
-
-
-def _check_kv_transfer_params(loop: EngineLoop, params: dict[str, Any] | None) -> str | None:
-    """Validate a decode request's pull ticket at the door (the connector's parser); a bad one
-    is refused here, and the prefill node is told to release its blocks. Returns the problem."""
-    connector = connector_of(loop.engine)
-    if connector is None or not params or params.get("do_remote_prefill") is not True:
-        return None
-    try:
-        connector.parse_remote_prefill(params)
-    except ValueError as exc:  # KVTransferParamsError is a ValueError
-        connector.stats.add("num_rejected_params")
-        connector.notify_rejected(params, f"rejected at admission: {exc}")
-        return str(exc)
-    return None
 
 
 def _completion_json(

@@ -67,9 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     parser.add_argument("--no-redis", action="store_true", help="embedded in-memory index")
     parser.add_argument("--store", action="store_true", help="also start a store node")
-    parser.add_argument("--conversations", type=int, default=10)
+    parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--trace", default=None, help="Mooncake-format JSONL trace to replay")
     parser.add_argument("--limit", type=int, default=32, help="trace requests to replay")
@@ -240,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
             store_stats=[stats["store"]] if "store" in stats else [],
             memcpy_gbps=memcpy_gb_per_s(),
             index=index,
+            block_size=args.block_size,
         )
         for error in tally.errors[:10]:
             print(f"ERROR: {error}", file=sys.stderr)
@@ -276,7 +277,8 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"KV moved {r['kv_bytes_moved'] / 1e6:.2f} MB at {_fmt(r['kv_transfer_gb_per_s'], ' GB/s')}"
         f" = {_fmt(r['transfer_vs_memcpy_ratio'])} x memcpy ({_fmt(r['memcpy_gb_per_s'])} GB/s); "
         f"fetch / prefill time p50 {_fmt(r['fetch_vs_prefill_ratio_p50'])}, "
-        f"total {_fmt(r['fetch_vs_prefill_ratio_total'])}"
+        f"total {_fmt(r['fetch_vs_prefill_ratio_total'])}, per token "
+        f"{_fmt(r['fetch_vs_prefill_ratio_per_token'])}"
     )
     print(
         f"prefix hits: local APC {_fmt(r['hit_rate_local_apc'])}, remote via index "

@@ -118,6 +118,7 @@ def build_report(
     store_stats: Sequence[dict[str, Any]],
     memcpy_gbps: float,
     index: str,
+    block_size: int,
 ) -> dict[str, Any]:
     """The report's figures as one flat dict (see the README's "What the report says").
 
@@ -146,13 +147,18 @@ def build_report(
         for c, ref_s in zip(completed, reference_prefill_s, strict=True)
         if c.transfer_s is not None
     ]
+    # Per token, so that D's local prefix hits (which shrink a pull) do not flatter the ratio:
+    # seconds per pulled token (whole blocks) / seconds per prefilled prompt token.
+    pulled_tokens = total(decode_stats, "transfer", "num_blocks_received") * block_size
+    prefill_s_per_token = _rate(
+        sum(reference_prefill_s), sum(len(c.prompt_token_ids) for c in completed)
+    )
+    fetch_s_per_token = _rate(transfer_s_sum, pulled_tokens)
     nodes = [*prefill_stats, *decode_stats]
     local_hits = total(nodes, "counters", "local_hit_tokens")
     local_queries = total(nodes, "counters", "local_query_tokens")
-    p_prompt = total(prefill_stats, "counters", "prompt_tokens")
-    p_remote = total(prefill_stats, "counters", "cached_tokens") - total(
-        prefill_stats, "counters", "local_hit_tokens"
-    )
+    all_prompt = total(nodes, "counters", "prompt_tokens")
+    remote_tokens = total(nodes, "transfer", "remote_hit_tokens")
     d_prompt = total(decode_stats, "counters", "pd_prompt_tokens")
     d_pulled = total(decode_stats, "counters", "pd_cached_tokens") - total(
         decode_stats, "counters", "local_hit_tokens"
@@ -179,9 +185,14 @@ def build_report(
         "fetch_vs_prefill_ratio_total": _rate(
             sum(t for t, _ in loaded), sum(r for _, r in loaded)
         ),
+        "fetch_vs_prefill_ratio_per_token": (
+            _rate(fetch_s_per_token, prefill_s_per_token or 0.0)
+            if fetch_s_per_token is not None
+            else None
+        ),
         "hit_rate_local_apc": _rate(local_hits, local_queries),
-        "hit_rate_remote_index": _rate(max(p_remote, 0.0), p_prompt),
-        "hit_rate_store": _rate(store_tokens, p_prompt + d_prompt),
+        "hit_rate_remote_index": _rate(remote_tokens, all_prompt),
+        "hit_rate_store": _rate(store_tokens, all_prompt),
         "pd_pulled_fraction": _rate(max(d_pulled, 0.0), d_prompt),
         "failed_loads": int(total(decode_stats, "transfer", "num_failed_loads")),
         "expired_leases": int(total(prefill_stats, "transfer", "num_expired_leases")),
