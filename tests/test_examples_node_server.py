@@ -1,0 +1,159 @@
+"""The examples' own logic, in process: request-body validation, role -> kv_transfer_config,
+the HTTP app around a plain engine (served through httpx's ASGI transport, no sockets), the trace
+expansion and the report's percentile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from kvbridge.kernels import ModelConfig
+from kvbridge.kvmanager import Engine, EngineConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from node_loop import EngineLoop
+from node_server import BadRequest, CompletionBody, build_app, kv_transfer_config_dict
+from pd_report import percentile
+from pd_workload import trace_requests
+
+BLOCK_SIZE = 16
+
+
+def _args(**overrides) -> argparse.Namespace:
+    fields = dict(role="both", port=8000, host="127.0.0.1", model="tiny", engine_id=None,
+                  kv_transfer_config=None, index_url=None)
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+def _plain_engine() -> Engine:
+    return Engine(ModelConfig.tiny(), EngineConfig(num_blocks=64, block_size=BLOCK_SIZE,
+                                                   max_model_len=256))
+
+
+# ---------------------------------------------------------------------- body validation
+def test_body_accepts_text_tokens_and_batch_of_one():
+    assert CompletionBody.parse({"prompt": "hi"}).max_tokens == 16  # OpenAI's default
+    assert CompletionBody.parse({"prompt": [1, 2], "max_tokens": 1}).prompt == [1, 2]
+    assert CompletionBody.parse({"prompt": ["hi"]}).prompt == "hi"
+    params = {"do_remote_decode": True}
+    assert CompletionBody.parse({"prompt": "x", "kv_transfer_params": params}) \
+        .kv_transfer_params == params
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ([], "body must be a JSON object"),
+        ({}, "prompt: required"),
+        ({"prompt": ""}, "prompt: must be non-empty"),
+        ({"prompt": []}, "prompt: a token list"),
+        ({"prompt": [1, "2"]}, "prompt: a token list"),
+        ({"prompt": [1, True]}, "prompt: a token list"),  # bool is not a token id
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 65537}, "max_tokens"),  # one past the limit
+        ({"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+        ({"prompt": "x", "temperature": 0.7}, "temperature"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "kv_transfer_params": [1]}, "kv_transfer_params"),
+    ],
+)
+def test_body_rejects_with_the_field_named(body, field):
+    with pytest.raises(BadRequest, match=field):
+        CompletionBody.parse(body)
+
+
+# ---------------------------------------------------------------------- roles
+def test_roles_map_to_vllm_kv_roles():
+    assert kv_transfer_config_dict(_args(role="both")) is None  # plain node, no connector
+    prefill = kv_transfer_config_dict(_args(role="prefill", engine_id="p0"))
+    assert prefill["kv_role"] == "kv_producer"
+    assert prefill["engine_id"] == "p0"
+    assert prefill["kv_connector_extra_config"]["model_name"] == "kvbridge-tiny"
+    decode = kv_transfer_config_dict(_args(role="decode", index_url="redis://h:1/0"))
+    assert decode["kv_role"] == "kv_consumer"
+    assert decode["kv_connector_extra_config"]["index_url"] == "redis://h:1/0"
+    store = kv_transfer_config_dict(_args(role="store"))
+    assert (store["kv_role"], store["kv_connector_extra_config"]["store"]) == ("kv_both", True)
+
+
+def test_role_contradicting_the_json_config_is_refused():
+    with pytest.raises(ValueError, match="kv_role"):
+        kv_transfer_config_dict(
+            _args(role="prefill", kv_transfer_config=json.dumps({"kv_role": "kv_consumer"}))
+        )
+
+
+# ---------------------------------------------------------------------- the app, in process
+async def test_app_rejects_bad_bodies_then_serves_and_counts():
+    engine = _plain_engine()
+    reference = _plain_engine()
+    prompt = list(range(1, 40))
+    expected = reference.generate([prompt], max_tokens=5)[0].token_ids
+    loop = EngineLoop(engine)
+    loop.start()
+    app = build_app(loop, role="both", engine_id="t0", model_name="tiny")
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+            bad = await client.post("/v1/completions", content=b"{", timeout=30)
+            assert bad.status_code == 400
+            too_big = await client.post("/v1/completions", json={"prompt": [300]})
+            assert too_big.status_code == 400  # refused by Engine.add_request
+            assert "token id 300" in too_big.json()["error"]["message"]
+            ok = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5})
+            assert ok.status_code == 200
+            body = ok.json()
+            assert body["choices"][0]["token_ids"] == expected
+            assert body["usage"] == {"prompt_tokens": 39, "completion_tokens": 5,
+                                     "total_tokens": 44}
+            streamed = await client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "stream": True}
+            )
+            events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data:")]
+            assert events[-1] == "[DONE]"
+            tokens = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+            assert tokens == expected  # one chunk per step, same tokens
+            metrics = (await client.get("/metrics")).text
+            assert 'kvbridge_requests_rejected_total{engine_id="t0",role="both"} 1.0' in metrics
+            assert 'kvbridge_requests_finished_total{engine_id="t0",role="both"} 2.0' in metrics
+            assert (await client.get("/health")).json()["status"] == "ok"
+    finally:
+        loop.stop()
+    engine.check_integrity()
+
+
+# ---------------------------------------------------------------------- workload and report
+def test_trace_expansion_keeps_shared_prefixes_and_scales_lengths(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 40, "hash_ids": [7, 8]},
+        {"timestamp": 5, "input_length": 1000, "output_length": 3, "hash_ids": [7, 9]},
+        {"timestamp": 9, "input_length": 1, "output_length": 1, "hash_ids": [7]},
+    ]
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    out = list(trace_requests(trace, block_size=BLOCK_SIZE, limit=10, max_output_tokens=16,
+                              max_prompt_tokens=1000))
+    # 1024 tokens at 512 per block = 2 blocks -> 32 tokens; 1000 -> ceil(31.25) = 32; 1 -> 1.
+    assert [len(r.prompt_token_ids) for r in out] == [32, 32, 1]
+    assert [r.output_tokens for r in out] == [16, 3, 1]  # capped by max_output_tokens
+    # Hash id 7 expands to the same 16 tokens everywhere; 8 and 9 differ.
+    assert out[0].prompt_token_ids[:16] == out[1].prompt_token_ids[:16]
+    assert out[0].prompt_token_ids[16:] != out[1].prompt_token_ids[16:]
+    assert out[2].prompt_token_ids == out[0].prompt_token_ids[:1]
+    assert len(list(trace_requests(trace, block_size=BLOCK_SIZE, limit=1, max_output_tokens=4,
+                                   max_prompt_tokens=100))) == 1
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 0.5) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile(values, 1.0) == 100.0
+    assert percentile([3.0], 0.99) == 3.0
+    assert percentile([], 0.5) is None
