@@ -571,8 +571,8 @@ class KVBridgeConnector(KVConnectorBase):
         for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
             if not expected:
                 continue
-            if manager is None:
-                bad.append(pos)
+            if manager is None or not 0 < block_id < len(manager.block_pool.blocks):
+                bad.append(pos)  # no pool yet, or an id from the network out of range
                 continue
             actual = manager.block_pool.blocks[block_id].block_hash
             if actual != make_block_hash_with_group_id(expected, group_id):

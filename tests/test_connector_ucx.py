@@ -1,0 +1,103 @@
+"""1P1D over UCX between two real processes (issue 5): the prefill node runs in a child process
+with a ``UcxxTransport``; the decode node runs here and pulls the prompt's KV over UCX into blocks
+it allocated up front. D's greedy tokens must equal a single-node run of the same model."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+from _engine_builders import reference_greedy, tiny_model
+from _pd_builders import assert_node_empty, long_prompt, run_to_completion
+from kvbridge.connector.factory import create_engine
+from kvbridge.kvmanager import SamplingParams
+from kvbridge.kvmanager.engine import Engine, EngineConfig
+
+BLOCK_SIZE = 16
+MAX_TOKENS = 4
+_REPLY_TIMEOUT_S = 60.0
+
+
+def _node(engine_id: str, role: str, *, hybrid: bool) -> Engine:
+    config = EngineConfig(num_blocks=128, block_size=BLOCK_SIZE, max_model_len=512)
+    kv_transfer_config = {
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "transport": "ucxx",
+            "host": "127.0.0.1",
+            "port": 0,
+            "load_timeout_s": 20.0,
+            "heartbeat_interval_s": 0.5,
+        },
+    }
+    return create_engine(tiny_model(hybrid=hybrid), config, kv_transfer_config)
+
+
+def _prefill_node_main(conn: Any, hybrid: bool) -> None:
+    """Child process: a prefill node answering ("prefill", request_id, prompt) with its
+    kv_transfer_params, stepping its engine between commands (leases, release notices)."""
+    engine = _node("prefill-ucx", "kv_producer", hybrid=hybrid)
+    conn.send("ready")
+    try:
+        while True:
+            if conn.poll(0.01):
+                command = conn.recv()
+                if command[0] == "stop":
+                    break
+                _, request_id, prompt = command
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    SamplingParams(max_tokens=1),
+                    kv_transfer_params={"do_remote_decode": True},
+                )
+                conn.send(run_to_completion(engine, request_id).kv_transfer_params)
+            engine.step()
+        engine_ok = engine.scheduler.is_empty()
+        engine.kv_cache_manager.check_integrity()
+        conn.send(("stopped", engine_ok, engine.kv_cache_manager.block_pool.get_num_free_blocks()))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_node_main, args=(child, hybrid), daemon=True)
+    proc.start()
+    d = None
+    try:
+        assert parent.poll(_REPLY_TIMEOUT_S) and parent.recv() == "ready"
+        d = _node("decode-ucx", "kv_consumer", hybrid=hybrid)
+        # 1 token, block size - 1, block size, block size + 1, many blocks.
+        for i, num_tokens in enumerate([1, 15, 16, 17, 150]):
+            prompt = long_prompt(num_tokens)
+            request_id = f"req-{i}"
+            # (1) P prefills in the other process and answers with its kv_transfer_params.
+            parent.send(("prefill", request_id, prompt))
+            assert parent.poll(_REPLY_TIMEOUT_S)
+            params = parent.recv()
+            assert params["remote_num_tokens"] == num_tokens
+            # (2) D pulls over UCX, recomputes the last token, decodes.
+            d.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+            output = run_to_completion(d, request_id, timeout_s=_REPLY_TIMEOUT_S)
+            assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=hybrid)
+            assert output.num_cached_tokens == num_tokens
+        stats = d.scheduler.connector.stats.snapshot()
+        assert (stats["num_loads"], stats["num_failed_loads"]) == (5, 0)
+        assert stats["bytes_received"] > 0
+        assert_node_empty(d)
+        # (3) Every completion notice reached P: it ends with nothing held, every block free.
+        parent.send(("stop",))
+        assert parent.poll(_REPLY_TIMEOUT_S)
+        tag, p_empty, p_free = parent.recv()
+        assert (tag, p_empty, p_free) == ("stopped", True, 127)
+    finally:
+        if d is not None:
+            d.shutdown()
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
