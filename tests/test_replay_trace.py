@@ -1,0 +1,105 @@
+"""examples/replay_trace.py on a generated tiny Mooncake-format trace (issue 6, trace replay)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "replay_trace.py"
+
+
+def _load_replay() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvbridge_replay_trace", _EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+replay = _load_replay()
+
+
+def _write_trace(
+    path: Path, *, num_conversations: int, num_turns: int, turn_gap_s: float,
+    output_length: int,
+) -> Path:
+    """Conversation c, turn t: ids ``[1000 c, ..., 1000 c + 2 (t + 1) - 1]`` (each turn repeats
+    the previous turn's blocks and adds two), ``input_length`` a whole number of 512-token
+    blocks. Turn t of every conversation arrives at ``t * turn_gap_s + c`` seconds."""
+    lines = []
+    for turn in range(num_turns):
+        for conv in range(num_conversations):
+            num_ids = 2 * (turn + 1)
+            lines.append(json.dumps({
+                "timestamp": int((turn * turn_gap_s + conv) * 1000),
+                "input_length": 512 * num_ids,
+                "output_length": output_length,
+                "hash_ids": [1000 * conv + j for j in range(num_ids)],
+            }))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("index_kind", ["memory", "redis"])
+def test_index_routing_keeps_conversations_on_their_node(
+    tmp_path: Path, index_kind: str, request: pytest.FixtureRequest
+) -> None:
+    # 3 conversations x 3 turns; a turn decodes for 1000 x 0.02 s = 20 s, the next turn comes
+    # 30 s later, so a node is busy with at most one request of each round.
+    trace = _write_trace(tmp_path / "tiny.jsonl", num_conversations=3, num_turns=3,
+                         turn_gap_s=30.0, output_length=1000)
+    index_url = "memory" if index_kind == "memory" else request.getfixturevalue("redis_url")
+    summary = replay.main([str(trace), "--blocks-per-node", "64", "--index-url", index_url])
+    # Unbounded cache: turns hit 0, 2 and 4 of their 2, 4, 6 blocks (capped at 6 - 1 = 5):
+    # 3 x (0 + 2 + 4) / 3 x (2 + 4 + 6) = 18 / 36.
+    assert summary["unbounded_hit_ratio"] == 0.5
+    # Index: turn 0 spreads by load to nodes 0, 1, 2; later turns follow their prefix there,
+    # so every possible hit is a hit.
+    assert summary["index"]["hit_ratio"] == 0.5
+    assert summary["index"]["fraction_of_unbounded"] == 1.0
+    assert summary["index"]["requests_per_node"] == [3, 3, 3, 0]
+    # Round robin sends request i to node i mod 4; with 3 conversations no turn meets its
+    # previous turn's node (c0: 0, 3, 2; c1: 1, 0, 3; c2: 2, 1, 0), so nothing hits.
+    assert summary["round_robin"]["hit_ratio"] == 0.0
+    assert summary["round_robin"]["requests_per_node"] == [3, 2, 2, 2]
+    assert summary["index"]["num_dropped"] == summary["round_robin"]["num_dropped"] == 0
+
+
+def test_small_pools_evict_oldest_first(tmp_path: Path) -> None:
+    # Requests finish in 10 x 0.02 s, long before the next arrives, so every node is idle and
+    # index routing sends all nine requests to node 0 (no prefix elsewhere; ties go to node 0).
+    trace = _write_trace(tmp_path / "tiny.jsonl", num_conversations=3, num_turns=3,
+                         turn_gap_s=30.0, output_length=10)
+    summary = replay.main([str(trace), "--blocks-per-node", "6"])
+    assert summary["index"]["requests_per_node"] == [9, 0, 0, 0]
+    # Node 0's 6 blocks after turn 0: free queue [A1 A0 B1 B0 C1 C0] (each request frees in
+    # reverse). c0 turn 1 hits A0 A1 and evicts B1 B0 for 2 new blocks: 2 hits. From then on
+    # every request needs more blocks than the others left it: c1 turn 1 evicts C and A2 A3, and
+    # so on; no other hit. 2 / 36 prompt blocks.
+    assert summary["index"]["hit_ratio"] == round(2 / 36, 4)
+    assert summary["round_robin"]["hit_ratio"] == 0.0
+
+
+def test_prompt_expansion_is_deterministic_and_shares_prefixes() -> None:
+    expander = replay.TokenExpander(block_size=16)
+    first = replay.TraceRequest(0.0, 1000, 1, (7, 8))
+    second = replay.TraceRequest(0.0, 1500, 1, (7, 8, 9))
+    # 1000 tokens at 512 -> 16: ceil(31.25) = 32 tokens; 1500: ceil(46.875) = 47 tokens.
+    assert len(expander.prompt(first)) == 32
+    assert len(expander.prompt(second)) == 47
+    assert expander.prompt(second)[:32] == expander.prompt(first)
+    assert replay.TokenExpander(block_size=16).prompt(first) == expander.prompt(first)
+
+
+def test_a_bad_trace_line_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+                    '{"timestamp": 5}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        replay.read_trace(path)
