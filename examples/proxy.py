@@ -19,6 +19,7 @@ answers 502. :class:`PDRouter` is the reusable part (examples/pd_pair.py drives 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import sys
@@ -228,11 +229,12 @@ class PDRouter:
 
 
 def build_app(router: PDRouter) -> FastAPI:
-    app = FastAPI(title="kvbridge P/D proxy")
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
         await router.aclose()
+
+    app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hash-fn", default="sha256_cbor")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop is too much
     locator = None
     if args.index_url:
         locator = PrefixLocator(

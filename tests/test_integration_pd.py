@@ -134,6 +134,33 @@ def test_malformed_body_is_400_and_node_keeps_serving(nodes):
     assert httpx.get(f"{url}/health", timeout=5.0).status_code == 200
 
 
+async def test_proxy_routes_through_prefill_then_decode(nodes, redis_server):
+    from proxy import PDRouter, PrefixLocator, build_app
+
+    locator = PrefixLocator(redis_server.url, model_name="kvbridge-tiny",
+                            block_size=BLOCK_SIZE, hash_fn="sha256_cbor")
+    router = PDRouter([nodes["prefill"].url], [nodes["decode"].url], locator=locator)
+    prompt = [*PROMPT[:-2], ord("?"), ord("?")]
+    expected = _reference(prompt, MAX_TOKENS)
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    transport = httpx.ASGITransport(app=build_app(router))
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        # (1) whole answer: D's tokens, D pulled from P (its KV wait was measured)
+        reply = await client.post("/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == expected
+        assert reply.json()["kvbridge"]["kv_load_s"] is not None
+        # (2) streamed: D's chunks come through the proxy
+        reply = await client.post("/v1/completions", json={**body, "stream": True}, timeout=60)
+        events = [line[6:] for line in reply.text.splitlines() if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        assert [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]] \
+            == expected
+        # (3) the index now names P as a holder of the prompt's prefix
+        assert any(holder == "it-prefill" for holder, _ in locator.holders(prompt))
+    await router.aclose()
+
+
 def test_prefill_restart_old_ticket_recomputes_and_index_drops_old_entries(nodes, redis_server):
     from kvbridge.connector.block_index import IndexNamespace
     from kvbridge.connector.redis_block_index import RedisBlockIndex
