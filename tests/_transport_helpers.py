@@ -60,15 +60,15 @@ async def _serve(args: argparse.Namespace) -> None:
     from kvbridge.transport import UcxxTransport
 
     if args.chunk_delay_s > 0:  # a slow holder, so a test can kill it mid-transfer
-        real_gather = holder_module.gather_blocks
+        real_copy_out = holder_module.copy_out
 
-        def slow_gather(*a, **kw):  # type: ignore[no-untyped-def]
+        def slow_copy_out(*a, **kw):  # type: ignore[no-untyped-def]
             import time
 
             time.sleep(args.chunk_delay_s)
-            return real_gather(*a, **kw)
+            return real_copy_out(*a, **kw)
 
-        holder_module.gather_blocks = slow_gather
+        holder_module.copy_out = slow_copy_out
     caches = make_kv_caches(seed=args.seed, block_size=args.block_size)
     transport = UcxxTransport(make_metadata(f"holder-{args.seed}", caches), caches, port=0)
     transport.set_callbacks(

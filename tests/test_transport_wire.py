@@ -9,6 +9,7 @@ from _transport_helpers import make_kv_caches, make_metadata
 from kvbridge.transport import HandshakeError, WireError, check_compatible
 from kvbridge.transport.wire import (
     WIRE_VERSION,
+    Cancel,
     CancelOk,
     ErrorMsg,
     GroupReadMsg,
@@ -53,6 +54,7 @@ def test_messages_round_trip():
             deadline_ms=5,
             groups=[GroupReadMsg(group_id=1, block_ids=[4], expected_hashes=[b"h"])],
         ),
+        Cancel(transfer_id=3, num_chunks_posted=2),
         CancelOk(transfer_id=3, num_chunks_issued=0),
         Heartbeat(request_ids=["a", "b"]),
         TransferDone(request_id="a", success=False, reason="rejected"),
@@ -67,7 +69,7 @@ def test_messages_round_trip():
 @pytest.mark.parametrize(
     ("obj", "fragment"),
     [
-        ({"v": 2, "t": "Read"}, "unknown schema version 2"),
+        ({"v": 99, "t": "Read"}, "unknown schema version 99"),
         ({"t": "Read"}, "missing field 'v'"),
         ({"v": WIRE_VERSION, "t": "Launch"}, "unknown message type 'Launch'"),
         (_read(transfer_id=0), "'transfer_id' = 0 is outside"),

@@ -40,7 +40,9 @@ class HolderConnection:
     """A requester's control connection to one holder, after a successful handshake.
 
     Replies (``ReadOk``, ``CancelOk``, ``ErrorMsg``) are routed by ``transfer_id`` to whoever
-    waits for them; ``lost`` completes when the connection ends for any reason.
+    waits for them; ``lost`` completes when the connection ends for any reason, and then the UCX
+    ``endpoint`` (created once per connection, never per read) is aborted, cancelling every
+    receive still posted on it.
     """
 
     def __init__(
@@ -49,11 +51,13 @@ class HolderConnection:
         writer: asyncio.StreamWriter,
         remote: NodeMetadata,
         remote_worker_address: bytes,
+        endpoint: object = None,
     ):
         self.reader = reader
         self.writer = writer
         self.remote = remote
         self.remote_worker_address = remote_worker_address
+        self.endpoint = endpoint  # ucxx endpoint to the holder's worker: the reads' receives
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiters: dict[tuple[int, type], asyncio.Future[Message]] = {}
         self._reader_task = asyncio.ensure_future(self._read_loop())
@@ -112,6 +116,9 @@ class HolderConnection:
                 future.set_exception(TransportError(f"control connection lost: {reason}"))
         self._waiters.clear()
         self.writer.close()
+        if self.endpoint is not None:  # cancels every receive still posted from this holder
+            with contextlib.suppress(Exception):
+                self.endpoint.abort(period=10**8)  # type: ignore[attr-defined]
 
     async def close(self) -> None:
         self._reader_task.cancel()

@@ -9,9 +9,11 @@ than a fresh one. A chunk of ``n`` blocks of ``L`` layers views the first
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from kvbridge.kernels import gather_blocks, scatter_blocks
 
 
 class StagingPool:
@@ -79,6 +81,51 @@ def wire_buffer(tensor: torch.Tensor) -> Any:
     if flat.device.type == "cpu":
         return flat.numpy()
     return flat
+
+
+def run_start(block_ids: Sequence[int]) -> int | None:
+    """``block_ids[0]`` when the ids are one ascending run ``a, a+1, ..., a+n-1``, else None.
+
+    A run of one layer is one contiguous byte range of the KV tensor, so UCX can send from or
+    receive into the tensor itself (no gather/scatter copy)."""
+    if not block_ids:
+        return None
+    first = block_ids[0]
+    for offset, block_id in enumerate(block_ids):
+        if block_id != first + offset:
+            return None
+    return first
+
+
+def copy_in(
+    staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]
+) -> None:
+    """Requester side: ``kv_caches[l][block_ids[i]] = staging[l, i]``. A run of ids is one slice
+    copy per layer; other ids go through ``kvbridge.kernels.scatter_blocks``. Mutates the caches.
+    """
+    start = run_start(block_ids)
+    if start is not None:
+        for layer, kv_cache in enumerate(kv_caches):
+            kv_cache[start : start + len(block_ids)].copy_(staging[layer])
+    else:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64).to(kv_caches[0].device)
+        scatter_blocks(staging, kv_caches, ids)
+    synchronize(staging)
+
+
+def copy_out(
+    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], staging: torch.Tensor
+) -> None:
+    """Holder side: ``staging[l, i] = kv_caches[l][block_ids[i]]`` (slice copies for a run,
+    else ``kvbridge.kernels.gather_blocks``). Mutates ``staging`` only."""
+    start = run_start(block_ids)
+    if start is not None:
+        for layer, kv_cache in enumerate(kv_caches):
+            staging[layer].copy_(kv_cache[start : start + len(block_ids)])
+    else:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64).to(kv_caches[0].device)
+        gather_blocks(kv_caches, ids, staging)
+    synchronize(staging)
 
 
 def synchronize(tensor: torch.Tensor) -> None:

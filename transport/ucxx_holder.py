@@ -16,20 +16,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import ucxx
-from kvbridge.kernels import gather_blocks
 
 from .base import HolderCallbacks, TransferDoneNotice
 from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import check_read, find_mismatched, good_positions, plan_chunks
-from .staging import StagingPool, chunk_view, synchronize, wire_buffer
+from .staging import StagingPool, chunk_view, copy_out, run_start, wire_buffer
 from .wire import (
     Cancel,
     CancelOk,
@@ -46,6 +46,10 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 _MAX_FINISHED_KEPT = 1024
+_EMPTY = np.empty(0, dtype=np.uint8)
+DEADLINE_GRACE_S = 2.0
+"""A serve outlives its read's deadline by this much, so the requester's own deadline and Cancel
+come first; past it the requester is not receiving and its connection is dropped."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,15 +57,17 @@ class _Serve:
     read: Read
     num_chunks_issued: int = 0
     cancelled: bool = False
+    stopped_issuing: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
 class _Conn:
     peer_engine_id: str
-    worker_address: object
+    endpoint: object  # ucxx endpoint to the requester's worker, one per control connection
     writer: asyncio.StreamWriter
     serves: OrderedDict[int, _Serve] = field(default_factory=OrderedDict)
+    fillers: set[asyncio.Future[object]] = field(default_factory=set)
 
 
 class UcxxHolder:
@@ -106,11 +112,22 @@ class UcxxHolder:
             pass
         finally:
             self._conns.discard(task)
-            if conn is not None:
-                for serve in conn.serves.values():
-                    if serve.task is not None:
-                        serve.task.cancel()
             writer.close()
+            if conn is not None:
+                await self._drop(conn)
+
+    async def _drop(self, conn: _Conn) -> None:
+        """The requester is gone (or misbehaved): abort the endpoint, which cancels every send
+        still issued to it, and stop its serves; each serve releases its own staging."""
+        with contextlib.suppress(Exception):
+            conn.endpoint.abort(period=10**8)  # type: ignore[attr-defined]
+        tasks = [s.task for s in conn.serves.values() if s.task is not None and not s.task.done()]
+        for serve_task in tasks:
+            serve_task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+        for filler in conn.fillers:
+            filler.cancel()
 
     async def close(self) -> None:
         for task in list(self._conns):
@@ -126,6 +143,9 @@ class UcxxHolder:
                 raise WireError(f"expected Hello first, got {type(message).__name__}")
             check_compatible(self.metadata, message.metadata)
             address = ucxx.get_ucx_address_from_buffer(message.worker_address)
+            endpoint = await ucxx.create_endpoint_from_worker_address(
+                address, endpoint_error_handling=False
+            )
         except (WireError, HandshakeError) as exc:
             code = "incompatible" if isinstance(exc, HandshakeError) else "bad_message"
             await write_message(writer, ErrorMsg(transfer_id=0, code=code, message=str(exc)))
@@ -133,9 +153,7 @@ class UcxxHolder:
         await write_message(
             writer, HelloOk(metadata=self.metadata, worker_address=self.worker_address)
         )
-        return _Conn(
-            peer_engine_id=message.metadata.engine_id, worker_address=address, writer=writer
-        )
+        return _Conn(peer_engine_id=message.metadata.engine_id, endpoint=endpoint, writer=writer)
 
     async def _serve_connection(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
         while True:
@@ -163,7 +181,17 @@ class UcxxHolder:
             issued = 0
             if serve is not None:
                 serve.cancelled = True
+                await serve.stopped_issuing.wait()  # at most one gather away
                 issued = serve.num_chunks_issued
+                for chunk_idx in range(issued, message.num_chunks_posted):
+                    # an empty message completes the requester's receive for a chunk never sent
+                    filler = asyncio.ensure_future(
+                        conn.endpoint.send(  # type: ignore[attr-defined]
+                            _EMPTY, tag=serve.read.tag_base + chunk_idx, force_tag=True
+                        )
+                    )
+                    conn.fillers.add(filler)
+                    filler.add_done_callback(_settle_filler(conn.fillers))
             await write_message(
                 conn.writer, CancelOk(transfer_id=message.transfer_id, num_chunks_issued=issued)
             )
@@ -223,75 +251,112 @@ class UcxxHolder:
         serve.task = asyncio.ensure_future(self._send_blocks(conn, serve, mismatched))
 
     async def _send_blocks(self, conn: _Conn, serve: _Serve, mismatched: list[list[int]]) -> None:
+        """Serve one read; ends when every issued send completed, the requester cancelled (and
+        drains what was issued), the connection dropped, or the read's deadline plus a grace
+        period passed (then the requester is not receiving: the connection is dropped)."""
         read = serve.read
         self.num_active_serves += 1
-        endpoint = None
-        pending: list[tuple[asyncio.Future[object], torch.Tensor]] = []
-        pool: StagingPool | None = None
-        clean = False
+        pending: deque[tuple[asyncio.Future[object], torch.Tensor | None]] = deque()
+        max_block_bytes = max(
+            layout.num_layers * layout.block_nbytes for layout in self.metadata.groups
+        )
+        pool = self.pool_for(read.chunk_bytes, max_block_bytes)
         try:
-            async with asyncio.timeout(read.deadline_ms / 1000):
-                endpoint = await ucxx.create_endpoint_from_worker_address(
-                    conn.worker_address, endpoint_error_handling=False
-                )
-                good = [
-                    good_positions(len(g.block_ids), mismatched[i])
-                    for i, g in enumerate(read.groups)
-                ]
-                group_ids = [g.group_id for g in read.groups]
-                chunks = plan_chunks(
-                    self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes
-                )
-                max_block_bytes = max(
-                    layout.num_layers * layout.block_nbytes for layout in self.metadata.groups
-                )
-                pool = self.pool_for(read.chunk_bytes, max_block_bytes)
-                for chunk_idx, chunk in enumerate(chunks):
-                    if len(pending) >= self.window:
-                        send, buffer = pending.pop(0)
-                        await send
-                        pool.release(buffer)
-                    if serve.cancelled:
-                        break
-                    group = read.groups[chunk.entry]
-                    caches = self.kv_caches_by_group[group.group_id]
-                    layout = self.metadata.groups[group.group_id]
-                    ids = [group.block_ids[p] for p in good[chunk.entry][chunk.start : chunk.stop]]
-                    buffer = pool.acquire()
-                    staging = chunk_view(
-                        buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
-                    )
-                    gather_blocks(
-                        caches, torch.tensor(ids, dtype=torch.int64).to(caches[0].device), staging
-                    )
-                    synchronize(staging)
-                    if serve.cancelled:  # a Cancel arrived while we gathered
-                        pool.release(buffer)
-                        break
-                    send = asyncio.ensure_future(
-                        endpoint.send(
-                            wire_buffer(staging), tag=read.tag_base + chunk_idx, force_tag=True
-                        )
-                    )
-                    serve.num_chunks_issued += 1
-                    pending.append((send, buffer))
-                while pending:
-                    send, buffer = pending.pop(0)
-                    await send
-                    pool.release(buffer)
-                clean = True
-        except (TimeoutError, asyncio.CancelledError, Exception) as exc:
-            if not isinstance(exc, TimeoutError | asyncio.CancelledError):
-                logger.warning("serving transfer %d failed: %r", read.transfer_id, exc)
+            await asyncio.wait_for(
+                self._issue_and_wait(conn, serve, mismatched, pool, pending),
+                read.deadline_ms / 1000 + DEADLINE_GRACE_S,
+            )
+        except asyncio.TimeoutError:
+            logger.warning("transfer %d passed its deadline; dropping peer", read.transfer_id)
+            conn.writer.close()  # the control loop ends and drops the connection
+            with contextlib.suppress(Exception):
+                conn.endpoint.abort(period=10**8)  # type: ignore[attr-defined]
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            logger.warning("serving transfer %d failed: %r", read.transfer_id, exc)
         finally:
-            self.num_active_serves -= 1
+            serve.stopped_issuing.set()
+            if pending:  # cancelled or failed: the endpoint abort ends these sends
+                sends = [send for send, _ in pending]
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(sends, timeout=1.0)
             for send, buffer in pending:
-                send.cancel()
-                if pool is not None:
-                    pool.forget(buffer)
-            if endpoint is not None:
-                if clean:
-                    with contextlib.suppress(Exception):
-                        await endpoint.close(period=10**8)
-                else:
-                    endpoint.abort(period=10**8)
+                if send.done():
+                    send.cancelled() or send.exception()  # retrieved
+                if buffer is not None:
+                    if send.done():
+                        pool.release(buffer)
+                    else:
+                        pool.forget(buffer)
+            self.num_active_serves -= 1
+
+    async def _issue_and_wait(
+        self,
+        conn: _Conn,
+        serve: _Serve,
+        mismatched: list[list[int]],
+        pool: StagingPool,
+        pending: deque[tuple[asyncio.Future[object], torch.Tensor | None]],
+    ) -> None:
+        read = serve.read
+        good = [good_positions(len(g.block_ids), mismatched[i]) for i, g in enumerate(read.groups)]
+        group_ids = [g.group_id for g in read.groups]
+        chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
+        for chunk_idx, chunk in enumerate(chunks):
+            while len(pending) >= self.window:
+                await self._retire(pending[0][0], pool, pending)
+            if serve.cancelled:
+                break
+            group = read.groups[chunk.entry]
+            caches = self.kv_caches_by_group[group.group_id]
+            layout = self.metadata.groups[group.group_id]
+            ids = [group.block_ids[p] for p in good[chunk.entry][chunk.start : chunk.stop]]
+            start = run_start(ids) if len(caches) == 1 else None
+            buffer: torch.Tensor | None = None
+            if start is not None:  # one layer, a run of ids: send from the KV tensor itself
+                source = caches[0][start : start + len(ids)]
+            else:
+                buffer = pool.acquire()
+                source = chunk_view(
+                    buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
+                )
+                try:
+                    # off the event loop, so UCX keeps progressing the chunks already issued
+                    await asyncio.to_thread(copy_out, caches, ids, source)
+                except BaseException:
+                    pool.release(buffer)
+                    raise
+                if serve.cancelled:  # a Cancel arrived while we gathered
+                    pool.release(buffer)
+                    break
+            send = asyncio.ensure_future(
+                conn.endpoint.send(  # type: ignore[attr-defined]
+                    wire_buffer(source), tag=read.tag_base + chunk_idx, force_tag=True
+                )
+            )
+            serve.num_chunks_issued += 1
+            pending.append((send, buffer))
+        serve.stopped_issuing.set()
+        while pending:  # after a Cancel too: the requester drains every issued chunk
+            await self._retire(pending[0][0], pool, pending)
+
+    @staticmethod
+    async def _retire(
+        send: asyncio.Future[object],
+        pool: StagingPool,
+        pending: deque[tuple[asyncio.Future[object], torch.Tensor | None]],
+    ) -> None:
+        await send
+        _, buffer = pending.popleft()
+        if buffer is not None:
+            pool.release(buffer)
+
+
+def _settle_filler(fillers: set[asyncio.Future[object]]):  # type: ignore[no-untyped-def]
+    def done(future: asyncio.Future[object]) -> None:
+        fillers.discard(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: a filler to a dropped peer may fail
+
+    return done

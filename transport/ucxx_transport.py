@@ -24,10 +24,10 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import ucxx
-from kvbridge.kernels import scatter_blocks
 
 from .base import (
     DEFAULT_CHUNK_BYTES,
@@ -42,7 +42,7 @@ from .control import HolderConnection, read_frame, write_message
 from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import build_group_msgs, good_positions, plan_chunks
-from .staging import StagingPool, chunk_view, synchronize, wire_buffer
+from .staging import StagingPool, chunk_view, copy_in, run_start, wire_buffer
 from .transfer import ReadState, drive_read, local_ids_of, next_transfer_id, tag_base_for
 from .ucxx_holder import UcxxHolder
 from .wire import Cancel, CancelOk, ErrorMsg, Heartbeat, Hello, HelloOk, Read, ReadOk, TransferDone
@@ -52,11 +52,27 @@ HANDSHAKE_TIMEOUT_S = 10.0
 CANCEL_REPLY_TIMEOUT_S = 2.0
 
 
+UCX_OPTIONS: dict[str, str] = {}
+"""UCX context options this package sets (``ucxx.init(options=...)``; a ``UCX_<NAME>`` environment
+variable still wins). Deliberately empty, measured on these 2-core hosts (64 MiB, two processes):
+
+- ``TLS``: UCX's default (all transports) picks shared memory (cma) on one host, the network
+  across hosts and cuda_copy / cuda_ipc for device memory; restricting it to ``sm,self`` gained
+  nothing on one host and would break cross-host and CUDA.
+- ``MEMTYPE_CACHE``: ``import ucxx`` sets ``UCX_MEMTYPE_CACHE=n``; UCX 1.21 no longer knows the
+  variable (it only prints "unused environment variable"), so there is nothing to set.
+- progress mode: ``DEFAULT_PROGRESS_MODE`` below, not a UCX option.
+"""
+
+
 def init_ucx(progress_mode: str | None = None) -> None:
-    """Initialise UCX for this process once (later calls are no-ops)."""
+    """Initialise UCX for this process once (later calls are no-ops): ``UCX_OPTIONS`` and the
+    progress mode (``progress_mode``, else ``UCXPY_PROGRESS_MODE``, else ``"blocking"``:
+    "blocking" and "polling" moved 64 MiB at about twice the rate of "thread" here, and
+    "polling" keeps a core busy even when idle)."""
     mode = progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", DEFAULT_PROGRESS_MODE)
     with contextlib.suppress(RuntimeError):  # already initialised by an earlier transport
-        ucxx.init(progress_mode=mode)
+        ucxx.init(options=dict(UCX_OPTIONS), progress_mode=mode)
 
 
 class UcxxTransport(Transport):
@@ -191,10 +207,14 @@ class UcxxTransport(Transport):
                     f"expected HelloOk from {tuple(peer)}, got {type(reply).__name__}"
                 )
             check_compatible(self.metadata, reply.metadata)
+            endpoint = await ucxx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(reply.worker_address),
+                endpoint_error_handling=False,
+            )
         except BaseException:
             writer.close()
             raise
-        return HolderConnection(reader, writer, reply.metadata, reply.worker_address)
+        return HolderConnection(reader, writer, reply.metadata, reply.worker_address, endpoint)
 
     async def send_heartbeat(
         self, peer: PeerAddress | tuple[str, int], request_ids: Sequence[str]
@@ -251,7 +271,7 @@ class UcxxTransport(Transport):
             groups=msgs,
         )
         self._reads[transfer_id] = state
-        received: set[int] = set()
+        io = _ReadIO()
         try:
             try:
                 await asyncio.wait_for(self.connect(peer), deadline_s)
@@ -262,15 +282,15 @@ class UcxxTransport(Transport):
             conn = self._conns[PeerAddress(*peer)]
             return await drive_read(
                 state,
-                self._run_read(conn, read, state, received),
-                lambda reason: self._abort_read(conn, read, received),
+                self._run_read(conn, read, state, io),
+                lambda reason: self._abort_read(conn, read, io),
                 deadline_s,
             )
         finally:
             del self._reads[transfer_id]
 
     async def _run_read(
-        self, conn: HolderConnection, read: Read, state: ReadState, received: set[int]
+        self, conn: HolderConnection, read: Read, state: ReadState, io: _ReadIO
     ) -> ReadResult:
         reply_future = conn.expect(read.transfer_id, ReadOk)
         try:
@@ -293,96 +313,162 @@ class UcxxTransport(Transport):
         ]
         group_ids = [g.group_id for g in read.groups]
         chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
-        if not chunks:
-            return state.result()
-        endpoint = await ucxx.create_endpoint_from_worker_address(
-            ucxx.get_ucx_address_from_buffer(conn.remote_worker_address),
-            endpoint_error_handling=False,
-        )
-        posted: dict[int, tuple[asyncio.Future[object], torch.Tensor, torch.Tensor]] = {}
+
+        def local_ids(chunk_idx: int) -> list[int]:
+            chunk = chunks[chunk_idx]
+            positions = good[chunk.entry][chunk.start : chunk.stop]
+            return [state.local_block_ids[chunk.entry][p] for p in positions]
 
         def post(chunk_idx: int) -> None:
             chunk = chunks[chunk_idx]
-            group = read.groups[chunk.entry]
-            layout = self.metadata.groups[group.group_id]
-            buffer = self.staging.acquire()
-            staging = chunk_view(
-                buffer,
-                layout.num_layers,
-                chunk.stop - chunk.start,
-                layout.block_shape,
-                self.kv_caches_by_group[group.group_id][0].dtype,
-            )
-            recv = asyncio.ensure_future(
-                endpoint.recv(wire_buffer(staging), tag=read.tag_base + chunk_idx, force_tag=True)
-            )
-            posted[chunk_idx] = (recv, buffer, staging)
-
-        try:
-            for chunk_idx in range(min(self.window, len(chunks))):
-                post(chunk_idx)
-            for chunk_idx, chunk in enumerate(chunks):
-                recv, buffer, staging = posted[chunk_idx]
-                await asyncio.wait({recv, conn.lost}, return_when=asyncio.FIRST_COMPLETED)
-                if not recv.done():
-                    raise state.error(
-                        TransferError, f"holder connection lost: {conn.lost.result()}"
-                    )
-                recv.result()
-                received.add(chunk_idx)
-                del posted[chunk_idx]
-                group = read.groups[chunk.entry]
-                caches = self.kv_caches_by_group[group.group_id]
-                positions = good[chunk.entry][chunk.start : chunk.stop]
-                local_ids = torch.tensor(
-                    [state.local_block_ids[chunk.entry][p] for p in positions], dtype=torch.int64
-                )
-                scatter_blocks(staging, caches, local_ids.to(caches[0].device))
-                synchronize(staging)
-                self.staging.release(buffer)
-                state.landed[chunk.entry].update(positions)
-                state.num_bytes_landed += staging.numel() * staging.element_size()
-                if chunk_idx + self.window < len(chunks):
-                    post(chunk_idx + self.window)
-            return state.result()
-        finally:
-            if posted:
-                endpoint.abort(period=10**8)  # cancels the posted receives
-                recvs = [recv for recv, _, _ in posted.values()]
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.gather(*recvs, return_exceptions=True), 1.0)
-                for recv, buffer, _ in posted.values():
-                    if recv.done():
-                        self.staging.release(buffer)
-                    else:
-                        self.staging.forget(buffer)
+            group_id = read.groups[chunk.entry].group_id
+            caches = self.kv_caches_by_group[group_id]
+            ids = local_ids(chunk_idx)
+            start = run_start(ids) if len(caches) == 1 else None
+            buffer: torch.Tensor | None = None
+            if start is not None:  # one layer, a run of ids: receive into the KV tensor itself
+                target = caches[0][start : start + len(ids)]
             else:
-                with contextlib.suppress(Exception):
-                    await endpoint.close(period=10**8)
-
-    async def _abort_read(self, conn: HolderConnection, read: Read, received: set[int]) -> None:
-        """Tell the holder to stop, then receive and drop the chunks it already issued."""
-        if not conn.alive:
-            return
-        reply_future = conn.expect(read.transfer_id, CancelOk)
-        try:
-            await conn.send(Cancel(transfer_id=read.transfer_id))
-            reply = await asyncio.wait_for(reply_future, CANCEL_REPLY_TIMEOUT_S)
-        except (TransportError, asyncio.TimeoutError):
-            conn.forget(read.transfer_id, CancelOk)
-            return
-        if not isinstance(reply, CancelOk):
-            return
-        for chunk_idx in range(reply.num_chunks_issued):
-            if chunk_idx in received:
-                continue
-            buffer = self.staging.acquire()
+                layout = self.metadata.groups[group_id]
+                buffer = self.staging.acquire()
+                target = chunk_view(
+                    buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
+                )
             recv = asyncio.ensure_future(
-                ucxx.recv(wire_buffer(buffer), tag=read.tag_base + chunk_idx)
+                conn.endpoint.recv(  # type: ignore[attr-defined]
+                    wire_buffer(target), tag=read.tag_base + chunk_idx, force_tag=True
+                )
             )
-            await asyncio.wait({recv, conn.lost}, timeout=CANCEL_REPLY_TIMEOUT_S)
+            io.posted[chunk_idx] = _Posted(recv=recv, buffer=buffer, target=target)
+            io.num_posted = chunk_idx + 1
+
+        try:
+            return await self._land_chunks(conn, read, state, io, chunks, good, post, local_ids)
+        except asyncio.CancelledError:
+            raise  # drive_read runs _abort_read, which settles the posted receives
+        except BaseException:
+            await self._drop_connection(conn)  # the holder is gone: cancel what is posted
+            await self._settle(io, [], 1.0)
+            raise
+
+    async def _land_chunks(  # type: ignore[no-untyped-def]
+        self, conn, read, state, io, chunks, good, post, local_ids
+    ) -> ReadResult:
+        for chunk_idx in range(min(self.window, len(chunks))):
+            post(chunk_idx)
+        for chunk_idx, chunk in enumerate(chunks):
+            posted = io.posted[chunk_idx]
+            if not posted.recv.done():
+                await asyncio.wait({posted.recv, conn.lost}, return_when=asyncio.FIRST_COMPLETED)
+            if not posted.recv.done() or posted.recv.exception() is not None:
+                raise state.error(TransferError, f"holder connection lost: {conn.lost.result()}")
+            del io.posted[chunk_idx]
+            if chunk_idx + self.window < len(chunks):
+                post(chunk_idx + self.window)  # keep the window full while this chunk lands
+            if posted.buffer is not None:
+                group_id = read.groups[chunk.entry].group_id
+                try:
+                    await _copy_in_thread(
+                        posted.target, self.kv_caches_by_group[group_id], local_ids(chunk_idx)
+                    )
+                finally:
+                    self.staging.release(posted.buffer)
+            state.landed[chunk.entry].update(good[chunk.entry][chunk.start : chunk.stop])
+            state.num_bytes_landed += posted.target.numel() * posted.target.element_size()
+        return state.result()
+
+    async def _abort_read(self, conn: HolderConnection, read: Read, io: _ReadIO) -> None:
+        """Stop a read whose core was cancelled, leaving no UCX request posted or issued.
+
+        The holder is told how many receives are posted; it completes the ones it never sent
+        with empty messages and answers how many it issued, and the chunks issued beyond the
+        posted ones are received into scratch staging. If the holder does not answer or the
+        connection is gone, the connection is torn down, which aborts its endpoint and with it
+        every receive still posted (staging whose receive does not end is forgotten, not reused).
+        """
+        drains: list[tuple[asyncio.Future[object], torch.Tensor]] = []
+        torn_down = not conn.alive
+        if not torn_down:
+            reply_future = conn.expect(read.transfer_id, CancelOk)
+            try:
+                await conn.send(
+                    Cancel(transfer_id=read.transfer_id, num_chunks_posted=io.num_posted)
+                )
+                reply = await asyncio.wait_for(reply_future, CANCEL_REPLY_TIMEOUT_S)
+            except (TransportError, asyncio.TimeoutError):
+                conn.forget(read.transfer_id, CancelOk)
+                reply = None
+            if isinstance(reply, CancelOk):
+                for chunk_idx in range(io.num_posted, reply.num_chunks_issued):
+                    buffer = self.staging.acquire()
+                    recv = asyncio.ensure_future(
+                        conn.endpoint.recv(  # type: ignore[attr-defined]
+                            wire_buffer(buffer), tag=read.tag_base + chunk_idx, force_tag=True
+                        )
+                    )
+                    drains.append((recv, buffer))
+            else:
+                torn_down = True
+        pending = [p.recv for p in io.posted.values()] + [recv for recv, _ in drains]
+        if pending and not torn_down:
+            await asyncio.wait([*pending, conn.lost], timeout=CANCEL_REPLY_TIMEOUT_S)
+            torn_down = not all(f.done() for f in pending)
+        if torn_down:
+            await self._drop_connection(conn)
+        await self._settle(io, drains, 1.0)
+
+    async def _settle(
+        self,
+        io: _ReadIO,
+        drains: list[tuple[asyncio.Future[object], torch.Tensor]],
+        timeout_s: float,
+    ) -> None:
+        """Wait up to ``timeout_s`` for the read's receives to end (completed, or cancelled by an
+        endpoint abort), then release their staging; a buffer UCX may still write is forgotten."""
+        pending = [p.recv for p in io.posted.values()] + [recv for recv, _ in drains]
+        if pending and not all(f.done() for f in pending):
+            await asyncio.wait(pending, timeout=timeout_s)
+        for recv in pending:
+            if recv.done() and not recv.cancelled():
+                recv.exception()  # retrieved: a cancelled receive is expected here
+        owned = [(p.recv, p.buffer) for p in io.posted.values()] + list(drains)
+        io.posted.clear()
+        for recv, buffer in owned:
+            if buffer is None:
+                continue
             if recv.done():
                 self.staging.release(buffer)
             else:
                 self.staging.forget(buffer)
-                return
+
+    async def _drop_connection(self, conn: HolderConnection) -> None:
+        for peer, known in list(self._conns.items()):
+            if known is conn:
+                del self._conns[peer]
+        await conn.close()
+
+
+@dataclass(slots=True)
+class _Posted:
+    """A receive posted for one chunk: into ``buffer`` (staging) or straight into the KV tensor
+    (``buffer`` None); ``target`` is the typed view the bytes land in."""
+
+    recv: asyncio.Future[object]
+    buffer: torch.Tensor | None
+    target: torch.Tensor
+
+
+@dataclass(slots=True)
+class _ReadIO:
+    """UCX receives of one read, shared by its core and its abort path."""
+
+    posted: dict[int, _Posted] = field(default_factory=dict)
+    num_posted: int = 0
+
+
+async def _copy_in_thread(
+    staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: list[int]
+) -> None:
+    """``copy_in`` off the event loop thread, so UCX keeps progressing the next chunks (in the
+    blocking and polling progress modes the event loop thread is the only one that does)."""
+    await asyncio.to_thread(copy_in, staging, kv_caches, block_ids)

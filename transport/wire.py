@@ -23,7 +23,7 @@ import msgpack
 from .errors import WireError
 from .metadata import KVGroupLayout, NodeMetadata
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: Cancel carries num_chunks_posted (filler sends, see ucxx_holder)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 MAX_STR_LEN = 512
@@ -80,7 +80,12 @@ class ReadOk:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cancel:
+    """Stop a transfer. The requester has posted receives for chunks ``[0, num_chunks_posted)``;
+    the holder completes each of those it never issued with an empty message, so no posted
+    receive or issued send is left waiting on either side."""
+
     transfer_id: int
+    num_chunks_posted: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -342,7 +347,10 @@ def _decode_body(kind: str, obj: dict[Any, Any]) -> Message:
                 raise WireError(f"field 'mismatched'[{i}] must be a list of block positions")
         return ReadOk(transfer_id=_int(obj, "transfer_id", 1, MAX_U64), mismatched=mismatched)
     if kind == "Cancel":
-        return Cancel(transfer_id=_int(obj, "transfer_id", 1, MAX_U64))
+        return Cancel(
+            transfer_id=_int(obj, "transfer_id", 1, MAX_U64),
+            num_chunks_posted=_int(obj, "num_chunks_posted", 0, MAX_BLOCKS_PER_READ),
+        )
     if kind == "CancelOk":
         return CancelOk(
             transfer_id=_int(obj, "transfer_id", 1, MAX_U64),
