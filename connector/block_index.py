@@ -1,10 +1,12 @@
 """Block index: which node holds which block hash, and the longest prefix held anywhere.
 
 DESIGN.md, "Block index". A node publishes its ``BlockPool`` KV events (``BlockStored`` adds,
-``BlockRemoved`` removes, ``AllBlocksCleared`` drops the node's entries of that tier); any node asks
+``BlockRemoved`` removes, ``AllBlocksCleared`` drops all the node's entries); any node asks
 ``longest_prefix(block_hashes, group_ids)`` for the deepest run of a request's blocks that one
-holder can serve whole. Two backends share this contract: :class:`InMemoryBlockIndex` (below, one
-process) and ``RedisBlockIndex`` (``redis_block_index.py``, across nodes, one round trip).
+holder can serve whole (full-attention semantics: every block from block 0). Entries are keyed
+per KV cache group (hash + group id), several holders per hash. Two backends share this
+contract: :class:`InMemoryBlockIndex` (below, one process) and ``RedisBlockIndex``
+(``redis_block_index.py``, across nodes, one round trip).
 
 Freshness and fencing:
 

@@ -352,3 +352,25 @@ def test_redis_runs_match_the_in_memory_reference_under_random_churn(redis_url: 
                     got = index.longest_prefix(probe_prompt, group_ids, all_holders=all_holders)
                     assert _runs(got) == _runs(expected), (step, group_ids, all_holders)
     assert index.stats.garbage_entries == 0
+
+
+def test_hole_records_go_when_the_holes_descendants_go(redis_url: str) -> None:
+    index = RedisBlockIndex(_NS, redis_url)
+    prompt = _hashes(6)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    raw = redis.Redis.from_url(redis_url)
+    holes_key = f"{_NS.key_prefix}:holes:A:{1:020d}:0"
+    # Removing block 2 while 3..5 are held leaves a hole at position 2.
+    index.publish("A", 1, [_removed([prompt[2]])])
+    assert raw.zrange(holes_key, 0, -1, withscores=True) == [
+        (prompt[2][: _NS.key_hash_bytes], 2.0)
+    ]
+    # Evicting 5, 4, 3 (tail first) releases the hole; then 1, 0: nothing of A is left.
+    index.publish("A", 1, [_removed([prompt[5], prompt[4], prompt[3]])])
+    assert raw.exists(holes_key) == 0
+    index.publish("A", 1, [_removed([prompt[1], prompt[0]])])
+    leftover = [k for k in raw.scan_iter(f"{_NS.key_prefix}:*") if b":node:" not in k
+                and not k.endswith((b":nodes", b":maxinc", b":aux:A"))]
+    assert leftover == []
+    assert index.longest_prefix(prompt) == NO_HIT
