@@ -374,3 +374,18 @@ def test_hole_records_go_when_the_holes_descendants_go(redis_url: str) -> None:
                 and not k.endswith((b":nodes", b":maxinc", b":aux:A"))]
     assert leftover == []
     assert index.longest_prefix(prompt) == NO_HIT
+
+
+def test_slow_redis_times_out_to_no_hit_then_recovers(redis_url: str) -> None:
+    index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=0.1, retry_interval_s=0.0)
+    prompt = _hashes(4)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    # Another client pauses every command for 0.4 s: the lookup gives up after 0.1 s.
+    redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", 400, "ALL")
+    assert index.longest_prefix(prompt) == NO_HIT
+    assert index.stats.lookups_failed == 1
+    assert index.stats.errors_by_kind == {"TimeoutError": 1}
+    time.sleep(0.4)
+    assert index.longest_prefix(prompt).num_blocks == 4
+    assert index.stats.reconnects == 1
