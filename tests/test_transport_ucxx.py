@@ -292,3 +292,51 @@ async def test_holder_killed_mid_transfer_fails_naming_blocks(slow_holder, reque
     assert set(info.value.local_block_ids) <= all_local
     assert len(info.value.local_block_ids) > 0
     _assert_requester_clean(requester)
+
+
+async def test_holder_drops_sends_when_requester_connection_closes(requester):
+    """A requester that dies mid-read: its control connection closes, and the holder aborts the
+    sends it issued at once instead of waiting for the read's 30 s deadline."""
+    import ucxx
+    from kvbridge.transport.control import read_frame
+    from kvbridge.transport.wire import GroupReadMsg as Msg
+    from kvbridge.transport.wire import Hello, Read, ReadOk, decode_message, encode_message
+
+    caches = make_kv_caches(seed=5)
+    holder = UcxxTransport(make_metadata("local-holder-2", caches), caches)
+    await holder.start()
+    try:
+        reader, writer = await asyncio.open_connection(*holder.address)
+        # a requester that handshakes and asks, but never posts a receive: 60 blocks of 3 KiB
+        # in 16 KiB chunks are rendezvous sends that stay issued until someone ends them
+        address = ucxx.get_worker_address().tobytes()
+        hello = Hello(metadata=requester.metadata, worker_address=address)
+        writer.write(encode_message(hello))
+        decode_message(await read_frame(reader))
+        writer.write(
+            encode_message(
+                Read(
+                    transfer_id=1,
+                    request_id="dying",
+                    tag_base=(1 << 62) | (12345 << 20),
+                    chunk_bytes=1 << 14,
+                    deadline_ms=30_000,
+                    groups=[Msg(group_id=0, block_ids=list(range(1, 61)), expected_hashes=None)],
+                )
+            )
+        )
+        assert isinstance(decode_message(await read_frame(reader)), ReadOk)
+        for _ in range(100):
+            if holder.num_holder_staging_outstanding == holder._holder.window:
+                break
+            await asyncio.sleep(0.01)
+        assert holder.num_active_serves == 1  # window full, the sends wait for the requester
+        writer.transport.abort()  # the requester "dies"
+        for _ in range(150):  # well under the 30 s deadline
+            if holder.num_active_serves == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert holder.num_active_serves == 0
+        assert holder.num_holder_staging_outstanding == 0
+    finally:
+        await holder.close()

@@ -2,11 +2,13 @@
 streams requested blocks to the requester in staging chunks over UCX tag sends.
 
 Per read: check ids (``plan.check_read``), ask the connector's ``block_validator``, answer
-``ReadOk``, then for chunk ``k`` of the plan: gather into a staging buffer, send it with tag
-``tag_base + k``; at most ``window`` chunks are in flight, so gather of chunk ``k + 1`` overlaps
-the send of chunk ``k``. A ``Cancel`` stops new sends and answers how many were issued (the
-requester drains those, so no send is left waiting). A dead requester or a passed deadline
-aborts the transfer's endpoint.
+``ReadOk``, then for chunk ``k`` of the plan: send from the KV tensor itself (one layer, a run of
+ids) or gather into reused staging off the event loop thread (``staging.copy_out``), and send
+with tag ``tag_base + k`` on the connection's one endpoint; at most ``window`` chunks in flight.
+A ``Cancel(num_chunks_posted)`` stops new sends, completes posted chunks never sent with empty
+messages and answers how many were issued (the requester drains those), so nothing is left
+waiting. A closed control connection (dead requester) aborts the endpoint at once, ending every
+send issued to it; a read whose deadline (plus ``DEADLINE_GRACE_S``) passes drops its connection.
 
 Every malformed message gets an ``ErrorMsg`` to that peer only; the server keeps serving.
 """

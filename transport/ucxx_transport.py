@@ -8,14 +8,22 @@ deadlines, not from UCX. The progress mode is ``"blocking"`` unless ``progress_m
 ``UCXPY_PROGRESS_MODE`` says otherwise (``"thread"`` reached about half the bandwidth here).
 UCX state is per process: every ``UcxxTransport`` in a process shares one worker.
 
+Endpoints: one per control connection on each side, created right after the handshake (never
+per read); a dropped connection aborts it, which cancels every UCX request still posted on it.
+
 Requester side of a read (holder side: ``ucxx_holder``)::
 
-    send Read ──> ReadOk(mismatched) ──> for chunk k: recv(tag_base + k) into staging,
-                                         scatter into local blocks; ``window`` recvs posted
+    send Read ──> ReadOk(mismatched) ──> for chunk k: recv(tag_base + k), ``window`` posted ahead,
+                                         into the KV tensor itself (one layer, a run of local
+                                         ids) or into reused staging, then copied in off the
+                                         event loop thread (``staging.copy_in``)
 
-A cancelled, timed-out or task-cancelled read aborts its endpoint (cancelling posted receives),
-then sends ``Cancel``; the holder answers how many chunks it issued and the requester receives
-(and drops) those it had not yet received, so neither side keeps a UCX request waiting.
+A cancelled, timed-out or task-cancelled read never cancels a receive while the holder lives (a
+receive cancelled after it matched a rendezvous leaves the holder's send waiting forever): it
+sends ``Cancel(num_chunks_posted)``, the holder completes the posted chunks it never sent with
+empty messages and answers how many it issued, and the requester receives and drops the issued
+chunks it had not posted. Only when the holder is dead or does not answer is the connection torn
+down (endpoint aborted).
 """
 
 from __future__ import annotations
@@ -83,7 +91,8 @@ class UcxxTransport(Transport):
         kv_caches_by_group: ``[group][layer]`` KV tensors, CPU or CUDA.
         host, port: where to listen for control connections (port 0: any free port).
         chunk_bytes: staging chunk size of reads this node makes.
-        window: chunks in flight per read on each side (2: gather k+1 while k is on the wire).
+        window: chunks in flight per read on each side (4: receives posted ahead hide the
+            event loop's wake-up latency between chunks).
         progress_mode: ucxx progress mode (see module docstring).
     """
 
@@ -95,7 +104,7 @@ class UcxxTransport(Transport):
         host: str = "127.0.0.1",
         port: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        window: int = 2,
+        window: int = 4,
         progress_mode: str | None = None,
     ):
         check_kv_caches_match(metadata, kv_caches_by_group)
