@@ -20,6 +20,13 @@ key                          default   meaning
 ``index_ttl_s``              10.0      a node's index entries expire this long after its last
                                        heartbeat (heartbeats every third of it)
 ``model_name``               kvbridge  part of the index namespace and the handshake
+``store_url``                None      ``"host:port"`` of a store node's write server (issue 7)
+``offload``                  off       ``"off"``, ``"evict"`` (cold cached blocks, before reuse)
+                                       or ``"write_through"`` (every newly cached block too);
+                                       needs ``store_url`` and ``index_url``
+``offload_blocks_per_step``  32        most blocks snapshotted for the store per engine step
+``offload_scan_blocks``      4096      most free-queue entries looked at per step
+``offload_max_inflight_bytes`` 256 MiB snapshot bytes allowed to wait for the store
 ===========================  ========  ==========================================================
 """
 
@@ -37,6 +44,7 @@ __all__ = ["KVTransferConfig"]
 
 _TRANSPORTS = ("ucxx", "loopback")
 _POLICIES = ("recompute", "fail")
+_OFFLOAD = ("off", "evict", "write_through")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +65,11 @@ class KVTransferConfig:
     min_remote_hit_blocks: int = 1
     index_ttl_s: float = 10.0
     model_name: str = "kvbridge"
+    store_url: str | None = None
+    offload: str = "off"
+    offload_blocks_per_step: int = 32
+    offload_scan_blocks: int = 4096
+    offload_max_inflight_bytes: int = 256 << 20
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,8 +95,30 @@ class KVTransferConfig:
             raise KVTransferConfigError(
                 f"min_remote_hit_blocks must be >= 1, got {self.min_remote_hit_blocks}"
             )
+        self._check_offload()
         if not self.engine_id:
             raise KVTransferConfigError("engine_id must be a non-empty string")
+
+    def _check_offload(self) -> None:
+        if self.offload not in _OFFLOAD:
+            raise KVTransferConfigError(f"offload must be one of {_OFFLOAD}, got {self.offload!r}")
+        names = ("offload_blocks_per_step", "offload_scan_blocks", "offload_max_inflight_bytes")
+        for name in names:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise KVTransferConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.offload != "off" and not (self.store_url and self.index_url):
+            raise KVTransferConfigError(
+                f"offload {self.offload!r} needs store_url (where to write) and index_url (the "
+                "pool events that name each block's parent, and the index restores go through)"
+            )
+        if self.store_url is not None:
+            from .offload import parse_store_url
+
+            try:
+                parse_store_url(self.store_url)
+            except ValueError as exc:
+                raise KVTransferConfigError(str(exc)) from None
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> KVTransferConfig:

@@ -61,6 +61,7 @@ from .errors import KVConnectorError, KVTransferParamsError
 from .index_client import IndexClient, open_index
 from .lease import LeaseTable
 from .loop_thread import get_loop_thread
+from .offload import Offloader, make_offloader
 from .pull_plan import PullPlan, ReleaseNotice, plan_group_pulls
 from .stats import KVTransferStats
 from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
@@ -98,10 +99,14 @@ class ConnectorContext:
     loopback_faults: LoopbackFaults | None = None
     incarnation: int = field(default_factory=new_incarnation)
     index_client: IndexClient | None = None
+    offloader: Offloader | None = None  # issue 7: writes cold blocks to the store tier
+    store_engine_ids: set[str] = field(default_factory=set)  # holders seen with tier "store"
 
     def __post_init__(self) -> None:
         if self.leases is None:
             self.leases = LeaseTable(self.config.lease_s)
+        if self.offloader is None:
+            self.offloader = make_offloader(self.config, self.stats)
 
     @property
     def block_size(self) -> int:
@@ -217,6 +222,8 @@ class KVBridgeConnector(KVConnectorBase):
         num_new = num_remote_tokens - num_computed_tokens
         self.ctx.stats.add("num_index_hits")
         tier_counter = "store_hit_tokens" if found.holder.tier == "store" else "remote_hit_tokens"
+        if found.holder.tier == "store":
+            self.ctx.store_engine_ids.add(found.holder.node_id)
         self.ctx.stats.add(tier_counter, num_new)
         return MatchedTokens(num_new, True)
 
@@ -268,6 +275,13 @@ class KVBridgeConnector(KVConnectorBase):
         if events:
             self._events.extend(events)
             self.ctx.index_client.publish(events)
+            if self.ctx.offloader is not None:
+                self.ctx.offloader.observe(events)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """End of a step (after the forward pass and the frees): offload cold blocks."""
+        if self.ctx.offloader is not None and self.ctx.kv_cache_manager is not None:
+            self.ctx.offloader.on_step(self.ctx.kv_cache_manager.block_pool)
 
     def take_events(self) -> Iterable[Any]:
         """The ``BlockPool`` events this connector forwarded to the index since the last call
@@ -346,6 +360,8 @@ class KVBridgeConnector(KVConnectorBase):
             hash_fn_name=self.ctx.hash_fn_name,
         )
         metadata = replace(metadata, incarnation=str(self.ctx.incarnation))
+        if self.ctx.offloader is not None:
+            self.ctx.offloader.bind(by_group, metadata.compat_hash)
         transport = self._make_transport(metadata, by_group)
         transport.set_callbacks(
             block_validator=self._validate_blocks,
@@ -454,6 +470,8 @@ class KVBridgeConnector(KVConnectorBase):
         return errors
 
     def shutdown(self) -> None:
+        if self.ctx.offloader is not None:
+            self.ctx.offloader.close()
         client, self.ctx.index_client = self.ctx.index_client, None
         if client is not None:
             client.close()
@@ -525,6 +543,10 @@ class KVBridgeConnector(KVConnectorBase):
         finally:
             self._heartbeat_targets.pop(plan.request_id, None)
         elapsed = time.monotonic() - started
+        if params.remote_engine_id in self.ctx.store_engine_ids:  # issue 7: a restore
+            landed = [b for g in plan.groups for b in g.local_block_ids if b not in failed]
+            self.ctx.stats.add("num_restored_blocks", len(landed))
+            self.ctx.stats.add("bytes_restored", num_bytes)
         if failed:
             self.ctx.stats.record_failed_load(num_failed_blocks=len(failed))
             logger.warning("pull of %s failed: %s", plan.request_id, error)

@@ -36,8 +36,13 @@ class KVTransferStats:
     ``num_index_lookups`` / ``num_index_hits`` (cross-node prefix lookups and pulls they started),
     ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens planned from another node's
     device/host blocks, or from the store tier),
-    ``num_released_leases`` (completion notices), ``transfer_s`` (pull durations, seconds),
-    ``queue_s`` (from the request's arrival to the pull's start, seconds).
+    ``num_released_leases`` (completion notices),
+    ``num_offloaded_blocks`` / ``bytes_offloaded`` (blocks the store tier now holds from this
+    node's writes), ``num_offload_failures`` (writes that failed: store unreachable or refused),
+    ``num_offload_refused_blocks`` (the store had no room), ``num_offload_skipped_blocks`` (not
+    snapshotted: too many bytes already waiting for the store), ``num_restored_blocks`` /
+    ``bytes_restored`` (blocks pulled back from the store tier), ``transfer_s`` (pull
+    durations, seconds), ``queue_s`` (from the request's arrival to the pull's start, seconds).
     """
 
     bytes_received: int = 0
@@ -53,6 +58,13 @@ class KVTransferStats:
     num_index_hits: int = 0
     remote_hit_tokens: int = 0
     store_hit_tokens: int = 0
+    num_offloaded_blocks: int = 0
+    bytes_offloaded: int = 0
+    num_offload_failures: int = 0
+    num_offload_refused_blocks: int = 0
+    num_offload_skipped_blocks: int = 0
+    num_restored_blocks: int = 0
+    bytes_restored: int = 0
     transfer_s_sum: float = 0.0
     queue_s_sum: float = 0.0
     _transfer_s: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW), repr=False)

@@ -1,0 +1,259 @@
+"""The store tier's storage: KV tensors shaped like a node's, a hash map and an LRU order.
+
+Per KV cache group ``g`` the store keeps one tensor per layer, ``[num_store_blocks + 1, 2,
+block_size, num_kv_heads, head_size]`` (kvbridge.kernels.layout; row 0 is never used, as a node's
+null block, so the transport's ``[1, num_blocks)`` id rule holds), a map ``block_hash -> store
+block id`` in LRU order (first = coldest) and the chain links the writers sent (``parent_hashes``).
+
+Index visibility. The Redis index records, per entry, how long a run from block 0 the holder had
+when it stored the hash (``redis_index_scripts.py``), so a child stored before its parent would
+stay invisible. Offloading walks the free queue from its head, where a finished request's *last*
+blocks sit (vLLM frees in reverse order), so children usually arrive first. The store therefore
+publishes a block only once it is *anchored* (its parent is the chain root or anchored) and, when
+a parent arrives, publishes its held descendants after it, parents first. A dropped block is
+removed from the index; its descendants stay listed but unreachable (the index cuts a run at a
+removed hash) until the block comes back.
+
+Read guard. A read is validated first and its bytes are copied afterwards, chunk by chunk; the
+validator stamps the blocks it passes, and a block stamped less than ``read_guard_s`` ago is never
+overwritten: if the coldest block is that fresh, the write is refused (no room) instead.
+
+Not thread-safe: the store's event loop owns it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from kvbridge.kernels import scatter_blocks
+from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+__all__ = ["GroupPutResult", "StoreCache"]
+
+ROOT_PARENT = b""
+
+
+class GroupPutResult(NamedTuple):
+    """``refused``: hashes not stored (no room); ``events``: index events, in order;
+    ``num_dropped``: blocks evicted (LRU) to make room."""
+
+    num_stored: int
+    num_present: int
+    refused: tuple[bytes, ...]
+    num_dropped: int
+    events: tuple[KVCacheEvent, ...]
+
+
+@dataclass(slots=True)
+class _GroupCache:
+    kv_caches: list[torch.Tensor]
+    block_nbytes: int  # one block across the group's layers
+    hash_to_block_id: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
+    block_id_to_hash: list[bytes | None] = field(default_factory=list)
+    served_at: list[float] = field(default_factory=list)
+    free_block_ids: list[int] = field(default_factory=list)
+    parent_of: dict[bytes, bytes] = field(default_factory=dict)
+    children: dict[bytes, set[bytes]] = field(default_factory=dict)
+    anchored: set[bytes] = field(default_factory=set)
+    published: set[bytes] = field(default_factory=set)
+
+
+class StoreCache:
+    """Blocks held by hash, per KV cache group, with LRU eviction.
+
+    Args:
+        kv_caches_by_group: ``[group][layer]`` tensors ``[num_store_blocks + 1, 2, block_size,
+            num_kv_heads, head_size]`` (all groups the same ``num_store_blocks``).
+        read_guard_s: a block validated for a read this recently is never overwritten.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+        *,
+        read_guard_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if read_guard_s < 0:
+            raise ValueError(f"read_guard_s must be >= 0, got {read_guard_s}")
+        self.read_guard_s = read_guard_s
+        self._clock = clock
+        self.block_size = int(kv_caches_by_group[0][0].shape[2])
+        self.groups: list[_GroupCache] = []
+        for caches in kv_caches_by_group:
+            num_rows = int(caches[0].shape[0])
+            if num_rows < 2:
+                raise ValueError(f"a store group needs >= 1 block besides row 0, got {num_rows}")
+            block_nbytes = sum(int(c[0].numel()) * c.element_size() for c in caches)
+            self.groups.append(
+                _GroupCache(
+                    kv_caches=list(caches),
+                    block_nbytes=block_nbytes,
+                    block_id_to_hash=[None] * num_rows,
+                    served_at=[float("-inf")] * num_rows,
+                    free_block_ids=list(range(num_rows - 1, 0, -1)),  # pop() gives 1 first
+                )
+            )
+
+    @property
+    def num_store_blocks(self) -> int:
+        return len(self.groups[0].block_id_to_hash) - 1
+
+    def num_held(self, group_id: int | None = None) -> int:
+        groups = self.groups if group_id is None else [self.groups[group_id]]
+        return sum(len(g.hash_to_block_id) for g in groups)
+
+    def block_id_of(self, group_id: int, block_hash: bytes) -> int | None:
+        """The store block holding ``block_hash`` in ``group_id`` (no LRU touch)."""
+        return self.groups[group_id].hash_to_block_id.get(block_hash)
+
+    def lru_hashes(self, group_id: int) -> list[bytes]:
+        """Held hashes of ``group_id``, coldest first."""
+        return list(self.groups[group_id].hash_to_block_id)
+
+    # ------------------------------------------------------------------ writes
+    def put(
+        self,
+        group_id: int,
+        block_hashes: Sequence[bytes],
+        parent_hashes: Sequence[bytes],
+        staging: torch.Tensor,
+    ) -> GroupPutResult:
+        """Store ``block_hashes[i]`` with bytes ``staging[:, i]`` (mutates the tensors, the map,
+        the LRU order). A hash already held is touched, not rewritten.
+
+        Args:
+            staging: ``[num_layers, n, 2, block_size, num_kv_heads, head_size]``, the caches'
+                dtype, on CPU (the ``gather_blocks`` layout).
+
+        Raises:
+            ValueError: ``group_id`` out of range or lengths that disagree (the caller checks
+                network input first and reports it to the writer).
+        """
+        if not 0 <= group_id < len(self.groups):
+            raise ValueError(f"group_id {group_id} not in [0, {len(self.groups)})")
+        if len(block_hashes) != len(parent_hashes) or staging.shape[1] != len(block_hashes):
+            raise ValueError(
+                f"{len(block_hashes)} hashes, {len(parent_hashes)} parents, "
+                f"staging holds {staging.shape[1]} blocks"
+            )
+        group = self.groups[group_id]
+        events: list[KVCacheEvent] = []
+        refused: list[bytes] = []
+        block_id_to_row: dict[int, int] = {}
+        num_present = num_dropped = 0
+        for row, (block_hash, parent) in enumerate(zip(block_hashes, parent_hashes, strict=True)):
+            if block_hash in group.hash_to_block_id:
+                group.hash_to_block_id.move_to_end(block_hash)
+                num_present += 1
+                continue
+            num_free_before = len(group.free_block_ids)
+            block_id = self._take_block(group_id, events)
+            num_dropped += int(num_free_before == 0 and block_id is not None)
+            if block_id is None:
+                refused.append(block_hash)
+                continue
+            block_id_to_row[block_id] = row  # a later row may take the block of an earlier one
+            group.hash_to_block_id[block_hash] = block_id
+            group.block_id_to_hash[block_id] = block_hash
+            group.parent_of[block_hash] = parent
+            group.children.setdefault(parent, set()).add(block_hash)
+            if parent == ROOT_PARENT or parent in group.anchored:
+                self._anchor(group_id, block_hash, events)
+        if block_id_to_row:
+            ids = torch.tensor(list(block_id_to_row), dtype=torch.int64)
+            rows = torch.tensor(list(block_id_to_row.values()), dtype=torch.int64)
+            scatter_blocks(staging.index_select(1, rows).contiguous(), group.kv_caches, ids)
+        num_stored = len(block_hashes) - num_present - len(refused)
+        return GroupPutResult(num_stored, num_present, tuple(refused), num_dropped, tuple(events))
+
+    def _take_block(self, group_id: int, events: list[KVCacheEvent]) -> int | None:
+        group = self.groups[group_id]
+        if group.free_block_ids:
+            return group.free_block_ids.pop()
+        if not group.hash_to_block_id:
+            return None
+        coldest_hash, block_id = next(iter(group.hash_to_block_id.items()))
+        if self._clock() - group.served_at[block_id] < self.read_guard_s:
+            return None  # possibly still being copied out by a read: never overwrite it
+        self._drop(group_id, coldest_hash, events)
+        return group.free_block_ids.pop()
+
+    def _drop(self, group_id: int, block_hash: bytes, events: list[KVCacheEvent]) -> None:
+        group = self.groups[group_id]
+        block_id = group.hash_to_block_id.pop(block_hash)
+        group.block_id_to_hash[block_id] = None
+        group.free_block_ids.append(block_id)
+        parent = group.parent_of.pop(block_hash)
+        siblings = group.children.get(parent)
+        if siblings is not None:
+            siblings.discard(block_hash)
+            if not siblings:
+                del group.children[parent]
+        if block_hash in group.published:
+            group.published.discard(block_hash)
+            events.append(
+                BlockRemoved(
+                    block_hashes=[block_hash], medium=None, group_id=group_id, block_ids=[block_id]
+                )
+            )
+        # Descendants lose their anchor (the index cuts their runs at this hash).
+        stack = [block_hash]
+        while stack:
+            current = stack.pop()
+            if current in group.anchored or current == block_hash:
+                group.anchored.discard(current)
+                stack.extend(group.children.get(current, ()))
+
+    def _anchor(self, group_id: int, block_hash: bytes, events: list[KVCacheEvent]) -> None:
+        """Anchor ``block_hash`` and every held, unanchored descendant; publish them, parents
+        before children (depth-first)."""
+        group = self.groups[group_id]
+        stack = [block_hash]
+        while stack:
+            current = stack.pop()
+            if current in group.anchored or current not in group.hash_to_block_id:
+                continue
+            group.anchored.add(current)
+            group.published.add(current)
+            parent = group.parent_of[current]
+            events.append(
+                BlockStored(
+                    block_hashes=[current],
+                    parent_block_hash=parent or None,
+                    token_ids=[],  # the store never sees tokens; the index does not need them
+                    block_size=self.block_size,
+                    lora_name=None,
+                    medium=None,
+                    group_id=group_id,
+                    block_ids=[group.hash_to_block_id[current]],
+                )
+            )
+            stack.extend(group.children.get(current, ()))
+
+    # ------------------------------------------------------------------ reads
+    def validate(
+        self, group_id: int, block_ids: Sequence[int], expected_hashes: Sequence[bytes]
+    ) -> list[int]:
+        """Positions whose store block does not hold the expected hash (an empty expected hash
+        never passes: the store serves by hash only). Passing blocks are touched (LRU) and
+        stamped for the read guard."""
+        if not 0 <= group_id < len(self.groups):
+            return list(range(len(block_ids)))
+        group = self.groups[group_id]
+        now = self._clock()
+        bad: list[int] = []
+        for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
+            held = group.block_id_to_hash[block_id] if 0 < block_id < len(group.served_at) else None
+            if not expected or held != expected:
+                bad.append(pos)
+                continue
+            group.served_at[block_id] = now
+            group.hash_to_block_id.move_to_end(expected)
+        return bad

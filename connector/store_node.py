@@ -1,0 +1,348 @@
+"""The remote store tier's node (issue 7, part 1; DESIGN.md, "One disaggregated request", last
+paragraph).
+
+A ``StoreNode`` holds offloaded blocks in host memory (``StoreCache``: KV tensors shaped like a
+node's, a hash map, LRU eviction within ``capacity_bytes``), serves pulls with the same
+``Transport`` as any holder (its ``block_validator`` checks that the store still holds the
+expected hash in that block, so a pull never gets stale bytes and an unknown hash is a load error
+for that request), accepts writes on a small TCP server (``store_server.py``, schema in
+``store_wire.py``), and publishes what it stores and drops to the block index as tier ``"store"``
+with its own node id and incarnation (a restart is a new incarnation: its old entries vanish).
+
+Everything runs on one asyncio loop (the connector's loop thread when in-process). Start and
+stop with ``await node.start()`` / ``await node.close()``, or ``start_store_node`` from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from kvbridge.kernels import ModelConfig
+from kvbridge.kvmanager.model_runner import make_kv_cache_config
+from kvbridge.transport import LoopbackNetwork, NodeMetadata, PeerAddress, Transport
+
+from .block_index import IndexNamespace, new_incarnation
+from .index_client import IndexClient, open_index
+from .loop_thread import get_loop_thread
+from .store_cache import StoreCache
+from .store_wire import PutReply, PutRequest, StoreWireError
+
+__all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "store_kv_caches"]
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class StoreStats:
+    """Counters of one store node (thread-safe reads via ``snapshot``).
+
+    ``num_blocks_stored`` / ``bytes_stored``: blocks written; ``num_blocks_present``: writes of
+    blocks already held (touched only); ``num_blocks_refused``: writes refused for lack of room;
+    ``num_blocks_dropped`` / ``bytes_dropped``: LRU evictions; ``num_blocks_requested`` /
+    ``num_blocks_hit`` / ``bytes_served``: blocks pulls asked for, and those the store still held
+    (served); ``num_put_errors``: malformed or refused put messages.
+    """
+
+    capacity_blocks: int = 0
+    num_puts: int = 0
+    num_put_errors: int = 0
+    num_blocks_stored: int = 0
+    bytes_stored: int = 0
+    num_blocks_present: int = 0
+    num_blocks_refused: int = 0
+    num_blocks_dropped: int = 0
+    bytes_dropped: int = 0
+    num_blocks_requested: int = 0
+    num_blocks_hit: int = 0
+    bytes_served: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    @property
+    def hit_ratio(self) -> float | None:
+        """Blocks served / blocks asked for (None before the first pull)."""
+        if not self.num_blocks_requested:
+            return None
+        return self.num_blocks_hit / self.num_blocks_requested
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            out = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        out["hit_ratio"] = self.hit_ratio
+        return out
+
+
+def store_kv_caches(
+    model_config: ModelConfig, *, block_size: int, capacity_bytes: int
+) -> tuple[list[list[torch.Tensor]], int]:
+    """Host KV tensors for a store of ``capacity_bytes``: ``[group][layer]`` tensors
+    ``[num_store_blocks + 1, 2, block_size, num_kv_heads, head_dim]`` (row 0 unused), where
+    ``num_store_blocks = capacity_bytes // (bytes of one block across every layer)``.
+
+    Raises:
+        ValueError: the capacity holds no block.
+    """
+    config = make_kv_cache_config(model_config, num_blocks=1, block_size=block_size)
+    groups = config.kv_cache_groups
+    bytes_per_block = sum(
+        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups
+    )
+    num_store_blocks = capacity_bytes // bytes_per_block
+    if num_store_blocks < 1:
+        raise ValueError(
+            f"capacity_bytes {capacity_bytes} holds no block of {bytes_per_block} bytes"
+        )
+    shape = (num_store_blocks + 1, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
+    by_group = [
+        [torch.zeros(shape, dtype=model_config.dtype) for _ in g.layer_names] for g in groups
+    ]
+    return by_group, num_store_blocks
+
+
+class StoreNode:
+    """A store node. See the module docstring.
+
+    Args:
+        model_config: the model whose KV this store keeps (layout, dtype, groups).
+        block_size: tokens per block (must match the nodes').
+        capacity_bytes: host memory for blocks, across all groups and layers.
+        engine_id: the store's node id in the index and at handshake.
+        model_name, hash_fn_name: must equal the nodes' (handshake and index namespace).
+        index_url: ``redis://...`` or ``"memory"``; None: publish nothing (tests of the cache).
+        host, port: where the transport serves pulls (port 0: any free one).
+        write_host, write_port: where the write server listens (port 0: any free one).
+        transport: ``"ucxx"`` or ``"loopback"`` (needs ``loopback_network``).
+        read_guard_s: a block validated for a pull this recently is never overwritten.
+        index_ttl_s: the store's index entries expire this long after its last heartbeat.
+        max_put_bytes: largest payload one put may carry.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        block_size: int,
+        capacity_bytes: int,
+        engine_id: str = "store-0",
+        model_name: str = "kvbridge",
+        hash_fn_name: str = "sha256_cbor",
+        index_url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        write_host: str = "127.0.0.1",
+        write_port: int = 0,
+        transport: Literal["ucxx", "loopback"] = "ucxx",
+        loopback_network: LoopbackNetwork | None = None,
+        read_guard_s: float = 30.0,
+        index_ttl_s: float = 10.0,
+        max_put_bytes: int = 256 << 20,
+    ) -> None:
+        if transport == "loopback" and loopback_network is None:
+            raise ValueError("transport 'loopback' needs a loopback_network")
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.incarnation = new_incarnation()
+        self.kv_caches_by_group, num_store_blocks = store_kv_caches(
+            model_config, block_size=block_size, capacity_bytes=capacity_bytes
+        )
+        self.cache = StoreCache(self.kv_caches_by_group, read_guard_s=read_guard_s)
+        self.stats = StoreStats(capacity_blocks=num_store_blocks)
+        self.metadata = NodeMetadata.from_kv_caches(
+            engine_id=engine_id,
+            kv_caches_by_group=self.kv_caches_by_group,
+            model_name=model_name,
+            hash_fn_name=hash_fn_name,
+        )
+        self.metadata = replace(self.metadata, incarnation=str(self.incarnation))
+        self.namespace = IndexNamespace(
+            model_name=model_name, block_size=block_size, hash_fn_name=hash_fn_name
+        )
+        self.index_url = index_url
+        self.index_ttl_s = index_ttl_s
+        self.max_put_bytes = max_put_bytes
+        self._transport_kind = transport
+        self._loopback_network = loopback_network
+        self._host, self._port = host, port
+        self._write_host, self._write_port = write_host, write_port
+        self.transport: Transport | None = None
+        self.index_client: IndexClient | None = None
+        self._server: Any = None
+        # One thread: index publishes are applied in the order the cache produced them.
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-{engine_id}-index")
+
+    # ------------------------------------------------------------------ life
+    @property
+    def address(self) -> PeerAddress:
+        """Where the store serves pulls (valid after ``start``)."""
+        if self.transport is None:
+            raise RuntimeError("StoreNode.address read before start()")
+        return self.transport.address
+
+    @property
+    def write_address(self) -> tuple[str, int]:
+        """``(host, port)`` of the write server (a node's ``store_url`` is ``host:port``)."""
+        if self._server is None:
+            raise RuntimeError("StoreNode.write_address read before start()")
+        return self._server.address
+
+    async def start(self) -> None:
+        """Serve pulls, accept writes, register in the index (a fresh incarnation)."""
+        from .store_server import StoreWriteServer
+
+        if self._transport_kind == "loopback":
+            from kvbridge.transport import LoopbackTransport
+
+            self.transport = LoopbackTransport(
+                self.metadata,
+                self.kv_caches_by_group,
+                network=self._loopback_network,  # type: ignore[arg-type]
+                host=self._host,
+                port=self._port,
+            )
+        else:
+            from kvbridge.transport import UcxxTransport
+
+            self.transport = UcxxTransport(
+                self.metadata, self.kv_caches_by_group, host=self._host, port=self._port
+            )
+        self.transport.set_callbacks(block_validator=self._validate_blocks)
+        await self.transport.start()
+        if self.index_url:
+            index, directory = open_index(self.index_url, self.namespace)
+            self.index_client = IndexClient(
+                index,
+                directory,
+                node_id=self.engine_id,
+                incarnation=self.incarnation,
+                group_ids=range(len(self.kv_caches_by_group)),
+                ttl_s=self.index_ttl_s,
+                tier="store",
+            )
+            client, address = self.index_client, self.transport.address
+            await asyncio.get_running_loop().run_in_executor(
+                self._publisher, client.start, address.host, address.port
+            )
+        self._server = StoreWriteServer(self, host=self._write_host, port=self._write_port)
+        await self._server.start()
+        logger.info(
+            "store %s: %d blocks, pulls on %s:%d, writes on %s:%d",
+            self.engine_id,
+            self.cache.num_store_blocks,
+            *self.transport.address,
+            *self._server.address,
+        )
+
+    async def close(self) -> None:
+        """Stop the write server and the transport, withdraw from the index. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.close()
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            await transport.close()
+        client, self.index_client = self.index_client, None
+        if client is not None:
+            await asyncio.get_running_loop().run_in_executor(self._publisher, client.close)
+        self._publisher.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ writes
+    def check_put(self, put: PutRequest) -> None:
+        """Raise StoreWireError if ``put`` does not fit this store (namespace, group, sizes)."""
+        if put.compat_hash != self.metadata.compat_hash:
+            raise StoreWireError(
+                f"compat_hash {put.compat_hash[:16]}... is not this store's "
+                f"{self.metadata.compat_hash[:16]}... (other model, dtype, block size, layout "
+                "or hash function)"
+            )
+        for i, group in enumerate(put.groups):
+            if group.group_id >= len(self.cache.groups):
+                raise StoreWireError(
+                    f"groups[{i}].group_id {group.group_id} not in [0, {len(self.cache.groups)})"
+                )
+            expected = len(group.block_hashes) * self.cache.groups[group.group_id].block_nbytes
+            if group.nbytes != expected:
+                raise StoreWireError(
+                    f"groups[{i}].nbytes {group.nbytes} != {len(group.block_hashes)} blocks x "
+                    f"{self.cache.groups[group.group_id].block_nbytes} bytes"
+                )
+
+    async def put(self, put: PutRequest, payload: bytearray) -> PutReply:
+        """Store a checked put (``check_put``) whose payload is ``payload``; publish the index
+        events before replying, so a writer that got ``put_ok`` finds the blocks indexed."""
+        events: list[Any] = []
+        refused: list[tuple[int, bytes]] = []
+        num_stored = num_present = 0
+        offset = 0
+        for group in put.groups:
+            caches = self.cache.groups[group.group_id].kv_caches
+            n = len(group.block_hashes)
+            staging = (
+                torch.frombuffer(payload, dtype=torch.uint8, count=group.nbytes, offset=offset)
+                .view(caches[0].dtype)
+                .view(len(caches), n, *caches[0].shape[1:])
+                if n
+                else None
+            )
+            offset += group.nbytes
+            if staging is None:
+                continue
+            result = self.cache.put(
+                group.group_id, group.block_hashes, group.parent_hashes, staging
+            )
+            block_nbytes = self.cache.groups[group.group_id].block_nbytes
+            num_stored += result.num_stored
+            num_present += result.num_present
+            refused.extend((group.group_id, h) for h in result.refused)
+            events.extend(result.events)
+            self.stats.add(
+                num_blocks_stored=result.num_stored,
+                bytes_stored=result.num_stored * block_nbytes,
+                num_blocks_present=result.num_present,
+                num_blocks_refused=len(result.refused),
+                num_blocks_dropped=result.num_dropped,
+                bytes_dropped=result.num_dropped * block_nbytes,
+            )
+        self.stats.add(num_puts=1)
+        client = self.index_client
+        if events and client is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._publisher, client.publish, events)
+        return PutReply(num_stored, num_present, len(refused), tuple(refused))
+
+    # ------------------------------------------------------------------ reads
+    def _validate_blocks(
+        self, group_id: int, block_ids: list[int], expected_hashes: list[bytes]
+    ) -> list[int]:
+        bad = self.cache.validate(group_id, block_ids, expected_hashes)
+        num_hit = len(block_ids) - len(bad)
+        groups = self.cache.groups
+        block_nbytes = groups[group_id].block_nbytes if group_id < len(groups) else 0
+        self.stats.add(
+            num_blocks_requested=len(block_ids),
+            num_blocks_hit=num_hit,
+            bytes_served=num_hit * block_nbytes,
+        )
+        return bad
+
+
+def start_store_node(node: StoreNode) -> StoreNode:
+    """Start ``node`` on the process's connector loop thread (from any other thread)."""
+    get_loop_thread().run(node.start(), _START_TIMEOUT_S)
+    return node
+
+
+def close_store_node(node: StoreNode) -> None:
+    """Close ``node`` on the connector loop thread (from any other thread)."""
+    get_loop_thread().run(node.close(), _START_TIMEOUT_S)

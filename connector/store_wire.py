@@ -1,0 +1,243 @@
+"""Wire schema of the store tier's write path (issue 7, part 1): msgpack frames, version 1.
+
+One frame::
+
+    | header_nbytes: u32 big-endian | header: msgpack map | payload: "payload_nbytes" bytes |
+
+Messages (every header carries ``"v": STORE_SCHEMA_VERSION`` and ``"type"``):
+
+- ``put`` (writer -> store): ``compat_hash`` (str, the writer's ``NodeMetadata.compat_hash``: the
+  store refuses another model, dtype, block size, layout or hash function) and ``groups``, a list
+  of ``{"group_id", "block_hashes", "parent_hashes", "nbytes"}``. ``parent_hashes[i]`` is the hash
+  that precedes ``block_hashes[i]`` in its chain (``b""`` for a request's first block). The
+  payload is the groups' bytes back to back; group ``k``'s ``nbytes`` bytes are the
+  ``gather_blocks`` staging layout ``[num_layers, n, 2, block_size, num_kv_heads, head_size]``
+  for its ``n`` hashes (kvbridge.kernels.layout), so its size must be exactly
+  ``n * num_layers * block_nbytes`` of that group on the store.
+- ``put_ok`` (store -> writer): ``num_stored``, ``num_present`` (already held: touched, not
+  rewritten), ``num_refused`` (no room: every cold block is still being served), ``refused``
+  (``[[group_id, block_hash], ...]``), no payload.
+- ``error`` (store -> writer): ``error`` (str naming the bad field), no payload. The store keeps
+  serving; after an error about framing it closes that one connection (the stream is lost).
+
+Every field is type-, range- and size-checked here; a bad one raises ``StoreWireError`` naming it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import KVConnectorError
+
+__all__ = [
+    "FRAME_HEADER",
+    "MAX_HEADER_BYTES",
+    "STORE_SCHEMA_VERSION",
+    "PutGroup",
+    "PutReply",
+    "PutRequest",
+    "StoreWireError",
+    "decode_header",
+    "decode_put",
+    "decode_reply",
+    "encode_error",
+    "encode_put_header",
+    "encode_reply",
+]
+
+STORE_SCHEMA_VERSION = 1
+FRAME_HEADER = struct.Struct(">I")
+MAX_HEADER_BYTES = 8 << 20
+MAX_GROUPS = 64
+MAX_BLOCKS_PER_PUT = 1 << 16
+MAX_HASH_BYTES = 128
+MAX_ERROR_LEN = 2048
+
+
+class StoreWireError(KVConnectorError):
+    """A store message that cannot be honoured: bad framing, schema version or field (named)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutGroup:
+    """One KV cache group's part of a put: ``len(block_hashes) == len(parent_hashes)`` blocks
+    whose bytes are ``nbytes`` of the payload (staging layout)."""
+
+    group_id: int
+    block_hashes: tuple[bytes, ...]
+    parent_hashes: tuple[bytes, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutRequest:
+    compat_hash: str
+    groups: tuple[PutGroup, ...]
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+
+@dataclass(frozen=True, slots=True)
+class PutReply:
+    num_stored: int
+    num_present: int
+    num_refused: int
+    refused: tuple[tuple[int, bytes], ...] = ()
+
+
+# ---------------------------------------------------------------------- field checks
+def _int(obj: dict[Any, Any], name: str, lo: int, hi: int) -> int:
+    value = obj.get(name)
+    if type(value) is not int or not lo <= value <= hi:
+        raise StoreWireError(f"field {name!r} must be an int in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _str(obj: dict[Any, Any], name: str, max_len: int) -> str:
+    value = obj.get(name)
+    if type(value) is not str or len(value) > max_len:
+        raise StoreWireError(f"field {name!r} must be a str of <= {max_len} chars")
+    return value
+
+
+def _hashes(obj: dict[Any, Any], name: str, *, allow_empty: bool) -> tuple[bytes, ...]:
+    value = obj.get(name)
+    if type(value) is not list or len(value) > MAX_BLOCKS_PER_PUT:
+        raise StoreWireError(f"field {name!r} must be a list of <= {MAX_BLOCKS_PER_PUT} hashes")
+    lo = 0 if allow_empty else 1
+    for i, h in enumerate(value):
+        if type(h) is not bytes or not lo <= len(h) <= MAX_HASH_BYTES:
+            raise StoreWireError(f"field {name!r}[{i}] must be bytes of {lo}..{MAX_HASH_BYTES}")
+    return tuple(value)
+
+
+def decode_header(raw: bytes) -> dict[Any, Any]:
+    """A frame header as a dict with a known schema version and a str ``type``."""
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise StoreWireError(f"header is not msgpack: {type(exc).__name__}") from None
+    if not isinstance(obj, dict):
+        raise StoreWireError(f"header must be a map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != STORE_SCHEMA_VERSION:
+        raise StoreWireError(
+            f"schema version {version!r} unsupported (this store speaks {STORE_SCHEMA_VERSION})"
+        )
+    _str(obj, "type", 32)
+    return obj
+
+
+def decode_put(obj: dict[Any, Any], *, max_payload_nbytes: int) -> PutRequest:
+    """Validate a ``put`` header. Raises StoreWireError naming the first bad field."""
+    if obj["type"] != "put":
+        raise StoreWireError(f"unknown message type {obj['type']!r} (expected 'put')")
+    compat_hash = _str(obj, "compat_hash", 128)
+    raw_groups = obj.get("groups")
+    if type(raw_groups) is not list or not 1 <= len(raw_groups) <= MAX_GROUPS:
+        raise StoreWireError(f"field 'groups' must be a list of 1..{MAX_GROUPS} maps")
+    groups: list[PutGroup] = []
+    for i, raw in enumerate(raw_groups):
+        if not isinstance(raw, dict):
+            raise StoreWireError(f"groups[{i}] must be a map")
+        hashes = _hashes(raw, "block_hashes", allow_empty=False)
+        parents = _hashes(raw, "parent_hashes", allow_empty=True)
+        if len(parents) != len(hashes):
+            raise StoreWireError(
+                f"groups[{i}]: {len(hashes)} block_hashes but {len(parents)} parent_hashes"
+            )
+        groups.append(
+            PutGroup(
+                group_id=_int(raw, "group_id", 0, MAX_GROUPS - 1),
+                block_hashes=hashes,
+                parent_hashes=parents,
+                nbytes=_int(raw, "nbytes", 0, max_payload_nbytes),
+            )
+        )
+    put = PutRequest(compat_hash=compat_hash, groups=tuple(groups))
+    declared = _int(obj, "payload_nbytes", 0, max_payload_nbytes)
+    if declared != put.payload_nbytes:
+        raise StoreWireError(
+            f"payload_nbytes {declared} != sum of groups' nbytes {put.payload_nbytes}"
+        )
+    return put
+
+
+def decode_reply(obj: dict[Any, Any]) -> PutReply:
+    """A store's reply; an ``error`` reply raises StoreWireError with the store's message."""
+    if obj["type"] == "error":
+        raise StoreWireError(f"store refused the put: {_str(obj, 'error', MAX_ERROR_LEN)}")
+    if obj["type"] != "put_ok":
+        raise StoreWireError(f"unknown reply type {obj['type']!r}")
+    refused_raw = obj.get("refused")
+    if type(refused_raw) is not list or len(refused_raw) > MAX_BLOCKS_PER_PUT * MAX_GROUPS:
+        raise StoreWireError("field 'refused' must be a list")
+    refused: list[tuple[int, bytes]] = []
+    for item in refused_raw:
+        if (
+            type(item) is not list
+            or len(item) != 2
+            or type(item[0]) is not int
+            or type(item[1]) is not bytes
+        ):
+            raise StoreWireError("field 'refused' must hold [group_id, block_hash] pairs")
+        refused.append((item[0], item[1]))
+    top = MAX_BLOCKS_PER_PUT * MAX_GROUPS
+    return PutReply(
+        num_stored=_int(obj, "num_stored", 0, top),
+        num_present=_int(obj, "num_present", 0, top),
+        num_refused=_int(obj, "num_refused", 0, top),
+        refused=tuple(refused),
+    )
+
+
+# ---------------------------------------------------------------------- encoders
+def _frame(header: dict[str, Any]) -> bytes:
+    raw = msgpack.packb(header, use_bin_type=True)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    return FRAME_HEADER.pack(len(raw)) + raw
+
+
+def encode_put_header(put: PutRequest) -> bytes:
+    """Length prefix and header of a put; the caller sends ``put.payload_nbytes`` bytes next."""
+    return _frame(
+        {
+            "v": STORE_SCHEMA_VERSION,
+            "type": "put",
+            "compat_hash": put.compat_hash,
+            "payload_nbytes": put.payload_nbytes,
+            "groups": [
+                {
+                    "group_id": g.group_id,
+                    "block_hashes": list(g.block_hashes),
+                    "parent_hashes": list(g.parent_hashes),
+                    "nbytes": g.nbytes,
+                }
+                for g in put.groups
+            ],
+        }
+    )
+
+
+def encode_reply(reply: PutReply) -> bytes:
+    return _frame(
+        {
+            "v": STORE_SCHEMA_VERSION,
+            "type": "put_ok",
+            "num_stored": reply.num_stored,
+            "num_present": reply.num_present,
+            "num_refused": reply.num_refused,
+            "refused": [[g, h] for g, h in reply.refused],
+        }
+    )
+
+
+def encode_error(message: str) -> bytes:
+    return _frame({"v": STORE_SCHEMA_VERSION, "type": "error", "error": message[:MAX_ERROR_LEN]})
