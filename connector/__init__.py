@@ -1,4 +1,11 @@
-"""kvbridge.connector."""
+"""kvbridge.connector: the P/D connector plugin, the cross-node block index and the store tier.
+
+- ``KVBridgeConnector`` (both halves of vLLM's ``KVConnectorBase_V1`` protocol) moves a request's
+  prompt KV from a prefill node to a decode node over a ``kvbridge.transport.Transport``;
+  ``create_engine`` builds a node with it from a vLLM-shaped ``kv_transfer_config``.
+- ``BlockIndex`` (``InMemoryBlockIndex``, ``RedisBlockIndex``) finds a request's longest prefix
+  held anywhere; ``IndexClient`` is one node's use of it.
+"""
 
 from .block_index import (
     BlockIndex,
@@ -8,14 +15,32 @@ from .block_index import (
     PrefixHit,
     new_incarnation,
 )
+from .config import KVTransferConfig
+from .errors import KVConnectorError, KVTransferConfigError, KVTransferParamsError
+from .factory import KVBridgeConnectorFactory, create_engine
+from .index_client import IndexClient, open_index
+from .kvbridge_connector import KVBridgeConnector
 from .redis_block_index import RedisBlockIndex
+from .stats import KVTransferStats
+from .transfer_params import RemotePrefillParams
 
 __all__ = [
     "BlockIndex",
     "Holder",
     "InMemoryBlockIndex",
+    "IndexClient",
     "IndexNamespace",
+    "KVBridgeConnector",
+    "KVBridgeConnectorFactory",
+    "KVConnectorError",
+    "KVTransferConfig",
+    "KVTransferConfigError",
+    "KVTransferParamsError",
+    "KVTransferStats",
     "PrefixHit",
     "RedisBlockIndex",
+    "RemotePrefillParams",
+    "create_engine",
     "new_incarnation",
+    "open_index",
 ]
