@@ -1,0 +1,329 @@
+"""The remote store tier (issue 7): a store node over the loopback transport and a real Redis
+index; nodes offload cold cached blocks to it and pull them back through the index."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+from _engine_builders import reference_greedy, tiny_model
+from _pd_builders import assert_node_empty, long_prompt, run_to_completion
+from kvbridge.connector.factory import create_engine
+from kvbridge.connector.loop_thread import get_loop_thread
+from kvbridge.connector.offload import StoreWriter
+from kvbridge.connector.store_node import StoreNode, close_store_node, start_store_node
+from kvbridge.connector.store_wire import PutGroup, PutRequest, StoreWireError
+from kvbridge.kvmanager import Request, SamplingParams
+from kvbridge.kvmanager.engine import Engine, EngineConfig
+from kvbridge.transport import LoopbackNetwork
+
+BLOCK_SIZE = 16
+MAX_TOKENS = 3
+NUM_BLOCKS = 24  # 23 usable: one 20-block prompt evicts most of another one's blocks
+
+
+def make_store(
+    network: LoopbackNetwork, index_url: str, *, capacity_blocks: int, **kw
+) -> StoreNode:
+    """A started store of ``capacity_blocks`` tiny-model blocks (4 layers of float32)."""
+    model = tiny_model(hybrid=False).config
+    per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
+    node = StoreNode(
+        model,
+        block_size=BLOCK_SIZE,
+        capacity_bytes=capacity_blocks * per_block,
+        engine_id="store-0",
+        index_url=index_url,
+        transport="loopback",
+        loopback_network=network,
+        index_ttl_s=5.0,
+        **kw,
+    )
+    return start_store_node(node)
+
+
+def make_node(
+    engine_id: str, network: LoopbackNetwork, index_url: str, store: StoreNode | None, **extra
+) -> Engine:
+    config = EngineConfig(
+        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=360, max_num_batched_tokens=512
+    )
+    store_extra = {}
+    if store is not None:
+        host, port = store.write_address
+        store_extra = {"store_url": f"{host}:{port}", "offload": "evict"}
+    kv_transfer_config = {
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "transport": "loopback",
+            "index_url": index_url,
+            "index_ttl_s": 5.0,
+            "heartbeat_interval_s": 0.1,
+            "load_timeout_s": 5.0,
+            "offload_blocks_per_step": 64,
+            **store_extra,
+            **extra,
+        },
+    }
+    return create_engine(
+        tiny_model(hybrid=False), config, kv_transfer_config, loopback_network=network
+    )
+
+
+@pytest.fixture
+def network():
+    return LoopbackNetwork()
+
+
+@pytest.fixture
+def cleanup():
+    engines: list[Engine] = []
+    stores: list[StoreNode] = []
+    yield engines, stores
+    for engine in engines:
+        engine.shutdown()
+    for store in stores:
+        close_store_node(store)
+
+
+def serve(engine: Engine, request_id: str, prompt: list[int]):
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    output = run_to_completion(engine, request_id)
+    engine.step()  # the step after the finish: its blocks are free and get offloaded now
+    offloader = engine.scheduler.connector.ctx.offloader
+    if offloader is not None:
+        offloader.wait_idle()
+    return output
+
+
+def stats(engine: Engine) -> dict:
+    return engine.scheduler.connector.stats.snapshot()
+
+
+def hashes_of(engine: Engine, prompt: list[int]) -> list[bytes]:
+    probe = Request(
+        "probe",
+        prompt,
+        SamplingParams(max_tokens=1),
+        block_hasher=engine.kv_cache_manager.request_block_hasher,
+    )
+    return list(probe.block_hashes)
+
+
+def store_depth(store: StoreNode, hashes: list[bytes]) -> int:
+    """Blocks of ``hashes`` the index lists for the store, from block 0."""
+    index = store.index_client.index
+    hit = index.longest_prefix(hashes, (0,), all_holders=True)
+    return max((h.num_blocks for h in hit.holders if h.node_id == store.engine_id), default=0)
+
+
+def test_evicted_prefix_is_offloaded_then_restored_with_equal_greedy_tokens(
+    network, redis_url, cleanup
+):
+    engines, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=64)
+    stores.append(store)
+    node = make_node("node-a", network, redis_url, store)
+    engines.append(node)
+    prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
+    prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+
+    # (1) A runs; at the next step its 20 full blocks (ref_cnt 0, hashed) go to the store.
+    out = serve(node, "a-0", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    s = stats(node)
+    # 325 + 3 tokens fill 20 blocks (hashed) and part of a 21st (never hashed, never offloaded);
+    # all 20 go in one step (64 per step allowed).
+    assert s["num_offloaded_blocks"] == 20
+    assert s["bytes_offloaded"] == 20 * store.cache.groups[0].block_nbytes
+    hashes_a = hashes_of(node, prompt_a)
+    assert store_depth(store, hashes_a[:20]) == 20
+
+    # (2) B needs 21 of the 23 usable blocks: the 2 never-used blocks, A's unhashed 21st, then
+    # A's hashed blocks from the free queue's head. A freed in reverse order, so its blocks
+    # 19..2 go and its blocks 0 and 1 (the tail of the free queue) stay cached on the node.
+    serve(node, "b-0", prompt_b)
+    pool = node.kv_cache_manager.block_pool
+    assert [pool.get_cached_block(h, [0]) is not None for h in hashes_a[:3]] == [True, True, False]
+
+    # (3) A again: 2 blocks from local APC, the index names the store (20 blocks), the node
+    # pulls the 18 it lacks.
+    out = serve(node, "a-1", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    s = stats(node)
+    assert s["store_hit_tokens"] == 18 * BLOCK_SIZE
+    assert s["num_restored_blocks"] == 18
+    assert s["bytes_restored"] == 18 * store.cache.groups[0].block_nbytes
+    assert s["num_failed_loads"] == 0
+    # The model only ran the 5 tokens past the 320 cached ones (a recompute would run 325).
+    assert out.num_cached_tokens == 20 * BLOCK_SIZE
+    assert store.stats.num_blocks_hit == 18 and store.stats.hit_ratio == 1.0
+    assert_node_empty(node)
+
+
+def test_store_full_drops_coldest_blocks_and_their_entries_then_requests_fall_back(
+    network, redis_url, cleanup
+):
+    engines, stores = cleanup
+    # Room for 24 blocks: A's 20 blocks, then B's 20 push out A's 16 coldest ones.
+    store = make_store(network, redis_url, capacity_blocks=24)
+    stores.append(store)
+    node = make_node("node-a", network, redis_url, store)
+    engines.append(node)
+    prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
+    prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+    serve(node, "a-0", prompt_a)
+    hashes_a = hashes_of(node, prompt_a)[:20]
+    assert store_depth(store, hashes_a) == 20
+    serve(node, "b-0", prompt_b)  # evicts A on the node; B's blocks go to the store
+    hashes_b = hashes_of(node, prompt_b)[:20]
+    assert store_depth(store, hashes_b) == 20
+    # The store's LRU order was A (offloaded tail first: block 19 ... 0), then B: the 16
+    # coldest are A's blocks 19..4; A's blocks 0..3 are left.
+    assert store.stats.num_blocks_dropped == 16
+    assert store.cache.num_held() == 24
+    held = [store.cache.block_id_of(0, h) is not None for h in hashes_a]
+    assert held == [True] * 4 + [False] * 16
+    assert store_depth(store, hashes_a) == 4
+
+    # A again: only 4 blocks restorable; the node pulls them and computes the rest.
+    out = serve(node, "a-1", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    assert out.num_cached_tokens == 4 * BLOCK_SIZE
+    assert stats(node)["num_failed_loads"] == 0
+    assert_node_empty(node)
+
+
+def test_store_restart_vanishes_from_index_and_serves_no_old_block(network, redis_url, cleanup):
+    engines, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=64)
+    node = make_node("node-a", network, redis_url, store)
+    engines.append(node)
+    prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
+    prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+    serve(node, "a-0", prompt_a)
+    serve(node, "b-0", prompt_b)
+    hashes_a = hashes_of(node, prompt_a)[:20]
+    old_incarnation = store.incarnation
+    # (1) The store restarts empty (a new incarnation, same id): A's entries vanish.
+    close_store_node(store)
+    restarted = make_store(network, redis_url, capacity_blocks=64)
+    stores.append(restarted)
+    assert restarted.incarnation > old_incarnation
+    assert store_depth(restarted, hashes_a) == 0
+    # (2) A again: nothing to restore (no pull, no read of a block the new store lacks).
+    out = serve(node, "a-1", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    s = stats(node)
+    assert (s["store_hit_tokens"], s["num_restored_blocks"], s["num_failed_loads"]) == (0, 0, 0)
+    assert restarted.stats.num_blocks_requested == 0
+    assert_node_empty(node)
+
+
+def test_stale_index_entry_for_a_block_the_store_no_longer_holds_is_a_load_error_then_recompute(
+    network, redis_url, cleanup
+):
+    engines, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=64)
+    stores.append(store)
+    node = make_node("node-a", network, redis_url, store)
+    engines.append(node)
+    prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
+    prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+    serve(node, "a-0", prompt_a)
+    serve(node, "b-0", prompt_b)
+    hashes_a = hashes_of(node, prompt_a)[:20]
+    # The store forgets block 7's hash behind the index's back (as if reused): the index still
+    # lists it, the store's hash check refuses it.
+    group = store.cache.groups[0]
+    block_id = group.hash_to_block_id[hashes_a[7]]
+    group.block_id_to_hash[block_id] = b"\x00" * len(hashes_a[7])
+    out = serve(node, "a-1", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    s = stats(node)
+    # One pull of blocks 2..19 (0 and 1 are still cached locally, see the first test); block 7
+    # failed the store's hash check: 17 landed, the request recomputed from block 7 (token 112).
+    assert s["num_failed_loads"] == 1 and s["num_load_errors_blocks"] == 1
+    assert s["num_restored_blocks"] == 17
+    assert store.stats.num_blocks_requested == 18 and store.stats.num_blocks_hit == 17
+    assert_node_empty(node)
+
+
+# ---------------------------------------------------------------------- bad writes
+def _raw_put(address: tuple[str, int], frame: bytes) -> dict:
+    with socket.create_connection(address, timeout=5) as sock:
+        sock.sendall(frame)
+        (n,) = struct.unpack(">I", sock.recv(4))
+        data = b""
+        while len(data) < n:
+            data += sock.recv(n - len(data))
+        return msgpack.unpackb(data)
+
+
+def _header_frame(header: dict, payload: bytes = b"") -> bytes:
+    raw = msgpack.packb(header, use_bin_type=True)
+    return struct.pack(">I", len(raw)) + raw + payload
+
+
+def test_malformed_and_wrong_size_writes_are_errors_for_that_writer_and_the_store_keeps_serving(
+    network, redis_url, cleanup
+):
+    engines, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=8)
+    stores.append(store)
+    address = store.write_address
+    good = {
+        "v": 1,
+        "type": "put",
+        "compat_hash": store.metadata.compat_hash,
+        "payload_nbytes": 10,
+        "groups": [
+            {"group_id": 0, "block_hashes": [b"h" * 32], "parent_hashes": [b""], "nbytes": 10}
+        ],
+    }
+    # Wrong size: 10 bytes for a block of block_nbytes.
+    reply = _raw_put(address, _header_frame(good, b"x" * 10))
+    assert reply["type"] == "error" and "nbytes 10" in reply["error"]
+    # Unknown schema version, not msgpack, a field of the wrong type.
+    assert _raw_put(address, _header_frame({**good, "v": 9}))["type"] == "error"
+    assert _raw_put(address, struct.pack(">I", 3) + b"\xc1\xc1\xc1")["type"] == "error"
+    bad_group = {**good, "groups": [{**good["groups"][0], "group_id": "zero"}]}
+    assert "group_id" in _raw_put(address, _header_frame(bad_group))["error"]
+    # Another model's compat hash.
+    other = {**good, "compat_hash": "f" * 64}
+    assert "compat_hash" in _raw_put(address, _header_frame(other, b"x" * 10))["error"]
+    assert store.stats.num_put_errors == 5
+    assert store.cache.num_held() == 0
+
+    # The store still serves: a node offloads and restores through it.
+    node = make_node("node-a", network, redis_url, store)
+    engines.append(node)
+    prompt = long_prompt(5 * BLOCK_SIZE + 3)
+    serve(node, "a-0", prompt)
+    assert stats(node)["num_offloaded_blocks"] == 5
+
+
+def test_a_put_the_store_refuses_is_an_error_for_the_writer(network, redis_url, cleanup):
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=8)
+    stores.append(store)
+
+    writer = StoreWriter(*store.write_address)
+    put = PutRequest(
+        compat_hash=store.metadata.compat_hash,
+        groups=(PutGroup(group_id=0, block_hashes=(b"h" * 32,), parent_hashes=(b"",), nbytes=4),),
+    )
+    loop = get_loop_thread()
+    with pytest.raises(StoreWireError, match="nbytes 4"):
+        loop.run(writer.put(put, [memoryview(b"abcd")]), 10)
+    # The writer reconnects and a good put lands.
+    nbytes = store.cache.groups[0].block_nbytes
+    group = PutGroup(group_id=0, block_hashes=(b"h" * 32,), parent_hashes=(b"",), nbytes=nbytes)
+    good = PutRequest(compat_hash=store.metadata.compat_hash, groups=(group,))
+    reply = loop.run(writer.put(good, [memoryview(bytes(nbytes))]), 10)
+    assert (reply.num_stored, reply.num_present, reply.num_refused) == (1, 0, 0)
+    loop.run(writer.close(), 5)
+
