@@ -20,10 +20,11 @@ Routes:
 - ``GET /metrics``: Prometheus text (examples/node_metrics.py); ``GET /v1/stats``: the same as JSON.
 
 Roles map onto vLLM's ``kv_role``: ``prefill`` -> ``kv_producer``, ``decode`` -> ``kv_consumer``,
-``both`` -> ``kv_both``, ``store`` -> ``kv_both`` with ``"store": true`` in
-``kv_connector_extra_config`` (the remote store tier: a node that holds cold blocks others pull;
-what it does beyond a ``kv_both`` node belongs to the store-tier connector). ``both`` without
-``--kv-transfer-config`` and ``--index-url`` is a plain node without a connector.
+``both`` -> ``kv_both``. ``store`` runs no model: it serves a ``StoreNode`` (the remote store
+tier, kvbridge.connector.store_node: offloaded blocks in host memory, pulled like any holder's,
+published to the index as tier ``"store"``) with /health (which names its ``store_url``), /metrics
+and /v1/stats (examples/store_app.py). ``both`` without ``--kv-transfer-config`` and
+``--index-url`` is a plain node without a connector.
 """
 
 from __future__ import annotations
@@ -157,8 +158,6 @@ def kv_transfer_config_dict(args: argparse.Namespace) -> dict[str, Any] | None:
         extra["index_url"] = args.index_url
     extra.setdefault("host", args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
     extra.setdefault("model_name", f"kvbridge-{args.model}")
-    if args.role == "store":
-        extra["store"] = True
     config["kv_connector_extra_config"] = extra
     return config
 
@@ -333,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-transfer-config", default=None, help="vLLM-shaped JSON")
     parser.add_argument("--index-url", default=None, help="redis://host:port/db or memory")
     parser.add_argument("--engine-id", default=None)
+    parser.add_argument("--store-capacity-mb", type=int, default=256, help="store role only")
+    parser.add_argument("--store-write-port", type=int, default=0, help="store role only")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
@@ -345,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
     )
     torch.set_num_threads(args.torch_threads)
+    if args.role == "store":
+        return _serve_store(args)
     engine, engine_id = build_engine(args)
     loop = EngineLoop(engine)
     loop.start()
@@ -354,6 +357,22 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
         loop.stop()
+    return 0
+
+
+def _serve_store(args: argparse.Namespace) -> int:
+    from kvbridge.connector.store_node import close_store_node
+    from store_app import build_store_app, build_store_node
+
+    config = kv_transfer_config_dict(args) or {}
+    node = build_store_node(args, load_model(args.model).config, config)
+    app = build_store_app(node, model_name=args.model)
+    logger.info("store node %s serving on http://%s:%d, writes on %s:%d", node.engine_id,
+                args.host, args.port, *node.write_address)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        close_store_node(node)
     return 0
 
 

@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     parser.add_argument("--no-redis", action="store_true", help="embedded in-memory index")
     parser.add_argument("--store", action="store_true", help="also start a store node")
+    parser.add_argument("--offload", choices=("evict", "write_through"), default="evict",
+                        help="with --store: which cached blocks P and D write to the store")
     parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -79,13 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _kv_config(args: argparse.Namespace) -> str:
-    return json.dumps(
-        {"kv_connector_extra_config": {
-            "load_timeout_s": args.load_timeout_s,
-            "lease_s": max(30.0, 2 * args.load_timeout_s),
-        }}
-    )
+def _kv_config(args: argparse.Namespace, store_url: str | None = None) -> str:
+    extra: dict[str, Any] = {
+        "load_timeout_s": args.load_timeout_s,
+        "lease_s": max(30.0, 2 * args.load_timeout_s),
+    }
+    if store_url is not None:
+        extra.update(store_url=store_url, offload=args.offload)
+    return json.dumps({"kv_connector_extra_config": extra})
 
 
 async def _one(router: PDRouter, prompt: list[int], max_tokens: int, tally: _Tally) -> list[int]:
@@ -208,13 +211,19 @@ def run(args: argparse.Namespace) -> int:
             "--num-blocks", str(args.num_blocks),
             "--max-model-len", str(args.max_model_len),
             "--index-url", index_url,
-            "--kv-transfer-config", _kv_config(args),
         ]
+        store_url = None
+        nodes = []
+        if args.store:
+            store = group.start_node("store", "store", [*common, "--kv-transfer-config",
+                                                        _kv_config(args)])
+            group.wait_healthy([store])
+            store_url = httpx.get(f"{store.url}/health", timeout=5.0).json()["store_url"]
+            nodes.append(store)
+        common += ["--kv-transfer-config", _kv_config(args, store_url)]
         prefill = group.start_node("prefill", "prefill", common)
         decode = group.start_node("decode", "decode", common)
-        nodes = [prefill, decode]
-        if args.store:
-            nodes.append(group.start_node("store", "store", common))
+        nodes += [prefill, decode]
         group.wait_healthy(nodes)
         print("nodes: " + ", ".join(f"{n.name} {n.url} (pid {n.popen.pid})" for n in nodes))
 
