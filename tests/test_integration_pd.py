@@ -204,7 +204,9 @@ def test_prefill_frozen_mid_transfer_decode_ends_by_deadline_and_keeps_serving(n
     prompt = [*PROMPT[:-1], ord("!")]  # not in D's prefix cache from the earlier tests
     ticket = _prefill(prefill.url, prompt)
     failed_before = _decode_stats(decode.url)["transfer"]["num_failed_loads"]
-    # (1) P stops answering before D pulls: the pull can only end by D's load deadline.
+    # (1) P stops answering (SIGSTOP) right after handing out the ticket, so D's pull starts
+    # against a peer that never completes it: the request can only end by D's load deadline.
+    # (A kill at a random instant inside a ~20 ms pull would not reliably land mid-transfer.)
     os.kill(prefill.popen.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
