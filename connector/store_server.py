@@ -56,7 +56,9 @@ class StoreWriteServer:
         return str(host), int(port)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        self._server = await asyncio.start_server(
+            self._serve, self._host, self._port, limit=_READ_CHUNK_BYTES
+        )
 
     async def close(self) -> None:
         server, self._server = self._server, None

@@ -1,0 +1,78 @@
+"""Run a store node (issue 7) as its own process.
+
+    python examples/store_node.py --host 127.0.0.1 --port 0 --write-port 7600 \
+        --capacity-bytes 1073741824 --index-url redis://127.0.0.1:6379/0 --model tiny
+
+Nodes point at it with ``kv_connector_extra_config = {"store_url": "<host>:<write port>",
+"offload": "evict", "index_url": <same index>}``; restores find it through the index. Prints one
+JSON line with its addresses once serving, then serves until interrupted (Ctrl-C / SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+
+from kvbridge.connector.store_node import StoreNode, close_store_node, start_store_node
+from kvbridge.kernels import ModelConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address for pulls and writes")
+    parser.add_argument("--port", type=int, default=0, help="transport (pull) port; 0: any")
+    parser.add_argument("--write-port", type=int, default=0, help="write server port; 0: any")
+    parser.add_argument("--capacity-bytes", type=int, required=True)
+    parser.add_argument("--index-url", required=True, help="redis://host:port/db")
+    parser.add_argument("--model", choices=("tiny", "tiny_hybrid"), default="tiny")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--engine-id", default="store-0")
+    parser.add_argument("--model-name", default="kvbridge")
+    parser.add_argument("--hash-fn", default="sha256_cbor")
+    parser.add_argument("--read-guard-s", type=float, default=30.0)
+    args = parser.parse_args()
+    model = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.tiny_hybrid()
+    node = start_store_node(
+        StoreNode(
+            model,
+            block_size=args.block_size,
+            capacity_bytes=args.capacity_bytes,
+            engine_id=args.engine_id,
+            model_name=args.model_name,
+            hash_fn_name=args.hash_fn,
+            index_url=args.index_url,
+            host=args.host,
+            port=args.port,
+            write_host=args.host,
+            write_port=args.write_port,
+            read_guard_s=args.read_guard_s,
+        )
+    )
+    host, write_port = node.write_address
+    print(
+        json.dumps(
+            {
+                "engine_id": node.engine_id,
+                "incarnation": node.incarnation,
+                "pull_address": list(node.address),
+                "store_url": f"{host}:{write_port}",
+                "capacity_blocks": node.cache.num_store_blocks,
+            }
+        ),
+        flush=True,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print(json.dumps({"stats": node.stats.snapshot()}), flush=True)
+        close_store_node(node)
+
+
+if __name__ == "__main__":
+    main()
