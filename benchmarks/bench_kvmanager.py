@@ -1,109 +1,262 @@
-"""Benchmark of the kvmanager hot paths (a benchmark, not a test; run: make bench).
+"""Benchmark of the kvmanager hot paths against vLLM 0.33.0's own code, in one run.
 
-Measures, on a pool of 100,000 blocks:
+A benchmark, not a test (run: ``make bench`` or ``python benchmarks/bench_kvmanager.py``).
+Measures, on a pool of 100,000 blocks with prefix caching on:
 
 * allocate+free of 10, 100 and 1,000 blocks (``get_new_blocks`` then ``free_blocks``), in blocks
-  per second, against a ``collections.deque`` popleft/append baseline of the same counts measured
-  in the same run (the ratio is the figure to watch; a deque is the floor of what a Python free
-  list can cost, ours also keeps ref counts, eviction and O(1) removal from the middle), and
-  against a twin of vLLM's BlockPool hot path written from seed 001's pseudo-code (sections 4
-  and 5) on the same free queue;
+  per second, for our ``BlockPool``, for vLLM 0.33.0's ``vllm.v1.core.block_pool.BlockPool`` and
+  for a ``collections.deque`` popleft/append floor of the same counts;
 * a prefix-hit lookup (``get_computed_blocks``) for a 2,000-block prompt whose blocks are cached;
-* block hashing in ns per token for each hash function, plus a twin of vLLM's ``sha256`` request
-  hashing path (per block: extra keys, then sha256 over pickle of the same tuple), for DESIGN's
-  hashing ratio; the twin is ours, written from vLLM's algorithm, not vLLM's code.
+* request block hashing in ns per token at block size 16 (a 64 Ki-token prompt), for each of our
+  hash functions and for vLLM's request block hasher with its default ``prefix_caching_hash_algo``
+  (``"sha256"``: sha256 over pickle, ``vllm.utils.hashing.sha256``) and with ``"sha256_cbor"``.
 
-vLLM itself is not installed here (it needs a CUDA torch build), so its BlockPool is not measured;
-the JSON says so instead of inventing a number. Prints a table, then ONE JSON line, last.
+Every figure is the median of ``--repeats`` repetitions; within a repetition the contenders run
+one after another in a rotating order, so drift on a shared machine hits all of them alike.
+
+Where vLLM comes from: it is never installed and never copied into this repository. The wheel is
+downloaded (``--fetch-vllm``, ``pip download vllm==0.33.0 --no-deps``) into a cache folder
+outside the repository, its ``.py`` files are extracted there, and the folder is put on
+``sys.path`` of this process only. ``--vllm-dir`` points at any extracted wheel or source tree
+instead. vLLM's import chain reaches modules that are not installed here; the ones in
+``VLLM_STUBBED_MODULES`` are replaced, for imports made from vLLM's own modules only, by empty
+stand-ins, and the package ``__init__`` files in ``VLLM_SKIPPED_PACKAGE_INITS`` are not run. None
+of them is on the block pool or hashing path; vLLM's block pool and hashing code runs unchanged.
+Without the vLLM code (no network, no wheel) the vLLM figures are null and the JSON says why.
+
+Prints a table, then ONE JSON line, last.
 """
 
 from __future__ import annotations
 
-import hashlib
+import argparse
+import importlib.abc
+import importlib.machinery
 import json
-import pickle
+import os
 import platform
+import statistics
+import subprocess
+import sys
 import time
+import types
+import zipfile
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from kvbridge.kvmanager import (
     BlockPool,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
     Request,
-    generate_block_hash_extra_keys,
     get_request_block_hasher,
 )
 
 NUM_POOL_BLOCKS = 100_000
 BLOCK_SIZE = 16
 ALLOC_SIZES = (10, 100, 1_000)
+ALLOC_BLOCKS_PER_REPEAT = 200_000  # blocks allocated and freed per timed repetition
 HIT_PROMPT_BLOCKS = 2_000
 HASH_TOKENS = 64 * 1024
-TIME_BUDGET_S = 0.6  # per measurement
+HASH_PROMPTS_PER_REPEAT = 4
+DEFAULT_REPEATS = 7
+
+VLLM_VERSION = "0.33.0"
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "kvbridge-bench")
+# Third-party modules that vLLM 0.33.0's import chain from vllm.v1.core.block_pool reaches (kv
+# events -> zmq/msgspec, config -> transformers/huggingface_hub, request -> sampling params ->
+# openai/PIL, ...) and that are not installed here. Each is replaced by an empty stand-in, only
+# for imports made from vllm's own modules and only when it is really missing (an installed one is
+# used as is). None of them runs on the block pool or hashing path measured below. Platform probes
+# (amdsmi, libtpu, tpu_inference, ...) are deliberately absent: they must keep failing with
+# ImportError so vLLM does not believe it is on a TPU or a ROCm GPU.
+VLLM_STUBBED_MODULES = (
+    "aiohttp", "cachetools", "huggingface_hub", "msgspec", "openai", "openai_harmony", "PIL",
+    "psutil", "pybase64", "transformers", "uvloop", "xgrammar", "zmq",
+)
+# Packages whose __init__ is not run (their submodules still load from the real files):
+# vllm.v1.structured_output's __init__ builds the structured-output manager (tokenizers, reasoning
+# parsers, OpenAI protocol models), which cannot be built over the stand-ins; vllm.v1.request
+# needs only its submodule vllm.v1.structured_output.request.
+VLLM_SKIPPED_PACKAGE_INITS = ("vllm.v1.structured_output",)
 
 
-def _best_rate(run: Callable[[], int], budget_s: float = TIME_BUDGET_S) -> float:
-    """Best items/second over repeated batches of ``run`` (which returns items done)."""
-    best = 0.0
-    deadline = time.perf_counter() + budget_s
-    while True:
-        start = time.perf_counter()
-        items = run()
-        elapsed = time.perf_counter() - start
-        best = max(best, items / elapsed)
-        if time.perf_counter() > deadline:
-            return best
+# -- timing ---------------------------------------------------------------------------------------
+def _median_rates(runners: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """Median items/second of each runner (which returns the items it did) over ``repeats``
+    repetitions; one warm-up call each first; the order rotates every repetition."""
+    for run in runners.values():
+        run()
+    names = list(runners)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            items = runners[name]()
+            rates[name].append(items / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
-def _twin_get_new_blocks(pool: BlockPool, num_blocks: int) -> list[KVCacheBlock]:
-    """vLLM BlockPool.get_new_blocks as seed 001 section 4 spells it out: pop, then per block
-    evict (a method call), check, count."""
-    ret = pool.free_block_queue.popleft_n(num_blocks)
-    for block in ret:
-        if pool.enable_caching:
-            pool._maybe_evict_cached_block(block)
-        assert block.ref_cnt == 0
-        block.ref_cnt += 1
-    return ret
+# -- loading vLLM's code --------------------------------------------------------------------------
+class _StubMeta(type):
+    """Classes whose every attribute is another stand-in class (``PIL.Image.Image``), usable in
+    annotations (``X | None``, ``X[int]``) and as base classes (with class keywords)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubMeta(name, (_Stub,), {})
+
+    def __getitem__(cls, item: Any) -> Any:
+        return cls
+
+    def __or__(cls, other: Any) -> Any:
+        return cls
+
+    def __ror__(cls, other: Any) -> Any:
+        return cls
 
 
-def _twin_free_blocks(pool: BlockPool, ordered_blocks: list[KVCacheBlock]) -> None:
-    """vLLM BlockPool.free_blocks as seed 001 section 5 spells it out."""
-    blocks_without_hash: list[KVCacheBlock] = []
-    blocks_with_hash: list[KVCacheBlock] = []
-    for block in ordered_blocks:
-        block.ref_cnt -= 1
-        if block.ref_cnt == 0 and not block.is_null:
-            if block.block_hash is None:
-                blocks_without_hash.append(block)
-            else:
-                blocks_with_hash.append(block)
-    pool.free_block_queue.prepend_n(blocks_without_hash)
-    pool.free_block_queue.append_n(blocks_with_hash)
+class _Stub(metaclass=_StubMeta):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        pass
 
 
-def bench_alloc_free(num_blocks: int) -> tuple[float, float, float]:
-    """(pool, seed-pseudo-code twin, deque) blocks/s for allocate+free of ``num_blocks``."""
-    pool = BlockPool(NUM_POOL_BLOCKS, enable_caching=True)
-    twin_pool = BlockPool(NUM_POOL_BLOCKS, enable_caching=True)
-    cycles = max(1, 20_000 // num_blocks)
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubMeta(name, (_Stub,), {})
 
-    def pool_cycles() -> int:
-        get_new_blocks, free_blocks = pool.get_new_blocks, pool.free_blocks
-        for _ in range(cycles):
-            free_blocks(get_new_blocks(num_blocks))
-        return cycles * num_blocks
 
-    def twin_cycles() -> int:
-        for _ in range(cycles):
-            _twin_free_blocks(twin_pool, _twin_get_new_blocks(twin_pool, num_blocks))
-        return cycles * num_blocks
+class _VllmStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Last on ``sys.meta_path``: answers imports of missing ``VLLM_STUBBED_MODULES`` (and their
+    submodules) made from a ``vllm.*`` module with a ``_StubModule``; records what it stubbed."""
+
+    def __init__(self) -> None:
+        self.stubbed: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname.split(".")[0] not in VLLM_STUBBED_MODULES:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith(
+            ("importlib", "_frozen_importlib")
+        ):
+            frame = frame.f_back
+        if frame is None or not frame.f_globals.get("__name__", "").startswith("vllm"):
+            return None
+        self.stubbed.add(fullname)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _extract_wheel(wheel: Path, dest: Path) -> None:
+    """Extract the ``.py`` files and metadata of a vLLM wheel (no compiled extensions)."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = [n for n in archive.namelist() if n.endswith(".py") or ".dist-info/" in n]
+        archive.extractall(dest, names)
+
+
+def fetch_vllm(cache_dir: Path) -> Path:
+    """``pip download vllm==0.33.0 --no-deps`` into ``cache_dir`` and extract its Python files to
+    ``cache_dir/vllm-0.33.0``. Returns that folder. RuntimeError if pip fails."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    dest = cache_dir / f"vllm-{VLLM_VERSION}"
+    wheels = sorted(cache_dir.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if not wheels:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", f"vllm=={VLLM_VERSION}", "--no-deps",
+             "--only-binary", ":all:", "-d", str(cache_dir)],
+            capture_output=True, text=True, check=False,
+        )
+        wheels = sorted(cache_dir.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise RuntimeError(f"pip download vllm=={VLLM_VERSION} failed: "
+                               f"{done.stderr.strip().splitlines()[-1:]}")
+    if not (dest / "vllm" / "v1" / "core" / "block_pool.py").is_file():
+        _extract_wheel(wheels[-1], dest)
+    return dest
+
+
+def load_vllm(vllm_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Import vLLM's block pool, request and hashing modules from ``vllm_dir`` (a folder holding
+    the ``vllm`` package). Returns (modules by short name, load info for the JSON). Raises
+    whatever the import raises."""
+    if not (vllm_dir / "vllm" / "v1" / "core" / "block_pool.py").is_file():
+        raise FileNotFoundError(f"no vllm/v1/core/block_pool.py under {vllm_dir}")
+    sys.path.insert(0, str(vllm_dir))
+    finder = _VllmStubFinder()
+    sys.meta_path.append(finder)
+    for name in VLLM_SKIPPED_PACKAGE_INITS:
+        package = types.ModuleType(name)
+        package.__path__ = [str(vllm_dir.joinpath(*name.split(".")))]
+        package.__package__ = name
+        sys.modules[name] = package
+    started = time.perf_counter()
+    try:
+        import vllm
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils import hashing
+        from vllm.v1 import request as vllm_request
+        from vllm.v1.core import block_pool, kv_cache_utils
+    finally:
+        sys.meta_path.remove(finder)
+    modules = {"block_pool": block_pool, "kv_cache_utils": kv_cache_utils,
+               "hashing": hashing, "request": vllm_request, "SamplingParams": SamplingParams}
+    info = {
+        "version": getattr(vllm, "__version__", "unknown"),
+        "path": str(Path(block_pool.__file__).resolve().parents[3]),
+        "import_s": time.perf_counter() - started,
+        "stubbed_modules": sorted(finder.stubbed),
+        "skipped_package_inits": list(VLLM_SKIPPED_PACKAGE_INITS),
+        "default_prefix_caching_hash_algo": _default_hash_algo(vllm_dir),
+    }
+    return modules, info
+
+
+def _default_hash_algo(vllm_dir: Path) -> str | None:
+    """The default of ``CacheConfig.prefix_caching_hash_algo``, read from vLLM's source text (the
+    config module is not imported for this)."""
+    source = (vllm_dir / "vllm" / "config" / "cache.py")
+    if not source.is_file():
+        return None
+    for line in source.read_text().splitlines():
+        if line.strip().startswith("prefix_caching_hash_algo:") and "=" in line:
+            return line.split("=", 1)[1].strip().strip("\"'")
+    return None
+
+
+# -- measurements ---------------------------------------------------------------------------------
+def bench_alloc_free(
+    num_blocks: int, repeats: int, vllm: dict[str, Any] | None
+) -> dict[str, float]:
+    """Median blocks/s of allocate+free of ``num_blocks`` for our pool, vLLM's and a deque."""
+    cycles = max(1, ALLOC_BLOCKS_PER_REPEAT // num_blocks)
+
+    def pool_runner(pool: Any) -> Callable[[], int]:
+        def run() -> int:
+            get_new_blocks, free_blocks = pool.get_new_blocks, pool.free_blocks
+            for _ in range(cycles):
+                free_blocks(get_new_blocks(num_blocks))
+            return cycles * num_blocks
+        return run
 
     queue = deque(range(1, NUM_POOL_BLOCKS))
 
@@ -115,11 +268,83 @@ def bench_alloc_free(num_blocks: int) -> tuple[float, float, float]:
                 append(block_id)
         return cycles * num_blocks
 
-    return _best_rate(pool_cycles), _best_rate(twin_cycles), _best_rate(deque_cycles)
+    runners = {"pool": pool_runner(BlockPool(NUM_POOL_BLOCKS, enable_caching=True)),
+               "deque": deque_cycles}
+    if vllm is not None:
+        runners["vllm"] = pool_runner(vllm["block_pool"].BlockPool(
+            NUM_POOL_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE))
+    return _median_rates(runners, repeats)
 
 
-def bench_prefix_hit() -> float:
-    """Seconds per ``get_computed_blocks`` of a 2,000-block prompt, all blocks cached."""
+def bench_cache_evict(
+    num_blocks: int, repeats: int, vllm: dict[str, Any] | None
+) -> dict[str, float]:
+    """Median blocks/s of allocate + ``cache_full_blocks`` + free of ``num_blocks``, where every
+    allocated block still carries a hash from an earlier round and is evicted first.
+
+    Prompts are distinct and rotate, more blocks than the pool between two uses of one prompt,
+    so each key has one block and each allocation evicts (hashing is done beforehand).
+    """
+    num_prompts = NUM_POOL_BLOCKS // num_blocks + 1
+    cycles = max(1, ALLOC_BLOCKS_PER_REPEAT // num_blocks)
+    num_tokens = num_blocks * BLOCK_SIZE
+    prompts = [[p * num_tokens + i for i in range(num_tokens)] for p in range(num_prompts)]
+    pool = BlockPool(NUM_POOL_BLOCKS, enable_caching=True)
+    hasher = get_request_block_hasher(BLOCK_SIZE)
+    ours = [Request(f"r{p}", tokens, block_hasher=hasher) for p, tokens in enumerate(prompts)]
+    position = {"pool": 0, "vllm": 0}
+
+    def pool_cycles() -> int:
+        i = position["pool"]
+        for _ in range(cycles):
+            request = ours[i % num_prompts]
+            blocks = pool.get_new_blocks(num_blocks)
+            pool.cache_full_blocks(request, blocks, request.block_hashes, 0, num_blocks,
+                                   BLOCK_SIZE, 0)
+            pool.free_blocks(blocks)
+            i += 1
+        position["pool"] = i
+        return cycles * num_blocks
+
+    runners = {"pool": pool_cycles}
+    if vllm is not None:
+        utils, hashing = vllm["kv_cache_utils"], vllm["hashing"]
+        utils.init_none_hash(hashing.sha256)
+        vllm_pool = vllm["block_pool"].BlockPool(NUM_POOL_BLOCKS, enable_caching=True,
+                                                 hash_block_size=BLOCK_SIZE)
+        vllm_hasher = utils.get_request_block_hasher(BLOCK_SIZE, hashing.sha256)
+        params = vllm["SamplingParams"](max_tokens=1)
+        theirs = [vllm["request"].Request(f"r{p}", tokens, params, None,
+                                          block_hasher=vllm_hasher)
+                  for p, tokens in enumerate(prompts)]
+
+        def vllm_cycles() -> int:
+            i = position["vllm"]
+            for _ in range(cycles):
+                blocks = vllm_pool.get_new_blocks(num_blocks)
+                vllm_pool.cache_full_blocks(theirs[i % num_prompts], blocks, 0, num_blocks,
+                                            BLOCK_SIZE, 0)
+                vllm_pool.free_blocks(blocks)
+                i += 1
+            position["vllm"] = i
+            return cycles * num_blocks
+
+        runners["vllm"] = vllm_cycles
+    # Fill every block with a hash first, so the timed rounds all evict.
+    for run in runners.values():
+        for _ in range(NUM_POOL_BLOCKS // (cycles * num_blocks) + 1):
+            run()
+    if len(pool.cached_block_hash_to_block) != NUM_POOL_BLOCKS - 1:
+        raise RuntimeError(f"{len(pool.cached_block_hash_to_block)} cached blocks after the "
+                           f"fill, expected {NUM_POOL_BLOCKS - 1}")
+    if vllm is not None and len(vllm_pool.cached_block_hash_to_block) != NUM_POOL_BLOCKS - 1:
+        raise RuntimeError(f"vLLM: {len(vllm_pool.cached_block_hash_to_block)} cached blocks "
+                           f"after the fill, expected {NUM_POOL_BLOCKS - 1}")
+    return _median_rates(runners, repeats)
+
+
+def bench_prefix_hit(repeats: int) -> float:
+    """Median seconds per ``get_computed_blocks`` of a 2,000-block prompt, all blocks cached."""
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128,
                              dtype=torch.bfloat16)
     config = KVCacheConfig(NUM_POOL_BLOCKS, [KVCacheGroupSpec(["layer"], spec)])
@@ -134,91 +359,167 @@ def bench_prefix_hit() -> float:
     hit = manager.get_computed_blocks(probe)[1]
     if hit != HIT_PROMPT_BLOCKS * BLOCK_SIZE:
         raise RuntimeError(f"expected a full hit, got {hit} tokens")
-    return 1.0 / _best_rate(lambda: (manager.get_computed_blocks(probe), 1)[1])
+
+    def lookups() -> int:
+        for _ in range(20):
+            manager.get_computed_blocks(probe)
+        return 20
+
+    return 1.0 / _median_rates({"hit": lookups}, repeats)["hit"]
 
 
-def _vllm_style_hash_request(tokens: list[int], block_size: int) -> list[bytes]:
-    """Twin of vLLM's sha256 request hashing (``Request.update_block_hashes`` ->
-    ``generate_block_hash_extra_keys`` + ``hash_block_tokens`` with ``sha256``: sha256 over
-    pickle, highest protocol), written here from its documented algorithm: per full block,
-    compute the extra keys, then hash ``(parent, tuple(block tokens), extra_keys)``."""
-    request = Request("twin", tokens)
-    parent: bytes | None = None
-    root = hashlib.sha256(pickle.dumps(("root",), protocol=pickle.HIGHEST_PROTOCOL)).digest()
-    out: list[bytes] = []
-    for start in range(0, len(tokens) // block_size * block_size, block_size):
-        end = start + block_size
-        extra = generate_block_hash_extra_keys(request, start, end)
-        payload = (parent or root, tuple(tokens[start:end]), extra)
-        parent = hashlib.sha256(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-        out.append(parent)
-    return out
-
-
-def bench_hashing() -> dict[str, float]:
-    """ns per token of hashing a 64 Ki-token prompt, per hash function and for the twin."""
+def bench_hashing(repeats: int, vllm: dict[str, Any] | None) -> dict[str, float]:
+    """Median ns per token of the request block hasher over a 64 Ki-token prompt (block size 16):
+    the hasher alone, called on a request with no hashes yet, for both sides."""
     tokens = [(i * 7919) % 150_000 for i in range(HASH_TOKENS)]  # a 150k vocabulary's ids
-    out: dict[str, float] = {}
+    runners: dict[str, Callable[[], int]] = {}
+
+    def runner(hasher: Callable[[Any], list[bytes]], request: Any) -> Callable[[], int]:
+        expected = HASH_TOKENS // BLOCK_SIZE
+
+        def run() -> int:
+            for _ in range(HASH_PROMPTS_PER_REPEAT):
+                if len(hasher(request)) != expected:
+                    raise RuntimeError("hasher skipped blocks")
+            return HASH_PROMPTS_PER_REPEAT * HASH_TOKENS
+        return run
+
+    ours = Request("h", tokens)
     for name in ("sha256_cbor", "sha256", "xxhash_cbor"):
-        hasher = get_request_block_hasher(BLOCK_SIZE, name)
-        rate = _best_rate(lambda hasher=hasher: (Request("h", tokens, block_hasher=hasher),
-                                                 HASH_TOKENS)[1])
-        out[name] = 1e9 / rate
-    rate = _best_rate(lambda: (_vllm_style_hash_request(tokens, BLOCK_SIZE), HASH_TOKENS)[1])
-    out["vllm_style_sha256_pickle_twin"] = 1e9 / rate
-    return out
+        runners[name] = runner(get_request_block_hasher(BLOCK_SIZE, name), ours)
+    if vllm is not None:
+        utils, hashing = vllm["kv_cache_utils"], vllm["hashing"]
+        theirs = vllm["request"].Request("h", list(tokens), vllm["SamplingParams"](max_tokens=1),
+                                          None)
+        # vLLM's engine core seeds NONE_HASH with the configured function (default "sha256")
+        # before it builds the request block hasher; only the first block's parent reads it.
+        utils.init_none_hash(hashing.sha256)
+        for algo in ("sha256", "sha256_cbor"):
+            fn = hashing.get_hash_fn_by_name(algo)
+            hasher = utils.get_request_block_hasher(BLOCK_SIZE, fn)
+            # The real path ran: block 0 is fn((NONE_HASH, tuple(its tokens), None)).
+            if hasher(theirs)[0] != fn((utils.NONE_HASH, tuple(tokens[:BLOCK_SIZE]), None)):
+                raise RuntimeError(f"vLLM's {algo} block hasher did not hash as expected")
+            runners[f"vllm_{algo}"] = runner(hasher, theirs)
+    rates = _median_rates(runners, repeats)
+    return {name: 1e9 / rate for name, rate in rates.items()}
 
 
-def main() -> None:
+# -- driver ---------------------------------------------------------------------------------------
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None else num / den
+
+
+def _resolve_vllm(args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Load vLLM's code as the arguments say; (None, {"reason": ...}) when it is unavailable."""
+    try:
+        if args.vllm_dir is not None:
+            vllm_dir = Path(args.vllm_dir).expanduser()
+            if vllm_dir.suffix == ".whl":
+                dest = args.cache_dir / vllm_dir.stem
+                if not (dest / "vllm").is_dir():
+                    _extract_wheel(vllm_dir, dest)
+                vllm_dir = dest
+        elif args.fetch_vllm:
+            vllm_dir = fetch_vllm(args.cache_dir)
+        else:
+            vllm_dir = args.cache_dir / f"vllm-{VLLM_VERSION}"
+            if not (vllm_dir / "vllm").is_dir():
+                return None, {"reason": f"vLLM {VLLM_VERSION} code not found at {vllm_dir}; run "
+                                        f"with --fetch-vllm (needs network) or --vllm-dir PATH"}
+        modules, info = load_vllm(vllm_dir)
+    except Exception as exc:  # any failure means "no baseline", said in the JSON
+        return None, {"reason": f"could not load vLLM: {type(exc).__name__}: {exc}"}
+    if info["version"] != VLLM_VERSION:
+        info["warning"] = f"loaded vLLM {info['version']}, the target names {VLLM_VERSION}"
+    return modules, info
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--vllm-dir", help="folder holding the vllm package (an extracted wheel "
+                        "or a source tree), or a vllm .whl to extract into the cache folder")
+    parser.add_argument("--fetch-vllm", action="store_true", help=f"pip download vllm=="
+                        f"{VLLM_VERSION} --no-deps into the cache folder if not there yet")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                        help=f"where the wheel is kept and extracted (default {DEFAULT_CACHE_DIR})")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="repetitions per figure; medians are reported")
+    args = parser.parse_args(argv)
     started = time.perf_counter()
-    alloc: dict[str, dict[str, float]] = {}
+    vllm, vllm_info = _resolve_vllm(args)
+
+    alloc: dict[str, dict[str, float | None]] = {}
     for n in ALLOC_SIZES:
-        pool_rate, twin_rate, deque_rate = bench_alloc_free(n)
+        rates = bench_alloc_free(n, args.repeats, vllm)
         alloc[str(n)] = {
-            "pool_blocks_per_s": pool_rate,
-            "vllm_style_twin_blocks_per_s": twin_rate,
-            "deque_blocks_per_s": deque_rate,
-            "ratio_pool_to_deque": pool_rate / deque_rate,
-            "ratio_pool_to_vllm_style_twin": pool_rate / twin_rate,
+            "pool_blocks_per_s": rates["pool"],
+            "vllm_blocks_per_s": rates.get("vllm"),
+            "deque_blocks_per_s": rates["deque"],
+            "ratio_pool_to_vllm": _ratio(rates["pool"], rates.get("vllm")),
+            "ratio_pool_to_deque": rates["pool"] / rates["deque"],
         }
-    hit_s = bench_prefix_hit()
-    hashing = bench_hashing()
+    evict: dict[str, dict[str, float | None]] = {}
+    for n in ALLOC_SIZES:
+        rates = bench_cache_evict(n, args.repeats, vllm)
+        evict[str(n)] = {
+            "pool_blocks_per_s": rates["pool"],
+            "vllm_blocks_per_s": rates.get("vllm"),
+            "ratio_pool_to_vllm": _ratio(rates["pool"], rates.get("vllm")),
+        }
+    hit_s = bench_prefix_hit(args.repeats)
+    hashing = bench_hashing(args.repeats, vllm)
+    ratio_hash = _ratio(hashing["sha256_cbor"], hashing.get("vllm_sha256"))
+    ratio_hash_cbor = _ratio(hashing["sha256_cbor"], hashing.get("vllm_sha256_cbor"))
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
 
     print(f"kvmanager benchmark: pool {NUM_POOL_BLOCKS:,} blocks, block size {BLOCK_SIZE}, "
-          f"Python {platform.python_version()}")
-    print(f"{'allocate+free':<28}{'pool blocks/s':>16}{'twin blocks/s':>16}"
-          f"{'deque blocks/s':>16}{'/twin':>8}{'/deque':>8}")
+          f"Python {platform.python_version()}, medians of {args.repeats}")
+    if vllm is None:
+        print(f"vLLM baseline: none ({vllm_info['reason']})")
+    else:
+        stubbed_roots = sorted({name.split(".")[0] for name in vllm_info["stubbed_modules"]})
+        print(f"vLLM baseline: {vllm_info['version']} from {vllm_info['path']} "
+              f""
+              f"(stand-ins: {', '.join(stubbed_roots) or 'none'})")
+    print(f"{'allocate+free':<16}{'pool blocks/s':>15}{'vLLM blocks/s':>15}"
+          f"{'deque blocks/s':>16}{'/vLLM':>8}{'/deque':>8}")
     for n, row in alloc.items():
-        print(f"{n + ' blocks':<28}{row['pool_blocks_per_s']:>16,.0f}"
-              f"{row['vllm_style_twin_blocks_per_s']:>16,.0f}{row['deque_blocks_per_s']:>16,.0f}"
-              f"{row['ratio_pool_to_vllm_style_twin']:>8.2f}{row['ratio_pool_to_deque']:>8.2f}")
-    print(f"{'prefix hit, 2,000 blocks':<28}{hit_s * 1e3:>13.3f} ms"
-          f"{hit_s / HIT_PROMPT_BLOCKS * 1e9:>13.0f} ns/block")
+        print(f"{n + ' blocks':<16}{row['pool_blocks_per_s']:>15,.0f}"
+              f"{fmt(row['vllm_blocks_per_s'], ',.0f'):>15}{row['deque_blocks_per_s']:>16,.0f}"
+              f"{fmt(row['ratio_pool_to_vllm'], '.2f'):>8}{row['ratio_pool_to_deque']:>8.2f}")
+    print(f"{'alloc+cache+free':<16}{'(evicting)':>15}")
+    for n, row in evict.items():
+        print(f"{n + ' blocks':<16}{row['pool_blocks_per_s']:>15,.0f}"
+              f"{fmt(row['vllm_blocks_per_s'], ',.0f'):>15}{'':>16}"
+              f"{fmt(row['ratio_pool_to_vllm'], '.2f'):>8}")
+    print(f"{'prefix hit, 2,000 blocks':<28}{hit_s * 1e3:>10.3f} ms"
+          f"{hit_s / HIT_PROMPT_BLOCKS * 1e9:>10.0f} ns/block")
     for name, ns in hashing.items():
-        print(f"{'hash ' + name:<36}{ns:>8.1f} ns/token")
-    ratio_hash = hashing["sha256_cbor"] / hashing["vllm_style_sha256_pickle_twin"]
-    print(f"{'default hash / vLLM-style':<28}{ratio_hash:>16.2f}")
+        print(f"{'hash ' + name:<28}{ns:>10.1f} ns/token")
+    print(f"{'default hash / vLLM sha256':<28}{fmt(ratio_hash, '.2f'):>10}")
 
     result = {
         "benchmark": "kvmanager",
         "num_pool_blocks": NUM_POOL_BLOCKS,
         "block_size": BLOCK_SIZE,
+        "repeats": args.repeats,
         "alloc_free": alloc,
-        "ratio_pool_to_deque_alloc_free": {
-            n: row["ratio_pool_to_deque"] for n, row in alloc.items()
-        },
-        "ratio_pool_to_vllm_style_twin_alloc_free": {
-            n: row["ratio_pool_to_vllm_style_twin"] for n, row in alloc.items()
+        "ratio_pool_to_vllm_alloc_free": {n: r["ratio_pool_to_vllm"] for n, r in alloc.items()},
+        "ratio_pool_to_deque_alloc_free": {n: r["ratio_pool_to_deque"] for n, r in alloc.items()},
+        "alloc_cache_free_evicting": evict,
+        "ratio_pool_to_vllm_alloc_cache_free_evicting": {
+            n: r["ratio_pool_to_vllm"] for n, r in evict.items()
         },
         "prefix_hit_2000_blocks_ms": hit_s * 1e3,
         "prefix_hit_ns_per_block": hit_s / HIT_PROMPT_BLOCKS * 1e9,
         "hash_ns_per_token": hashing,
-        "ratio_default_hash_to_vllm_style_sha256": ratio_hash,
-        "vllm_baseline": None,
-        "vllm_baseline_reason": "vLLM is not installable on this CPU-only host (it requires a "
-                                "CUDA torch build); its BlockPool was not measured. The "
-                                "vllm_style twins are ours, written from the seed's pseudo-code "
-                                "of vLLM's algorithm, and only stand in for it",
+        "ratio_default_hash_to_vllm_sha256": ratio_hash,
+        "ratio_default_hash_to_vllm_sha256_cbor": ratio_hash_cbor,
+        "vllm_baseline": None if vllm is None else vllm_info,
+        "vllm_baseline_reason": vllm_info.get("reason"),
         "elapsed_s": time.perf_counter() - started,
     }
     print(json.dumps(result))
