@@ -240,16 +240,24 @@ def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -
 def join_keys(block_hashes: Sequence[bytes], key_hash_bytes: int) -> tuple[bytes, int]:
     """The lookup keys of ``block_hashes`` concatenated, and the length of one key in bytes.
 
-    Each key is a hash cut to ``key_hash_bytes``. The hashes must share one length (checked by
-    the total length, which is cheap: this is on the lookup path); raises ValueError otherwise.
+    Each key is a hash cut to ``key_hash_bytes`` (a hash no longer than that is its own key).
+    The hashes must share one non-zero length; on this hot path that is checked by the total
+    length of one ``bytes.join`` (a mix whose lengths happen to add up is not caught here; its
+    keys are then wrong, which costs a miss, and a hit stays advisory). Raises ValueError.
+    Cost for 625 sha256 hashes: one join and one strided numpy copy (about 4 us).
     """
     blob = b"".join(block_hashes)
+    num_blocks = len(block_hashes)
     hash_len = len(block_hashes[0])
-    if hash_len == 0 or len(blob) != hash_len * len(block_hashes):
+    if hash_len == 0 or len(blob) != hash_len * num_blocks:
         raise ValueError("block hashes must share one non-zero length")
     if hash_len <= key_hash_bytes:
         return blob, hash_len
-    rows = np.frombuffer(blob, dtype=np.uint8).reshape(len(block_hashes), hash_len)
+    if hash_len % key_hash_bytes == 0:
+        # The blob as records of key_hash_bytes; every (hash_len / key_hash_bytes)-th is a key.
+        records = np.frombuffer(blob, dtype=np.dtype((np.void, key_hash_bytes)))
+        return records[:: hash_len // key_hash_bytes].tobytes(), key_hash_bytes
+    rows = np.frombuffer(blob, dtype=np.uint8).reshape(num_blocks, hash_len)
     return rows[:, :key_hash_bytes].tobytes(), key_hash_bytes
 
 

@@ -1,8 +1,9 @@
 """``RedisBlockIndex``: the cross-node block index on a real Redis (redis-py), one round trip.
 
 Contract: ``BlockIndex`` in ``block_index.py`` (DESIGN.md, "Block index"). Every call is one
-``EVALSHA`` of a server-side Lua script (redis-py ``register_script`` caches it and reloads it after
-a Redis restart), so a longest-prefix lookup of any number of hashes costs one round trip.
+``EVALSHA`` of a server-side Lua script through the client's ``execute_command`` (the same path as
+``PING``); a server that does not know the script (restarted, flushed) gets it with ``SCRIPT LOAD``
+and the call is sent again. A longest-prefix lookup of any number of hashes costs one round trip.
 
 Key layout, scripts and the O(log N) exact lookup: ``redis_index_scripts.py``. A lookup sends the
 hashes cut to ``IndexNamespace.key_hash_bytes`` (625 x 8 bytes = 5 KB for a 10k-token prompt at
@@ -18,14 +19,16 @@ wrong length or tier, records of the wrong type) is skipped and counted in
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from . import redis_index_scripts as scripts
@@ -55,6 +58,24 @@ logger = logging.getLogger(__name__)
 _TROUBLE = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
 
 
+class _Script(NamedTuple):
+    """A Lua script and its SHA1 (the name ``EVALSHA`` calls it by)."""
+
+    source: str
+    sha: str
+
+
+def _script(source: str) -> _Script:
+    return _Script(source, hashlib.sha1(source.encode()).hexdigest())
+
+
+_REGISTER = _script(scripts.REGISTER_LUA)
+_HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
+_PUBLISH = _script(scripts.PUBLISH_LUA)
+_LOOKUP = _script(scripts.LOOKUP_LUA)
+_GET_BLOCK_IDS = _script(scripts.GET_BLOCK_IDS_LUA)
+
+
 class RedisBlockIndex:
     """``BlockIndex`` on Redis. ``url``: ``redis://host:port/db``. Timeouts are seconds.
 
@@ -76,6 +97,7 @@ class RedisBlockIndex:
         self.namespace = namespace
         self.stats = IndexStats()
         self._prefix = namespace.key_prefix
+        self._key_hash_bytes = namespace.key_hash_bytes
         self._client = client or redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
@@ -85,18 +107,9 @@ class RedisBlockIndex:
         self._retry_interval_s = retry_interval_s
         self._clock = clock
         self._down_until_s: float | None = None  # set while Redis is considered down
-        self._register = self._client.register_script(scripts.REGISTER_LUA)
-        self._heartbeat = self._client.register_script(scripts.HEARTBEAT_LUA)
-        self._publish = self._client.register_script(scripts.PUBLISH_LUA)
-        self._lookup = self._client.register_script(scripts.LOOKUP_LUA)
-        self._get_block_ids = self._client.register_script(scripts.GET_BLOCK_IDS_LUA)
+        self._execute = self._client.execute_command
 
     # -- Redis trouble -------------------------------------------------------------------------
-
-    def _available(self) -> bool:
-        if self._down_until_s is None:
-            return True
-        return self._clock() >= self._down_until_s
 
     def _on_success(self) -> None:
         if self._down_until_s is not None:
@@ -118,16 +131,22 @@ class RedisBlockIndex:
             )
         self._down_until_s = self._clock() + self._retry_interval_s
 
-    def _call(self, what: str, script: Any, args: list[Any]) -> Any:
-        """Run one script; None on Redis trouble (counted by the caller, logged here)."""
-        if not self._available():
+    def _call(self, what: str, script: _Script, *args: Any) -> Any:
+        """Run one script (``EVALSHA sha 0 *args``); None on Redis trouble (counted by the
+        caller, logged here) or while backing off after trouble."""
+        if self._down_until_s is not None and self._clock() < self._down_until_s:
             return None
         try:
-            reply = script(keys=[], args=args)
+            try:
+                reply = self._execute("EVALSHA", script.sha, 0, *args)
+            except NoScriptError:
+                self._execute("SCRIPT", "LOAD", script.source)
+                reply = self._execute("EVALSHA", script.sha, 0, *args)
         except _TROUBLE as exc:
             self._on_trouble(what, exc)
             return None
-        self._on_success()
+        if self._down_until_s is not None:
+            self._on_success()
         return reply
 
     # -- BlockIndex ----------------------------------------------------------------------------
@@ -139,16 +158,16 @@ class RedisBlockIndex:
 
     def register_node(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
         check_node_id(node_id)
-        args = [self._prefix, node_id, self._inc_str(incarnation), _ttl_ms(ttl_s)]
-        reply = self._call("register", self._register, args)
+        args = (self._prefix, node_id, self._inc_str(incarnation), _ttl_ms(ttl_s))
+        reply = self._call("register", _REGISTER, *args)
         if reply is None:
             return "unavailable"
         return "ok" if reply == 1 else "fenced"
 
     def heartbeat(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
         check_node_id(node_id)
-        args = [self._prefix, node_id, self._inc_str(incarnation), _ttl_ms(ttl_s)]
-        reply = self._call("heartbeat", self._heartbeat, args)
+        args = (self._prefix, node_id, self._inc_str(incarnation), _ttl_ms(ttl_s))
+        reply = self._call("heartbeat", _HEARTBEAT, *args)
         if reply == 1:
             return "ok"
         self.stats.heartbeats_failed += 1
@@ -173,7 +192,7 @@ class RedisBlockIndex:
             else:
                 data = code if op.block_id < 0 else code + op.block_id.to_bytes(4, "big")
             args += (op.kind, op.group_id, op.block_hash[:key_len], op.parent_hash[:key_len], data)
-        reply = self._call("publish", self._publish, args)
+        reply = self._call("publish", _PUBLISH, *args)
         if reply is None:
             self.stats.publishes_dropped += 1
             self.stats.publish_ops_dropped += len(ops)
@@ -193,31 +212,34 @@ class RedisBlockIndex:
         exclude_node_ids: Iterable[str] = (),
         all_holders: bool = False,
     ) -> PrefixHit:
+        # Hot path (benchmarks/bench_index.py): one join and one strided copy for the keys, one
+        # EVALSHA, a flat reply read without a second pass over it.
         if not group_ids:
             raise ValueError("group_ids must name at least one KV cache group")
         self.stats.lookups += 1
         if not block_hashes:
             return NO_HIT
-        keys, key_len = join_keys(block_hashes, self.namespace.key_hash_bytes)
-        args = [
-            self._prefix, key_len, keys, len(group_ids), 1 if all_holders else 0,
-            *group_ids, *exclude_node_ids,
-        ]
-        reply = self._call("lookup", self._lookup, args)
+        keys, key_len = join_keys(block_hashes, self._key_hash_bytes)
+        reply = self._call(
+            "lookup", _LOOKUP, self._prefix, key_len, keys, b"1" if all_holders else b"0",
+            len(group_ids), *group_ids, *exclude_node_ids,
+        )
         if reply is None:
             self.stats.lookups_failed += 1
             return NO_HIT
-        self.stats.garbage_entries += int(reply[0])
-        holders = [
-            Holder(node.decode(), int(inc), int(depth), CODE_TO_TIER[tier_code])
-            for node, inc, depth, tier_code in zip(
-                reply[1::4], reply[2::4], reply[3::4], reply[4::4], strict=True
-            )
-        ]
-        hit = sort_holders(holders)
-        if hit.num_blocks:
-            self.stats.lookup_hits += 1
-        return hit
+        # reply: garbage count, then 4 per holder: node id, incarnation (20 digits), run, tier.
+        if reply[0]:
+            self.stats.garbage_entries += reply[0]
+        if len(reply) == 1:
+            return NO_HIT
+        self.stats.lookup_hits += 1
+        if len(reply) == 5:
+            holder = Holder(reply[1].decode(), int(reply[2]), reply[3], CODE_TO_TIER[reply[4]])
+            return PrefixHit(holder.num_blocks, (holder,))
+        return sort_holders([
+            Holder(reply[i].decode(), int(reply[i + 1]), reply[i + 2], CODE_TO_TIER[reply[i + 3]])
+            for i in range(1, len(reply), 4)
+        ])
 
     def get_block_ids(
         self,
@@ -231,10 +253,10 @@ class RedisBlockIndex:
         if not block_hashes:
             return [[] for _ in group_ids]
         keys, key_len = join_keys(block_hashes, self.namespace.key_hash_bytes)
-        args = [
+        reply = self._call(
+            "get_block_ids", _GET_BLOCK_IDS,
             self._prefix, node_id, self._inc_str(incarnation), key_len, keys, *group_ids,
-        ]
-        reply = self._call("get_block_ids", self._get_block_ids, args)
+        )
         if not reply:
             return None
         count = len(block_hashes)

@@ -162,31 +162,44 @@ end
 return 1
 """
 
-# ARGV: P, key_len, keys (concatenated), num_groups, all ('1': every holder; '0': the holders
-# of the deepest run), group ids..., excluded node ids...
+# ARGV: P, key_len, keys (concatenated), all ('1': every holder; '0': the holders of the
+# deepest run), num_groups, group ids..., excluded node ids...
 # -> {garbage, then per holder: node, inc, run, slowest tier code}.
+# Cost (benchmarks/bench_index.py): one HGETALL per probed position and group, one MGET for the
+# incarnations of the nodes met there, one ZRANGEBYSCORE per candidate holder and group; no
+# string is built per entry (prefix compare with string.find, tier bytes with string.byte).
 LOOKUP_LUA = """
-local P, L, blob, ng = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-local all = ARGV[5] == '1'
+local P, L, blob, ng = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
+local all = ARGV[4] == '1'
 local n = #blob / L
-local groups, excluded = {}, {}
-for i = 1, ng do groups[i] = ARGV[5 + i] end
+local groups, entry_prefix, excluded = {}, {}, {}
+for i = 1, ng do
+  groups[i] = ARGV[5 + i]
+  entry_prefix[i] = P .. ':e:' .. ARGV[5 + i] .. ':'
+end
 for i = 6 + ng, #ARGV do excluded[ARGV[i]] = true end
+local node_prefix = P .. ':node:'
 local garbage = 0
-local function hash_at(pos) return string.sub(blob, pos * L + 1, (pos + 1) * L) end
+local byte, find, sub, unpack_u32 = string.byte, string.find, string.sub, struct.unpack
 local function tier_ok(t) return t == 100 or t == 104 or t == 115 end
+-- node -> its live incarnation, or false (gone, or a garbage node record).
 local incs = {}
-local function live_inc(node)
-  local inc = incs[node]
-  if inc == nil then
-    inc = redis.pcall('GET', P .. ':node:' .. node)
-    if type(inc) == 'table' or (inc and (#inc ~= 20 or not string.match(inc, '^%d+$'))) then
-      garbage = garbage + 1
-      inc = false
+local function fetch_incs(nodes)
+  local keys = {}
+  for i = 1, #nodes do keys[i] = node_prefix .. nodes[i] end
+  local got = redis.call('MGET', unpack(keys))
+  for i = 1, #nodes do
+    local inc = got[i]
+    if inc then
+      if #inc ~= 20 or not string.match(inc, '^%d+$') then
+        garbage = garbage + 1
+        inc = false
+      end
+    elseif redis.call('EXISTS', keys[i]) == 1 then
+      garbage = garbage + 1  -- a node record that is not a string (MGET answers nil)
     end
-    incs[node] = inc
+    incs[nodes[i]] = inc
   end
-  return inc
 end
 local memo = {}
 -- at(pos): node -> slowest tier code, for nodes holding block pos as the end of a full run
@@ -194,29 +207,33 @@ local memo = {}
 local function at(pos)
   local r = memo[pos]
   if r then return r end
-  r = {}
+  local key_hash = sub(blob, pos * L + 1, pos * L + L)
   for gi = 1, ng do
-    local key = P .. ':e:' .. groups[gi] .. ':' .. hash_at(pos)
+    local key = entry_prefix[gi] .. key_hash
     local flat = redis.pcall('HGETALL', key)
-    if type(flat) ~= 'table' or flat.err then
+    if flat.err then
       garbage = garbage + 1
       flat = {}
     end
+    if gi == 1 then
+      local unknown = {}
+      for j = 1, #flat, 2 do
+        if incs[flat[j]] == nil then unknown[#unknown + 1] = flat[j] end
+      end
+      if unknown[1] then fetch_incs(unknown) end
+    end
     local cur = {}
     for j = 1, #flat, 2 do
-      local node, v = flat[j], flat[j + 1]
+      local node = flat[j]
       if not excluded[node] and (gi == 1 or r[node]) then
-        if #v < 30 or not tier_ok(string.byte(v, 25)) or not tier_ok(string.byte(v, 30)) then
+        local v, inc = flat[j + 1], incs[node]
+        local tier, _, _, _, _, worst = byte(v, 25, 30)  -- worst is nil below 30 bytes
+        if not (worst and tier_ok(tier) and tier_ok(worst)) then
           garbage = garbage + 1
-        else
-          local inc = live_inc(node)
-          if inc and string.sub(v, 1, 20) == inc then
-            if struct.unpack('>I4', v, 26) == pos + 1 then
-              cur[node] = math.max(r[node] or 0, string.byte(v, 30))
-            end
-          else
-            redis.call('HDEL', key, node)
-          end
+        elseif not (inc and find(v, inc, 1, true) == 1) then
+          redis.call('HDEL', key, node)  -- stale: an old incarnation, or the node is gone
+        elseif unpack_u32('>I4', v, 26) == pos + 1 then
+          cur[node] = (gi == 1 or worst > r[node]) and worst or r[node]
         end
       end
     end
@@ -227,30 +244,64 @@ local function at(pos)
   return r
 end
 -- Deepest d such that pred(at(d - 1)), assuming pred is monotone; 0 if not even at(0).
+-- Block 0 first (a prompt whose block 0 differs shares nothing), then the last block (a
+-- prompt held whole costs two probes), then bisection.
 local function search(pred)
   if not pred(at(0)) then return 0 end
-  local lo, hi = 0, n
-  if n > 1 then
-    if pred(at(n - 1)) then lo = n - 1 else hi = n - 1 end
-  end
+  if n == 1 or pred(at(n - 1)) then return n end
+  local lo, hi = 0, n - 1  -- pred(at(lo)) holds, pred(at(hi)) does not
   while hi - lo > 1 do
     local mid = math.floor((lo + hi) / 2)
     if pred(at(mid)) then lo = mid else hi = mid end
   end
   return lo + 1
 end
+-- The nodes of `nodes` (node -> anything) that hold block 0 (run 1) in every group: one HMGET
+-- per group instead of reading every holder of block 0.
+local function holding_block_0(nodes)
+  local names = {}
+  for node in pairs(nodes) do names[#names + 1] = node end
+  local key_hash = sub(blob, 1, L)
+  for gi = 1, ng do
+    local values = redis.pcall('HMGET', entry_prefix[gi] .. key_hash, unpack(names))
+    if values.err then
+      garbage = garbage + 1
+      return {}
+    end
+    local kept = {}
+    for i, v in ipairs(names) do
+      v = values[i]
+      if v then
+        local tier, _, _, _, _, worst = byte(v, 25, 30)
+        if not (worst and tier_ok(tier) and tier_ok(worst)) then
+          garbage = garbage + 1
+        elseif find(v, incs[names[i]], 1, true) == 1 and unpack_u32('>I4', v, 26) == 1 then
+          kept[#kept + 1] = names[i]
+        end
+      end
+    end
+    names = kept
+  end
+  local held = {}
+  for _, node in ipairs(names) do held[node] = nodes[node] end
+  return held
+end
 -- The node's run d cut at the first hole on this prompt's path, in any group.
 local function cut(node, d)
-  local tail = ':' .. node .. ':' .. live_inc(node) .. ':'
+  local holes_prefix = P .. ':holes:' .. node .. ':' .. incs[node] .. ':'
+  local holes_keys = {}
+  for gi = 1, ng do holes_keys[gi] = holes_prefix .. groups[gi] end
+  if redis.call('EXISTS', unpack(holes_keys)) == 0 then return d end  -- no hole anywhere
   for gi = 1, ng do
-    local holes = redis.pcall('ZRANGEBYSCORE', P .. ':holes' .. tail .. groups[gi], 0, d - 1,
-                              'WITHSCORES')
-    if type(holes) ~= 'table' or holes.err then
+    local holes = redis.pcall('ZRANGEBYSCORE', holes_keys[gi], 0, d - 1, 'WITHSCORES')
+    if holes.err then
       garbage = garbage + 1
     else
       for j = 1, #holes, 2 do
         local pos = tonumber(holes[j + 1])
-        if pos and pos < d and hash_at(pos) == holes[j] then d = pos end
+        if pos and pos < d and sub(blob, pos * L + 1, pos * L + L) == holes[j] then
+          d = pos
+        end
       end
     end
   end
@@ -262,16 +313,22 @@ end
 local out = {0}
 local function emit(node, d)
   out[#out + 1] = node
-  out[#out + 1] = live_inc(node)
+  out[#out + 1] = incs[node]
   out[#out + 1] = d
   out[#out + 1] = string.char(at(d - 1)[node] or 100)
 end
 if n > 0 then
   local runs, best = {}, 0
   if not all then
-    local d = search(function(s) return next(s) ~= nil end)
+    -- A prompt held whole: the holders of its last block as a full run, if they hold block 0
+    -- (read for them only); otherwise the general search.
+    local d, deepest = n, next(at(n - 1)) and holding_block_0(at(n - 1)) or {}
+    if next(deepest) == nil then
+      d = search(function(s) return next(s) ~= nil end)
+      deepest = d > 0 and at(d - 1) or {}
+    end
     if d > 0 then
-      for node in pairs(at(d - 1)) do
+      for node in pairs(deepest) do
         runs[node] = cut(node, d)
         best = math.max(best, runs[node])
       end
@@ -286,7 +343,7 @@ if n > 0 then
     end
   end
   for node, d in pairs(runs) do
-    if d > 0 and (ARGV[5] == '1' or d == best) then emit(node, d) end
+    if d > 0 and (ARGV[4] == '1' or d == best) then emit(node, d) end
   end
 end
 out[1] = garbage
