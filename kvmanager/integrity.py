@@ -26,7 +26,8 @@ def check_pool_integrity(pool: BlockPool) -> None:
     * the null block: flagged, ref_cnt 0, no hash, not queued, and the only null block;
     * the free queue is a well-linked chain of exactly ``num_free_blocks`` distinct blocks, each
       with ref_cnt 0; every other non-null block has ref_cnt > 0 and no links;
-    * the hash map lists each hashed block once under its own key, and nothing else.
+    * the hash map (``BlockHashToBlockMap``) lists each hashed block once under its own key,
+      and nothing else.
     """
     blocks = pool.blocks
     null = pool.null_block
@@ -65,6 +66,7 @@ def check_pool_integrity(pool: BlockPool) -> None:
         raise RuntimeError(
             f"free queue holds {len(queued)} blocks but num_free_blocks is {queue.num_free_blocks}"
         )
+    cache = pool.cached_block_hash_to_block
     num_hashed = 0
     for i, blk in enumerate(blocks):
         if blk.block_id != i:
@@ -81,19 +83,19 @@ def check_pool_integrity(pool: BlockPool) -> None:
         key = blk.block_hash
         if key is not None:
             num_hashed += 1
-            entry = pool.cached_block_hash_to_block.get(key)
-            if entry is None or entry.get(i) is not blk:
+            if not any(listed is blk for listed in cache.get_blocks(key)):
                 raise RuntimeError(f"block {i} has a hash that the prefix-cache map does not list")
     num_listed = 0
-    for key, entry in pool.cached_block_hash_to_block.items():
-        if not entry:
-            raise RuntimeError(f"empty prefix-cache entry for group {get_group_id(key)}")
-        for block_id, blk in entry.items():
-            num_listed += 1
-            if blk.block_id != block_id or blk.block_hash != key:
-                raise RuntimeError(
-                    f"prefix-cache map lists block {block_id} under a hash the block does not have"
-                )
+    for key, blk in cache.blocks():
+        num_listed += 1
+        if blk.block_hash != key:
+            raise RuntimeError(
+                f"prefix-cache map lists block {blk.block_id} under group "
+                f"{get_group_id(key)} with a hash the block does not have"
+            )
+        if not 0 <= blk.block_id < len(blocks) or blocks[blk.block_id] is not blk:
+            raise RuntimeError(f"prefix-cache map lists a block {blk.block_id} that is not the "
+                               f"pool's block of that id (pool of {len(blocks)} blocks)")
     if num_listed != num_hashed:
         raise RuntimeError(f"prefix-cache map lists {num_listed} blocks, {num_hashed} are hashed")
     if not pool.enable_caching and num_hashed:

@@ -153,9 +153,7 @@ def ref_cnts(pool: BlockPool, block_ids: Sequence[int]) -> list[int]:
 
 def hashed_block_ids(pool: BlockPool) -> list[int]:
     """Ids of blocks listed in the prefix-cache map, sorted."""
-    return sorted(
-        block_id for entry in pool.cached_block_hash_to_block.values() for block_id in entry
-    )
+    return sorted(block.block_id for _, block in pool.cached_block_hash_to_block.blocks())
 
 
 def pool_snapshot(pool: BlockPool) -> tuple[object, ...]:
@@ -163,7 +161,7 @@ def pool_snapshot(pool: BlockPool) -> tuple[object, ...]:
     return (
         [block.ref_cnt for block in pool.blocks],
         free_queue_ids(pool),
-        {key: sorted(entry) for key, entry in pool.cached_block_hash_to_block.items()},
+        sorted((key, block.block_id) for key, block in pool.cached_block_hash_to_block.blocks()),
         [block.block_hash for block in pool.blocks],
     )
 

@@ -18,6 +18,7 @@ from kvbridge.kvmanager import (
     get_request_block_hasher,
     make_block_hash_with_group_id,
 )
+from kvbridge.kvmanager.block_pool import BlockHashToBlockMap
 
 
 def _queue(n: int) -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:
@@ -166,10 +167,40 @@ def test_duplicate_blocks_with_one_hash_both_serve_and_evict_separately() -> Non
     _cache(pool, req, first)
     _cache(pool, req, second)  # two requests computed the same block concurrently
     key = make_block_hash_with_group_id(req.block_hashes[0], 0)
-    assert sorted(pool.cached_block_hash_to_block[key]) == [1, 2]
+    # Caching order: block 1 was cached first, so it is the one a lookup returns.
+    assert [b.block_id for b in pool.cached_block_hash_to_block.get_blocks(key)] == [1, 2]
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == first
     pool.evict_blocks([1])
     assert pool.get_cached_block(req.block_hashes[0], [0]) == second
     check_pool_integrity(pool)
+
+
+def test_hash_map_upgrades_to_several_blocks_and_back_to_one() -> None:
+    cache = BlockHashToBlockMap()
+    key, other_key = b"k" * 36, b"o" * 36
+    a, b, c = (KVCacheBlock(block_id=i) for i in (1, 2, 3))
+    assert (len(cache), cache.get_one_block(key), cache.get_blocks(key)) == (0, None, [])
+    cache.insert(key, a)
+    cache.insert(key, a)  # already listed: no change
+    assert (len(cache), cache.get_one_block(key), cache.get_blocks(key)) == (1, a, [a])
+    cache.insert(key, b)
+    cache.insert(key, c)
+    cache.insert(other_key, c)
+    # Two keys; ``key`` lists 3 blocks in caching order, and a lookup returns the first cached.
+    assert (len(cache), cache.get_one_block(key), cache.get_blocks(key)) == (2, a, [a, b, c])
+    assert cache.pop(key, 9) is None and cache.get_blocks(key) == [a, b, c]  # 9 not listed
+    assert cache.pop(key, 1) is a and cache.get_blocks(key) == [b, c]
+    assert cache.pop(key, 3) is c and cache.get_blocks(key) == [b]  # back to one block
+    assert cache.pop(key, 3) is None and cache.get_blocks(key) == [b]
+    cache.insert(key, a)  # upgrade again: b was cached before a now
+    assert cache.get_one_block(key) is b
+    assert sorted((k, blk.block_id) for k, blk in cache.blocks()) == [
+        (key, 1), (key, 2), (other_key, 3)]
+    assert (key in cache, b"missing" in cache) == (True, False)
+    assert cache.pop(key, 2) is b and cache.pop(key, 1) is a and key not in cache
+    assert cache.pop(key, 1) is None
+    cache.clear()
+    assert (len(cache), list(cache.blocks())) == (0, [])
 
 
 def test_evict_blocks_removes_identity_not_ownership() -> None:
@@ -247,6 +278,13 @@ def test_usage_is_the_held_fraction_of_usable_blocks() -> None:
         (lambda p: setattr(p.free_block_queue, "num_free_blocks", 9), "num_free_blocks is 9"),
         (lambda p: setattr(p.null_block, "ref_cnt", 1), "null block 0"),
         (lambda p: p.cached_block_hash_to_block.clear(), "block 1 has a hash that the prefix"),
+        # Listed under a key it does not carry (block 2 is unhashed).
+        (lambda p: p.cached_block_hash_to_block.insert(p.blocks[1].block_hash, p.blocks[2]),
+         "lists block 2 under group 0 with a hash the block does not have"),
+        # A stranger object posing as block 3, carrying block 1's key.
+        (lambda p: p.cached_block_hash_to_block.insert(
+            p.blocks[1].block_hash, KVCacheBlock(block_id=3, _block_hash=p.blocks[1].block_hash)),
+         "lists a block 3 that is not the pool's block of that id"),
     ],
 )
 def test_pool_integrity_names_the_broken_block(
