@@ -43,6 +43,10 @@ class BlockHashToBlockMap:
     section 2; this storage is our own.
 
     ``len()`` is the number of keys; ``blocks()`` walks every (key, block) pair.
+
+    ``BlockPool``'s per-block loops (``cache_full_blocks``, ``get_new_blocks``) do the one-block
+    case on ``_entries`` directly (a Python call per block cost as much as the rest of those
+    loops) and use ``insert`` / ``pop`` for everything else; nothing else reads ``_entries``.
     """
 
     __slots__ = ("_entries",)
@@ -226,18 +230,16 @@ class BlockPool:
                 f"request {request.request_id}: {num_full_blocks} full blocks but "
                 f"{len(blocks)} blocks and {len(block_hashes)} hashes"
             )
-        stored_hashes: list[bytes] = []
-        stored_ids: list[int] = []
-        stored_tokens: list[int] = []
-        first_stored_pos = -1
-        events = self.enable_kv_cache_events
-        insert = self.cached_block_hash_to_block.insert
+        suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)  # ValueError if bad id
+        cache = self.cached_block_hash_to_block
+        setdefault = cache._entries.setdefault
+        # Positions stored by this call, only when events are on (nothing is built otherwise).
+        stored_positions: list[int] | None = [] if self.enable_kv_cache_events else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
                 continue
-            block_hash = block_hashes[i]
-            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            key = block_hashes[i] + suffix
             if block._block_hash is not None:
                 if block._block_hash != key:
                     raise RuntimeError(
@@ -246,27 +248,42 @@ class BlockPool:
                     )
                 continue
             block._block_hash = key
-            insert(key, block)
-            if events:
-                if first_stored_pos < 0:
-                    first_stored_pos = i
-                stored_hashes.append(block_hash)
-                stored_ids.append(block.block_id)
-                stored_tokens.extend(request.all_token_ids[i * block_size : (i + 1) * block_size])
-        if events and stored_hashes:
-            parent = block_hashes[first_stored_pos - 1] if first_stored_pos > 0 else None
-            self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=stored_hashes,
-                    parent_block_hash=parent,
-                    token_ids=stored_tokens,
-                    block_size=block_size,
-                    lora_name=request.lora_name,
-                    medium=self.kv_event_medium,
-                    group_id=kv_cache_group_id,
-                    block_ids=stored_ids,
-                )
+            if setdefault(key, block) is not block:  # the key is held already: several blocks
+                cache.insert(key, block)
+            if stored_positions is not None:
+                stored_positions.append(i)
+        if stored_positions:
+            self._record_stored(request, blocks, block_hashes, stored_positions, block_size,
+                                kv_cache_group_id)
+
+    def _record_stored(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        stored_positions: list[int],
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Append one ``BlockStored`` for the blocks at ``stored_positions`` (ascending)."""
+        first_stored_pos = stored_positions[0]
+        all_token_ids = request.all_token_ids
+        stored_tokens: list[int] = []
+        for i in stored_positions:
+            stored_tokens.extend(all_token_ids[i * block_size : (i + 1) * block_size])
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[block_hashes[i] for i in stored_positions],
+                parent_block_hash=block_hashes[first_stored_pos - 1] if first_stored_pos > 0
+                else None,
+                token_ids=stored_tokens,
+                block_size=block_size,
+                lora_name=request.lora_name,
+                medium=self.kv_event_medium,
+                group_id=kv_cache_group_id,
+                block_ids=[blocks[i].block_id for i in stored_positions],
             )
+        )
 
     # -- allocation ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -281,15 +298,37 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} free"
             )
         ret = self.free_block_queue.popleft_n(num_blocks)
+        pop_entry = self.cached_block_hash_to_block._entries.pop
+        events = self.enable_kv_cache_events
         for block in ret:
-            if block._block_hash is not None:
-                self._maybe_evict_cached_block(block)
+            key = block._block_hash
+            if key is not None:
+                # One dict operation when the key lists this block alone (the common case).
+                entry = pop_entry(key, None)
+                if entry is not block:
+                    self._evict_from_shared_entry(key, block, entry)
+                block._block_hash = None
+                if events:
+                    self._record_removed(key, block.block_id)
             if block.ref_cnt != 0:
                 raise RuntimeError(
                     f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}"
                 )
             block.ref_cnt = 1
         return ret
+
+    def _evict_from_shared_entry(
+        self, key: BlockHashWithGroupId, block: KVCacheBlock, entry: object
+    ) -> None:
+        """Slow path of ``get_new_blocks``: ``entry`` (popped for ``key``) was not ``block``
+        alone; put it back and remove ``block`` from it. RuntimeError if it is not listed."""
+        cache = self.cached_block_hash_to_block
+        if entry is not None:
+            cache._entries[key] = entry  # type: ignore[assignment]
+        if cache.pop(key, block.block_id) is None:
+            raise RuntimeError(
+                f"block {block.block_id} carries a hash the prefix-cache map does not list"
+            )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s hash from the map and the block. True if it had one."""
@@ -302,15 +341,19 @@ class BlockPool:
             )
         block._block_hash = None
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(
-                    block_hashes=[get_block_hash(key)],
-                    medium=self.kv_event_medium,
-                    group_id=get_group_id(key),
-                    block_ids=[block.block_id],
-                )
-            )
+            self._record_removed(key, block.block_id)
         return True
+
+    def _record_removed(self, key: BlockHashWithGroupId, block_id: int) -> None:
+        """Append one ``BlockRemoved`` for ``block_id`` losing ``key``."""
+        self.kv_event_queue.append(
+            BlockRemoved(
+                block_hashes=[get_block_hash(key)],
+                medium=self.kv_event_medium,
+                group_id=get_group_id(key),
+                block_ids=[block_id],
+            )
+        )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each (hit) block; a ref_cnt-0 block leaves the free queue.
@@ -334,16 +377,21 @@ class BlockPool:
         """
         without_hash: list[KVCacheBlock] = []
         with_hash: list[KVCacheBlock] = []
+        add_without_hash, add_with_hash = without_hash.append, with_hash.append
         for block in ordered_blocks:
             if block.is_null:
                 continue
-            if block.ref_cnt <= 0:
+            ref_cnt = block.ref_cnt
+            if ref_cnt <= 0:
                 raise RuntimeError(
-                    f"block {block.block_id} freed with ref_cnt {block.ref_cnt} (double free)"
+                    f"block {block.block_id} freed with ref_cnt {ref_cnt} (double free)"
                 )
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (without_hash if block._block_hash is None else with_hash).append(block)
+            block.ref_cnt = ref_cnt - 1
+            if ref_cnt == 1:
+                if block._block_hash is None:
+                    add_without_hash(block)
+                else:
+                    add_with_hash(block)
         if without_hash:
             self.free_block_queue.prepend_n(without_hash)
         if with_hash:

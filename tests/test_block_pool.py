@@ -175,6 +175,26 @@ def test_duplicate_blocks_with_one_hash_both_serve_and_evict_separately() -> Non
     check_pool_integrity(pool)
 
 
+def test_get_new_blocks_evicts_one_of_two_blocks_sharing_a_hash() -> None:
+    pool = BlockPool(4, enable_caching=True, enable_kv_cache_events=True)
+    req = _cached_request(4)
+    first, second = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    _cache(pool, req, first)
+    _cache(pool, req, second)
+    pool.free_blocks(first + second)
+    pool.take_events()
+    assert free_queue_ids(pool) == [3, 1, 2]  # unhashed 3 first, then the hashed ones
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 1]
+    # Block 1 lost the shared hash; block 2 still serves it.
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == second
+    assert [e.block_ids for e in pool.take_events()] == [[1]]
+    check_pool_integrity(pool)
+    assert pool.get_new_blocks(1) == second
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+    assert [e.block_ids for e in pool.take_events()] == [[2]]
+    check_pool_integrity(pool)
+
+
 def test_hash_map_upgrades_to_several_blocks_and_back_to_one() -> None:
     cache = BlockHashToBlockMap()
     key, other_key = b"k" * 36, b"o" * 36
