@@ -22,6 +22,9 @@ HGETALLs (after probing block 0 and block N-1). With holes, probe stays true bel
 missing block t (nothing there was removed), so the search ends at some d >= t; if d > t the
 missing block t has held descendants, so it is a hole on this prompt's path at position t, and
 the run is cut there. Exact, and tested against ``InMemoryBlockIndex``'s block-by-block scan.
+A lookup for the deepest run in one group first tries the prompt held whole (the holders of the
+last block with run == N, each checked for block 0, its incarnation and holes: four calls for one
+holder), which is the benchmark's case; otherwise the search above.
 
 Scripts build key names from ARGV: fine on one Redis server, not on Redis Cluster.
 """
@@ -172,36 +175,89 @@ LOOKUP_LUA = """
 local P, L, blob, ng = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
 local all = ARGV[4] == '1'
 local n = #blob / L
-local groups, entry_prefix, excluded = {}, {}, {}
-for i = 1, ng do
-  groups[i] = ARGV[5 + i]
-  entry_prefix[i] = P .. ':e:' .. ARGV[5 + i] .. ':'
-end
+local groups, excluded = {}, {}
+for i = 1, ng do groups[i] = ARGV[5 + i] end
 for i = 6 + ng, #ARGV do excluded[ARGV[i]] = true end
-local node_prefix = P .. ':node:'
 local garbage = 0
 local byte, find, sub, unpack_u32 = string.byte, string.find, string.sub, struct.unpack
 local function tier_ok(t) return t == 100 or t == 104 or t == 115 end
+local memo = {}
+-- Fast path: the holders of the deepest run, one group, the prompt held whole. The nodes whose
+-- entry of the last block is a full run (run == n), checked inline as the general path below
+-- checks them (live incarnation, block 0 held as run 1, no hole on the path); if any passes, they
+-- are the answer (every such node is checked, so ties are all reported). Otherwise nothing is
+-- counted here and the general path decides.
+if not all and ng == 1 and n > 0 then
+  local prefix = P .. ':e:' .. groups[1] .. ':'
+  local flat = redis.pcall('HGETALL', prefix .. sub(blob, n * L - L + 1, n * L))
+  if not flat.err then
+    if flat[1] == nil then memo[n - 1] = {} end  -- nobody holds the last block
+    local out, seen_garbage, key0 = {0}, 0, nil
+    for j = 1, #flat, 2 do
+      local node, v = flat[j], flat[j + 1]
+      local tier, _, _, _, _, worst = byte(v, 25, 30)
+      if not (worst and tier_ok(tier) and tier_ok(worst)) then
+        if not excluded[node] then seen_garbage = seen_garbage + 1 end
+      elseif not excluded[node] and unpack_u32('>I4', v, 26) == n then
+        local inc = redis.pcall('GET', P .. ':node:' .. node)
+        if inc and (type(inc) ~= 'string' or #inc ~= 20 or not string.match(inc, '^%d+$')) then
+          seen_garbage = seen_garbage + 1
+        elseif inc and find(v, inc, 1, true) == 1 then
+          key0 = key0 or sub(blob, 1, L)
+          local v0 = redis.pcall('HGET', prefix .. key0, node)
+          local held = type(v0) == 'string' and find(v0, inc, 1, true) == 1
+          if held then
+            local tier0, _, _, _, _, worst0 = byte(v0, 25, 30)
+            held = worst0 and tier_ok(tier0) and tier_ok(worst0) and unpack_u32('>I4', v0, 26) == 1
+          end
+          local holes_key = P .. ':holes:' .. node .. ':' .. inc .. ':' .. groups[1]
+          if held and redis.call('EXISTS', holes_key) == 1 then
+            local holes = redis.pcall('ZRANGEBYSCORE', holes_key, 0, n - 1, 'WITHSCORES')
+            held = not holes.err
+            for h = 1, held and #holes or 0, 2 do
+              local pos = tonumber(holes[h + 1])
+              if pos and pos < n and sub(blob, pos * L + 1, pos * L + L) == holes[h] then
+                held = false
+              end
+            end
+          end
+          if held then
+            out[#out + 1] = node
+            out[#out + 1] = inc
+            out[#out + 1] = n
+            out[#out + 1] = string.char(worst)
+          end
+        end
+      end
+    end
+    if out[2] then
+      out[1] = seen_garbage
+      return out
+    end
+  end
+end
 -- node -> its live incarnation, or false (gone, or a garbage node record).
 local incs = {}
 local function fetch_incs(nodes)
   local keys = {}
-  for i = 1, #nodes do keys[i] = node_prefix .. nodes[i] end
-  local got = redis.call('MGET', unpack(keys))
+  for i = 1, #nodes do keys[i] = P .. ':node:' .. nodes[i] end
+  -- One node (the usual case): GET, whose WRONGTYPE error marks a garbage record. Several: one
+  -- MGET, which answers nil for a record that is not a string (told apart by EXISTS).
+  local got = #keys == 1 and {redis.pcall('GET', keys[1])} or redis.call('MGET', unpack(keys))
   for i = 1, #nodes do
     local inc = got[i]
-    if inc then
+    if type(inc) == 'string' then
       if #inc ~= 20 or not string.match(inc, '^%d+$') then
         garbage = garbage + 1
         inc = false
       end
-    elseif redis.call('EXISTS', keys[i]) == 1 then
-      garbage = garbage + 1  -- a node record that is not a string (MGET answers nil)
+    elseif inc or redis.call('EXISTS', keys[i]) == 1 then
+      garbage = garbage + 1
+      inc = false
     end
     incs[nodes[i]] = inc
   end
 end
-local memo = {}
 -- at(pos): node -> slowest tier code, for nodes holding block pos as the end of a full run
 -- (run == pos + 1) in every group.
 local function at(pos)
@@ -209,18 +265,21 @@ local function at(pos)
   if r then return r end
   local key_hash = sub(blob, pos * L + 1, pos * L + L)
   for gi = 1, ng do
-    local key = entry_prefix[gi] .. key_hash
+    local key = P .. ':e:' .. groups[gi] .. ':' .. key_hash
     local flat = redis.pcall('HGETALL', key)
     if flat.err then
       garbage = garbage + 1
       flat = {}
     end
     if gi == 1 then
-      local unknown = {}
+      local unknown
       for j = 1, #flat, 2 do
-        if incs[flat[j]] == nil then unknown[#unknown + 1] = flat[j] end
+        if incs[flat[j]] == nil then
+          unknown = unknown or {}
+          unknown[#unknown + 1] = flat[j]
+        end
       end
-      if unknown[1] then fetch_incs(unknown) end
+      if unknown then fetch_incs(unknown) end
     end
     local cur = {}
     for j = 1, #flat, 2 do
@@ -256,41 +315,27 @@ local function search(pred)
   end
   return lo + 1
 end
--- The nodes of `nodes` (node -> anything) that hold block 0 (run 1) in every group: one HMGET
--- per group instead of reading every holder of block 0.
-local function holding_block_0(nodes)
-  local names = {}
-  for node in pairs(nodes) do names[#names + 1] = node end
+-- Whether `node` holds block 0 (run 1) in every group: for the holders of the last block, a
+-- check cheaper than reading every holder of block 0 (a garbage entry answers no; at() counts it).
+local function holds_block_0(node)
   local key_hash = sub(blob, 1, L)
   for gi = 1, ng do
-    local values = redis.pcall('HMGET', entry_prefix[gi] .. key_hash, unpack(names))
-    if values.err then
-      garbage = garbage + 1
-      return {}
+    local v = redis.pcall('HGET', P .. ':e:' .. groups[gi] .. ':' .. key_hash, node)
+    if type(v) ~= 'string' then return false end
+    local tier, _, _, _, _, worst = byte(v, 25, 30)
+    if not (worst and tier_ok(tier) and tier_ok(worst)) or find(v, incs[node], 1, true) ~= 1
+        or unpack_u32('>I4', v, 26) ~= 1 then
+      return false
     end
-    local kept = {}
-    for i, v in ipairs(names) do
-      v = values[i]
-      if v then
-        local tier, _, _, _, _, worst = byte(v, 25, 30)
-        if not (worst and tier_ok(tier) and tier_ok(worst)) then
-          garbage = garbage + 1
-        elseif find(v, incs[names[i]], 1, true) == 1 and unpack_u32('>I4', v, 26) == 1 then
-          kept[#kept + 1] = names[i]
-        end
-      end
-    end
-    names = kept
   end
-  local held = {}
-  for _, node in ipairs(names) do held[node] = nodes[node] end
-  return held
+  return true
 end
 -- The node's run d cut at the first hole on this prompt's path, in any group.
 local function cut(node, d)
-  local holes_prefix = P .. ':holes:' .. node .. ':' .. incs[node] .. ':'
   local holes_keys = {}
-  for gi = 1, ng do holes_keys[gi] = holes_prefix .. groups[gi] end
+  for gi = 1, ng do
+    holes_keys[gi] = P .. ':holes:' .. node .. ':' .. incs[node] .. ':' .. groups[gi]
+  end
   if redis.call('EXISTS', unpack(holes_keys)) == 0 then return d end  -- no hole anywhere
   for gi = 1, ng do
     local holes = redis.pcall('ZRANGEBYSCORE', holes_keys[gi], 0, d - 1, 'WITHSCORES')
@@ -322,7 +367,10 @@ if n > 0 then
   if not all then
     -- A prompt held whole: the holders of its last block as a full run, if they hold block 0
     -- (read for them only); otherwise the general search.
-    local d, deepest = n, next(at(n - 1)) and holding_block_0(at(n - 1)) or {}
+    local d, deepest = n, {}
+    for node, tier in pairs(at(n - 1)) do
+      if holds_block_0(node) then deepest[node] = tier end
+    end
     if next(deepest) == nil then
       d = search(function(s) return next(s) ~= nil end)
       deepest = d > 0 and at(d - 1) or {}

@@ -33,11 +33,11 @@ def _hashes(num_blocks: int, *, prompt: str = "p") -> list[bytes]:
 
 def _stored(
     block_hashes: list[bytes], *, first_block_id: int = 1, group_id: int = 0,
-    medium: str | None = None,
+    medium: str | None = None, parent_block_hash: bytes | None = None,
 ) -> BlockStored:
     return BlockStored(
         block_hashes=block_hashes,
-        parent_block_hash=None,
+        parent_block_hash=parent_block_hash,
         token_ids=[],
         block_size=_NS.block_size,
         lora_name=None,
@@ -88,6 +88,16 @@ def test_stored_adds_and_removed_removes(index: BlockIndex) -> None:
     index.publish("A", 1, [_stored([prompt[3]], first_block_id=40)])
     assert _runs(index.longest_prefix(prompt)) == [("A", 7)]
     assert index.stats.publishes == 4 and index.stats.publish_ops == 11
+
+
+def test_block_stored_without_its_parent_does_not_extend_a_run(index: BlockIndex) -> None:
+    prompt = _hashes(4)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    orphan = _stored([prompt[3]], first_block_id=9, parent_block_hash=prompt[2])
+    index.publish("A", 1, [_stored(prompt[:1]), orphan])
+    # A holds blocks 0 and 3, not 1 and 2: the run is 1, even for the prompt ending on block 3.
+    assert _runs(index.longest_prefix(prompt)) == [("A", 1)]
+    assert _runs(index.longest_prefix(prompt, all_holders=True)) == [("A", 1)]
 
 
 def test_cleared_drops_only_that_nodes_entries(index: BlockIndex) -> None:
@@ -151,9 +161,11 @@ def test_longest_prefix_prefers_the_deepest_holder(index: BlockIndex) -> None:
     assert index.get_block_ids("B", 1, prompt[:60]) == [list(range(200, 260))]
     assert index.get_block_ids("A", 1, prompt[:41]) is None  # A does not hold block 40
     assert index.get_block_ids("B", 2, prompt[:1]) is None  # not B's incarnation
-    # Node C asking for remote holders only, excluding B: A's 40.
+    # Node C asking for remote holders only, excluding B: A's 40; also for a prompt both A and
+    # B hold whole.
     assert _runs(index.longest_prefix(prompt, exclude_node_ids=["B"])) == [("A", 40)]
-    assert index.stats.lookup_hits == 3
+    assert _runs(index.longest_prefix(prompt[:40], exclude_node_ids=["B"])) == [("A", 40)]
+    assert index.stats.lookup_hits == 4
 
 
 def test_equal_runs_report_every_holder_for_the_caller_to_break_ties(index: BlockIndex) -> None:
@@ -251,6 +263,10 @@ def test_garbage_entries_are_skipped_and_counted(redis_url: str) -> None:
     assert _runs(hit) == [("A", 9), ("B", 3)]
     assert index.stats.garbage_entries == 3  # A's bad entry + X + Y
     assert index.stats.lookups_failed == 0
+    # (4) B's node record now names another incarnation (8) than its entries (7): B's entries
+    # are not B's any more. A prompt both held whole (the lookup's fast path) reports A only.
+    raw.set(f"{prefix}:node:B", f"{8:020d}")
+    assert _runs(index.longest_prefix(prompt[:3])) == [("A", 3)]
 
 
 def test_redis_stopped_gives_no_hit_then_recovers(redis_server, redis_url: str, caplog) -> None:
@@ -344,7 +360,10 @@ def test_redis_runs_match_the_in_memory_reference_under_random_churn(redis_url: 
             held[(node_id, 1)] = set()
         for idx in (reference, index):
             assert idx.publish(node_id, 1, [event]).status == "ok"
-        for probe_prompt in prompts:
+        # Whole prompts, and prefixes of them cut at random lengths: a prefix often ends on a
+        # held block, so the lookup's path for a prompt held whole runs too (holes included).
+        probes = prompts + [p[: rng.randrange(1, len(p) + 1)] for p in prompts]
+        for probe_prompt in probes:
             for group_ids in ((0,), (1,), (0, 1)):
                 for all_holders in (False, True):
                     expected = reference.longest_prefix(probe_prompt, group_ids,
