@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -45,6 +46,7 @@ from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockSt
 
 from .loop_thread import get_loop_thread
 from .stats import KVTransferStats
+from .store_server import recv_exactly
 from .store_wire import (
     FRAME_HEADER,
     PutGroup,
@@ -61,12 +63,20 @@ if TYPE_CHECKING:
 
     from .config import KVTransferConfig
 
-__all__ = ["Offloader", "StoreWriter", "make_offloader", "parse_store_url"]
+__all__ = [
+    "Offloader",
+    "StoreWriter",
+    "make_offloader",
+    "parse_store_url",
+    "snapshot_blocks",
+    "staging_nbytes",
+]
 
 logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED = 1 << 20
 _PUT_TIMEOUT_S = 30.0
+_MAX_REPLY_HEADER_BYTES = 1 << 20
 
 
 def parse_store_url(url: str) -> tuple[str, int]:
@@ -92,21 +102,30 @@ def make_offloader(config: KVTransferConfig, stats: KVTransferStats) -> Offloade
 
 
 class StoreWriter:
-    """One connection to a store's write server, used from the connector's event loop; puts
-    are sent one at a time (a lock), reconnecting after an error."""
+    """One TCP connection to a store's write server, used from the connector's event loop; puts
+    are sent one at a time (a lock), reconnecting after an error.
+
+    The payload parts go out with ``loop.sock_sendall`` straight from the caller's memory (no
+    copy into a stream buffer, no msgpack of the bytes): only the small header is packed."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self._lock = asyncio.Lock()
-        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._sock: socket.socket | None = None
 
     async def put(self, put: PutRequest, payloads: Sequence[memoryview]) -> PutReply:
-        """Send ``put`` with its payload parts; returns the store's reply.
+        """Send ``put`` with its payload parts (byte views, ``put.payload_nbytes`` in all; read
+        only, the caller keeps them alive until this returns); returns the store's reply.
 
         Raises:
+            ValueError: the parts do not add up to ``put.payload_nbytes``.
             StoreWireError: the store refused the put (its message) or replied garbage.
-            OSError, asyncio.TimeoutError: the store is unreachable or too slow.
+            OSError, EOFError, asyncio.TimeoutError: the store is unreachable, closed the
+                connection or is too slow.
         """
+        num_bytes = sum(part.nbytes for part in payloads)
+        if num_bytes != put.payload_nbytes:
+            raise ValueError(f"payload parts hold {num_bytes} bytes, the put {put.payload_nbytes}")
         async with self._lock:
             try:
                 return await asyncio.wait_for(self._put(put, payloads), _PUT_TIMEOUT_S)
@@ -114,23 +133,93 @@ class StoreWriter:
                 await self.close()  # the stream may be out of step; the next put reconnects
                 raise
 
+    async def _connect(self) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
     async def _put(self, put: PutRequest, payloads: Sequence[memoryview]) -> PutReply:
-        if self._stream is None:
-            self._stream = await asyncio.open_connection(self.host, self.port)
-        reader, writer = self._stream
-        writer.write(encode_put_header(put))
+        loop = asyncio.get_running_loop()
+        if self._sock is None:
+            self._sock = await self._connect()
+        sock = self._sock
+        await loop.sock_sendall(sock, encode_put_header(put))
         for part in payloads:
-            writer.write(part)
-        await writer.drain()
-        (header_nbytes,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
-        if not 0 < header_nbytes <= 1 << 20:
+            if part.nbytes:
+                await loop.sock_sendall(sock, part.cast("B") if part.format != "B" else part)
+        prefix = bytearray(FRAME_HEADER.size)
+        await recv_exactly(sock, memoryview(prefix))
+        (header_nbytes,) = FRAME_HEADER.unpack(prefix)
+        if not 0 < header_nbytes <= _MAX_REPLY_HEADER_BYTES:
             raise StoreWireError(f"reply header of {header_nbytes} bytes")
-        return decode_reply(decode_header(await reader.readexactly(header_nbytes)))
+        raw = bytearray(header_nbytes)
+        await recv_exactly(sock, memoryview(raw))
+        return decode_reply(decode_header(bytes(raw)))
 
     async def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream[1].close()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+def staging_nbytes(kv_caches: Sequence[torch.Tensor], num_blocks: int) -> int:
+    """Bytes of ``num_blocks`` blocks of one group in the ``gather_blocks`` staging layout."""
+    return num_blocks * sum(int(c[0].numel()) * c.element_size() for c in kv_caches)
+
+
+def snapshot_blocks(
+    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor
+) -> None:
+    """Copy blocks ``block_ids`` of one group's layers into ``out`` (mutated), a uint8 CPU
+    tensor of ``staging_nbytes(kv_caches, len(block_ids))`` bytes, in the ``gather_blocks``
+    staging layout ``[num_layers, n, 2, block_size, num_kv_heads, head_size]``. Device caches
+    are gathered on the device and copied to host once."""
+    first = kv_caches[0]
+    shape = (len(kv_caches), len(block_ids), *first.shape[1:])
+    staging = out.view(first.dtype).view(shape)
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=first.device)
+    if first.device.type == "cpu":
+        gather_blocks(kv_caches, ids, staging)
+    else:
+        staging.copy_(gather_blocks(kv_caches, ids))
+
+
+class _StagingPool:
+    """Reusable host buffers (uint8 tensors) for snapshots, taken on the engine thread and given
+    back on the loop thread once the store replied. A fresh 32 MiB tensor costs about ten times
+    its gather in first-touch page faults (``benchmarks/bench_store.py``), so buffers are kept:
+    at most ``max_idle_bytes`` of them wait unused."""
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: list[torch.Tensor] = []
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 ``[>= nbytes]`` CPU buffer: the smallest idle one that fits, else a new one."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
+            if fits:
+                buffer = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))
+                self._idle_bytes -= buffer.numel()
+                return buffer
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if self._idle_bytes + buffer.numel() <= self.max_idle_bytes:
+                self._idle.append(buffer)
+                self._idle_bytes += buffer.numel()
 
 
 class _Candidate(NamedTuple):
@@ -182,6 +271,7 @@ class Offloader:
         self._lock = threading.Lock()  # _offloaded and _inflight_bytes: engine and loop threads
         self._inflight_bytes = 0
         self._futures: set[Future[None]] = set()
+        self._staging_pool = _StagingPool(max_inflight_bytes)
 
     def bind(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]], compat_hash: str) -> None:
         """Give the offloader the node's KV tensors (worker half, ``register_kv_caches``) and its
@@ -224,12 +314,9 @@ class Offloader:
         for candidate in candidates:
             by_group.setdefault(candidate.group_id, []).append(candidate)
         groups: list[PutGroup] = []
-        payloads: list[torch.Tensor] = []
         for group_id, members in sorted(by_group.items()):
             caches = self._kv_caches_by_group[group_id]
-            ids = torch.tensor([c.block_id for c in members], dtype=torch.int64)
-            staging = gather_blocks(caches, ids.to(caches[0].device)).cpu()
-            nbytes = staging.numel() * staging.element_size()
+            nbytes = staging_nbytes(caches, len(members))
             groups.append(
                 PutGroup(
                     group_id=group_id,
@@ -238,8 +325,14 @@ class Offloader:
                     nbytes=nbytes,
                 )
             )
-            payloads.append(staging)
         put = PutRequest(compat_hash=self._compat_hash, groups=tuple(groups))
+        buffer = self._staging_pool.take(put.payload_nbytes)
+        offset = 0
+        for group in groups:
+            caches = self._kv_caches_by_group[group.group_id]
+            ids = [c.block_id for c in by_group[group.group_id]]
+            snapshot_blocks(caches, ids, buffer[offset : offset + group.nbytes])
+            offset += group.nbytes
         keys = [(c.group_id, c.block_hash) for c in candidates]
         with self._lock:
             self._inflight_bytes += put.payload_nbytes
@@ -247,7 +340,7 @@ class Offloader:
                 self._offloaded[key] = None
             while len(self._offloaded) > _MAX_REMEMBERED:
                 self._offloaded.popitem(last=False)
-        future = get_loop_thread().submit(self._send(put, payloads, keys))
+        future = get_loop_thread().submit(self._send(put, buffer, keys))
         self._futures.add(future)
         future.add_done_callback(self._futures.discard)
         return len(candidates)
@@ -289,11 +382,11 @@ class Offloader:
 
     # ------------------------------------------------------------------ loop thread
     async def _send(
-        self, put: PutRequest, payloads: list[torch.Tensor], keys: list[tuple[int, bytes]]
+        self, put: PutRequest, buffer: torch.Tensor, keys: list[tuple[int, bytes]]
     ) -> None:
-        views = [memoryview(p.numpy()).cast("B") for p in payloads]
         try:
-            reply = await self.writer.put(put, views)
+            view = memoryview(buffer[: put.payload_nbytes].numpy())
+            reply = await self.writer.put(put, [view])
         except (StoreWireError, OSError, asyncio.TimeoutError, EOFError) as exc:
             logger.warning("offload of %d block(s) failed: %s", len(keys), exc)
             self.stats.add("num_offload_failures")
@@ -302,6 +395,7 @@ class Offloader:
         finally:
             with self._lock:
                 self._inflight_bytes -= put.payload_nbytes
+            self._staging_pool.give(buffer)  # the socket no longer reads it
         self._forget(list(reply.refused))
         num_held = reply.num_stored + reply.num_present
         self.stats.add("num_offloaded_blocks", num_held)

@@ -168,8 +168,10 @@ class StoreCache:
                 self._anchor(group_id, block_hash, events)
         if block_id_to_row:
             ids = torch.tensor(list(block_id_to_row), dtype=torch.int64)
-            rows = torch.tensor(list(block_id_to_row.values()), dtype=torch.int64)
-            scatter_blocks(staging.index_select(1, rows).contiguous(), group.kv_caches, ids)
+            rows = list(block_id_to_row.values())
+            if rows != list(range(len(block_hashes))):  # some rows skipped or reordered
+                staging = staging.index_select(1, torch.tensor(rows, dtype=torch.int64))
+            scatter_blocks(staging.contiguous(), group.kv_caches, ids)
         num_stored = len(block_hashes) - num_present - len(refused)
         return GroupPutResult(num_stored, num_present, tuple(refused), num_dropped, tuple(events))
 

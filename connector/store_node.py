@@ -278,9 +278,23 @@ class StoreNode:
                     f"{self.cache.groups[group.group_id].block_nbytes} bytes"
                 )
 
-    async def put(self, put: PutRequest, payload: bytearray) -> PutReply:
-        """Store a checked put (``check_put``) whose payload is ``payload``; publish the index
-        events before replying, so a writer that got ``put_ok`` finds the blocks indexed."""
+    async def put(self, put: PutRequest, payload: torch.Tensor) -> PutReply:
+        """Store a checked put (``check_put``); publish the index events before replying, so a
+        writer that got ``put_ok`` finds the blocks indexed.
+
+        Args:
+            payload: uint8 ``[put.payload_nbytes]`` on CPU, the groups' staging bytes back to
+                back (read only; copied once into the store's tensors, so the caller may reuse
+                it as soon as this returns).
+
+        Raises:
+            ValueError: ``payload`` is not ``put.payload_nbytes`` uint8 bytes.
+        """
+        if payload.dtype != torch.uint8 or tuple(payload.shape) != (put.payload_nbytes,):
+            raise ValueError(
+                f"payload must be uint8 [{put.payload_nbytes}], got {payload.dtype} "
+                f"{tuple(payload.shape)}"
+            )
         events: list[Any] = []
         refused: list[tuple[int, bytes]] = []
         num_stored = num_present = 0
@@ -289,7 +303,7 @@ class StoreNode:
             caches = self.cache.groups[group.group_id].kv_caches
             n = len(group.block_hashes)
             staging = (
-                torch.frombuffer(payload, dtype=torch.uint8, count=group.nbytes, offset=offset)
+                payload[offset : offset + group.nbytes]
                 .view(caches[0].dtype)
                 .view(len(caches), n, *caches[0].shape[1:])
                 if n

@@ -1,4 +1,4 @@
-"""The store node's write path (issue 7, part 1): an asyncio TCP server for ``put`` frames.
+"""The store node's write path (issue 7, part 1): a TCP server for ``put`` frames.
 
 Schema and checks: ``store_wire.py``. Per connection, frames are handled one after another; each
 gets exactly one reply. A bad message is an ``error`` reply to that writer only, and the server
@@ -6,14 +6,23 @@ keeps serving everyone: after an error in the header (framing, schema version, a
 connection is closed because the payload length can no longer be trusted; after an error about
 the content (another model, a group or size that does not fit this store) the payload has been
 consumed and the connection stays open.
+
+Copies. A payload is received with ``loop.sock_recv_into`` straight into the connection's receive
+buffer (a host tensor, reused from frame to frame, grown to the largest payload seen, never past
+``StoreNode.max_put_bytes``), and copied once from there into the store's KV tensors
+(``StoreCache.put``). No ``bytes`` object is made of the payload on the way: a stream reader's
+buffer-then-slice costs two extra copies, and a freshly allocated buffer per frame costs more in
+page faults than the copy itself (measured by ``benchmarks/bench_store.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import socket
 from typing import TYPE_CHECKING
+
+import torch
 
 from .store_wire import (
     FRAME_HEADER,
@@ -28,15 +37,40 @@ from .store_wire import (
 if TYPE_CHECKING:
     from .store_node import StoreNode
 
-__all__ = ["StoreWriteServer"]
+__all__ = ["PeerClosedError", "StoreWriteServer", "recv_exactly"]
 
 logger = logging.getLogger(__name__)
 
-_READ_CHUNK_BYTES = 4 << 20
+_LISTEN_BACKLOG = 128
 
 
 class _FramingLost(Exception):
     """The stream cannot be resynchronised: reply, then close the connection."""
+
+
+class PeerClosedError(EOFError):
+    """The peer closed its end of a connection; ``num_received`` bytes of the expected ones had
+    arrived (0: it closed between frames)."""
+
+    def __init__(self, num_received: int) -> None:
+        super().__init__(f"connection closed after {num_received} bytes")
+        self.num_received = num_received
+
+
+async def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` (mutated) from the non-blocking ``sock`` on the running loop.
+
+    Raises:
+        PeerClosedError: the peer closed before ``len(view)`` bytes arrived.
+        OSError: the connection failed.
+    """
+    loop = asyncio.get_running_loop()
+    filled, total = 0, len(view)
+    while filled < total:
+        n = await loop.sock_recv_into(sock, view[filled:])
+        if n == 0:
+            raise PeerClosedError(filled)
+        filled += n
 
 
 class StoreWriteServer:
@@ -45,81 +79,109 @@ class StoreWriteServer:
     def __init__(self, node: StoreNode, *, host: str, port: int) -> None:
         self.node = node
         self._host, self._port = host, port
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
     @property
     def address(self) -> tuple[str, int]:
-        if self._server is None:
+        if self._listener is None:
             raise RuntimeError("StoreWriteServer.address read before start()")
-        host, port = self._server.sockets[0].getsockname()[:2]
+        host, port = self._listener.getsockname()[:2]
         return str(host), int(port)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._serve, self._host, self._port, limit=_READ_CHUNK_BYTES
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(
+            self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
+        family, kind, proto, _, address = infos[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(_LISTEN_BACKLOG)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._accept_task = loop.create_task(self._accept_loop(listener))
 
     async def close(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
+        listener, self._listener = self._listener, None
+        if listener is None:
             return
-        server.close()
-        for task in list(self._connections):
+        tasks = [t for t in (self._accept_task, *self._connections) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 5.0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        listener.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # e.g. out of file descriptors: keep the server up
+                logger.warning("store %s: accept failed: %s", self.node.engine_id, exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._serve(sock))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        prefix = bytearray(FRAME_HEADER.size)
+        receive_buffer = torch.empty(0, dtype=torch.uint8)
         try:
             while True:
                 try:
-                    prefix = await reader.readexactly(FRAME_HEADER.size)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # the writer went away between frames
+                    await recv_exactly(sock, memoryview(prefix))
+                except PeerClosedError as exc:
+                    if exc.num_received:
+                        logger.info("store %s: writer left mid-frame", self.node.engine_id)
+                    return  # the writer went away (between frames: a normal close)
                 try:
-                    reply = await self._handle(FRAME_HEADER.unpack(prefix)[0], reader)
+                    reply, receive_buffer = await self._handle(
+                        FRAME_HEADER.unpack(prefix)[0], sock, receive_buffer
+                    )
                 except _FramingLost as exc:
                     self.node.stats.add(num_put_errors=1)
                     logger.warning("store %s: bad write frame: %s", self.node.engine_id, exc)
-                    writer.write(encode_error(str(exc)))
-                    await writer.drain()
+                    await loop.sock_sendall(sock, encode_error(str(exc)))
                     return
                 except StoreWireError as exc:
                     self.node.stats.add(num_put_errors=1)
                     logger.warning("store %s: refused a put: %s", self.node.engine_id, exc)
                     reply = encode_error(str(exc))
-                writer.write(reply)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                await loop.sock_sendall(sock, reply)
+        except (PeerClosedError, OSError) as exc:
             logger.info("store %s: writer connection lost: %s", self.node.engine_id, exc)
         finally:
-            self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            sock.close()
 
-    async def _handle(self, header_nbytes: int, reader: asyncio.StreamReader) -> bytes:
-        """One frame: header, payload, store. Raises ``_FramingLost`` or ``StoreWireError``."""
+    async def _handle(
+        self, header_nbytes: int, sock: socket.socket, receive_buffer: torch.Tensor
+    ) -> tuple[bytes, torch.Tensor]:
+        """One frame: header, payload, store. Returns the reply and the (possibly grown)
+        receive buffer. Raises ``_FramingLost``, ``StoreWireError``, ``PeerClosedError``."""
         if not 0 < header_nbytes <= MAX_HEADER_BYTES:
             raise _FramingLost(f"header of {header_nbytes} bytes not in [1, {MAX_HEADER_BYTES}]")
-        raw = await reader.readexactly(header_nbytes)
+        raw = bytearray(header_nbytes)
+        await recv_exactly(sock, memoryview(raw))
         try:
-            put = decode_put(decode_header(raw), max_payload_nbytes=self.node.max_put_bytes)
+            put = decode_put(decode_header(bytes(raw)), max_payload_nbytes=self.node.max_put_bytes)
         except StoreWireError as exc:
             raise _FramingLost(str(exc)) from None
-        payload = bytearray(put.payload_nbytes)
-        view = memoryview(payload)
-        filled = 0
-        while filled < len(payload):
-            chunk = await reader.read(min(len(payload) - filled, _READ_CHUNK_BYTES))
-            if not chunk:
-                raise asyncio.IncompleteReadError(bytes(view[:filled]), len(payload))
-            view[filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
+        payload_nbytes = put.payload_nbytes  # <= max_put_bytes: checked by decode_put
+        if receive_buffer.numel() < payload_nbytes:
+            receive_buffer = torch.empty(payload_nbytes, dtype=torch.uint8)
+        payload = receive_buffer[:payload_nbytes]
+        if payload_nbytes:
+            await recv_exactly(sock, memoryview(payload.numpy()))
         self.node.check_put(put)
-        return encode_reply(await self.node.put(put, payload))
+        return encode_reply(await self.node.put(put, payload)), receive_buffer
