@@ -31,7 +31,8 @@ from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import check_read, find_mismatched, good_positions, plan_chunks
-from .staging import StagingPool, chunk_view, copy_out, run_start, wire_buffer
+from .staging import StagingPool, chunk_view, copy_out, run_copy, run_start, wire_buffer
+from .ucx_progress import ProgressBooster
 from .wire import (
     Cancel,
     CancelOk,
@@ -88,6 +89,7 @@ class UcxxHolder:
         self.window = window
         self.pools: dict[int, StagingPool] = {}
         self.worker_address = b""
+        self.booster = ProgressBooster(ucxx.progress, enabled=False)  # the transport's, at start
         self._conns: set[asyncio.Task[None]] = set()
         self.num_active_serves = 0
 
@@ -264,10 +266,11 @@ class UcxxHolder:
         )
         pool = self.pool_for(read.chunk_bytes, max_block_bytes)
         try:
-            await asyncio.wait_for(
-                self._issue_and_wait(conn, serve, mismatched, pool, pending),
-                read.deadline_ms / 1000 + DEADLINE_GRACE_S,
-            )
+            with self.booster.hold():  # progress UCX on every loop turn while serving
+                await asyncio.wait_for(
+                    self._issue_and_wait(conn, serve, mismatched, pool, pending),
+                    read.deadline_ms / 1000 + DEADLINE_GRACE_S,
+                )
         except asyncio.TimeoutError:
             logger.warning("transfer %d passed its deadline; dropping peer", read.transfer_id)
             conn.writer.close()  # the control loop ends and drops the connection
@@ -324,8 +327,8 @@ class UcxxHolder:
                     buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
                 )
                 try:
-                    # off the event loop, so UCX keeps progressing the chunks already issued
-                    await asyncio.to_thread(copy_out, caches, ids, source)
+                    # big gathers off the event loop, so UCX keeps progressing issued chunks
+                    await run_copy(copy_out, caches, ids, source, nbytes=source.nbytes)
                 except BaseException:
                     pool.release(buffer)
                     raise

@@ -50,8 +50,9 @@ from .control import HolderConnection, read_frame, write_message
 from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import build_group_msgs, good_positions, plan_chunks
-from .staging import StagingPool, chunk_view, copy_in, run_start, wire_buffer
+from .staging import StagingPool, chunk_view, copy_in, run_copy, run_start, wire_buffer
 from .transfer import ReadState, drive_read, local_ids_of, next_transfer_id, tag_base_for
+from .ucx_progress import ProgressBooster, booster_for_running_loop
 from .ucxx_holder import UcxxHolder
 from .wire import Cancel, CancelOk, ErrorMsg, Heartbeat, Hello, HelloOk, Read, ReadOk, TransferDone
 
@@ -81,6 +82,11 @@ def init_ucx(progress_mode: str | None = None) -> None:
     mode = progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", DEFAULT_PROGRESS_MODE)
     with contextlib.suppress(RuntimeError):  # already initialised by an earlier transport
         ucxx.init(options=dict(UCX_OPTIONS), progress_mode=mode)
+
+
+def current_progress_mode() -> str:
+    """The progress mode ucxx runs in (whoever initialised it first decided)."""
+    return str(ucxx.core._get_ctx().progress_mode)
 
 
 class UcxxTransport(Transport):
@@ -123,6 +129,7 @@ class UcxxTransport(Transport):
         self._conns: dict[PeerAddress, HolderConnection] = {}
         self._connect_locks: dict[PeerAddress, asyncio.Lock] = {}
         self._reads: dict[int, ReadState] = {}
+        self._booster = ProgressBooster(ucxx.progress, enabled=False)  # set by start()
         max_block_bytes = max(g.num_layers * g.block_nbytes for g in metadata.groups)
         self.staging = StagingPool(
             max(chunk_bytes, max_block_bytes), self.kv_caches_by_group[0][0].device
@@ -154,6 +161,8 @@ class UcxxTransport(Transport):
     async def start(self) -> None:
         init_ucx(self._progress_mode)
         ucxx.continuous_ucx_progress()
+        self._booster = booster_for_running_loop(current_progress_mode())
+        self._holder.booster = self._booster
         self._holder.worker_address = ucxx.get_worker_address().tobytes()
         self._server = await asyncio.start_server(
             self._holder.handle_connection, self._host, self._port
@@ -282,19 +291,21 @@ class UcxxTransport(Transport):
         self._reads[transfer_id] = state
         io = _ReadIO()
         try:
-            try:
-                await asyncio.wait_for(self.connect(peer), deadline_s)
-            except HandshakeError:
-                raise
-            except (TransportError, asyncio.TimeoutError) as exc:
-                raise state.error(TransferError, f"cannot reach holder: {exc!r}") from None
-            conn = self._conns[PeerAddress(*peer)]
-            return await drive_read(
-                state,
-                self._run_read(conn, read, state, io),
-                lambda reason: self._abort_read(conn, read, io),
-                deadline_s,
-            )
+            # every turn of the loop progresses UCX until the read ends (``ucx_progress``)
+            with self._booster.hold():
+                try:
+                    await asyncio.wait_for(self.connect(peer), deadline_s)
+                except HandshakeError:
+                    raise
+                except (TransportError, asyncio.TimeoutError) as exc:
+                    raise state.error(TransferError, f"cannot reach holder: {exc!r}") from None
+                conn = self._conns[PeerAddress(*peer)]
+                return await drive_read(
+                    state,
+                    self._run_read(conn, read, state, io),
+                    lambda reason: self._abort_read(conn, read, io),
+                    deadline_s,
+                )
         finally:
             del self._reads[transfer_id]
 
@@ -377,8 +388,12 @@ class UcxxTransport(Transport):
             if posted.buffer is not None:
                 group_id = read.groups[chunk.entry].group_id
                 try:
-                    await _copy_in_thread(
-                        posted.target, self.kv_caches_by_group[group_id], local_ids(chunk_idx)
+                    await run_copy(
+                        copy_in,
+                        posted.target,
+                        self.kv_caches_by_group[group_id],
+                        local_ids(chunk_idx),
+                        nbytes=posted.target.nbytes,
                     )
                 finally:
                     self.staging.release(posted.buffer)
@@ -473,11 +488,3 @@ class _ReadIO:
 
     posted: dict[int, _Posted] = field(default_factory=dict)
     num_posted: int = 0
-
-
-async def _copy_in_thread(
-    staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: list[int]
-) -> None:
-    """``copy_in`` off the event loop thread, so UCX keeps progressing the next chunks (in the
-    blocking and polling progress modes the event loop thread is the only one that does)."""
-    await asyncio.to_thread(copy_in, staging, kv_caches, block_ids)
