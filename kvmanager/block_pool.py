@@ -298,17 +298,18 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} free"
             )
         ret = self.free_block_queue.popleft_n(num_blocks)
-        pop_entry = self.cached_block_hash_to_block._entries.pop
-        events = self.enable_kv_cache_events
+        pop_entry = None
         for block in ret:
             key = block._block_hash
             if key is not None:
+                if pop_entry is None:
+                    pop_entry = self.cached_block_hash_to_block._entries.pop
                 # One dict operation when the key lists this block alone (the common case).
                 entry = pop_entry(key, None)
                 if entry is not block:
                     self._evict_from_shared_entry(key, block, entry)
                 block._block_hash = None
-                if events:
+                if self.enable_kv_cache_events:
                     self._record_removed(key, block.block_id)
             if block.ref_cnt != 0:
                 raise RuntimeError(
@@ -377,7 +378,6 @@ class BlockPool:
         """
         without_hash: list[KVCacheBlock] = []
         with_hash: list[KVCacheBlock] = []
-        add_without_hash, add_with_hash = without_hash.append, with_hash.append
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -389,9 +389,9 @@ class BlockPool:
             block.ref_cnt = ref_cnt - 1
             if ref_cnt == 1:
                 if block._block_hash is None:
-                    add_without_hash(block)
+                    without_hash.append(block)
                 else:
-                    add_with_hash(block)
+                    with_hash.append(block)
         if without_hash:
             self.free_block_queue.prepend_n(without_hash)
         if with_hash:
