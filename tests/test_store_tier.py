@@ -1,10 +1,16 @@
 """The remote store tier (issue 7): a store node over the loopback transport and a real Redis
-index; nodes offload cold cached blocks to it and pull them back through the index."""
+index; nodes offload cold cached blocks to it and pull them back through the index. The last
+test runs the store as its own process (``examples/store_node.py``) and restores over UCX."""
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -45,8 +51,14 @@ def make_store(
 
 
 def make_node(
-    engine_id: str, network: LoopbackNetwork, index_url: str, store: StoreNode | None, **extra
+    engine_id: str,
+    network: LoopbackNetwork | None,
+    index_url: str,
+    store: StoreNode | None,
+    **extra,
 ) -> Engine:
+    """A node with a 24-block pool; with ``store``, it offloads to it (policy evict). ``extra``
+    overrides ``kv_connector_extra_config`` (e.g. ``transport="ucxx"`` with ``network=None``)."""
     config = EngineConfig(
         num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=360, max_num_batched_tokens=512
     )
@@ -327,3 +339,83 @@ def test_a_put_the_store_refuses_is_an_error_for_the_writer(network, redis_url, 
     assert (reply.num_stored, reply.num_present, reply.num_refused) == (1, 0, 0)
     loop.run(writer.close(), 5)
 
+
+
+# ---------------------------------------------------------------------- store in its own process
+_STORE_MAIN = Path(__file__).resolve().parents[1] / "examples" / "store_node.py"
+_PROCESS_TIMEOUT_S = 60.0
+
+
+def _start_store_process(redis_url: str, *, capacity_blocks: int) -> tuple[subprocess.Popen, dict]:
+    """``examples/store_node.py`` as a child process; returns it and its "serving" JSON line."""
+    model = tiny_model(hybrid=False).config
+    per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
+    proc = subprocess.Popen(
+        [
+            sys.executable, str(_STORE_MAIN),
+            "--host", "127.0.0.1",
+            "--capacity-bytes", str(capacity_blocks * per_block),
+            "--index-url", redis_url,
+            "--model", "tiny",
+            "--block-size", str(BLOCK_SIZE),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # blocks until the store serves (or exits)
+        if line.startswith("{"):  # UCX may print warnings on stdout first
+            return proc, json.loads(line)
+    raise AssertionError(f"store process exited with code {proc.wait()} before serving")
+
+
+def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(redis_url):
+    proc, serving = _start_store_process(redis_url, capacity_blocks=64)
+    node = None
+    try:
+        assert serving["capacity_blocks"] == 64
+        # The node runs here with a UCX transport; the store's write server and its UCX pull
+        # endpoint are in the child process, the index is the real Redis.
+        node = make_node(
+            "node-ucx", None, redis_url, None,
+            transport="ucxx",
+            host="127.0.0.1",
+            port=0,
+            load_timeout_s=30.0,
+            store_url=serving["store_url"],
+            offload="evict",
+        )
+        prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
+        prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+        # (1) A's 20 full blocks go to the store process once A is done.
+        out = serve(node, "a-0", prompt_a)
+        assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+        assert stats(node)["num_offloaded_blocks"] == 20
+        # (2) B evicts A's blocks 2..19 on the node (as in the first test of this file).
+        serve(node, "b-0", prompt_b)
+        # (3) A again: 2 blocks from local APC, 18 pulled from the store process over UCX.
+        out = serve(node, "a-1", prompt_a)
+        assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+        s = stats(node)
+        assert (s["store_hit_tokens"], s["num_restored_blocks"]) == (18 * BLOCK_SIZE, 18)
+        assert s["num_failed_loads"] == 0
+        # Only the 5 tokens past the 320 restored or cached ones went through the model.
+        assert out.num_cached_tokens == 20 * BLOCK_SIZE
+        assert_node_empty(node)
+    finally:
+        if node is not None:
+            node.shutdown()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            tail, _ = proc.communicate(timeout=_PROCESS_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    # The store's own counters, printed as it stopped: A and B (20 blocks each) stored, the
+    # 18 blocks served, no bad put.
+    last_json = [line for line in tail.splitlines() if line.startswith('{"stats"')][-1]
+    store_stats = json.loads(last_json)["stats"]
+    assert store_stats["num_blocks_stored"] == 40
+    assert (store_stats["num_blocks_requested"], store_stats["num_blocks_hit"]) == (18, 18)
+    assert store_stats["num_put_errors"] == 0
+    assert proc.returncode == 0
