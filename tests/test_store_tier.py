@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
@@ -316,6 +317,53 @@ def test_malformed_and_wrong_size_writes_are_errors_for_that_writer_and_the_stor
     prompt = long_prompt(5 * BLOCK_SIZE + 3)
     serve(node, "a-0", prompt)
     assert stats(node)["num_offloaded_blocks"] == 5
+
+
+def _recv_reply(sock: socket.socket) -> dict:
+    (n,) = struct.unpack(">I", sock.recv(4, socket.MSG_WAITALL))
+    return msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL))
+
+
+def test_a_content_error_keeps_the_connection_and_later_frames_of_any_size_land(
+    network, redis_url, cleanup
+):
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=8)
+    stores.append(store)
+    nbytes = store.cache.groups[0].block_nbytes
+
+    def put_frame(hashes: list[bytes], payload: bytes, *, nbytes_per_block: int = nbytes) -> bytes:
+        header = {
+            "v": 1,
+            "type": "put",
+            "compat_hash": store.metadata.compat_hash,
+            "payload_nbytes": len(payload),
+            "groups": [
+                {
+                    "group_id": 0,
+                    "block_hashes": hashes,
+                    "parent_hashes": [b"", *hashes[:-1]],
+                    "nbytes": nbytes_per_block * len(hashes),
+                }
+            ],
+        }
+        return _header_frame(header, payload)
+
+    with socket.create_connection(store.write_address, timeout=5) as sock:
+        # (1) A wrong size (one byte short of a block): the payload is consumed, error reply.
+        sock.sendall(put_frame([b"a" * 32], b"x" * (nbytes - 1), nbytes_per_block=nbytes - 1))
+        assert "nbytes" in _recv_reply(sock)["error"]
+        # (2) Same connection: 3 blocks (a larger receive buffer), then 1 block (reuses it).
+        sock.sendall(put_frame([b"b" * 32, b"c" * 32, b"d" * 32], b"\x01" * (3 * nbytes)))
+        assert _recv_reply(sock)["num_stored"] == 3
+        sock.sendall(put_frame([b"e" * 32], b"\x02" * nbytes))
+        assert _recv_reply(sock)["num_stored"] == 1
+    # Each block's bytes landed in its own store block (1 byte = one uint8 in every layer).
+    group = store.cache.groups[0]
+    for block_hash, value in [(b"c" * 32, 1), (b"e" * 32, 2)]:
+        block_id = store.cache.block_id_of(0, block_hash)
+        assert all(bool((c[block_id].view(torch.uint8) == value).all()) for c in group.kv_caches)
+    assert store.stats.num_put_errors == 1 and store.cache.num_held() == 4
 
 
 def test_a_put_the_store_refuses_is_an_error_for_the_writer(network, redis_url, cleanup):
