@@ -19,7 +19,8 @@ from kvbridge.kvmanager.model_runner import make_kv_cache_config
 from kvbridge.transport import LoopbackFaults, LoopbackNetwork
 
 from .config import KVTransferConfig
-from .kvbridge_connector import ConnectorContext, KVBridgeConnector
+from .context import ConnectorContext
+from .kvbridge_connector import KVBridgeConnector
 
 __all__ = ["KVBridgeConnectorFactory", "create_engine"]
 

@@ -23,16 +23,13 @@ the holder checks before serving.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
-from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.kvmanager.connector_interface import (
     ForwardContext,
     KVConnectorBase,
@@ -41,41 +38,28 @@ from kvbridge.kvmanager.connector_interface import (
     MatchedTokens,
     RequestFinishedResult,
 )
-from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
 from kvbridge.kvmanager.request import RequestStatus
-from kvbridge.transport import (
-    GroupRead,
-    LoopbackFaults,
-    LoopbackNetwork,
-    LoopbackTransport,
-    NodeMetadata,
-    PeerAddress,
-    TransferDoneNotice,
-    TransferError,
-    Transport,
-)
+from kvbridge.transport import LoopbackTransport, NodeMetadata, Transport
 
-from .block_index import IndexNamespace, new_incarnation
-from .config import KVTransferConfig
+from .block_index import IndexNamespace
+from .context import ConnectorContext
 from .errors import KVConnectorError, KVTransferParamsError
+from .holder import HolderCallbacks
 from .index_client import IndexClient, open_index
-from .lease import LeaseTable
 from .loop_thread import get_loop_thread
-from .offload import Offloader, make_offloader
 from .pull_plan import PullPlan, ReleaseNotice, plan_group_pulls
+from .puller import Puller, release_notice, send_notice
 from .stats import KVTransferStats
 from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
 
 if TYPE_CHECKING:
-    from kvbridge.kvmanager.kv_cache_manager import KVCacheManager
     from kvbridge.kvmanager.request import Request
     from kvbridge.kvmanager.scheduler_output import SchedulerOutput
 
-__all__ = ["ConnectorContext", "KVBridgeConnector", "KVBridgeConnectorMetadata", "PullOutcome"]
+__all__ = ["ConnectorContext", "KVBridgeConnector", "KVBridgeConnectorMetadata"]
 
 logger = logging.getLogger(__name__)
 
-_NOTIFY_TIMEOUT_S = 5.0
 _START_TIMEOUT_S = 60.0
 _PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -85,53 +69,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @dataclass
-class ConnectorContext:
-    """State shared by the scheduler and worker halves of one node's connector."""
-
-    config: KVTransferConfig
-    kv_cache_config: KVCacheConfig
-    hash_fn_name: str
-    stats: KVTransferStats = field(default_factory=KVTransferStats)
-    leases: LeaseTable | None = None
-    kv_cache_manager: KVCacheManager | None = None
-    transport: Transport | None = None
-    loopback_network: LoopbackNetwork | None = None
-    loopback_faults: LoopbackFaults | None = None
-    incarnation: int = field(default_factory=new_incarnation)
-    index_client: IndexClient | None = None
-    offloader: Offloader | None = None  # issue 7: writes cold blocks to the store tier
-    store_engine_ids: set[str] = field(default_factory=set)  # holders seen with tier "store"
-
-    def __post_init__(self) -> None:
-        if self.leases is None:
-            self.leases = LeaseTable(self.config.lease_s)
-        if self.offloader is None:
-            self.offloader = make_offloader(self.config, self.stats)
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.kv_cache_config.kv_cache_groups)
-
-
-@dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
     """One step's orders from the scheduler half: pulls to start, release notices to send."""
 
     reqs_to_recv: dict[str, PullPlan] = field(default_factory=dict)
     notices: list[ReleaseNotice] = field(default_factory=list)
-
-
-class PullOutcome(NamedTuple):
-    """How one pull settled: ``failed_local_block_ids`` did not land (empty on success)."""
-
-    request_id: str
-    failed_local_block_ids: tuple[int, ...]
-    num_bytes: int
-    error: str | None
 
 
 class KVBridgeConnector(KVConnectorBase):
@@ -151,10 +93,8 @@ class KVBridgeConnector(KVConnectorBase):
         self._notices: list[ReleaseNotice] = []
         self._events: list[Any] = []
         # worker half
-        self._inflight: dict[str, Future[PullOutcome]] = {}
+        self._puller = Puller(context)
         self._load_errors: set[int] = set()
-        self._heartbeat_targets: dict[str, tuple[PeerAddress, str]] = {}
-        self._heartbeat_task: asyncio.Task[None] | None = None
 
     @property
     def stats(self) -> KVTransferStats:
@@ -237,7 +177,9 @@ class KVBridgeConnector(KVConnectorBase):
         if num_external_tokens == 0:
             # The local prefix cache covers everything P offered: P only releases its blocks.
             if remote.remote_request_id:
-                self._notices.append(_release(remote, success=True, reason="local prefix hit"))
+                self._notices.append(
+                    release_notice(remote, success=True, reason="local prefix hit")
+                )
             return
         block_size = self.ctx.block_size
         start_block = num_local // block_size
@@ -301,7 +243,7 @@ class KVBridgeConnector(KVConnectorBase):
         num_tokens = request.num_prompt_tokens
         num_blocks = _cdiv(num_tokens, self.ctx.block_size)
         held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
-        expires_at = self.ctx.leases.grant(request.request_id, held)  # type: ignore[union-attr]
+        expires_at = self.ctx.leases.grant(request.request_id, held)
         address = self.ctx.transport.address
         out = RemotePrefillParams(
             remote_engine_id=self.ctx.config.engine_id,
@@ -341,7 +283,7 @@ class KVBridgeConnector(KVConnectorBase):
         if not isinstance(remote_request_id, str):
             return
         notice = ReleaseNotice(host, port, remote_request_id, False, f"rejected: {reason}")
-        get_loop_thread().submit(_send_notice(transport, notice))
+        get_loop_thread().submit(send_notice(transport, notice))
 
     # ================================================================== worker half
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -363,15 +305,10 @@ class KVBridgeConnector(KVConnectorBase):
         if self.ctx.offloader is not None:
             self.ctx.offloader.bind(by_group, metadata.compat_hash)
         transport = self._make_transport(metadata, by_group)
-        transport.set_callbacks(
-            block_validator=self._validate_blocks,
-            on_heartbeat=self._on_heartbeat,
-            on_transfer_done=self._on_transfer_done,
-        )
-        loop = get_loop_thread()
-        loop.run(transport.start(), _START_TIMEOUT_S)
+        transport.set_callbacks(**HolderCallbacks(self.ctx).as_kwargs())  # type: ignore[arg-type]
+        get_loop_thread().run(transport.start(), _START_TIMEOUT_S)
         self.ctx.transport = transport
-        self._heartbeat_task = loop.run(self._start_heartbeats(), _START_TIMEOUT_S)
+        self._puller.start_heartbeats(_START_TIMEOUT_S)
         if self.ctx.config.index_url:
             self._start_index(transport)
         logger.info(
@@ -426,13 +363,10 @@ class KVBridgeConnector(KVConnectorBase):
         transport = self.ctx.transport
         if transport is None:
             raise RuntimeError("start_load_kv before register_kv_caches")
-        loop = get_loop_thread()
         for notice in meta.notices:
-            loop.submit(_send_notice(transport, notice))
-        for req_id, plan in meta.reqs_to_recv.items():
-            if req_id in self._inflight:
-                raise RuntimeError(f"request {req_id!r} already has a pull in flight")
-            self._inflight[req_id] = loop.submit(self._pull(transport, plan))
+            get_loop_thread().submit(send_notice(transport, notice))
+        for plan in meta.reqs_to_recv.values():
+            self._puller.submit(transport, plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole-request pulls: a request runs only after its load settled
@@ -444,22 +378,11 @@ class KVBridgeConnector(KVConnectorBase):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        transport = self.ctx.transport
-        # An abort while the pull is in flight: cancel it; it is reported once it settled, and
-        # until then the scheduler keeps the blocks (nobody else may be handed them).
-        for req_id in finished_req_ids:
-            future = self._inflight.get(req_id)
-            if future is not None and not future.done() and transport is not None:
-                get_loop_thread().submit(transport.cancel(req_id))
-        finished_recving: set[str] = set()
-        for req_id, future in list(self._inflight.items()):
-            if not future.done():
-                continue
-            del self._inflight[req_id]
-            outcome = future.result()
-            self._load_errors.update(outcome.failed_local_block_ids)
-            finished_recving.add(req_id)
-        finished_sending, num_expired = self.ctx.leases.pop_finished()  # type: ignore[union-attr]
+        if self.ctx.transport is not None:
+            self._puller.cancel_aborted(self.ctx.transport, finished_req_ids)
+        finished_recving, failed = self._puller.pop_settled()
+        self._load_errors.update(failed)
+        finished_sending, num_expired = self.ctx.leases.pop_finished()
         if num_expired:
             self.ctx.stats.add("num_expired_leases", num_expired)
             logger.warning("%d lease(s) expired without a completion notice", num_expired)
@@ -481,162 +404,10 @@ class KVBridgeConnector(KVConnectorBase):
         loop = get_loop_thread()
 
         async def _close() -> None:
-            if self._heartbeat_task is not None:
-                self._heartbeat_task.cancel()
+            await self._puller.close()
             await transport.close()
 
         try:
             loop.run(_close(), _START_TIMEOUT_S)
         except Exception:  # shutting down: log, never raise
             logger.exception("%s: transport close failed", self.ctx.config.engine_id)
-
-    # ------------------------------------------------------------------ the pull
-    async def _pull(self, transport: Transport, plan: PullPlan) -> PullOutcome:
-        """Pull one request's blocks. Never raises: every failure becomes failed blocks."""
-        params = plan.params
-        peer = PeerAddress(params.remote_host, params.remote_port)
-        started = time.monotonic()
-        deadline_at = started + self.ctx.config.load_timeout_s
-        failed: set[int] = set(plan.unloadable_block_ids)
-        num_bytes = 0
-        error: str | None = None
-        if params.remote_request_id:  # a handoff under a lease (index pulls have none)
-            self._heartbeat_targets[plan.request_id] = (peer, params.remote_request_id)
-        try:
-            peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
-            if (peer_meta.engine_id, peer_meta.incarnation) != (
-                params.remote_engine_id,
-                params.remote_incarnation,
-            ):
-                raise KVConnectorError(
-                    f"peer {peer.host}:{peer.port} is {peer_meta.engine_id}/"
-                    f"{peer_meta.incarnation}, the params name {params.remote_engine_id}/"
-                    f"{params.remote_incarnation} (restarted or replaced)"
-                )
-            reads = [
-                GroupRead(
-                    group_id=g.group_id,
-                    remote_block_ids=g.remote_block_ids,
-                    local_block_ids=g.local_block_ids,
-                    expected_hashes=g.expected_hashes,
-                )
-                for g in plan.groups
-                if g.local_block_ids
-            ]
-            if reads:
-                result = await transport.read_blocks(
-                    peer,
-                    plan.request_id,
-                    reads,
-                    deadline_s=max(deadline_at - time.monotonic(), 1e-3),
-                )
-                failed.update(result.failed_local_block_ids)
-                num_bytes = result.num_bytes_landed
-                if result.failed_local_block_ids:
-                    error = f"{len(result.failed_local_block_ids)} block(s) changed on the holder"
-        except TransferError as exc:
-            failed.update(exc.local_block_ids)
-            error = str(exc)
-        except (Exception, asyncio.TimeoutError) as exc:
-            failed.update(plan.local_block_ids())
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._heartbeat_targets.pop(plan.request_id, None)
-        elapsed = time.monotonic() - started
-        if params.remote_engine_id in self.ctx.store_engine_ids:  # issue 7: a restore
-            landed = [b for g in plan.groups for b in g.local_block_ids if b not in failed]
-            self.ctx.stats.add("num_restored_blocks", len(landed))
-            self.ctx.stats.add("bytes_restored", num_bytes)
-        if failed:
-            self.ctx.stats.record_failed_load(num_failed_blocks=len(failed))
-            logger.warning("pull of %s failed: %s", plan.request_id, error)
-        else:
-            self.ctx.stats.record_load(
-                nbytes=num_bytes,
-                num_blocks=sum(len(g.local_block_ids) for g in plan.groups),
-                transfer_s=elapsed,
-                queue_s=started - plan.created_at,
-            )
-        if params.remote_request_id:
-            await _send_notice(transport, _release(params, success=not failed, reason=error or ""))
-        return PullOutcome(plan.request_id, tuple(sorted(failed)), num_bytes, error)
-
-    async def _start_heartbeats(self) -> asyncio.Task[None]:
-        return asyncio.get_running_loop().create_task(self._heartbeat_loop())
-
-    async def _heartbeat_loop(self) -> None:
-        """Extend the leases of every pull in flight, grouped by holder."""
-        interval = self.ctx.config.heartbeat_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            transport = self.ctx.transport
-            if transport is None:
-                return
-            by_peer: dict[PeerAddress, list[str]] = {}
-            for peer, remote_request_id in list(self._heartbeat_targets.values()):
-                by_peer.setdefault(peer, []).append(remote_request_id)
-            for peer, request_ids in by_peer.items():
-                try:
-                    await asyncio.wait_for(
-                        transport.send_heartbeat(peer, request_ids), _NOTIFY_TIMEOUT_S
-                    )
-                except Exception as exc:
-                    logger.debug("heartbeat to %s failed: %s", peer, exc)
-
-    # ------------------------------------------------------------------ holder callbacks
-    def _validate_blocks(
-        self, group_id: int, block_ids: list[int], expected_hashes: list[bytes]
-    ) -> list[int]:
-        """Positions whose block no longer holds the expected content (never stale bytes)."""
-        manager = self.ctx.kv_cache_manager
-        bad: list[int] = []
-        for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
-            if not expected:
-                continue
-            if manager is None or not 0 < block_id < len(manager.block_pool.blocks):
-                bad.append(pos)  # no pool yet, or an id from the network out of range
-                continue
-            actual = manager.block_pool.blocks[block_id].block_hash
-            if actual != make_block_hash_with_group_id(expected, group_id):
-                bad.append(pos)
-        return bad
-
-    def _on_heartbeat(self, peer_engine_id: str, request_ids: list[str]) -> None:
-        self.ctx.leases.extend(request_ids)  # type: ignore[union-attr]
-
-    def _on_transfer_done(self, notice: TransferDoneNotice) -> None:
-        leases = self.ctx.leases
-        held = leases.block_ids(notice.request_id)  # type: ignore[union-attr]
-        if leases.release(notice.request_id) and held is not None:  # type: ignore[union-attr]
-            self.ctx.stats.add("num_released_leases")
-            if notice.success:
-                self.ctx.stats.add("bytes_sent", self._held_nbytes(held))
-
-    def _held_nbytes(self, held: tuple[tuple[int, ...], ...]) -> int:
-        total = 0
-        for group, ids in zip(self.ctx.kv_cache_config.kv_cache_groups, held, strict=True):
-            page = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-            total += page * sum(1 for b in ids if b != 0)
-        return total
-
-
-def _release(remote: RemotePrefillParams, *, success: bool, reason: str) -> ReleaseNotice:
-    return ReleaseNotice(
-        remote.remote_host, remote.remote_port, remote.remote_request_id, success, reason
-    )
-
-
-async def _send_notice(transport: Transport, notice: ReleaseNotice) -> None:
-    """Best effort: an unreachable holder releases at lease expiry instead."""
-    try:
-        await asyncio.wait_for(
-            transport.notify_transfer_done(
-                PeerAddress(notice.host, notice.port),
-                notice.remote_request_id,
-                success=notice.success,
-                reason=notice.reason,
-            ),
-            _NOTIFY_TIMEOUT_S,
-        )
-    except Exception as exc:
-        logger.info("release notice for %s not delivered: %s", notice.remote_request_id, exc)

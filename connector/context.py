@@ -1,0 +1,66 @@
+"""``ConnectorContext``: the state both halves of one node's connector share (same process).
+
+vLLM runs the scheduler half and the worker half of a connector in different processes; kvbridge
+runs a node in one, so the halves share the lease table, the statistics, the transport, the index
+client and, once attached, the ``KVCacheManager`` whose block hashes the holder checks before it
+serves a read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
+from kvbridge.transport import LoopbackFaults, LoopbackNetwork, Transport
+
+from .block_index import new_incarnation
+from .config import KVTransferConfig
+from .index_client import IndexClient
+from .lease import LeaseTable
+from .offload import Offloader, make_offloader
+from .stats import KVTransferStats
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager.kv_cache_manager import KVCacheManager
+
+__all__ = ["ConnectorContext"]
+
+
+@dataclass
+class ConnectorContext:
+    """State shared by the scheduler and worker halves of one node's connector.
+
+    Attributes:
+        incarnation: this start of the node (``new_incarnation()``); the transport advertises it
+            as a string, the index fences entries by it.
+        store_engine_ids: holders seen with tier ``"store"`` (their pulls count as restores).
+    """
+
+    config: KVTransferConfig
+    kv_cache_config: KVCacheConfig
+    hash_fn_name: str
+    stats: KVTransferStats = field(default_factory=KVTransferStats)
+    leases: LeaseTable = field(init=False)
+    kv_cache_manager: KVCacheManager | None = None
+    transport: Transport | None = None
+    loopback_network: LoopbackNetwork | None = None
+    loopback_faults: LoopbackFaults | None = None
+    incarnation: int = field(default_factory=new_incarnation)
+    index_client: IndexClient | None = None
+    offloader: Offloader | None = None  # issue 7: writes cold blocks to the store tier
+    store_engine_ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.leases = LeaseTable(self.config.lease_s)
+        if self.offloader is None:
+            self.offloader = make_offloader(self.config, self.stats)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (one block size for every group)."""
+        return self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kv_cache_config.kv_cache_groups)

@@ -1,0 +1,222 @@
+"""The puller side of a node: pulls a request's KV from its holder and reports when it settled.
+
+``Puller`` runs every pull as a task on the connector's event-loop thread
+(``loop_thread.get_loop_thread``), so a scheduling step never waits on the network:
+
+    start_load_kv  -> submit(plan)         one task per request
+    (task)         -> connect, check the holder's identity, read_blocks, completion notice
+    get_finished   -> pop_settled()        requests whose pull landed, failed or was cancelled,
+                                           and the local blocks that did not land
+
+While a pull is in flight its holder's lease is extended by heartbeats, grouped per holder
+(DESIGN.md, "Reliability rules": a prefill node never pins blocks forever, a decode node never
+waits forever: every pull has a deadline and every failure becomes failed blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from typing import NamedTuple
+
+from kvbridge.transport import GroupRead, PeerAddress, TransferError, Transport
+
+from .context import ConnectorContext
+from .errors import KVConnectorError
+from .loop_thread import get_loop_thread
+from .pull_plan import PullPlan, ReleaseNotice
+from .transfer_params import RemotePrefillParams
+
+__all__ = ["PullOutcome", "Puller", "release_notice", "send_notice"]
+
+logger = logging.getLogger(__name__)
+
+NOTIFY_TIMEOUT_S = 5.0
+
+
+class PullOutcome(NamedTuple):
+    """How one pull settled: ``failed_local_block_ids`` did not land (empty on success)."""
+
+    request_id: str
+    failed_local_block_ids: tuple[int, ...]
+    num_bytes: int
+    error: str | None
+
+
+def release_notice(remote: RemotePrefillParams, *, success: bool, reason: str) -> ReleaseNotice:
+    """The notice that ends ``remote``'s lease on its holder."""
+    return ReleaseNotice(
+        remote.remote_host, remote.remote_port, remote.remote_request_id, success, reason
+    )
+
+
+async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
+    """Deliver a release notice; best effort (an unreachable holder releases at lease expiry)."""
+    try:
+        await asyncio.wait_for(
+            transport.notify_transfer_done(
+                PeerAddress(notice.host, notice.port),
+                notice.remote_request_id,
+                success=notice.success,
+                reason=notice.reason,
+            ),
+            NOTIFY_TIMEOUT_S,
+        )
+    except Exception as exc:
+        logger.info("release notice for %s not delivered: %s", notice.remote_request_id, exc)
+
+
+class Puller:
+    """Pulls in flight on one node. Engine-thread methods: ``submit``, ``cancel_aborted``,
+    ``pop_settled``; everything else runs on the connector loop."""
+
+    def __init__(self, ctx: ConnectorContext) -> None:
+        self.ctx = ctx
+        self._inflight: dict[str, Future[PullOutcome]] = {}
+        self._load_errors: set[int] = set()
+        # local request id -> (holder, request id on the holder), for heartbeats
+        self._heartbeat_targets: dict[str, tuple[PeerAddress, str]] = {}
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._notices: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ engine thread
+    def start_heartbeats(self, timeout_s: float) -> None:
+        """Start the heartbeat task on the connector loop (once, after the transport)."""
+        self._heartbeat_task = get_loop_thread().run(self._create_heartbeat_task(), timeout_s)
+
+    def submit(self, transport: Transport, plan: PullPlan) -> None:
+        """Start pulling ``plan`` (returns at once). Raises RuntimeError if that request
+        already has a pull in flight."""
+        if plan.request_id in self._inflight:
+            raise RuntimeError(f"request {plan.request_id!r} already has a pull in flight")
+        self._inflight[plan.request_id] = get_loop_thread().submit(self._pull(transport, plan))
+
+    def cancel_aborted(self, transport: Transport, finished_req_ids: set[str]) -> None:
+        """Cancel the pulls of requests that finished (aborted) while their load was in flight;
+        they are still reported by ``pop_settled`` once settled, and until then the scheduler
+        keeps their blocks, so nobody else can be handed them."""
+        for req_id in finished_req_ids:
+            future = self._inflight.get(req_id)
+            if future is not None and not future.done():
+                get_loop_thread().submit(transport.cancel(req_id))
+
+    def pop_settled(self) -> tuple[set[str], set[int]]:
+        """Requests whose pull settled since the last call, and the local blocks (of all of
+        them) that did not land. Each request is reported once."""
+        settled: set[str] = set()
+        failed: set[int] = set()
+        for req_id, future in list(self._inflight.items()):
+            if future.done():
+                del self._inflight[req_id]
+                failed.update(future.result().failed_local_block_ids)
+                settled.add(req_id)
+        return settled, failed
+
+    async def close(self) -> None:
+        """Stop heart-beating (on the connector loop)."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+
+    # ------------------------------------------------------------------ connector loop
+    async def _pull(self, transport: Transport, plan: PullPlan) -> PullOutcome:
+        """Pull one request's blocks. Never raises: every failure becomes failed blocks."""
+        params = plan.params
+        peer = PeerAddress(params.remote_host, params.remote_port)
+        started = time.monotonic()
+        deadline_at = started + self.ctx.config.load_timeout_s
+        failed: set[int] = set(plan.unloadable_block_ids)
+        num_bytes = 0
+        error: str | None = None
+        if params.remote_request_id:  # a handoff under a lease (index pulls have none)
+            self._heartbeat_targets[plan.request_id] = (peer, params.remote_request_id)
+        try:
+            peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
+            if (peer_meta.engine_id, peer_meta.incarnation) != (
+                params.remote_engine_id,
+                params.remote_incarnation,
+            ):
+                raise KVConnectorError(
+                    f"peer {peer.host}:{peer.port} is {peer_meta.engine_id}/"
+                    f"{peer_meta.incarnation}, the params name {params.remote_engine_id}/"
+                    f"{params.remote_incarnation} (restarted or replaced)"
+                )
+            reads = [
+                GroupRead(
+                    group_id=g.group_id,
+                    remote_block_ids=g.remote_block_ids,
+                    local_block_ids=g.local_block_ids,
+                    expected_hashes=g.expected_hashes,
+                )
+                for g in plan.groups
+                if g.local_block_ids
+            ]
+            if reads:
+                result = await transport.read_blocks(
+                    peer,
+                    plan.request_id,
+                    reads,
+                    deadline_s=max(deadline_at - time.monotonic(), 1e-3),
+                )
+                failed.update(result.failed_local_block_ids)
+                num_bytes = result.num_bytes_landed
+                if result.failed_local_block_ids:
+                    error = f"{len(result.failed_local_block_ids)} block(s) changed on the holder"
+        except TransferError as exc:
+            failed.update(exc.local_block_ids)
+            error = str(exc)
+        except (Exception, asyncio.TimeoutError) as exc:
+            failed.update(plan.local_block_ids())
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._heartbeat_targets.pop(plan.request_id, None)
+        self._record(plan, started, failed, num_bytes, error)
+        if params.remote_request_id:
+            # The holder may free its blocks now; the request need not wait for that.
+            notice = release_notice(params, success=not failed, reason=error or "")
+            task = asyncio.get_running_loop().create_task(send_notice(transport, notice))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+        return PullOutcome(plan.request_id, tuple(sorted(failed)), num_bytes, error)
+
+    def _record(
+        self, plan: PullPlan, started: float, failed: set[int], num_bytes: int, error: str | None
+    ) -> None:
+        stats = self.ctx.stats
+        if plan.params.remote_engine_id in self.ctx.store_engine_ids:  # issue 7: a restore
+            landed = [b for g in plan.groups for b in g.local_block_ids if b not in failed]
+            stats.add("num_restored_blocks", len(landed))
+            stats.add("bytes_restored", num_bytes)
+        if failed:
+            stats.record_failed_load(num_failed_blocks=len(failed))
+            logger.warning("pull of %s failed: %s", plan.request_id, error)
+        else:
+            stats.record_load(
+                nbytes=num_bytes,
+                num_blocks=sum(len(g.local_block_ids) for g in plan.groups),
+                transfer_s=time.monotonic() - started,
+                queue_s=started - plan.created_at,
+            )
+
+    async def _create_heartbeat_task(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        """Extend the leases of every pull in flight, one message per holder."""
+        interval = self.ctx.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            transport = self.ctx.transport
+            if transport is None:
+                return
+            by_peer: dict[PeerAddress, list[str]] = {}
+            for peer, remote_request_id in list(self._heartbeat_targets.values()):
+                by_peer.setdefault(peer, []).append(remote_request_id)
+            for peer, request_ids in by_peer.items():
+                try:
+                    await asyncio.wait_for(
+                        transport.send_heartbeat(peer, request_ids), NOTIFY_TIMEOUT_S
+                    )
+                except Exception as exc:  # the pull's own deadline handles a dead holder
+                    logger.debug("heartbeat to %s failed: %s", peer, exc)
