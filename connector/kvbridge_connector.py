@@ -16,9 +16,10 @@ v1/nixl_connector.py); the pulls are whole-request (not layer by layer), so
 ``wait_for_layer_load`` / ``save_kv_layer`` / ``wait_for_save`` have nothing to wait for: a
 request only runs after its load settled.
 
-Both halves of one node share a ``ConnectorContext`` (same process): the lease table, the
-statistics, the advertised address and, once attached, the ``KVCacheManager`` whose block hashes
-the holder checks before serving.
+Both halves of one node share a ``ConnectorContext`` (context.py, same process). The worker half
+hands pulls to a ``Puller`` (puller.py: pulls on the connector loop, heartbeats, completion
+notices) and registers ``HolderCallbacks`` (holder.py: hash checks before serving, leases) with
+the transport; the scheduler half is this file.
 """
 
 from __future__ import annotations
