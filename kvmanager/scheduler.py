@@ -562,6 +562,9 @@ class Scheduler:
     def _free_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self._held_req_ids.pop(request.request_id, None)
+        # A sync load's range lives until the end of the step; with its blocks gone (an abort
+        # during the step) no load error can concern it any more.
+        self._load_ranges.pop(request.request_id, None)
         self._prompt_logprobs.pop(request.request_id, None)
         del self.requests[request.request_id]
 

@@ -487,6 +487,23 @@ def test_sync_load_error_drops_the_token_and_recomputes():
     _assert_scheduler_empty(scheduler)
 
 
+def test_sync_load_error_of_a_request_aborted_during_the_step_is_ignored():
+    connector = _FakeConnector()
+    scheduler = _make_scheduler(connector=connector, policy="recompute")
+    _make_request(scheduler, "d", 10, do_remote_prefill=True, sync_load=True)
+    connector.fail_block_positions["d"] = [1]
+    # (1a) sync load of 9 tokens scheduled with the last token.
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"d": 1}
+    # An abort lands between schedule and update: d's blocks are freed at once (no async
+    # load holds them), so its load range must not be looked up again.
+    scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    # (1b) the forward reports d's block 1 bad; (1c) nothing is left to recover: no output.
+    outs = scheduler.update_from_output(output, _forward(output, connector))
+    assert outs == []
+    _assert_scheduler_empty(scheduler)
+
+
 def _make_hybrid_scheduler(*, connector: KVConnectorBase, sliding_window: int) -> Scheduler:
     common = dict(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32)
     config = KVCacheConfig(
