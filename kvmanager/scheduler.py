@@ -18,9 +18,11 @@ Token layout of such a request (DESIGN.md, "kvmanager contract")::
 
 ``update_from_output()`` appends sampled tokens, applies stop rules, frees finished requests
 (``connector.request_finished`` first; ``delay_free`` keeps the blocks until
-``finished_sending``), settles async loads (``finished_recving`` -> ``cache_blocks``,
-``num_computed_tokens = min(loaded, num_tokens - 1)``: the last prompt token is always recomputed
-to get logits) and applies the load-failure policy to ``invalid_block_ids``.
+``finished_sending``), settles async loads (``finished_recving`` -> ``cache_blocks``) and applies
+the load-failure policy to ``invalid_block_ids``. The rules of external KV (load ranges, when a
+landed load resumes and from which token, the failure policy, held blocks) live in
+``KVTransferTracker`` (kv_transfer_tracker.py); this module keeps the queues and acts on its
+answers.
 
 Preemption is by recompute: when ``allocate_slots`` returns None for a running request, the last
 running request is the victim; its blocks are freed, its progress reset and it goes to the front
@@ -42,6 +44,7 @@ from .connector_interface import (
     NoOpConnector,
 )
 from .kv_cache_manager import KVCacheManager
+from .kv_transfer_tracker import HOLD_SENDING, KVTransferTracker, LoadSettled
 from .request import Request, RequestStatus
 from .scheduler_output import (
     CachedRequestData,
@@ -54,9 +57,6 @@ from .scheduler_output import (
 __all__ = ["Scheduler"]
 
 logger = logging.getLogger(__name__)
-
-_HOLD_SENDING = "sending"  # request_finished said delay_free: wait for finished_sending
-_HOLD_RECVING = "recving"  # finished while its async load was in flight: wait for finished_recving
 
 
 class Scheduler:
@@ -127,27 +127,12 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(); tells the runner to drop rows.
         self.finished_req_ids: set[str] = set()
-        # Async loads: request id -> tokens computed once the load lands (local hit + external).
-        self._loading_num_tokens: dict[str, int] = {}
-        # Start and end token of the external range of every load not yet settled.
-        self._load_ranges: dict[str, tuple[int, int]] = {}
-        # Sync loads done inside this step's forward (their range expires after the step).
-        self._sync_loads_this_step: set[str] = set()
-        self._finished_recving_kv_req_ids: set[str] = set()
-        # Async load failures: request id -> first token of the first bad block.
-        self._failed_recving_first_bad_token: dict[str, int] = {}
-        # Requests that already hold blocks while waiting (their async load settled): no lookup.
-        self._skip_lookup_req_ids: set[str] = set()
-        # Requests that recompute from scratch after a load failure: no connector lookup again.
-        self._local_only_req_ids: set[str] = set()
+        # Loads, load errors and held blocks: the KV-transfer rules.
+        self.kv_transfer = KVTransferTracker(
+            kv_cache_manager, block_size=block_size, kv_load_failure_policy=kv_load_failure_policy
+        )
         # Requests moved back to waiting outside schedule(): the runner drops their rows next step.
         self._pending_preempted_req_ids: set[str] = set()
-        self._sliding_windows = [
-            getattr(group.kv_cache_spec, "sliding_window", None)
-            for group in kv_cache_manager.kv_cache_config.kv_cache_groups
-        ]
-        # Finished requests whose blocks stay referenced, and why.
-        self._held_req_ids: dict[str, set[str]] = {}
         self._prompt_logprobs: dict[str, list[float | None]] = {}
         self.num_preemptions = 0
 
@@ -202,11 +187,13 @@ class Scheduler:
     @property
     def held_req_ids(self) -> set[str]:
         """Finished requests whose blocks are still referenced (delayed free, settling load)."""
-        return set(self._held_req_ids)
+        return self.kv_transfer.held_req_ids
 
     def is_empty(self) -> bool:
         """True when no request is queued, running or holding blocks (tests' leak check)."""
-        return not (self.requests or self.waiting or self.running or self._held_req_ids)
+        return not (
+            self.requests or self.waiting or self.running or self.kv_transfer.num_held_reqs
+        )
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -266,20 +253,18 @@ class Scheduler:
             num_local = num_external = 0
             load_kv_async = False
             new_computed_blocks = None
-            looked_up = False
-            if num_tokens_before == 0 and request.request_id not in self._skip_lookup_req_ids:
-                looked_up = True
+            looked_up = self.kv_transfer.needs_lookup(request)
+            if looked_up:
                 new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
-                if request.request_id in self._local_only_req_ids:
-                    matched = MatchedTokens(0, False)
-                else:
+                if self.kv_transfer.may_load_external(request.request_id):
                     matched = self.connector.get_num_new_matched_tokens(request, num_local)
+                else:
+                    matched = MatchedTokens(0, False)
                 if matched.num_external_tokens is None:
                     skipped.append(self.waiting.popleft())
                     continue
-                load_kv_async = matched.load_kv_async
-                num_external = self._clamp_external(request, num_local, matched)
-                load_kv_async = load_kv_async and num_external > 0
+                num_external = self.kv_transfer.clamp_external(request, num_local, matched)
+                load_kv_async = matched.load_kv_async and num_external > 0
             num_computed = num_tokens_before + num_local + num_external
 
             if load_kv_async:
@@ -313,17 +298,17 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_local + num_external
             self.waiting.popleft()
-            self._skip_lookup_req_ids.discard(request.request_id)
-            self._local_only_req_ids.discard(request.request_id)
-            if num_external:
-                self._load_ranges[request.request_id] = (num_local, num_local + num_external)
+            self.kv_transfer.record_admission(
+                request.request_id,
+                num_local=num_local,
+                num_external=num_external,
+                load_kv_async=load_kv_async,
+                num_computed=num_computed,
+            )
             if load_kv_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self._loading_num_tokens[request.request_id] = num_computed
                 skipped.append(request)
                 continue
-            if num_external:
-                self._sync_loads_this_step.add(request.request_id)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -350,18 +335,6 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
-
-    def _clamp_external(self, request: Request, num_local: int, matched) -> int:
-        """External tokens that fit: a sync load leaves the last token to compute; an async one
-        may cover the whole prompt (the last token is recomputed after it lands)."""
-        num_external = max(0, int(matched.num_external_tokens))
-        limit = request.num_tokens - num_local - (0 if matched.load_kv_async else 1)
-        if num_external > limit:
-            logger.warning(
-                "request %s: connector offered %d external tokens, %d fit",
-                request.request_id, num_external, max(limit, 0),
-            )
-        return max(0, min(num_external, limit))
 
     def _new_request_data(self, request: Request, num_scheduled: dict[str, int]) -> NewRequestData:
         return NewRequestData(
@@ -401,38 +374,20 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _update_waiting_for_remote_kv(self, request: Request) -> bool:
-        """If ``request``'s async load settled: publish its blocks' hashes and set its progress
-        (truncated at the first bad block after a load error). Returns whether it may run."""
-        req_id = request.request_id
-        if req_id not in self._finished_recving_kv_req_ids:
+        """If ``request``'s async load landed: publish its blocks' hashes and set its progress
+        (``KVTransferTracker.take_landed_load``), or restart it from scratch when a load error
+        cut it below what its blocks allow. Returns whether it may run."""
+        num_computed = self.kv_transfer.take_landed_load(request)
+        if num_computed is None:
             return False
-        self._finished_recving_kv_req_ids.discard(req_id)
-        self._load_ranges.pop(req_id, None)
-        num_loaded = self._loading_num_tokens.pop(req_id)
-        first_bad = self._failed_recving_first_bad_token.pop(req_id, None)
-        if first_bad is not None:
-            num_loaded = min(num_loaded, first_bad)
-        num_computed = min(num_loaded, request.num_tokens - 1)
         request.status = RequestStatus.WAITING
-        if not self._can_resume_from(req_id, num_computed):
+        if not self.kv_transfer.can_resume_from(request.request_id, num_computed):
             self._restart_from_scratch(request)
             return True
         if num_computed > 0:
             self.kv_cache_manager.cache_blocks(request, num_computed)
         request.num_computed_tokens = num_computed
-        self._skip_lookup_req_ids.add(req_id)
-        return True
-
-    def _can_resume_from(self, req_id: str, num_computed_tokens: int) -> bool:
-        """Whether every block that attention reads or writes from ``num_computed_tokens`` on
-        is a real block in every group. A sliding-window group holds null blocks before the
-        window of the progress it was allocated for; cutting progress back below that window
-        (a load error) would read and write through the null block."""
-        block_ids = self.kv_cache_manager.get_block_ids(req_id)
-        for window, ids in zip(self._sliding_windows, block_ids, strict=True):
-            first_token = 0 if window is None else max(0, num_computed_tokens - window + 1)
-            if any(block_id == 0 for block_id in ids[first_token // self.block_size :]):
-                return False
+        self.kv_transfer.skip_lookup(request.request_id)
         return True
 
     def _restart_from_scratch(self, request: Request) -> None:
@@ -442,8 +397,7 @@ class Scheduler:
         logger.warning("request %s: recomputing from scratch after a load failure", req_id)
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
-        self._skip_lookup_req_ids.discard(req_id)
-        self._local_only_req_ids.add(req_id)
+        self.kv_transfer.mark_local_only(req_id)
         self._prompt_logprobs.pop(req_id, None)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -492,9 +446,7 @@ class Scheduler:
                     )
                 )
 
-        for req_id in self._sync_loads_this_step:
-            self._load_ranges.pop(req_id, None)
-        self._sync_loads_this_step.clear()
+        self.kv_transfer.end_step()
         if kv_output is not None:
             self._update_from_kv_xfer_finished(kv_output, outputs)
         return outputs
@@ -538,44 +490,17 @@ class Scheduler:
         the connector's delayed free, or an async load still in flight."""
         req_id = request.request_id
         self.finished_req_ids.add(req_id)
-        self._skip_lookup_req_ids.discard(req_id)
-        self._local_only_req_ids.discard(req_id)
-        self._failed_recving_first_bad_token.pop(req_id, None)
         block_ids = self.kv_cache_manager.get_block_ids(req_id)
         delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
-        holds = set()
-        if delay_free:
-            holds.add(_HOLD_SENDING)
-        if req_id in self._loading_num_tokens:
-            if req_id in self._finished_recving_kv_req_ids:  # settled, not yet consumed
-                self._finished_recving_kv_req_ids.discard(req_id)
-                self._loading_num_tokens.pop(req_id)
-                self._load_ranges.pop(req_id, None)
-            else:
-                holds.add(_HOLD_RECVING)
-        if holds:
-            self._held_req_ids[req_id] = holds
-        else:
+        if not self.kv_transfer.hold_finished(req_id, delay_free=delay_free):
             self._free_blocks(request)
         return kv_transfer_params
 
     def _free_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        self._held_req_ids.pop(request.request_id, None)
-        # A sync load's range lives until the end of the step; with its blocks gone (an abort
-        # during the step) no load error can concern it any more.
-        self._load_ranges.pop(request.request_id, None)
+        self.kv_transfer.forget_blocks(request.request_id)
         self._prompt_logprobs.pop(request.request_id, None)
         del self.requests[request.request_id]
-
-    def _release_hold(self, req_id: str, hold: str) -> None:
-        holds = self._held_req_ids.get(req_id)
-        if holds is None or hold not in holds:
-            logger.debug("ignoring %s completion of request %s: nothing held", hold, req_id)
-            return
-        holds.discard(hold)
-        if not holds:
-            self._free_blocks(self.requests[req_id])
 
     def _update_from_kv_xfer_finished(
         self, kv_output: KVConnectorOutput, outputs: list[EngineCoreOutput]
@@ -584,61 +509,34 @@ class Scheduler:
         self.connector.update_connector_output(kv_output)
         for req_id in sorted(kv_output.finished_recving or ()):
             request = self.requests.get(req_id)
-            if request is None or req_id not in self._loading_num_tokens:
-                logger.debug("ignoring finished_recving of request %s: no load pending", req_id)
-                continue
-            if request.is_finished():  # aborted while loading: the blocks may go now
-                self._loading_num_tokens.pop(req_id)
-                self._load_ranges.pop(req_id, None)
-                self._release_hold(req_id, _HOLD_RECVING)
-            elif (
-                req_id in self._failed_recving_first_bad_token
-                and self.kv_load_failure_policy == "fail"
-            ):
-                self._loading_num_tokens.pop(req_id)
-                self._load_ranges.pop(req_id, None)
+            settled = self.kv_transfer.settle_load(req_id, request)
+            if settled is LoadSettled.FREE:
+                self._free_blocks(request)
+            elif settled is LoadSettled.FAILED:
                 self.waiting.remove(request)
                 request.status = RequestStatus.FINISHED_ERROR
                 outputs.append(self._finish_output(request, []))
-            else:
-                self._finished_recving_kv_req_ids.add(req_id)
         for req_id in sorted(kv_output.finished_sending or ()):
-            self._release_hold(req_id, _HOLD_SENDING)
+            if self.kv_transfer.release_hold(req_id, HOLD_SENDING):
+                self._free_blocks(self.requests[req_id])
 
     def _handle_invalid_blocks(
         self, invalid_block_ids: set[int], outputs: list[EngineCoreOutput]
     ) -> set[str]:
-        """Apply the load-failure policy to every request loading into a bad block.
-
-        For an async load the first bad token is remembered and applied when the load settles.
-        For a sync load (inside this step's forward) the step's result is void: ``"recompute"``
-        truncates ``num_computed_tokens`` to the first bad block, ``"fail"`` finishes the request
-        with ``FINISHED_ERROR``. Returns the ids whose sampled token must be dropped.
-        """
+        """Apply the load-failure policy to every sync load into a bad block (async ones are
+        settled by ``KVTransferTracker``). This step's result for them is void:
+        ``"recompute"`` truncates ``num_computed_tokens`` to the first bad block (or restarts
+        from scratch when the blocks do not allow it), ``"fail"`` finishes the request with
+        ``FINISHED_ERROR``. Returns the ids whose sampled token must be dropped."""
         void: set[str] = set()
-        num_blocks = self.kv_cache_manager.kv_cache_config.num_blocks
-        bad = {block_id for block_id in invalid_block_ids if 0 < block_id < num_blocks}
-        # A bad block must never be a prefix hit (a sync load published its hash already).
-        self.kv_cache_manager.block_pool.evict_blocks(sorted(bad))
-        for req_id, (start, end) in list(self._load_ranges.items()):
-            request = self.requests[req_id]
-            first_bad = self._first_bad_token(req_id, start, end, bad)
-            if first_bad is None:
-                continue
-            logger.warning(
-                "request %s: KV load failed from token %d (policy %s)",
-                req_id, first_bad, self.kv_load_failure_policy,
-            )
-            if req_id in self._loading_num_tokens:
-                self._failed_recving_first_bad_token[req_id] = first_bad
-                continue
+        for req_id, first_bad in self.kv_transfer.take_failed_sync_loads(invalid_block_ids):
             void.add(req_id)
-            self._load_ranges.pop(req_id)
+            request = self.requests[req_id]
             if request.is_finished():
                 continue
             if self.kv_load_failure_policy == "recompute":
                 num_computed = min(request.num_computed_tokens, first_bad)
-                if self._can_resume_from(req_id, num_computed):
+                if self.kv_transfer.can_resume_from(req_id, num_computed):
                     request.num_computed_tokens = num_computed
                 else:
                     self._restart_from_scratch(request)
@@ -648,27 +546,13 @@ class Scheduler:
                 outputs.append(self._finish_output(request, []))
         return void
 
-    def _first_bad_token(self, req_id: str, start: int, end: int, bad: set[int]) -> int | None:
-        """First token of the first block in ``[start, end)`` whose id is in ``bad``, over every
-        group (positions are paired across groups), or None."""
-        first_block = start // self.block_size
-        last_block = -(-end // self.block_size)
-        first_bad: int | None = None
-        for group_ids in self.kv_cache_manager.get_block_ids(req_id):
-            for block_index in range(first_block, min(last_block, len(group_ids))):
-                if group_ids[block_index] in bad:
-                    token = max(block_index * self.block_size, start)
-                    first_bad = token if first_bad is None else min(first_bad, token)
-                    break
-        return first_bad
-
     # ------------------------------------------------------------------ stats
     def make_stats(self) -> dict[str, float | int]:
         """Queue lengths, preemptions, KV usage and prefix cache counters (a plain dict)."""
         stats: dict[str, float | int] = {
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
-            "num_held_reqs": len(self._held_req_ids),
+            "num_held_reqs": self.kv_transfer.num_held_reqs,
             "num_preemptions": self.num_preemptions,
             "kv_cache_usage": self.kv_cache_manager.usage,
         }
