@@ -21,6 +21,43 @@ _MASKED = -1.0e30
 
 
 @triton.jit
+def _load_kv_tile(
+    kv_cache_ptr,
+    block_table_ptr,
+    req_idx,
+    kv_head_idx,
+    key_pos,
+    key_mask,
+    dims,
+    dim_mask,
+    cache_block_stride,
+    cache_kv_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    block_table_stride,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Keys and values ``[TILE_N, HEAD_SIZE_PAD]`` of KV head ``kv_head_idx`` at token positions
+    ``key_pos`` of request ``req_idx``, through its block table (int64 offsets). Rows with
+    ``key_mask`` False touch neither the table nor the cache and hold zeros."""
+    physical = tl.load(
+        block_table_ptr + req_idx * block_table_stride + key_pos // BLOCK_SIZE,
+        mask=key_mask,
+        other=0,
+    ).to(tl.int64)
+    kv_offsets = (
+        physical[:, None] * cache_block_stride
+        + (key_pos % BLOCK_SIZE)[:, None] * cache_slot_stride
+        + kv_head_idx * cache_head_stride
+        + dims[None, :]
+    )
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    k = tl.load(kv_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(kv_cache_ptr + cache_kv_stride + kv_offsets, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def paged_attention_prefill_kernel(
     out_ptr,
     query_ptr,
@@ -86,20 +123,11 @@ def paged_attention_prefill_kernel(
         for tile_start in range(key_begin, last_pos + 1, TILE_N):
             key_pos = tile_start + tl.arange(0, TILE_N).to(tl.int64)
             key_in_seq = (key_pos >= window_start) & (key_pos <= last_pos)
-            physical = tl.load(
-                block_table_ptr + req_idx * block_table_stride + key_pos // BLOCK_SIZE,
-                mask=key_in_seq,
-                other=0,
-            ).to(tl.int64)
-            kv_offsets = (
-                physical[:, None] * cache_block_stride
-                + (key_pos % BLOCK_SIZE)[:, None] * cache_slot_stride
-                + kv_head_idx * cache_head_stride
-                + dims[None, :]
+            k, v = _load_kv_tile(
+                kv_cache_ptr, block_table_ptr, req_idx, kv_head_idx, key_pos, key_in_seq,
+                dims, dim_mask, cache_block_stride, cache_kv_stride, cache_slot_stride,
+                cache_head_stride, block_table_stride, BLOCK_SIZE,
             )
-            kv_mask = key_in_seq[:, None] & dim_mask[None, :]
-            k = tl.load(kv_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(kv_cache_ptr + cache_kv_stride + kv_offsets, mask=kv_mask, other=0.0)
 
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             visible = (key_pos[None, :] <= query_pos[:, None]) & row_mask[:, None]
@@ -179,20 +207,12 @@ def paged_attention_decode_kernel(
         visible = key_pos < seq_len
         if USE_SLIDING_WINDOW:
             visible = visible & (query_pos - key_pos < sliding_window)
-        physical = tl.load(
-            block_table_ptr + req_idx * block_table_stride + key_pos // BLOCK_SIZE,
-            mask=visible,
-            other=0,
-        ).to(tl.int64)
-        kv_offsets = (
-            physical[:, None] * cache_block_stride
-            + (key_pos % BLOCK_SIZE)[:, None] * cache_slot_stride
-            + kv_head_idx * cache_head_stride
-            + dims[None, :]
+        k, v = _load_kv_tile(
+            kv_cache_ptr, block_table_ptr, req_idx, kv_head_idx, key_pos, visible,
+            dims, dim_mask, cache_block_stride, cache_kv_stride, cache_slot_stride,
+            cache_head_stride, block_table_stride, BLOCK_SIZE,
         )
-        kv_mask = visible[:, None] & dim_mask[None, :]
-        k = tl.load(kv_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(kv_cache_ptr + cache_kv_stride + kv_offsets, mask=kv_mask, other=0.0)
+        k = k.to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         scores = tl.where(visible[None, :], scores, _MASKED)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))

@@ -22,7 +22,7 @@ from .cache_ops_torch import (
     scatter_blocks_torch,
 )
 from .dispatch import should_use_triton
-from .layout import check_block_ids, check_kv_caches, staging_shape
+from .layout import check_block_ids, check_kv_caches, first_out_of_range, staging_shape
 
 
 def reshape_and_cache(
@@ -209,12 +209,10 @@ def _check_slots(slot_mapping: torch.Tensor, num_slots: int, device: torch.devic
         raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
     if slot_mapping.device != device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, the KV cache on {device}")
-    if slot_mapping.numel() > 0:
-        bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
-        if bool(bad.any()):
-            position = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"slot {int(slot_mapping[position])} at token {position} is outside "
-                f"[-1, {num_slots})"
-            )
+    position = first_out_of_range(slot_mapping, -1, num_slots)
+    if position is not None:
+        raise ValueError(
+            f"slot {int(slot_mapping[position])} at token {position} is outside "
+            f"[-1, {num_slots})"
+        )
     return slot_mapping.to(torch.int64)

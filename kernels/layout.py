@@ -145,12 +145,21 @@ def check_block_ids(block_ids: torch.Tensor, num_blocks: int, device: torch.devi
         raise ValueError(f"block_ids must be an integer tensor (int64), got {block_ids.dtype}")
     if block_ids.device != device:
         raise ValueError(f"block_ids is on {block_ids.device}, the KV caches are on {device}")
-    if block_ids.numel() > 0:
-        bad = (block_ids < 0) | (block_ids >= num_blocks)
-        if bool(bad.any()):
-            position = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"block id {int(block_ids[position])} at position {position} is outside "
-                f"[0, {num_blocks})"
-            )
+    position = first_out_of_range(block_ids, 0, num_blocks)
+    if position is not None:
+        raise ValueError(
+            f"block id {int(block_ids[position])} at position {position} is outside "
+            f"[0, {num_blocks})"
+        )
     return block_ids.to(torch.int64)
+
+
+def first_out_of_range(index: torch.Tensor, low: int, high: int) -> int | None:
+    """Position of the first entry of a 1-d integer tensor outside ``[low, high)``, or None
+    (also for an empty tensor). Reads ``index`` only; one device sync when non-empty."""
+    if index.numel() == 0:
+        return None
+    bad = (index < low) | (index >= high)
+    if not bool(bad.any()):
+        return None
+    return int(bad.nonzero()[0, 0])
