@@ -20,7 +20,7 @@ from .block_hash import (
     make_block_hash_with_group_id,
     pack_token_ids,
 )
-from .block_pool import BlockPool
+from .block_pool import BlockHashToBlockMap, BlockPool
 from .coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
@@ -59,6 +59,7 @@ __all__ = [
     "AttentionSpec",
     "BlockHash",
     "BlockHashListWithBlockSize",
+    "BlockHashToBlockMap",
     "BlockHashWithGroupId",
     "BlockPool",
     "BlockRemoved",

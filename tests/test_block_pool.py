@@ -8,6 +8,7 @@ import pytest
 from _kvmanager_builders import free_queue_ids, hashed_block_ids
 from kvbridge.kvmanager import (
     AllBlocksCleared,
+    BlockHashToBlockMap,
     BlockPool,
     BlockRemoved,
     BlockStored,
@@ -18,7 +19,6 @@ from kvbridge.kvmanager import (
     get_request_block_hasher,
     make_block_hash_with_group_id,
 )
-from kvbridge.kvmanager.block_pool import BlockHashToBlockMap
 
 
 def _queue(n: int) -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:
