@@ -76,7 +76,12 @@ def paged_attention(
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Attention of this step's queries over the paged context: the decode kernel when every
-    request has one query token, else the prefill kernel. Shapes as ``paged_attention_prefill``.
+    request has one query token, else the prefill kernel. Shapes, dtypes and the result as
+    ``paged_attention_prefill`` (``kv_cache`` is read only; ``out`` is a new tensor).
+
+    Raises:
+        ValueError: when ``kv_cache``'s block size differs from ``attn_metadata.block_size``, or
+            as ``paged_attention_prefill`` / ``paged_attention_decode``.
     """
     if kv_cache.shape[2] != attn_metadata.block_size:
         raise ValueError(

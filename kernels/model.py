@@ -61,6 +61,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., hidden_size]`` -> the same shape and dtype (new tensor)."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
@@ -139,7 +140,14 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
         use_triton: bool | None,
     ) -> torch.Tensor:
-        """Paged attention of a varlen batch; writes this step's K/V into ``kv_cache``."""
+        """Paged attention of a varlen batch: ``x`` ``[num_tokens, hidden_size]`` -> the same
+        shape and dtype; ``cos``/``sin`` float32 ``[num_tokens, head_dim]``. Writes this step's
+        K/V into ``kv_cache`` through ``attn_metadata.slot_mapping`` (mutated).
+
+        Raises:
+            ValueError: when the metadata's sliding window is not this layer's (the layer was
+                handed another KV cache group's metadata), or as the cache and attention ops.
+        """
         if attn_metadata.sliding_window != self.sliding_window:
             raise ValueError(
                 f"{self.layer_name} has sliding_window={self.sliding_window} but its metadata "
@@ -161,10 +169,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = _Linear(config.intermediate_size, config.hidden_size, config.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden_size]`` -> the same shape, ``config.dtype``."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Parameters of one pre-norm decoder layer (Hugging Face ``LlamaDecoderLayer`` names);
+    ``ReferenceDecoder`` runs the residual arithmetic stated in the module docstring."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
@@ -176,6 +188,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, ``config.num_layers`` decoder layers and the final norm (Hugging Face
+    ``LlamaModel`` names, so ``state_dict`` keys match a Llama checkpoint)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, config.dtype)

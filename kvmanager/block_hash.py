@@ -233,6 +233,10 @@ def get_request_block_hasher(
 
     ``block_size`` is the hash granularity in tokens (vLLM's ``hash_block_size``). Only full
     blocks of ``request.all_token_ids`` are hashed; a partial tail block is hashed once it fills.
+    Source: vllm/v1/core/kv_cache_utils.py (``get_request_block_hasher``), seed 001, section 1.
+
+    Raises:
+        ValueError: if ``block_size < 1`` or ``hash_fn`` names no known function.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")

@@ -221,7 +221,8 @@ class BlockPool:
         ``block_hashes`` are at this group's ``block_size``. Null blocks (window padding) are
         skipped; a block already carrying the same key is left alone; a block carrying a
         different key raises RuntimeError (it would make the map lie). Mutates the blocks'
-        hashes and the map; records one ``BlockStored`` when events are on.
+        hashes and the map; records one ``BlockStored`` when events are on. ValueError when
+        ``num_full_blocks`` exceeds ``len(blocks)`` or ``len(block_hashes)``, or on a bad group id.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -291,7 +292,8 @@ class BlockPool:
 
         A block that still has a hash is evicted first (its map entry removed, a BlockRemoved
         recorded) so no later lookup can find content about to be overwritten (seed 000,
-        "正确顺序三"). ValueError if fewer blocks are free (the caller checks capacity first).
+        "正确顺序三"). ValueError if fewer blocks are free (the caller checks capacity first);
+        RuntimeError if a queued block has references or its hash is missing from the map.
         """
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(

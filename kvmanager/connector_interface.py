@@ -119,6 +119,7 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
 
     def is_empty(self) -> bool:
+        """True when nothing finished and no block failed (the runner may skip reporting)."""
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 

@@ -131,14 +131,22 @@ class KVCacheCoordinator(ABC):
         )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the hashes of every group's full blocks up to ``num_computed_tokens``
+        (mutates the pool's hash map; a no-op with caching off). Seed 000, "第五步：只缓存可提交的
+        位置"."""
         for manager in self.single_type_managers:
             manager.cache_blocks(request, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace, in every group, blocks no attention reads again at ``num_computed_tokens``
+        by the null block and free them (mutates the tables and the free queue). Seed 000,
+        "第三步：先回收永远不会再读的块"."""
         for manager in self.single_type_managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
+        """Release every group's blocks of the request, each table in reverse order (mutates
+        ref counts and the free queue; unknown ids are a no-op). Seed 001, section 5."""
         for manager in self.single_type_managers:
             manager.free(request_id)
 
@@ -149,13 +157,18 @@ class KVCacheCoordinator(ABC):
         )
 
     def empty_blocks(self) -> BlocksPerGroup:
+        """A fresh empty list per group (no hit)."""
         return tuple([] for _ in self.single_type_managers)
 
     @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, int]:
-        """Hit blocks per group and the hit length in tokens (<= ``max_cache_hit_length``)."""
+        """Hit blocks per group and the hit length in tokens (<= ``max_cache_hit_length``).
+
+        Pure: nothing is touched or allocated (``add_local_computed_blocks`` does that).
+        ``block_hashes`` are at ``hash_block_size``. Source: vllm/v1/core/kv_cache_coordinator.py.
+        """
 
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):

@@ -248,6 +248,7 @@ class Engine:
         return self._to_request_outputs(outputs)
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request is waiting or running (held blocks do not count)."""
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop

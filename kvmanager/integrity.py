@@ -28,6 +28,9 @@ def check_pool_integrity(pool: BlockPool) -> None:
       with ref_cnt 0; every other non-null block has ref_cnt > 0 and no links;
     * the hash map (``BlockHashToBlockMap``) lists each hashed block once under its own key,
       and nothing else.
+
+    Reads only. Raises RuntimeError at the first violation, naming the block and the numbers
+    that disagree (DESIGN.md, "kvmanager contract"; seed 000's invariants 1 and 2).
     """
     blocks = pool.blocks
     null = pool.null_block
@@ -104,7 +107,8 @@ def check_pool_integrity(pool: BlockPool) -> None:
 
 def check_manager_integrity(manager: KVCacheManager) -> None:
     """``check_pool_integrity`` plus: every block's ref_cnt equals the number of request tables
-    (over all groups) that hold it, and each request's cached-block count fits its table."""
+    (over all groups) that hold it, and each request's cached-block count fits its table.
+    Reads only; RuntimeError at the first violation, with the numbers that disagree."""
     pool = manager.block_pool
     check_pool_integrity(pool)
     holders: Counter[int] = Counter()

@@ -39,6 +39,8 @@ class KVCacheBlock:
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
+        """The block's prefix-cache key, or None. Setting it on a block that already has one
+        raises RuntimeError (``reset_hash`` first)."""
         return self._block_hash
 
     @block_hash.setter
@@ -148,7 +150,8 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += count
 
     def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Put ``blocks`` first, keeping their order (``blocks[0]`` is popped next)."""
+        """Put ``blocks`` first, keeping their order (``blocks[0]`` is popped next).
+        RuntimeError if a block is already linked into the queue."""
         head = self.fake_free_list_head
         first = head.next_free_block
         prev = head

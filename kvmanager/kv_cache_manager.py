@@ -34,7 +34,8 @@ class KVCacheBlocks:
         return tuple([block.block_id for block in group] for group in self.blocks)
 
     def get_unhashed_block_ids(self) -> list[int]:
-        """Ids of the first group's blocks that have no hash (single-group helper)."""
+        """Ids of the first group's blocks that have no hash (single-group helper: ValueError
+        with more than one group)."""
         if len(self.blocks) != 1:
             raise ValueError(f"only defined for one group, have {len(self.blocks)}")
         return [block.block_id for block in self.blocks[0] if block.block_hash is None]
@@ -69,6 +70,8 @@ class PrefixCacheStats:
     preempted_hits: int = 0
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Count one lookup of ``num_tokens`` tokens that hit ``num_hits`` (mutates the
+        counters; ``preempted`` picks the separate set)."""
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
@@ -80,6 +83,7 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
+        """``hits / queries`` in tokens over non-preempted requests; 0.0 with no query."""
         return self.hits / self.queries if self.queries else 0.0
 
 
@@ -154,6 +158,7 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_num_free_blocks(self) -> int:
+        """Blocks on the free queue, cached ones included (the null block never counts)."""
         return self.block_pool.get_num_free_blocks()
 
     def create_empty_block_list(self) -> KVCacheBlocks:

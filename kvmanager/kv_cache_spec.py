@@ -43,7 +43,7 @@ class KVCacheSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes one block of one layer occupies."""
+        """Bytes one block of one layer occupies (TypeError on the abstract base)."""
         raise TypeError(f"{type(self).__name__} is abstract: use a concrete spec")
 
 

@@ -260,6 +260,7 @@ class KVTransferTracker:
 
     @property
     def num_held_reqs(self) -> int:
+        """How many finished requests still hold blocks."""
         return len(self._held_req_ids)
 
     def hold_finished(self, req_id: str, *, delay_free: bool) -> bool:

@@ -176,6 +176,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
         return len(self._output_token_ids)
 
     @property
@@ -211,9 +212,11 @@ class Request:
 
     # -- status -----------------------------------------------------------------------------
     def is_finished(self) -> bool:
+        """True once ``status`` is a ``FINISHED_*`` status."""
         return RequestStatus.is_finished(self.status)
 
     def get_finished_reason(self) -> str | None:
+        """The finish reason ("stop", "length", "abort", "error"), or None while unfinished."""
         return RequestStatus.get_finished_reason(self.status)
 
     def __repr__(self) -> str:

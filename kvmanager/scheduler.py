@@ -173,15 +173,18 @@ class Scheduler:
         return outputs
 
     def _remove_from_queues(self, request: Request) -> None:
+        """Take ``request`` out of ``running`` or ``waiting`` (ValueError if in neither)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
 
     def get_num_unfinished_requests(self) -> int:
+        """Waiting plus running requests (finished ones holding blocks do not count)."""
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
+        """``get_num_unfinished_requests() > 0``."""
         return bool(self.waiting or self.running)
 
     @property
@@ -199,7 +202,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (mutates queues, request status and ``num_computed_tokens``, and the
         KV cache manager's allocations). Never raises for lack of room: a request that does not
-        fit waits, a running request that does not fit preempts another."""
+        fit waits, a running request that does not fit preempts another. RuntimeError if a
+        waiting request has nothing left to compute (corrupt progress)."""
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[Request] = []

@@ -44,6 +44,7 @@ __all__ = [
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints (``b >= 1``): blocks needed for ``a`` tokens."""
     return -(-a // b)
 
 
@@ -106,7 +107,8 @@ class SingleTypeKVCacheManager(ABC):
 
         New blocks for uncovered, non-skipped positions, plus the hit blocks that ``touch`` will
         take off the free queue (ref_cnt 0), since they consume free capacity too (seed 000,
-        "第二步"). Pure.
+        "第二步"). Pure. ValueError if the request already holds blocks and hits are offered
+        (hits attach at first allocation only).
         """
         num_required = cdiv(num_tokens, self.block_size)
         num_owned = len(self.req_to_blocks.get(request_id, ()))
@@ -135,6 +137,7 @@ class SingleTypeKVCacheManager(ABC):
 
         Hits that fall before the window of ``total_computed_tokens`` are replaced by the null
         block and not touched. Mutates ``req_to_blocks``, ``num_cached_block``, ref counts.
+        ValueError if the request already holds blocks in this group.
         """
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         if not new_computed_blocks:
