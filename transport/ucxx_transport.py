@@ -71,6 +71,13 @@ variable still wins). Deliberately empty, measured on these 2-core hosts (64 MiB
 - ``MEMTYPE_CACHE``: ``import ucxx`` sets ``UCX_MEMTYPE_CACHE=n``; UCX 1.21 no longer knows the
   variable (it only prints "unused environment variable"), so there is nothing to set.
 - progress mode: ``DEFAULT_PROGRESS_MODE`` below, not a UCX option.
+- Intra-host protocol (``UCX_PROTO_INFO=y``): messages of 8 KiB and more go as rendezvous
+  zero-copy reads over ``cma`` (``process_vm_readv`` by the receiver, 512 KiB per call); sysv
+  carries the small ones; no xpmem or knem here. Raw ucxx (two processes, worker-address
+  endpoint, one 64 MiB tag message, quiet host) moved 16-19 GB/s from numpy buffers (huge pages)
+  but 6.6-8.8 GB/s from torch tensors (4 KiB pages): page size, not a UCX option, decides, hence
+  ``staging.host_buffer``. ``RNDV_FRAG_SIZE`` (512K..64M), ``RNDV_SCHEME=put_zcopy`` and
+  ``TLS=sm,self`` / ``posix,self`` changed nothing measurable or made it worse.
 """
 
 
