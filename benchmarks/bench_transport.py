@@ -22,8 +22,8 @@ import sys
 import time
 
 import torch
+from kvbridge.kernels.host_memory import host_buffer
 from kvbridge.transport import GroupRead, NodeMetadata
-from kvbridge.transport.staging import host_buffer
 
 MIB = 1 << 20
 BLOCK_SHAPE = (2, 16, 8, 32)  # float16: 16 KiB per block

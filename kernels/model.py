@@ -29,6 +29,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .cache_ops import reshape_and_cache
 from .config import ModelConfig, layer_name
+from .host_memory import host_zeros
 from .layout import kv_cache_shape
 
 
@@ -354,6 +355,12 @@ def allocate_kv_caches(
     """Zeroed KV caches for every layer: name -> ``[num_blocks, 2, block_size, num_kv_heads,
     head_dim]`` in ``config.dtype`` (``layout``). Block 0 is the null block by convention."""
     shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if torch.device(device).type == "cpu":
+        # Huge pages: peers read these tensors over UCX (kernels/host_memory.py says why).
+        return {
+            layer_name(layer_idx): host_zeros(tuple(shape), config.dtype)
+            for layer_idx in range(config.num_layers)
+        }
     return {
         layer_name(layer_idx): torch.zeros(shape, dtype=config.dtype, device=device)
         for layer_idx in range(config.num_layers)

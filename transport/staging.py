@@ -10,39 +10,12 @@ than a fresh one. A chunk of ``n`` blocks of ``L`` layers views the first
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from kvbridge.kernels import gather_blocks, scatter_blocks
-
-HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14
-_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
-
-
-def host_buffer(nbytes: int) -> torch.Tensor:
-    """A flat ``uint8`` CPU tensor of ``nbytes`` whose 2 MiB-aligned pages are advised as
-    transparent huge pages (``madvise(MADV_HUGEPAGE)``, before first touch).
-
-    Why: UCX moves host memory between processes on one host with CMA (``process_vm_readv``),
-    which pins every page it copies; on 4 KiB pages that ran at 6-9 GB/s here, on 2 MiB pages at
-    15-19 GB/s (64 MiB, two processes; THP is in ``madvise`` mode on these hosts, so memory is
-    only huge when asked). Where ``madvise`` is unavailable or refused the buffer is still valid,
-    only on small pages.
-    """
-    if nbytes < HUGE_PAGE_BYTES or _libc is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    buffer = raw[offset : offset + nbytes]  # a view: keeps ``raw`` alive
-    advised = nbytes - nbytes % HUGE_PAGE_BYTES
-    _libc.madvise(
-        ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(advised), ctypes.c_int(_MADV_HUGEPAGE)
-    )
-    return buffer
+from kvbridge.kernels.host_memory import host_buffer
 
 
 class StagingPool:

@@ -76,8 +76,9 @@ variable still wins). Deliberately empty, measured on these 2-core hosts (64 MiB
   carries the small ones; no xpmem or knem here. Raw ucxx (two processes, worker-address
   endpoint, one 64 MiB tag message, quiet host) moved 16-19 GB/s from numpy buffers (huge pages)
   but 6.6-8.8 GB/s from torch tensors (4 KiB pages): page size, not a UCX option, decides, hence
-  ``staging.host_buffer``. ``RNDV_FRAG_SIZE`` (512K..64M), ``RNDV_SCHEME=put_zcopy`` and
-  ``TLS=sm,self`` / ``posix,self`` changed nothing measurable or made it worse.
+  ``kvbridge.kernels.host_memory`` (KV tensors and staging on huge pages).
+  ``RNDV_FRAG_SIZE`` (512K..64M), ``RNDV_SCHEME=put_zcopy`` and ``TLS=sm,self`` /
+  ``posix,self`` changed nothing measurable or made it worse.
 """
 
 
