@@ -7,6 +7,12 @@ Run as a script, it starts a ``UcxxTransport`` holder, prints ``PORT <n>`` and s
 stdin closes::
 
     python tests/_transport_helpers.py --seed 1 [--block-size 16] [--chunk-delay-s 0.2]
+        [--layers-per-group 1,2] [--evict-after-check 0:30 ...]
+
+Its ``block_validator`` accepts the expected hash ``b"{group_id}:{block_id}"`` only. A block named
+by ``--evict-after-check GROUP:BLOCK`` passes the first check that sees it and is "evicted"
+right after (as if the holder's engine reused it between the check and the gather), so every
+later check fails it: the holder's re-check after the copy must catch it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import asyncio
 import sys
 
 import torch
-from kvbridge.transport import NodeMetadata
+from kvbridge.transport import BlockValidator, NodeMetadata
 
 NUM_BLOCKS = 64
 LAYERS_PER_GROUP = (3, 2)  # group 0: full attention layers, group 1: sliding window layers
@@ -55,6 +61,23 @@ def make_metadata(engine_id: str, kv_caches_by_group: list[list[torch.Tensor]]) 
     )
 
 
+def make_hash_validator(evict_after_check: set[tuple[int, int]]) -> BlockValidator:
+    """The holder's validator: hash ``b"{group_id}:{block_id}"``; blocks ``(group_id, block_id)``
+    in ``evict_after_check`` lose their hash once a check has seen them."""
+    evicted: set[tuple[int, int]] = set()
+
+    def validate(group_id: int, block_ids: list[int], expected: list[bytes]) -> list[int]:
+        bad = [
+            i
+            for i, (b, h) in enumerate(zip(block_ids, expected, strict=True))
+            if h != f"{group_id}:{b}".encode() or (group_id, b) in evicted
+        ]
+        evicted.update((group_id, b) for b in block_ids if (group_id, b) in evict_after_check)
+        return bad
+
+    return validate
+
+
 async def _serve(args: argparse.Namespace) -> None:
     import kvbridge.transport.ucxx_holder as holder_module
     from kvbridge.transport import UcxxTransport
@@ -69,15 +92,12 @@ async def _serve(args: argparse.Namespace) -> None:
             return real_copy_out(*a, **kw)
 
         holder_module.copy_out = slow_copy_out
-    caches = make_kv_caches(seed=args.seed, block_size=args.block_size)
-    transport = UcxxTransport(make_metadata(f"holder-{args.seed}", caches), caches, port=0)
-    transport.set_callbacks(
-        block_validator=lambda group_id, block_ids, expected: [
-            i
-            for i, (b, h) in enumerate(zip(block_ids, expected, strict=True))
-            if h != f"{group_id}:{b}".encode()
-        ]
+    layers_per_group = tuple(int(n) for n in args.layers_per_group.split(","))
+    caches = make_kv_caches(
+        seed=args.seed, block_size=args.block_size, layers_per_group=layers_per_group
     )
+    transport = UcxxTransport(make_metadata(f"holder-{args.seed}", caches), caches, port=0)
+    transport.set_callbacks(block_validator=make_hash_validator(set(args.evict_after_check)))
     await transport.start()
     print(f"PORT {transport.address.port}", flush=True)
     loop = asyncio.get_running_loop()
@@ -85,9 +105,17 @@ async def _serve(args: argparse.Namespace) -> None:
     await transport.close()
 
 
+def _group_block(text: str) -> tuple[int, int]:
+    """``"GROUP:BLOCK"`` -> ``(group_id, block_id)``."""
+    group_id, block_id = text.split(":")
+    return int(group_id), int(block_id)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
+    parser.add_argument("--layers-per-group", default=",".join(map(str, LAYERS_PER_GROUP)))
+    parser.add_argument("--evict-after-check", type=_group_block, action="append", default=[])
     asyncio.run(_serve(parser.parse_args()))

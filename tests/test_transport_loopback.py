@@ -208,3 +208,50 @@ async def test_construction_checks_metadata_against_tensors():
     with pytest.raises(RuntimeError, match="before start"):
         _ = LoopbackTransport(make_metadata("x", caches), caches, network=LoopbackNetwork()).address
     assert LoopbackFaults().fail_block_ids == set()  # no faults unless asked
+
+
+async def test_block_evicted_during_copy_is_failed_not_landed():
+    holder, requester = await _pair(chunk_bytes=4096)  # 3 layers * 1 KiB: one block per chunk
+    holder.faults.evict_during_copy_block_ids = {11}
+    reads = _reads([10, 11, 12], [20, 21, 22], hashes=[b"h10", b"h11", b"h12"])
+    result = await requester.read_blocks(holder.address, "r", reads, deadline_s=5)
+    # 11 passed the first check, then its block was reused while its chunk was copied out
+    assert result.failed_local_block_ids == (21,)
+    assert (result.num_blocks_landed, result.num_bytes_landed) == (2, 2 * 3 * 1024)
+    _assert_block_equal(requester, holder, 0, 20, 10)
+    _assert_block_equal(requester, holder, 0, 22, 12)
+    # Without expected hashes there is no check at all (a lease holds handoff blocks).
+    result = await requester.read_blocks(holder.address, "r2", _reads([11], [23]), deadline_s=5)
+    assert (result.failed_local_block_ids, result.num_blocks_landed) == ((), 1)
+
+
+async def test_validator_reruns_after_each_chunk_copy():
+    """A validator over the holder's block hashes, where block 40 of group 1 is evicted right
+    after the first check sees it: the same re-check the UCX holder does catches it."""
+    holder, requester = await _pair(chunk_bytes=4096)  # group 1: 2 layers, 2 blocks per chunk
+    evicted: set[tuple[int, int]] = set()
+    calls: list[tuple[int, list[int]]] = []
+
+    def validate(group_id: int, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+        calls.append((group_id, list(block_ids)))
+        bad = [
+            i
+            for i, (b, h) in enumerate(zip(block_ids, hashes, strict=True))
+            if h != f"{group_id}:{b}".encode() or (group_id, b) in evicted
+        ]
+        if group_id == 1 and 40 in block_ids:
+            evicted.add((1, 40))
+        return bad
+
+    holder.set_callbacks(block_validator=validate)
+    hashes = [b"1:3", b"1:stale", b"1:40", b"1:5", b"1:6"]
+    reads = _reads([3, 4, 40, 5, 6], [10, 11, 12, 13, 14], group_id=1, hashes=hashes)
+    result = await requester.read_blocks(holder.address, "r", reads, deadline_s=5)
+    # position 1 fails at the first check (never sent), position 2 at the re-check of its chunk
+    assert result.failed_local_block_ids == (11, 12)
+    assert result.num_blocks_landed == 3
+    assert not any(layer[11].any() for layer in requester.kv_caches_by_group[1])
+    for local_id, remote_id in [(10, 3), (13, 5), (14, 6)]:
+        _assert_block_equal(requester, holder, 1, local_id, remote_id)
+    # one check of the whole group, then one per chunk of the 4 blocks sent (2 per chunk)
+    assert calls == [(1, [3, 4, 40, 5, 6]), (1, [3, 40]), (1, [5, 6])]

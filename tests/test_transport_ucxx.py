@@ -38,6 +38,8 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 HELPER = Path(__file__).with_name("_transport_helpers.py")
 HOLDER_SEED = 7
 SLOW_SEED = 11
+EVICTING_SEED = 13
+EVICTING_LAYERS = (1, 2)  # group 0: one layer, so runs of ids are sent zero-copy from the tensor
 
 
 class HolderProcess:
@@ -74,6 +76,23 @@ def holder():
 @pytest.fixture(scope="module")
 def slow_holder():
     process = HolderProcess("--seed", str(SLOW_SEED), "--chunk-delay-s", "0.2")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def evicting_holder():
+    # 0:30 is sent zero-copy (re-checked after its send), 1:40 from staging (after its gather)
+    process = HolderProcess(
+        "--seed",
+        str(EVICTING_SEED),
+        "--layers-per-group",
+        ",".join(map(str, EVICTING_LAYERS)),
+        "--evict-after-check",
+        "0:30",
+        "--evict-after-check",
+        "1:40",
+    )
     yield process
     process.stop()
 
@@ -340,3 +359,83 @@ async def test_holder_drops_sends_when_requester_connection_closes(requester):
         assert holder.num_holder_staging_outstanding == 0
     finally:
         await holder.close()
+
+
+def _hashes(group_id: int, block_ids: list[int]) -> list[bytes]:
+    """The expected hashes the holder helper accepts."""
+    return [f"{group_id}:{b}".encode() for b in block_ids]
+
+
+async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evicting_holder):
+    """The holder's engine reuses a block after the Read's check passed (index reads are not
+    referenced on the holder): the re-check after the copy reports it, on both the zero-copy
+    path and the staged path, and every other block lands bytes-exact."""
+    caches = make_kv_caches(seed=0, layers_per_group=EVICTING_LAYERS)
+    requester = UcxxTransport(make_metadata("requester-3", caches), caches, chunk_bytes=1 << 13)
+    await requester.start()
+    try:
+        # group 0 (1 layer, 1 KiB blocks, 8 per chunk): remote 20..35 is two runs of 8, sent
+        # from the KV tensor itself; 30 sits in the second one.
+        remote_0 = list(range(20, 36))
+        local_0 = random.Random(8).sample(range(1, NUM_BLOCKS), 16)
+        # group 1 (2 layers, 4 blocks per chunk): gathered into staging; 40 is in chunk 1 and
+        # 41 carries a wrong hash, so it fails the first check and is never sent.
+        remote_1 = [5, 7, 9, 11, 13, 40, 2, 41, 3]
+        local_1 = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+        hashes_1 = _hashes(1, remote_1)
+        hashes_1[7] = b"1:stale"
+        reads = [
+            GroupRead(
+                group_id=0,
+                remote_block_ids=remote_0,
+                local_block_ids=local_0,
+                expected_hashes=_hashes(0, remote_0),
+            ),
+            GroupRead(
+                group_id=1,
+                remote_block_ids=remote_1,
+                local_block_ids=local_1,
+                expected_hashes=hashes_1,
+            ),
+        ]
+        result = await requester.read_blocks(
+            evicting_holder.address, "req-evict", reads, deadline_s=20
+        )
+        # request order: group 0's remote 30 (position 10), then group 1's 40 (late, position
+        # 5) and 41 (refused at ReadOk, position 7)
+        assert result.failed_local_block_ids == (local_0[10], 55, 57)
+        assert result.num_blocks_landed == 15 + 7
+        assert result.num_bytes_landed == 15 * 1024 + 7 * 2 * 1024
+        source = make_kv_caches(seed=EVICTING_SEED, layers_per_group=EVICTING_LAYERS)
+        landed = [
+            GroupRead(
+                group_id=0,
+                remote_block_ids=[b for b in remote_0 if b != 30],
+                local_block_ids=[b for p, b in enumerate(local_0) if p != 10],
+            ),
+            GroupRead(
+                group_id=1,
+                remote_block_ids=[b for p, b in enumerate(remote_1) if p not in (5, 7)],
+                local_block_ids=[b for p, b in enumerate(local_1) if p not in (5, 7)],
+            ),
+        ]
+        _assert_landed(requester.kv_caches_by_group, source, landed)
+        assert not any(layer[57].any() for layer in requester.kv_caches_by_group[1])  # unsent
+
+        # Evicted now: a second read of both fails them at the first check; nothing lands.
+        again = [
+            GroupRead(
+                group_id=0, remote_block_ids=[30], local_block_ids=[1], expected_hashes=[b"0:30"]
+            ),
+            GroupRead(
+                group_id=1, remote_block_ids=[40], local_block_ids=[1], expected_hashes=[b"1:40"]
+            ),
+        ]
+        result = await requester.read_blocks(
+            evicting_holder.address, "req-again", again, deadline_s=20
+        )
+        assert (result.failed_local_block_ids, result.num_blocks_landed) == ((1, 1), 0)
+        _assert_requester_clean(requester)
+        assert all(not conn._waiters for conn in requester._conns.values())  # no reply waiter
+    finally:
+        await requester.close()

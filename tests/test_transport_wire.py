@@ -16,6 +16,8 @@ from kvbridge.transport.wire import (
     Heartbeat,
     Hello,
     Read,
+    ReadDone,
+    ReadOk,
     TransferDone,
     decode_message,
     encode_message,
@@ -54,6 +56,8 @@ def test_messages_round_trip():
             deadline_ms=5,
             groups=[GroupReadMsg(group_id=1, block_ids=[4], expected_hashes=[b"h"])],
         ),
+        ReadOk(transfer_id=3, mismatched=[[0], []]),
+        ReadDone(transfer_id=3, mismatched=[[], [1, 4]]),
         Cancel(transfer_id=3, num_chunks_posted=2),
         CancelOk(transfer_id=3, num_chunks_issued=0),
         Heartbeat(request_ids=["a", "b"]),
@@ -70,6 +74,17 @@ def test_messages_round_trip():
     ("obj", "fragment"),
     [
         ({"v": 99, "t": "Read"}, "unknown schema version 99"),
+        # version 2 had no ReadDone: such a peer could not report late hash mismatches
+        (_read(v=2), "unknown schema version 2, this node speaks 3"),
+        (
+            {"v": WIRE_VERSION, "t": "ReadDone", "transfer_id": 1, "mismatched": [[0, -1]]},
+            "'mismatched'[0] must be a list of block positions",
+        ),
+        (
+            {"v": WIRE_VERSION, "t": "ReadDone", "transfer_id": 1, "mismatched": [3]},
+            "'mismatched'[0]",
+        ),
+        ({"v": WIRE_VERSION, "t": "ReadDone", "mismatched": []}, "missing field 'transfer_id'"),
         ({"t": "Read"}, "missing field 'v'"),
         ({"v": WIRE_VERSION, "t": "Launch"}, "unknown message type 'Launch'"),
         (_read(transfer_id=0), "'transfer_id' = 0 is outside"),

@@ -12,10 +12,16 @@ Lease support. The transport carries the messages; the policy lives in the conne
   when the pull finished, failed, or was abandoned (a decode node that rejects a request).
 - holder side: ``on_heartbeat(peer_engine_id, request_ids)`` extends leases;
   ``on_transfer_done(TransferDoneNotice)`` releases the request's blocks.
-- holder side, per read: ``block_validator(group_id, block_ids, expected_hashes)`` returns the
-  positions whose block no longer carries the expected hash; those blocks are not sent and come
-  back to the requester in ``ReadResult.failed_local_block_ids`` (never stale bytes). The
-  transport compares nothing itself: hashes are opaque bytes.
+- holder side, per read that sends expected hashes: ``block_validator(group_id, block_ids,
+  expected_hashes)`` returns the positions (into ``block_ids``) whose block no longer carries the
+  expected hash. It runs when the read arrives (over all blocks of a group: those blocks are not
+  sent) and again over each chunk's blocks right after their bytes were copied out (a block read
+  through the index is not referenced on the holder and may be evicted and reused meanwhile:
+  those blocks' bytes were sent, but the requester counts them as failed, never as landed;
+  ``plan``, "Hash checks on the holder"). Both kinds come back to the requester in
+  ``ReadResult.failed_local_block_ids`` (never stale bytes counted as landed). The validator
+  must be cheap (dict / attribute reads). The transport compares nothing itself: hashes are
+  opaque bytes.
 
 Callbacks run on the holder's event loop thread and must not block.
 """
@@ -63,7 +69,11 @@ class ReadResult(NamedTuple):
     """Outcome of a read that reached its end.
 
     ``failed_local_block_ids``: local ids (all groups, request order) whose remote block failed
-    the holder's hash check, so their bytes did not land; every other local id did land.
+    the holder's hash check, so they did not land: failed when the read arrived, their bytes were
+    never written here; failed the re-check after the holder copied them out, their rows here
+    hold whatever was sent (possibly another request's KV) and must not be used. Every other
+    local id did land, bytes-exact. ``num_blocks_landed`` / ``num_bytes_landed`` count landed
+    blocks only.
     """
 
     request_id: str
@@ -179,8 +189,10 @@ class Transport(abc.ABC):
         sent, and scattered here chunk by chunk (kvbridge.kernels gather/scatter).
 
         Returns:
-            ``ReadResult``; blocks the holder's ``block_validator`` rejected are in
-            ``failed_local_block_ids``.
+            ``ReadResult``; blocks the holder's ``block_validator`` rejected, when the read
+            arrived or after the holder copied their bytes out, are in
+            ``failed_local_block_ids``. A read with expected hashes returns only after the
+            holder's ``ReadDone`` (its re-check results) arrived.
 
         Raises:
             ValueError: caller mistake (unknown group, lengths differ, local id out of
@@ -188,7 +200,9 @@ class Transport(abc.ABC):
             HandshakeError: incompatible peer.
             TransferTimeoutError: ``deadline_s`` passed (holder hung or dead).
             TransferCancelledError: ``cancel(request_id)`` was called.
-            TransferError: the holder refused (e.g. remote id out of range), died, or closed.
+            TransferError: the holder refused (e.g. remote id out of range), died, or closed,
+                or its ``ReadDone`` never came or did not fit the read (then every block of the
+                groups read with expected hashes counts as not landed).
                 ``local_block_ids`` names every local block that did not land; blocks of a
                 partially landed read may hold any bytes.
             asyncio.CancelledError: the task was cancelled; staging is released and the holder

@@ -13,7 +13,16 @@ import contextlib
 
 from .errors import TransportError, WireError
 from .metadata import NodeMetadata
-from .wire import CancelOk, ErrorMsg, Message, ReadOk, decode_message, encode_message, frame_length
+from .wire import (
+    CancelOk,
+    ErrorMsg,
+    Message,
+    ReadDone,
+    ReadOk,
+    decode_message,
+    encode_message,
+    frame_length,
+)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> bytes:
@@ -39,10 +48,10 @@ async def write_message(writer: asyncio.StreamWriter, message: Message) -> None:
 class HolderConnection:
     """A requester's control connection to one holder, after a successful handshake.
 
-    Replies (``ReadOk``, ``CancelOk``, ``ErrorMsg``) are routed by ``transfer_id`` to whoever
-    waits for them; ``lost`` completes when the connection ends for any reason, and then the UCX
-    ``endpoint`` (created once per connection, never per read) is aborted, cancelling every
-    receive still posted on it.
+    Replies (``ReadOk``, ``ReadDone``, ``CancelOk``, ``ErrorMsg``) are routed by ``transfer_id``
+    to whoever waits for them; ``lost`` completes when the connection ends for any reason, and
+    then the UCX ``endpoint`` (created once per connection, never per read) is aborted,
+    cancelling every receive still posted on it.
     """
 
     def __init__(
@@ -85,7 +94,7 @@ class HolderConnection:
         try:
             while True:
                 message = decode_message(await read_frame(self.reader))
-                if isinstance(message, ReadOk | CancelOk):
+                if isinstance(message, ReadOk | ReadDone | CancelOk):
                     key = (message.transfer_id, type(message))
                 elif isinstance(message, ErrorMsg) and message.transfer_id != 0:
                     # an error answers whichever request of that transfer is waiting

@@ -29,9 +29,27 @@ from .base import (
 )
 from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
-from .plan import build_group_msgs, check_read, find_mismatched, good_positions, plan_chunks
+from .plan import (
+    block_nbytes_by_entry,
+    build_group_msgs,
+    check_read,
+    check_read_done,
+    expects_read_done,
+    find_mismatched,
+    good_positions,
+    plan_chunks,
+    recheck_blocks,
+)
 from .transfer import ReadState, drive_read, local_ids_of, next_transfer_id, tag_base_for
-from .wire import Heartbeat, Read, TransferDone, decode_message, encode_message
+from .wire import (
+    GroupReadMsg,
+    Heartbeat,
+    Read,
+    ReadDone,
+    TransferDone,
+    decode_message,
+    encode_message,
+)
 
 
 def _roundtrip(message):  # type: ignore[no-untyped-def]
@@ -71,6 +89,11 @@ class LoopbackFaults:
             (they come back in ``ReadResult.failed_local_block_ids``).
         refuse_block_ids: remote block ids this holder treats as out of range (the whole read
             fails with ``TransferError``, as for a bad id).
+        evict_during_copy_block_ids: remote block ids that pass the hash check when a read
+            arrives and are evicted and reused while their chunk is copied out, so the re-check
+            after the copy fails them (``ReadDone``): their bytes are moved but they come back
+            in ``ReadResult.failed_local_block_ids``, never as landed. Only groups read with
+            expected hashes are re-checked, as on the real holder.
         drop_after_chunks: after sending this many chunks of a read, the holder drops off the
             network (as ``drop()``), so the read fails naming the blocks not landed.
         stall: accept reads and never send (the requester's deadline must fire).
@@ -79,6 +102,7 @@ class LoopbackFaults:
     serve_delay_s: float = 0.0
     chunk_delay_s: float = 0.0
     fail_block_ids: set[int] = field(default_factory=set)
+    evict_during_copy_block_ids: set[int] = field(default_factory=set)
     refuse_block_ids: set[int] = field(default_factory=set)
     drop_after_chunks: int | None = None
     stall: bool = False
@@ -301,6 +325,7 @@ class LoopbackTransport(Transport):
         good = [good_positions(len(g.block_ids), mismatched[i]) for i, g in enumerate(read.groups)]
         group_ids = [g.group_id for g in read.groups]
         chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
+        late: list[list[int]] = [[] for _ in read.groups]
         for chunk_idx, chunk in enumerate(chunks):
             if faults.drop_after_chunks is not None and chunk_idx >= faults.drop_after_chunks:
                 self.drop()
@@ -314,10 +339,29 @@ class LoopbackTransport(Transport):
                 [state.local_block_ids[chunk.entry][p] for p in positions], dtype=torch.int64
             )
             staging = gather_blocks(src_caches, src_ids.to(src_caches[0].device))
+            # the bytes are copied out: re-check, as the UCX holder does after each gather
+            late[chunk.entry].extend(self._recheck(group, positions))
             scatter_blocks(
                 staging.to(dst_caches[0].device), dst_caches, dst_ids.to(dst_caches[0].device)
             )
             state.landed[chunk.entry].update(positions)
             state.num_bytes_landed += staging.numel() * staging.element_size()
             await asyncio.sleep(0)
+        if expects_read_done(read):
+            done = _roundtrip(ReadDone(transfer_id=read.transfer_id, mismatched=late))
+            try:
+                check_read_done(read, state.mismatched, done.mismatched)
+            except WireError as exc:
+                raise state.error(TransferError, f"no valid ReadDone: {exc}") from None
+            state.fail_late(done.mismatched, block_nbytes_by_entry(self.metadata, read))
         return state.result()
+
+    def _recheck(self, group: GroupReadMsg, positions: list[int]) -> list[int]:
+        """Holder side, after a chunk's copy: positions that fail the validator now, or that
+        ``faults.evict_during_copy_block_ids`` evicts (groups with expected hashes only)."""
+        if group.expected_hashes is None:
+            return []
+        late = set(recheck_blocks(group, positions, self.callbacks.block_validator))
+        evicted = self.faults.evict_during_copy_block_ids
+        late.update(p for p in positions if group.block_ids[p] in evicted)
+        return sorted(late)

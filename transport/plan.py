@@ -10,6 +10,19 @@ inputs, so chunk ``k`` means the same blocks on both sides without sending the p
 
 A chunk never spans two group entries (their layer tensors differ). A chunk of entry ``i`` holds
 ``blocks_per_chunk = max(1, chunk_bytes // (num_layers * block_nbytes))`` blocks except the last.
+
+Hash checks on the holder (DESIGN.md, "Block index": a hit is advisory; issue 4, part 5). A block
+read through the index is not referenced on the holder, so the holder may evict and reuse it at
+any time. The validator therefore runs twice per block of a read that sends expected hashes::
+
+    Read ──> find_mismatched (all blocks) ──> ReadOk(mismatched): those blocks are never sent
+             per chunk: copy out (staging gather, or the send itself for a zero-copy run)
+                        ──> recheck_blocks (that chunk's blocks) ──> late mismatches
+    after the last send completed ──> ReadDone(late mismatches): failed, never landed
+
+The block pool removes a block's hash before it hands the block out for new content (seed rule
+"evict the old hash first"), so a block that still carries the expected hash after its bytes
+were copied had no new content written during the copy.
 """
 
 from __future__ import annotations
@@ -48,6 +61,14 @@ def plan_chunks(
             Chunk(entry, start, min(start + step, count)) for start in range(0, count, step)
         )
     return chunks
+
+
+def block_nbytes_by_entry(metadata: NodeMetadata, read: Read) -> list[int]:
+    """Bytes of one block over all layers of its group, per group entry of ``read``."""
+    return [
+        metadata.groups[g.group_id].num_layers * metadata.groups[g.group_id].block_nbytes
+        for g in read.groups
+    ]
 
 
 def good_positions(num_blocks: int, mismatched: Sequence[int]) -> list[int]:
@@ -123,8 +144,25 @@ def check_read(metadata: NodeMetadata, read: Read) -> None:
                 )
 
 
+def _validate(
+    validator: BlockValidator, group_id: int, block_ids: list[int], hashes: list[bytes]
+) -> list[int]:
+    """Sorted distinct positions ``validator`` rejects.
+
+    Raises:
+        RuntimeError: the validator returned a position outside ``block_ids`` (a connector bug).
+    """
+    positions = sorted({int(p) for p in validator(group_id, block_ids, hashes)})
+    if positions and not (positions[0] >= 0 and positions[-1] < len(block_ids)):
+        raise RuntimeError(
+            f"block_validator returned positions {positions} for {len(block_ids)} blocks"
+        )
+    return positions
+
+
 def find_mismatched(read: Read, validator: BlockValidator | None) -> list[list[int]]:
-    """Holder side: positions per group entry whose block fails the expected-hash check.
+    """Holder side, when a ``Read`` arrives: positions per group entry whose block fails the
+    expected-hash check (sorted; empty for a group without expected hashes).
 
     Raises:
         RuntimeError: the validator returned a position outside the group (a connector bug).
@@ -134,12 +172,53 @@ def find_mismatched(read: Read, validator: BlockValidator | None) -> list[list[i
         if group.expected_hashes is None or validator is None or not group.block_ids:
             mismatched.append([])
             continue
-        positions = sorted(
-            {int(p) for p in validator(group.group_id, group.block_ids, group.expected_hashes)}
+        mismatched.append(
+            _validate(validator, group.group_id, group.block_ids, group.expected_hashes)
         )
-        if positions and not (positions[0] >= 0 and positions[-1] < len(group.block_ids)):
-            raise RuntimeError(
-                f"block_validator returned positions {positions} for {len(group.block_ids)} blocks"
-            )
-        mismatched.append(positions)
     return mismatched
+
+
+def expects_read_done(read: Read) -> bool:
+    """Whether the holder ends ``read`` with a ``ReadDone`` (and the requester waits for it):
+    exactly when some group sends expected hashes, so reads without hashes (prefill-to-decode
+    handoffs, whose blocks a lease holds) cost no extra message."""
+    return any(group.expected_hashes is not None for group in read.groups)
+
+
+def recheck_blocks(
+    group: GroupReadMsg, positions: Sequence[int], validator: BlockValidator | None
+) -> list[int]:
+    """Holder side, right after a chunk's bytes were copied out: the ``positions`` of ``group``
+    (block positions of the read, ascending) whose block no longer carries its expected hash.
+    One validator call over the chunk's blocks; ``[]`` without hashes or validator.
+
+    Raises:
+        RuntimeError: the validator returned a position outside the chunk (a connector bug).
+    """
+    if group.expected_hashes is None or validator is None or not positions:
+        return []
+    hashes = group.expected_hashes
+    block_ids = [group.block_ids[p] for p in positions]
+    bad = _validate(validator, group.group_id, block_ids, [hashes[p] for p in positions])
+    return [positions[i] for i in bad]
+
+
+def check_read_done(read: Read, mismatched: Sequence[Sequence[int]], late: list[list[int]]) -> None:
+    """Requester side: ``late`` (a ``ReadDone``) must name, per group entry, only positions the
+    holder sent (not already ``mismatched`` at ``ReadOk``), each once.
+
+    Raises:
+        WireError: naming the first entry that does not fit.
+    """
+    if len(late) != len(read.groups):
+        raise WireError(f"ReadDone has {len(late)} entries for {len(read.groups)} groups")
+    for entry, (group, early, positions) in enumerate(
+        zip(read.groups, mismatched, late, strict=True)
+    ):
+        refused = set(early)
+        fits = all(0 <= p < len(group.block_ids) and p not in refused for p in positions)
+        if not fits or len(set(positions)) != len(positions):
+            raise WireError(
+                f"ReadDone entry {entry}: positions {positions} are not distinct positions sent "
+                f"({len(group.block_ids)} blocks, {len(early)} refused at ReadOk)"
+            )

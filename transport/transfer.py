@@ -60,6 +60,36 @@ class ReadState:
             if position not in self.landed[entry]
         )
 
+    def fail_late(
+        self, late: Sequence[Sequence[int]], block_nbytes_by_entry: Sequence[int]
+    ) -> None:
+        """Apply a ``ReadDone``: positions ``late[entry]`` (landed, checked by
+        ``plan.check_read_done``) failed the holder's re-check, so they count as failed, never as
+        landed, and their ``block_nbytes_by_entry[entry]`` bytes (all layers) leave
+        ``num_bytes_landed``. Mutates ``landed``, ``mismatched`` and ``num_bytes_landed``.
+
+        Raises:
+            RuntimeError: a late position had not landed (the caller skipped the check).
+        """
+        for entry, positions in enumerate(late):
+            if not positions:
+                continue
+            missing = set(positions) - self.landed[entry]
+            if missing:
+                raise RuntimeError(
+                    f"entry {entry}: late mismatches {sorted(missing)} never landed "
+                    f"({len(self.landed[entry])} positions landed)"
+                )
+            self.landed[entry].difference_update(positions)
+            self.mismatched[entry] = sorted({*self.mismatched[entry], *positions})
+            self.num_bytes_landed -= len(positions) * block_nbytes_by_entry[entry]
+
+    def unconfirm(self, entries: Sequence[int]) -> None:
+        """The holder's re-check of these group entries never arrived (connection lost before
+        ``ReadDone``): their landed blocks are unconfirmed, so they count as not landed."""
+        for entry in entries:
+            self.landed[entry].clear()
+
     def result(self) -> ReadResult:
         failed = tuple(
             self.local_block_ids[entry][p] for entry, bad in enumerate(self.mismatched) for p in bad

@@ -5,6 +5,10 @@ Per read: check ids (``plan.check_read``), ask the connector's ``block_validator
 ``ReadOk``, then for chunk ``k`` of the plan: send from the KV tensor itself (one layer, a run of
 ids) or gather into reused staging off the event loop thread (``staging.copy_out``), and send
 with tag ``tag_base + k`` on the connection's one endpoint; at most ``window`` chunks in flight.
+A read with expected hashes re-checks each chunk's blocks once their bytes were copied out (a
+staged chunk right after its gather, a zero-copy chunk once its send completed: UCX has read the
+tensor by then) and ends with ``ReadDone`` naming the blocks that failed the re-check
+(``plan``, "Hash checks on the holder").
 A ``Cancel(num_chunks_posted)`` stops new sends, completes posted chunks never sent with empty
 messages and answers how many were issued (the requester drains those), so nothing is left
 waiting. A closed control connection (dead requester) aborts the endpoint at once, ending every
@@ -30,7 +34,14 @@ from .base import HolderCallbacks, TransferDoneNotice
 from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
-from .plan import check_read, find_mismatched, good_positions, plan_chunks
+from .plan import (
+    check_read,
+    expects_read_done,
+    find_mismatched,
+    good_positions,
+    plan_chunks,
+    recheck_blocks,
+)
 from .staging import StagingPool, chunk_view, copy_out, run_copy, run_start, wire_buffer
 from .ucx_progress import ProgressBooster
 from .wire import (
@@ -41,6 +52,7 @@ from .wire import (
     Hello,
     HelloOk,
     Read,
+    ReadDone,
     ReadOk,
     TransferDone,
     decode_message,
@@ -62,6 +74,18 @@ class _Serve:
     cancelled: bool = False
     stopped_issuing: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    late: list[list[int]] = field(default_factory=list)  # per group entry: failed the re-check
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """One issued chunk send: from staging ``buffer`` (re-checked already) or, ``buffer`` None,
+    straight from the KV tensor: then ``recheck`` holds the chunk's (entry, positions) to
+    re-check once the send completed."""
+
+    send: asyncio.Future[object]
+    buffer: torch.Tensor | None
+    recheck: tuple[int, list[int]] | None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -255,45 +279,54 @@ class UcxxHolder:
         serve.task = asyncio.ensure_future(self._send_blocks(conn, serve, mismatched))
 
     async def _send_blocks(self, conn: _Conn, serve: _Serve, mismatched: list[list[int]]) -> None:
-        """Serve one read; ends when every issued send completed, the requester cancelled (and
-        drains what was issued), the connection dropped, or the read's deadline plus a grace
-        period passed (then the requester is not receiving: the connection is dropped)."""
+        """Serve one read; ends when every issued send completed (then, for a read with expected
+        hashes, ``ReadDone`` goes out), the requester cancelled (and drains what was issued),
+        the connection dropped, or the read's deadline plus a grace period passed (then the
+        requester is not receiving: the connection is dropped)."""
         read = serve.read
         self.num_active_serves += 1
-        pending: deque[tuple[asyncio.Future[object], torch.Tensor | None]] = deque()
+        pending: deque[_InFlight] = deque()
         max_block_bytes = max(
             layout.num_layers * layout.block_nbytes for layout in self.metadata.groups
         )
         pool = self.pool_for(read.chunk_bytes, max_block_bytes)
+        serve.late = [[] for _ in read.groups]
         try:
             with self.booster.hold():  # progress UCX on every loop turn while serving
                 await asyncio.wait_for(
                     self._issue_and_wait(conn, serve, mismatched, pool, pending),
                     read.deadline_ms / 1000 + DEADLINE_GRACE_S,
                 )
+            if not serve.cancelled and expects_read_done(read):
+                await write_message(
+                    conn.writer,
+                    ReadDone(
+                        transfer_id=read.transfer_id, mismatched=[sorted(p) for p in serve.late]
+                    ),
+                )
         except asyncio.TimeoutError:
             logger.warning("transfer %d passed its deadline; dropping peer", read.transfer_id)
             conn.writer.close()  # the control loop ends and drops the connection
             with contextlib.suppress(Exception):
                 conn.endpoint.abort(period=10**8)  # type: ignore[attr-defined]
-        except asyncio.CancelledError:
-            pass
+        except (asyncio.CancelledError, TransportError):
+            pass  # dropped: the requester is gone
         except Exception as exc:
             logger.warning("serving transfer %d failed: %r", read.transfer_id, exc)
         finally:
             serve.stopped_issuing.set()
             if pending:  # cancelled or failed: the endpoint abort ends these sends
-                sends = [send for send, _ in pending]
+                sends = [item.send for item in pending]
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait(sends, timeout=1.0)
-            for send, buffer in pending:
-                if send.done():
-                    send.cancelled() or send.exception()  # retrieved
-                if buffer is not None:
-                    if send.done():
-                        pool.release(buffer)
+            for item in pending:
+                if item.send.done():
+                    item.send.cancelled() or item.send.exception()  # retrieved
+                if item.buffer is not None:
+                    if item.send.done():
+                        pool.release(item.buffer)
                     else:
-                        pool.forget(buffer)
+                        pool.forget(item.buffer)
             self.num_active_serves -= 1
 
     async def _issue_and_wait(
@@ -302,7 +335,7 @@ class UcxxHolder:
         serve: _Serve,
         mismatched: list[list[int]],
         pool: StagingPool,
-        pending: deque[tuple[asyncio.Future[object], torch.Tensor | None]],
+        pending: deque[_InFlight],
     ) -> None:
         read = serve.read
         good = [good_positions(len(g.block_ids), mismatched[i]) for i, g in enumerate(read.groups)]
@@ -310,17 +343,20 @@ class UcxxHolder:
         chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
         for chunk_idx, chunk in enumerate(chunks):
             while len(pending) >= self.window:
-                await self._retire(pending[0][0], pool, pending)
+                await self._retire(serve, pool, pending)
             if serve.cancelled:
                 break
             group = read.groups[chunk.entry]
             caches = self.kv_caches_by_group[group.group_id]
             layout = self.metadata.groups[group.group_id]
-            ids = [group.block_ids[p] for p in good[chunk.entry][chunk.start : chunk.stop]]
+            positions = good[chunk.entry][chunk.start : chunk.stop]
+            ids = [group.block_ids[p] for p in positions]
             start = run_start(ids) if len(caches) == 1 else None
             buffer: torch.Tensor | None = None
+            recheck: tuple[int, list[int]] | None = None
             if start is not None:  # one layer, a run of ids: send from the KV tensor itself
                 source = caches[0][start : start + len(ids)]
+                recheck = (chunk.entry, positions)  # once UCX has read the tensor
             else:
                 buffer = pool.acquire()
                 source = chunk_view(
@@ -329,6 +365,8 @@ class UcxxHolder:
                 try:
                     # big gathers off the event loop, so UCX keeps progressing issued chunks
                     await run_copy(copy_out, caches, ids, source, nbytes=source.nbytes)
+                    # the bytes are in staging now: a block evicted during the copy shows here
+                    self._recheck(serve, chunk.entry, positions)
                 except BaseException:
                     pool.release(buffer)
                     raise
@@ -341,21 +379,24 @@ class UcxxHolder:
                 )
             )
             serve.num_chunks_issued += 1
-            pending.append((send, buffer))
+            pending.append(_InFlight(send, buffer, recheck))
         serve.stopped_issuing.set()
         while pending:  # after a Cancel too: the requester drains every issued chunk
-            await self._retire(pending[0][0], pool, pending)
+            await self._retire(serve, pool, pending)
 
-    @staticmethod
-    async def _retire(
-        send: asyncio.Future[object],
-        pool: StagingPool,
-        pending: deque[tuple[asyncio.Future[object], torch.Tensor | None]],
-    ) -> None:
-        await send
-        _, buffer = pending.popleft()
-        if buffer is not None:
-            pool.release(buffer)
+    def _recheck(self, serve: _Serve, entry: int, positions: list[int]) -> None:
+        """Re-run the validator over one chunk's blocks; failures join ``serve.late``."""
+        group = serve.read.groups[entry]
+        serve.late[entry].extend(recheck_blocks(group, positions, self.callbacks.block_validator))
+
+    async def _retire(self, serve: _Serve, pool: StagingPool, pending: deque[_InFlight]) -> None:
+        """Wait for the oldest send, release its staging, and re-check a zero-copy chunk."""
+        await pending[0].send
+        item = pending.popleft()
+        if item.buffer is not None:
+            pool.release(item.buffer)
+        if item.recheck is not None and not serve.cancelled:
+            self._recheck(serve, *item.recheck)
 
 
 def _settle_filler(fillers: set[asyncio.Future[object]]):  # type: ignore[no-untyped-def]

@@ -17,6 +17,9 @@ Requester side of a read (holder side: ``ucxx_holder``)::
                                          into the KV tensor itself (one layer, a run of local
                                          ids) or into reused staging, then copied in off the
                                          event loop thread (``staging.copy_in``)
+              ──> ReadDone(mismatched)   only for a read with expected hashes: blocks that failed
+                                         the holder's re-check after their bytes left (landed
+                                         here, but counted as failed)
 
 A cancelled, timed-out or task-cancelled read never cancels a receive while the holder lives (a
 receive cancelled after it matched a rendezvous leaves the holder's send waiting forever): it
@@ -49,12 +52,31 @@ from .base import (
 from .control import HolderConnection, read_frame, write_message
 from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
-from .plan import build_group_msgs, good_positions, plan_chunks
+from .plan import (
+    block_nbytes_by_entry,
+    build_group_msgs,
+    check_read_done,
+    expects_read_done,
+    good_positions,
+    plan_chunks,
+)
 from .staging import StagingPool, chunk_view, copy_in, run_copy, run_start, wire_buffer
 from .transfer import ReadState, drive_read, local_ids_of, next_transfer_id, tag_base_for
 from .ucx_progress import ProgressBooster, booster_for_running_loop
 from .ucxx_holder import UcxxHolder
-from .wire import Cancel, CancelOk, ErrorMsg, Heartbeat, Hello, HelloOk, Read, ReadOk, TransferDone
+from .wire import (
+    Cancel,
+    CancelOk,
+    ErrorMsg,
+    Heartbeat,
+    Hello,
+    HelloOk,
+    Message,
+    Read,
+    ReadDone,
+    ReadOk,
+    TransferDone,
+)
 
 DEFAULT_PROGRESS_MODE = "blocking"
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -321,6 +343,24 @@ class UcxxTransport(Transport):
         self, conn: HolderConnection, read: Read, state: ReadState, io: _ReadIO
     ) -> ReadResult:
         reply_future = conn.expect(read.transfer_id, ReadOk)
+        # registered before the Read goes out: ReadDone may arrive before the last chunk lands
+        done_future = conn.expect(read.transfer_id, ReadDone) if expects_read_done(read) else None
+        try:
+            return await self._run_read_replies(conn, read, state, io, reply_future, done_future)
+        finally:
+            conn.forget(read.transfer_id, ReadDone)
+            if done_future is not None and done_future.done() and not done_future.cancelled():
+                done_future.exception()  # retrieved: a lost connection fails it unawaited
+
+    async def _run_read_replies(
+        self,
+        conn: HolderConnection,
+        read: Read,
+        state: ReadState,
+        io: _ReadIO,
+        reply_future: asyncio.Future[Message],
+        done_future: asyncio.Future[Message] | None,
+    ) -> ReadResult:
         try:
             await conn.send(read)
             reply = await reply_future
@@ -371,7 +411,10 @@ class UcxxTransport(Transport):
             io.num_posted = chunk_idx + 1
 
         try:
-            return await self._land_chunks(conn, read, state, io, chunks, good, post, local_ids)
+            await self._land_chunks(conn, read, state, io, chunks, good, post, local_ids)
+            if done_future is not None:
+                await self._apply_read_done(read, state, done_future)
+            return state.result()
         except asyncio.CancelledError:
             raise  # drive_read runs _abort_read, which settles the posted receives
         except BaseException:
@@ -407,7 +450,23 @@ class UcxxTransport(Transport):
                     self.staging.release(posted.buffer)
             state.landed[chunk.entry].update(good[chunk.entry][chunk.start : chunk.stop])
             state.num_bytes_landed += posted.target.numel() * posted.target.element_size()
-        return state.result()
+
+    async def _apply_read_done(
+        self, read: Read, state: ReadState, done_future: asyncio.Future[Message]
+    ) -> None:
+        """Wait for the holder's ``ReadDone`` and fail the blocks it names. Without it the
+        hash-checked blocks are unconfirmed and the read fails naming them."""
+        checked = [i for i, g in enumerate(read.groups) if g.expected_hashes is not None]
+        try:
+            done = await done_future
+            if isinstance(done, ErrorMsg):
+                raise TransportError(f"holder failed the read: {done.message}")
+            assert isinstance(done, ReadDone)
+            check_read_done(read, state.mismatched, done.mismatched)
+        except TransportError as exc:  # WireError too: a ReadDone that does not fit the read
+            state.unconfirm(checked)
+            raise state.error(TransferError, f"no valid ReadDone from the holder: {exc}") from None
+        state.fail_late(done.mismatched, block_nbytes_by_entry(self.metadata, read))
 
     async def _abort_read(self, conn: HolderConnection, read: Read, io: _ReadIO) -> None:
         """Stop a read whose core was cancelled, leaving no UCX request posted or issued.

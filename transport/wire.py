@@ -7,7 +7,7 @@ answers with an ``ErrorMsg`` and keeps serving (DESIGN.md, "Reliability rules": 
 arrives over the network is validated).
 
 Requester -> holder: ``Hello``, ``Read``, ``Cancel``, ``Heartbeat``, ``TransferDone``.
-Holder -> requester: ``HelloOk``, ``ReadOk``, ``CancelOk``, ``ErrorMsg``.
+Holder -> requester: ``HelloOk``, ``ReadOk``, ``ReadDone``, ``CancelOk``, ``ErrorMsg``.
 
 Block bytes never travel in these messages; they go over UCX tag messages (``ucxx_transport``).
 """
@@ -23,7 +23,9 @@ import msgpack
 from .errors import WireError
 from .metadata import KVGroupLayout, NodeMetadata
 
-WIRE_VERSION = 2  # 2: Cancel carries num_chunks_posted (filler sends, see ucxx_holder)
+WIRE_VERSION = 3
+# 2: Cancel carries num_chunks_posted (filler sends, see ucxx_holder)
+# 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 MAX_STR_LEN = 512
@@ -79,6 +81,18 @@ class ReadOk:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReadDone:
+    """The holder's last word on a read that sent expected hashes, after its last chunk send
+    completed. ``mismatched[i]`` lists positions in ``groups[i]`` that passed the check at
+    ``ReadOk`` and were sent, but no longer carried the expected hash when re-checked right after
+    their bytes were copied out (the holder evicted and reused the block meanwhile, so the bytes
+    sent may be torn): the requester must treat those blocks as failed, never as landed."""
+
+    transfer_id: int
+    mismatched: list[list[int]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Cancel:
     """Stop a transfer. The requester has posted receives for chunks ``[0, num_chunks_posted)``;
     the holder completes each of those it never issued with an empty message, so no posted
@@ -117,7 +131,18 @@ class ErrorMsg:
     message: str
 
 
-Message = Hello | HelloOk | Read | ReadOk | Cancel | CancelOk | Heartbeat | TransferDone | ErrorMsg
+Message = (
+    Hello
+    | HelloOk
+    | Read
+    | ReadOk
+    | ReadDone
+    | Cancel
+    | CancelOk
+    | Heartbeat
+    | TransferDone
+    | ErrorMsg
+)
 
 
 # ----------------------------------------------------------------------------- field checks
@@ -325,6 +350,17 @@ def _decode_read(obj: dict[Any, Any]) -> Read:
     )
 
 
+def _positions(obj: dict[Any, Any]) -> list[list[int]]:
+    """``mismatched`` of ``ReadOk`` / ``ReadDone``: per group entry, block positions."""
+    mismatched = _list(obj, "mismatched", MAX_GROUPS)
+    for i, positions in enumerate(mismatched):
+        if type(positions) is not list or not all(
+            type(p) is int and 0 <= p < MAX_BLOCKS_PER_READ for p in positions
+        ):
+            raise WireError(f"field 'mismatched'[{i}] must be a list of block positions")
+    return mismatched
+
+
 def _decode_body(kind: str, obj: dict[Any, Any]) -> Message:
     if kind == "Hello":
         return Hello(
@@ -339,13 +375,11 @@ def _decode_body(kind: str, obj: dict[Any, Any]) -> Message:
     if kind == "Read":
         return _decode_read(obj)
     if kind == "ReadOk":
-        mismatched = _list(obj, "mismatched", MAX_GROUPS)
-        for i, positions in enumerate(mismatched):
-            if type(positions) is not list or not all(
-                type(p) is int and 0 <= p < MAX_BLOCKS_PER_READ for p in positions
-            ):
-                raise WireError(f"field 'mismatched'[{i}] must be a list of block positions")
-        return ReadOk(transfer_id=_int(obj, "transfer_id", 1, MAX_U64), mismatched=mismatched)
+        return ReadOk(transfer_id=_int(obj, "transfer_id", 1, MAX_U64), mismatched=_positions(obj))
+    if kind == "ReadDone":
+        return ReadDone(
+            transfer_id=_int(obj, "transfer_id", 1, MAX_U64), mismatched=_positions(obj)
+        )
     if kind == "Cancel":
         return Cancel(
             transfer_id=_int(obj, "transfer_id", 1, MAX_U64),
