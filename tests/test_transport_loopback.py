@@ -255,3 +255,26 @@ async def test_validator_reruns_after_each_chunk_copy():
         _assert_block_equal(requester, holder, 1, local_id, remote_id)
     # one check of the whole group, then one per chunk of the 4 blocks sent (2 per chunk)
     assert calls == [(1, [3, 4, 40, 5, 6]), (1, [3, 40]), (1, [5, 6])]
+
+
+async def test_block_rechecker_serves_the_rechecks_when_registered():
+    """A validator with once-per-read effects (a store counting hits) registers a separate
+    side-effect-free rechecker: the validator then runs once per read, the rechecker per chunk."""
+    holder, requester = await _pair(chunk_bytes=4096)  # one 3-layer block per chunk
+    num_checked: list[int] = []
+    rechecked: list[list[int]] = []
+
+    def validate(group_id: int, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+        num_checked.append(len(block_ids))
+        return []
+
+    def recheck(group_id: int, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+        rechecked.append(list(block_ids))
+        return [i for i, b in enumerate(block_ids) if b == 2]
+
+    holder.set_callbacks(block_validator=validate, block_rechecker=recheck)
+    reads = _reads([1, 2, 3], [4, 5, 6], hashes=[b"a", b"b", b"c"])
+    result = await requester.read_blocks(holder.address, "r", reads, deadline_s=5)
+    assert result.failed_local_block_ids == (5,)
+    assert num_checked == [3]  # once, over the whole group
+    assert rechecked == [[1], [2], [3]]  # once per chunk

@@ -20,8 +20,10 @@ Lease support. The transport carries the messages; the policy lives in the conne
   those blocks' bytes were sent, but the requester counts them as failed, never as landed;
   ``plan``, "Hash checks on the holder"). Both kinds come back to the requester in
   ``ReadResult.failed_local_block_ids`` (never stale bytes counted as landed). The validator
-  must be cheap (dict / attribute reads). The transport compares nothing itself: hashes are
-  opaque bytes.
+  must be cheap (dict / attribute reads). A node whose validator has effects meant once per read
+  (stats, LRU touches) registers a side-effect-free ``block_rechecker`` (same signature) for the
+  re-checks; without one, ``block_validator`` serves both. The transport compares nothing
+  itself: hashes are opaque bytes.
 
 Callbacks run on the holder's event loop thread and must not block.
 """
@@ -110,6 +112,13 @@ class HolderCallbacks:
     block_validator: BlockValidator | None = None
     on_heartbeat: HeartbeatCallback | None = None
     on_transfer_done: TransferDoneCallback | None = None
+    block_rechecker: BlockValidator | None = None
+
+    @property
+    def recheck_validator(self) -> BlockValidator | None:
+        """The validator of the re-checks after a copy: ``block_rechecker``, else
+        ``block_validator``."""
+        return self.block_rechecker if self.block_rechecker is not None else self.block_validator
 
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -146,12 +155,15 @@ class Transport(abc.ABC):
         block_validator: BlockValidator | None = None,
         on_heartbeat: HeartbeatCallback | None = None,
         on_transfer_done: TransferDoneCallback | None = None,
+        block_rechecker: BlockValidator | None = None,
     ) -> None:
-        """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset."""
+        """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset.
+        Replaces every hook registered before."""
         self.callbacks = HolderCallbacks(
             block_validator=block_validator,
             on_heartbeat=on_heartbeat,
             on_transfer_done=on_transfer_done,
+            block_rechecker=block_rechecker,
         )
 
     @abc.abstractmethod

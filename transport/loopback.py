@@ -361,7 +361,7 @@ class LoopbackTransport(Transport):
         ``faults.evict_during_copy_block_ids`` evicts (groups with expected hashes only)."""
         if group.expected_hashes is None:
             return []
-        late = set(recheck_blocks(group, positions, self.callbacks.block_validator))
+        late = set(recheck_blocks(group, positions, self.callbacks.recheck_validator))
         evicted = self.faults.evict_during_copy_block_ids
         late.update(p for p in positions if group.block_ids[p] in evicted)
         return sorted(late)

@@ -387,7 +387,7 @@ class UcxxHolder:
     def _recheck(self, serve: _Serve, entry: int, positions: list[int]) -> None:
         """Re-run the validator over one chunk's blocks; failures join ``serve.late``."""
         group = serve.read.groups[entry]
-        serve.late[entry].extend(recheck_blocks(group, positions, self.callbacks.block_validator))
+        serve.late[entry].extend(recheck_blocks(group, positions, self.callbacks.recheck_validator))
 
     async def _retire(self, serve: _Serve, pool: StagingPool, pending: deque[_InFlight]) -> None:
         """Wait for the oldest send, release its staging, and re-check a zero-copy chunk."""
