@@ -5,7 +5,9 @@ call :meth:`EngineLoop.submit` from the event loop; the request is handed to the
 through a queue, and every ``RequestOutput`` for it comes back on an ``asyncio.Queue`` owned by
 the handler (``loop.call_soon_threadsafe``). A request the engine rejects (``ValueError`` from
 ``Engine.add_request``) comes back as a :class:`RequestRejected` item, so the handler answers 400
-and the node keeps serving.
+and the node keeps serving. A body the HTTP layer refuses before it reaches the engine may still
+carry a pull ticket: :meth:`EngineLoop.release_remote` has the connector tell that prefill node
+to release its blocks (from the loop thread, like every other engine call).
 
 Per-request timings (seconds, ``time.monotonic``) are taken in the loop thread by watching each
 request's status after every step: arrival, the first step in ``WAITING_FOR_REMOTE_KVS`` and the
@@ -114,6 +116,17 @@ class _Pending:
     sink: Callable[[Any], None]
 
 
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    kv_transfer_params: dict[str, Any]
+    reason: str
+
+
 @dataclass(slots=True)
 class _Live:
     sink: Callable[[Any], None]
@@ -138,7 +151,7 @@ class EngineLoop:
         self.engine = engine
         self.counters = NodeCounters()
         self.error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[_Pending | tuple[str, str]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Pending | _Abort | _Release] = queue.SimpleQueue()
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._live: dict[str, _Live] = {}
@@ -174,7 +187,16 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client went away). Safe for unknown or finished ids."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
+        self._notify()
+
+    def release_remote(self, kv_transfer_params: dict[str, Any], reason: str) -> None:
+        """A request carrying a pull ticket was refused before it reached the engine (a
+        malformed body): the connector's ``on_request_rejected`` sends the prefill node a
+        release notice, so its blocks do not stay pinned until the lease expires. Best effort
+        and safe for any mapping (the no-op connector does nothing); runs on the loop thread,
+        in order with submitted requests."""
+        self._inbox.put(_Release(kv_transfer_params, reason))
         self._notify()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -220,8 +242,11 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple):
-                self._abort(item[1])
+            if isinstance(item, _Abort):
+                self._abort(item.request_id)
+                continue
+            if isinstance(item, _Release):
+                self._release_remote(item)
                 continue
             timings = RequestTimings(arrival_s=time.monotonic())
             try:
@@ -237,6 +262,14 @@ class EngineLoop:
                 item.kv_transfer_params.get("do_remote_prefill") is True
             )
             self._live[item.request_id] = _Live(item.sink, timings, remote)
+
+    def _release_remote(self, item: _Release) -> None:
+        try:
+            self.engine.scheduler.connector.on_request_rejected(
+                item.kv_transfer_params, item.reason
+            )
+        except Exception:  # best effort: the lease still expires; never stop the loop
+            logger.exception("release notice for a refused pull ticket failed")
 
     def _abort(self, request_id: str) -> None:
         for output in self.engine.abort_request([request_id]):

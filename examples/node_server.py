@@ -11,10 +11,12 @@ Routes:
   ``choices[0].token_ids``, the top-level ``kv_transfer_params`` for the next hop (a prefill node's
   pull ticket for the decode node), and ``kvbridge`` (this node's timings and cache hit). With
   ``"stream": true`` it answers server-sent events, one chunk per step, ending ``data: [DONE]``.
-  A malformed body, or a request the engine refuses at admission (``Engine.add_request`` raises
-  ``ValueError``: bad token ids, a prompt too long, malformed ``kv_transfer_params`` -- the
-  connector then tells the prefill node to release its blocks), is a 400 with the message; the
-  node keeps serving.
+  A malformed body (examples/completion_body.py), or a request the engine refuses at admission
+  (``Engine.add_request`` raises ``ValueError``: bad token ids, a prompt too long, malformed
+  ``kv_transfer_params``), is a 400 with the message; the node keeps serving. Either way, a
+  refused body that carries a pull ticket (``"do_remote_prefill": true``) has the connector
+  tell that prefill node to release its blocks (``on_request_rejected``), so a refused request
+  never pins them for the whole lease.
 - ``GET /health``: 200 ``{"status": "ok", "role", "engine_id", ...}``; 503 once the engine loop
   died.
 - ``GET /metrics``: Prometheus text (examples/node_metrics.py); ``GET /v1/stats``: the same as JSON.
@@ -38,7 +40,6 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import uvicorn
+from completion_body import BadRequest, CompletionBody, remote_prefill_ticket
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from kvbridge.kernels import ModelConfig, ReferenceDecoder
@@ -64,61 +66,6 @@ ROLE_TO_KV_ROLE = {
     "both": "kv_both",
     "store": "kv_both",
 }
-_MAX_TOKENS_LIMIT = 1 << 16
-
-
-class BadRequest(ValueError):
-    """A malformed request body (answered 400)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CompletionBody:
-    """A validated ``/v1/completions`` body."""
-
-    prompt: str | list[int]
-    max_tokens: int
-    stream: bool
-    ignore_eos: bool
-    kv_transfer_params: dict[str, Any] | None
-
-    @classmethod
-    def parse(cls, body: Any) -> CompletionBody:
-        """Raises BadRequest naming the bad field. Only greedy sampling exists: a ``temperature``
-        other than 0 is refused rather than ignored."""
-        if not isinstance(body, dict):
-            raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # OpenAI allows a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise BadRequest("prompt: must be non-empty")
-        elif isinstance(prompt, list):
-            if not prompt or not all(type(t) is int for t in prompt):
-                raise BadRequest("prompt: a token list must be a non-empty list of ints")
-        else:
-            raise BadRequest("prompt: required, a string or a list of token ids")
-        max_tokens = body.get("max_tokens", 16)
-        if type(max_tokens) is not int or not 1 <= max_tokens <= _MAX_TOKENS_LIMIT:
-            raise BadRequest(f"max_tokens: must be an int in [1, {_MAX_TOKENS_LIMIT}]")
-        temperature = body.get("temperature", 0)
-        if temperature not in (0, 0.0, None):
-            raise BadRequest("temperature: this node samples greedily; use 0")
-        stream = body.get("stream", False)
-        ignore_eos = body.get("ignore_eos", False)
-        for name, value in (("stream", stream), ("ignore_eos", ignore_eos)):
-            if not isinstance(value, bool):
-                raise BadRequest(f"{name}: must be a boolean")
-        params = body.get("kv_transfer_params")
-        if params is not None and not isinstance(params, dict):
-            raise BadRequest("kv_transfer_params: must be an object or null")
-        return cls(
-            prompt=prompt,
-            max_tokens=max_tokens,
-            stream=stream,
-            ignore_eos=ignore_eos,
-            kv_transfer_params=params,
-        )
 
 
 # ---------------------------------------------------------------------- engine construction
@@ -230,6 +177,10 @@ def build_app(loop: EngineLoop, *, role: str, engine_id: str, model_name: str) -
         try:
             body = CompletionBody.parse(raw)
         except BadRequest as exc:
+            ticket = remote_prefill_ticket(raw)
+            if ticket is not None:
+                # The prefill node holds blocks under a lease for this ticket: release them now.
+                loop.release_remote(ticket, str(exc))
             return _error(400, str(exc))
         request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
         if not loop.alive:

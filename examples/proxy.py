@@ -5,6 +5,10 @@
 
 For each ``POST /v1/completions`` (DESIGN.md, "One disaggregated request, end to end"):
 
+0. validate the client's body with the decode node's own parser
+   (examples/completion_body.py): a body D would refuse is a 400 before anything is sent, so it
+   never costs a prefill on P nor pins P's blocks under a lease (the P hop overrides
+   ``max_tokens`` and ``stream``, so P alone would accept it);
 1. choose a prefill node P: with ``--index-url``, the P that the block index says holds the
    longest prefix of the prompt (ties and misses: round-robin); otherwise round-robin;
 2. send P the request with ``kv_transfer_params = {"do_remote_decode": true}``, ``max_tokens = 1``,
@@ -31,6 +35,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from completion_body import BadRequest, CompletionBody
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from kvbridge.kernels import ByteTokenizer
@@ -174,6 +179,19 @@ class PDRouter:
             raise HopError(reply.status_code, data)
         return data
 
+    @staticmethod
+    def check_body(body: Any) -> CompletionBody:
+        """The client's body as the decode node will parse it.
+
+        Raises:
+            HopError: 400 naming the bad field (nothing was sent to any node).
+        """
+        try:
+            return CompletionBody.parse(body)
+        except BadRequest as exc:
+            raise HopError(400, {"error": {"message": str(exc), "type": "invalid_request_error",
+                                           "code": 400}}) from exc
+
     async def prefill(self, body: dict[str, Any], request_id: str) -> tuple[str, dict, float]:
         """Run the prefill hop; returns ``(P url, P's answer, seconds)``.
 
@@ -197,7 +215,9 @@ class PDRouter:
         return url, answer, elapsed
 
     async def complete(self, body: dict[str, Any], request_id: str | None = None) -> PDResult:
-        """A whole (non-streamed) disaggregated completion. Raises HopError."""
+        """A whole (non-streamed) disaggregated completion. Raises HopError (400 for a body the
+        decode node would refuse, before P sees it)."""
+        self.check_body(body)
         request_id = request_id or f"pd-{uuid.uuid4().hex}"
         p_url, p_answer, p_s = await self.prefill(body, request_id)
         d_url = self.choose_decode()
@@ -215,7 +235,9 @@ class PDRouter:
         )
 
     async def stream(self, body: dict[str, Any], request_id: str) -> AsyncIterator[bytes]:
-        """D's server-sent events for a streamed completion (after the prefill hop)."""
+        """D's server-sent events for a streamed completion (after the prefill hop). Raises
+        HopError, as :meth:`complete`."""
+        self.check_body(body)
         _, p_answer, _ = await self.prefill(body, request_id)
         d_url = self.choose_decode()
         d_body = {**body, "stream": True, "kv_transfer_params": p_answer["kv_transfer_params"]}
@@ -253,11 +275,9 @@ def build_app(router: PDRouter) -> FastAPI:
             body = await request.json()
         except ValueError as exc:
             return JSONResponse({"error": {"message": f"body is not valid JSON: {exc}"}}, 400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "body must be a JSON object"}}, 400)
         request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         try:
-            if body.get("stream") is True:
+            if router.check_body(body).stream:
                 stream = router.stream(body, request_id)
                 first = await anext(stream)  # surfaces P's or D's error before the 200
 

@@ -1,5 +1,6 @@
 """The examples' own logic, in process: request-body validation, role -> kv_transfer_config,
-the HTTP app around a plain engine (served through httpx's ASGI transport, no sockets), the trace
+the HTTP app around a plain engine (served through httpx's ASGI transport, no sockets), the
+proxy's checks in front of the prefill hop (nodes faked by httpx's mock transport), the trace
 expansion and the report's percentile."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvbridge.kvmanager import Engine, EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import proxy
 from node_loop import EngineLoop
 from node_server import BadRequest, CompletionBody, build_app, kv_transfer_config_dict
 from pd_report import percentile
@@ -34,6 +36,23 @@ def _args(**overrides) -> argparse.Namespace:
 def _plain_engine() -> Engine:
     return Engine(ModelConfig.tiny(), EngineConfig(num_blocks=64, block_size=BLOCK_SIZE,
                                                    max_model_len=256))
+
+
+def _pull_ticket(*, remote_request_id: str = "p-req-1") -> dict:
+    """The kv_transfer_params a prefill node hands out (the fields D's connector reads)."""
+    return {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_host": "127.0.0.1",
+            "remote_port": 4000, "remote_request_id": remote_request_id,
+            "remote_block_ids": [[1, 2]], "remote_num_tokens": 32}
+
+
+class _RecordedRejections:
+    """Stands in for the connector's ``on_request_rejected``: the (params, reason) it got."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict, str]] = []
+
+    def __call__(self, kv_transfer_params: dict, reason: str) -> None:
+        self.calls.append((kv_transfer_params, reason))
 
 
 # ---------------------------------------------------------------------- body validation
@@ -126,6 +145,107 @@ async def test_app_rejects_bad_bodies_then_serves_and_counts():
     finally:
         loop.stop()
     engine.check_integrity()
+
+
+async def test_refused_body_with_a_pull_ticket_releases_the_prefill_nodes_blocks():
+    engine = _plain_engine()
+    rejections = _RecordedRejections()
+    engine.scheduler.connector.on_request_rejected = rejections  # the connector's release hook
+    loop = EngineLoop(engine)
+    loop.start()
+    app = build_app(loop, role="decode", engine_id="d0", model_name="tiny")
+    ticket = _pull_ticket()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://node") as client:
+            # (1) refused by the body parser, ticket attached: P must be told to release.
+            for body in (
+                {"prompt": [1, 2, 3], "max_tokens": 0, "kv_transfer_params": ticket},
+                {"prompt": [1, 2, 3], "temperature": 0.5, "kv_transfer_params": ticket},
+            ):
+                reply = await client.post("/v1/completions", json=body)
+                assert reply.status_code == 400, reply.text
+            # (2) refused, but nothing held on a peer for it: no release notice.
+            no_ticket = [
+                {"prompt": [1, 2, 3], "max_tokens": 0},
+                {"prompt": [1, 2, 3], "max_tokens": 0,
+                 "kv_transfer_params": {"do_remote_decode": True}},
+                {"prompt": [1, 2, 3], "max_tokens": 0,
+                 "kv_transfer_params": {**ticket, "do_remote_prefill": "yes"}},  # not true
+            ]
+            for body in no_ticket:
+                reply = await client.post("/v1/completions", json=body)
+                assert reply.status_code == 400, reply.text
+            # (3) a served request: the loop thread handles its inbox in order, so every
+            # release queued above has run once this answer is back.
+            ok = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+            assert ok.status_code == 200, ok.text
+    finally:
+        loop.stop()
+    assert rejections.calls == [
+        (ticket, "max_tokens: must be an int in [1, 65536]"),
+        (ticket, "temperature: this node samples greedily; use 0"),
+    ]
+    engine.check_integrity()
+
+
+# ---------------------------------------------------------------------- the proxy, nodes faked
+def _fake_nodes(seen: list[tuple[str, dict]]) -> httpx.MockTransport:
+    """P answers a pull ticket, D a completion; every request is recorded as (url, body)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((str(request.url), body))
+        if request.url.host == "p":
+            return httpx.Response(200, json={"choices": [{"token_ids": [7]}],
+                                             "kv_transfer_params": _pull_ticket()})
+        return httpx.Response(200, json={"choices": [{"token_ids": [7, 8]}],
+                                         "kv_transfer_params": None})
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": [1, 2, 3], "max_tokens": 0}, "max_tokens"),  # P's hop would say 1
+        ({"prompt": [1, 2, 3], "stream": "yes"}, "stream"),  # P's hop would say false
+        ({"prompt": [1, 2, 3], "temperature": 0.9}, "temperature"),
+        ({"prompt": ""}, "prompt"),
+        (["not", "an", "object"], "body must be a JSON object"),
+    ],
+)
+async def test_proxy_refuses_a_body_decode_would_refuse_before_prefill_sees_it(body, field):
+    seen: list[tuple[str, dict]] = []
+    router = proxy.PDRouter(["http://p"], ["http://d"])
+    router.client = httpx.AsyncClient(transport=_fake_nodes(seen))
+    app = proxy.build_app(router)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://proxy") as client:
+        reply = await client.post("/v1/completions", json=body)
+    await router.aclose()
+    assert reply.status_code == 400
+    assert field in reply.json()["error"]["message"]
+    assert seen == []  # neither P nor D was asked: no prefill spent, no blocks pinned
+
+
+async def test_proxy_sends_a_valid_body_to_prefill_then_decode():
+    seen: list[tuple[str, dict]] = []
+    router = proxy.PDRouter(["http://p"], ["http://d"])
+    router.client = httpx.AsyncClient(transport=_fake_nodes(seen))
+    app = proxy.build_app(router)
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://proxy") as client:
+        reply = await client.post("/v1/completions", json=body)
+    await router.aclose()
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == [7, 8]  # D's answer
+    assert [url for url, _ in seen] == ["http://p/v1/completions", "http://d/v1/completions"]
+    # P's hop: one token, not streamed, asked to keep the KV for D; D's hop carries P's ticket.
+    assert seen[0][1] == {**body, "max_tokens": 1, "stream": False,
+                          "kv_transfer_params": {"do_remote_decode": True}}
+    assert seen[1][1] == {**body, "stream": False, "kv_transfer_params": _pull_ticket()}
 
 
 # ---------------------------------------------------------------------- workload and report

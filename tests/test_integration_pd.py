@@ -81,6 +81,17 @@ def _decode_stats(url: str) -> dict:
     return httpx.get(f"{url}/v1/stats", timeout=10.0).json()
 
 
+def _wait_for_stats(url: str, done, timeout_s: float = 10.0) -> dict:
+    """Poll ``url``'s /v1/stats until ``done(stats)`` (a notice crosses processes); the last
+    stats either way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _decode_stats(url)
+        if done(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def nodes(redis_server, tmp_path_factory) -> Iterator[dict[str, ManagedProcess | ProcessGroup]]:
     group = ProcessGroup(tmp_path_factory.mktemp("pd-nodes"))
@@ -132,6 +143,26 @@ def test_malformed_body_is_400_and_node_keeps_serving(nodes):
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["token_ids"] == _reference(PROMPT, MAX_TOKENS)
     assert httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+
+
+def test_body_refused_by_decode_releases_the_prefill_lease(nodes):
+    prefill, decode = nodes["prefill"], nodes["decode"]
+    prompt = [*PROMPT[:-3], ord("#")]
+    released_before = _decode_stats(prefill.url)["transfer"]["num_released_leases"]
+    ticket = _prefill(prefill.url, prompt)
+    assert _decode_stats(prefill.url)["counters"]["num_held_reqs"] == 1  # kept for D's pull
+    # (1) D refuses the body itself (max_tokens 0) before its engine sees the ticket.
+    reply = _complete(decode.url, {"prompt": prompt, "max_tokens": 0,
+                                   "kv_transfer_params": ticket})
+    assert reply.status_code == 400, reply.text
+    # (2) D's connector sent P a release notice: P frees the blocks now, not in lease_s (10 s).
+    stats = _wait_for_stats(
+        prefill.url, lambda s: s["transfer"]["num_released_leases"] > released_before
+    )
+    assert stats["transfer"]["num_released_leases"] == released_before + 1
+    stats = _wait_for_stats(prefill.url, lambda s: s["counters"]["num_held_reqs"] == 0)
+    assert stats["counters"]["num_held_reqs"] == 0
+    assert stats["transfer"]["num_expired_leases"] == 0  # released, not timed out
 
 
 async def test_proxy_routes_through_prefill_then_decode(nodes, redis_server):
