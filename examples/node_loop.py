@@ -13,9 +13,13 @@ Per-request timings (seconds, ``time.monotonic``) are taken in the loop thread b
 request's status after every step: arrival, the first step in ``WAITING_FOR_REMOTE_KVS`` and the
 first step out of it (the KV load as the scheduler sees it), and the first token.
 
-The loop keeps stepping while requests are unfinished or finished requests still hold blocks
-(a prefill node's ``delay_free`` blocks wait for the decode node's pull; the connector reports
-them in ``finished_sending`` from inside a step). An idle loop sleeps on a condition variable.
+The loop keeps stepping until the scheduler is empty (``Scheduler.is_empty``): while requests
+are unfinished, and while finished or aborted requests still hold blocks (a prefill node's
+``delay_free`` blocks wait for the decode node's pull; an aborted request's blocks wait for its
+load in flight; the connector reports them from inside a step). Only an empty scheduler sleeps
+on a condition variable. The scheduler figures in :class:`NodeCounters` (queues, KV usage) are
+refreshed at start, after every step and after every abort, so /metrics is current when the
+loop goes idle (a disconnected client's request does not stay "running").
 """
 
 from __future__ import annotations
@@ -156,6 +160,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._live: dict[str, _Live] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._refresh_counters()  # the thread has not started: this thread may read the engine
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -220,7 +225,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain_inbox()
                 scheduler = self.engine.scheduler
-                if self.engine.has_unfinished_requests() or scheduler.held_req_ids:
+                if not scheduler.is_empty():
                     produced = self._step()
                     if not produced and not scheduler.running:
                         # Only loads in flight or blocks held for a peer: poll, do not spin.
@@ -272,7 +277,10 @@ class EngineLoop:
             logger.exception("release notice for a refused pull ticket failed")
 
     def _abort(self, request_id: str) -> None:
-        for output in self.engine.abort_request([request_id]):
+        outputs = self.engine.abort_request([request_id])
+        if outputs:
+            self._refresh_counters()  # before delivering: a client that sees the abort sees it
+        for output in outputs:
             self._deliver(output)
 
     def _step(self) -> bool:
@@ -294,7 +302,9 @@ class EngineLoop:
             live.status = request.status
         for output in outputs:
             self._deliver(output, now, step_start)
-        self._update_counters()
+        with self.counters.lock:
+            self.counters.steps += 1
+        self._refresh_counters()
         return bool(outputs)
 
     def _deliver(
@@ -336,11 +346,12 @@ class EngineLoop:
                 c.kv_loads += 1
                 c.kv_load_s_sum += load_s
 
-    def _update_counters(self) -> None:
+    def _refresh_counters(self) -> None:
+        """Take the scheduler's figures now and add the prefix cache stats since the last call
+        (``make_prefix_cache_stats`` resets them)."""
         stats = self.engine.kv_cache_manager.make_prefix_cache_stats()
         scheduler_stats = self.engine.scheduler.make_stats()
         with self.counters.lock:
-            self.counters.steps += 1
             self.counters.scheduler = dict(scheduler_stats)
             if stats is not None:
                 self.counters.local_hit_tokens += stats.hits + stats.preempted_hits

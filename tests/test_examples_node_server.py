@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kvbridge.kernels import ModelConfig
-from kvbridge.kvmanager import Engine, EngineConfig
+from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -186,6 +186,52 @@ async def test_refused_body_with_a_pull_ticket_releases_the_prefill_nodes_blocks
         (ticket, "max_tokens: must be an int in [1, 65536]"),
         (ticket, "temperature: this node samples greedily; use 0"),
     ]
+    engine.check_integrity()
+
+
+# ---------------------------------------------------------------------- the engine loop
+def _long_engine() -> Engine:
+    """Room for one long generation: 2,048 tokens in 16-token blocks = 128 blocks (+ null)."""
+    return Engine(ModelConfig.tiny(), EngineConfig(num_blocks=160, block_size=BLOCK_SIZE,
+                                                   max_model_len=2048))
+
+
+async def test_counters_are_current_before_the_first_step():
+    loop = EngineLoop(_plain_engine())
+    snapshot = loop.counters.snapshot()
+    # Nothing ran yet, but /metrics must already show the scheduler's figures, not omit them.
+    assert (snapshot["num_running_reqs"], snapshot["num_held_reqs"]) == (0, 0)
+    assert snapshot["kv_cache_usage"] == 0.0
+    assert snapshot["steps"] == 0
+
+
+async def test_abort_mid_generation_refreshes_the_counters():
+    engine = _long_engine()
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        # 2,000 tokens to generate: the abort below lands long before the last one.
+        results = loop.submit("r1", list(range(1, 33)),
+                              SamplingParams(max_tokens=2000, ignore_eos=True), None)
+        output, _ = await results.get()
+        assert not output.finished
+        running = loop.counters.snapshot()
+        assert running["num_running_reqs"] == 1
+        assert running["kv_cache_usage"] > 0.0
+        loop.abort("r1")  # what the HTTP layer does when the client goes away
+        while not output.finished:
+            output, _ = await results.get()
+        assert output.finish_reason == "abort"
+        # No step has to run for the abort to show: the loop refreshed the figures before it
+        # delivered the abort, and an idle loop would not step again.
+        after = loop.counters.snapshot()
+        assert (after["num_running_reqs"], after["num_waiting_reqs"]) == (0, 0)
+        assert after["kv_cache_usage"] == 0.0  # every block back on the free queue
+        assert after["requests_aborted"] == 1
+        assert after["requests_finished"] == 0
+    finally:
+        loop.stop()
+    assert engine.scheduler.is_empty()
     engine.check_integrity()
 
 
