@@ -18,8 +18,9 @@ are unfinished, and while finished or aborted requests still hold blocks (a pref
 ``delay_free`` blocks wait for the decode node's pull; an aborted request's blocks wait for its
 load in flight; the connector reports them from inside a step). Only an empty scheduler sleeps
 on a condition variable. The scheduler figures in :class:`NodeCounters` (queues, KV usage) are
-refreshed at start, after every step and after every abort, so /metrics is current when the
-loop goes idle (a disconnected client's request does not stay "running").
+refreshed at start, after every step and after every abort, before the step's or abort's outputs
+are delivered, so /metrics is current when the loop goes idle (a disconnected client's request
+does not stay "running") and a client that got an output reads figures at least that recent.
 """
 
 from __future__ import annotations
@@ -300,11 +301,11 @@ class EngineLoop:
             elif live.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 live.timings.load_end_s = step_start
             live.status = request.status
-        for output in outputs:
-            self._deliver(output, now, step_start)
         with self.counters.lock:
             self.counters.steps += 1
-        self._refresh_counters()
+        self._refresh_counters()  # before delivering, as in _abort
+        for output in outputs:
+            self._deliver(output, now, step_start)
         return bool(outputs)
 
     def _deliver(
