@@ -18,6 +18,7 @@ from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.transport import TransferDoneNotice
 
 from .context import ConnectorContext
+from .pull_plan import parse_lease_token
 
 __all__ = ["HolderCallbacks"]
 
@@ -43,11 +44,14 @@ class HolderCallbacks:
         Args:
             group_id: the KV cache group read.
             block_ids: block ids on this node, as the requester sent them.
-            expected_hashes: the requester's block hash per position; ``b""`` = not checked (the
-                partial last block has no hash).
+            expected_hashes: per position, the requester's block hash; or a lease token
+                (``pull_plan.lease_token``) for a block without a hash, served only while that
+                lease is held and covers the block; ``b""`` = not checked.
 
         Returns:
-            positions to refuse: the hash differs, or the id is outside this pool.
+            positions to refuse: the hash differs, the lease ended, or the id is outside this
+            pool. Called again after the bytes were copied, so a block reused meanwhile (its
+            hash goes before new content comes) is refused too.
         """
         manager = self.ctx.kv_cache_manager
         bad: list[int] = []
@@ -57,10 +61,22 @@ class HolderCallbacks:
             if manager is None or not 0 < block_id < len(manager.block_pool.blocks):
                 bad.append(pos)  # no pool yet, or an id from the network out of range
                 continue
+            lease_id = parse_lease_token(expected)
+            if lease_id is not None:
+                if not self._lease_covers(lease_id, group_id, block_id):
+                    bad.append(pos)
+                continue
             actual = manager.block_pool.blocks[block_id].block_hash
             if actual != make_block_hash_with_group_id(expected, group_id):
                 bad.append(pos)
         return bad
+
+    def _lease_covers(self, lease_id: str, group_id: int, block_id: int) -> bool:
+        """True while ``lease_id``'s lease is held and protects ``block_id`` in ``group_id``."""
+        held = self.ctx.leases.block_ids(lease_id)
+        if held is None or not self.ctx.leases.is_held(lease_id) or group_id >= len(held):
+            return False
+        return block_id in held[group_id]
 
     def on_heartbeat(self, peer_engine_id: str, request_ids: list[str]) -> None:
         self.ctx.leases.extend(request_ids)

@@ -48,7 +48,7 @@ from .errors import KVConnectorError, KVTransferParamsError
 from .holder import HolderCallbacks
 from .index_client import IndexClient, open_index
 from .loop_thread import get_loop_thread
-from .pull_plan import PullPlan, ReleaseNotice, plan_group_pulls
+from .pull_plan import PullPlan, ReleaseNotice, lease_token, plan_group_pulls
 from .puller import Puller, release_notice, send_notice
 from .stats import KVTransferStats
 from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
@@ -126,7 +126,9 @@ class KVBridgeConnector(KVConnectorBase):
             self.ctx.stats.add("num_rejected_params")
             return MatchedTokens(0, False)
         self._remote[request.request_id] = (remote, num_computed_tokens)
-        num_remote = min(remote.remote_num_tokens, request.num_prompt_tokens)
+        # The last prompt token is recomputed for its logits anyway: never plan it as external
+        # (a sliding-window group then keeps the block that token's window starts in).
+        num_remote = min(remote.remote_num_tokens, request.num_prompt_tokens - 1)
         return MatchedTokens(max(num_remote - num_computed_tokens, 0), True)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
@@ -175,6 +177,10 @@ class KVBridgeConnector(KVConnectorBase):
         if entry is None:
             return
         remote, num_local = entry
+        if remote.remote_request_id and isinstance(request.kv_transfer_params, dict):
+            # The ticket is used once (as vLLM's NIXL connector does): a request preempted after
+            # its pull must not pull again from blocks the holder has released since.
+            request.kv_transfer_params["do_remote_prefill"] = False
         if num_external_tokens == 0:
             # The local prefix cache covers everything P offered: P only releases its blocks.
             if remote.remote_request_id:
@@ -191,6 +197,9 @@ class KVBridgeConnector(KVConnectorBase):
             start_block=start_block,
             end_block=end_block,
             block_hashes=request.block_hashes,
+            unhashed_token=lease_token(remote.remote_request_id)
+            if remote.remote_request_id
+            else b"",
         )
         self._reqs_to_recv[request.request_id] = PullPlan(
             request_id=request.request_id,
@@ -202,7 +211,6 @@ class KVBridgeConnector(KVConnectorBase):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        self._publish_events()
         meta = KVBridgeConnectorMetadata(reqs_to_recv=self._reqs_to_recv, notices=self._notices)
         self._reqs_to_recv = {}
         self._notices = []
@@ -222,7 +230,14 @@ class KVBridgeConnector(KVConnectorBase):
                 self.ctx.offloader.observe(events)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """End of a step (after the forward pass and the frees): offload cold blocks."""
+        """End of a step, after the forward pass: publish the step's block events, offload cold
+        blocks.
+
+        Publishing waits for the forward: ``allocate_slots`` hashes a step's new full blocks
+        before their KV is computed (vLLM's order, safe inside one engine), but a peer could
+        pull them through the index from another thread in between.
+        """
+        self._publish_events()
         if self.ctx.offloader is not None and self.ctx.kv_cache_manager is not None:
             self.ctx.offloader.on_step(self.ctx.kv_cache_manager.block_pool)
 
@@ -262,7 +277,11 @@ class KVBridgeConnector(KVConnectorBase):
     def validate_kv_transfer_params(self, kv_transfer_params: Mapping[str, Any]) -> None:
         """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``)."""
         if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
-            self.parse_remote_prefill(kv_transfer_params)
+            try:
+                self.parse_remote_prefill(kv_transfer_params)
+            except KVTransferParamsError:
+                self.ctx.stats.add("num_rejected_params")
+                raise
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: tell its prefill

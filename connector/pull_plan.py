@@ -26,7 +26,24 @@ __all__ = ["GroupPull", "PullPlan", "ReleaseNotice", "plan_group_pulls"]
 
 NULL_BLOCK_ID = 0
 UNCHECKED_HASH = b""
-"""Expected hash of a position the holder cannot check (the partial last block has no hash)."""
+"""Expected value of a position nobody can vouch for (only used without a lease)."""
+LEASE_TOKEN_PREFIX = b"\x00lease\x00"
+"""Expected value of a position without a hash (the partial last block) under a lease: the holder
+serves it only while ``lease_token(remote_request_id)``'s lease is held and covers that block, so
+a late puller never reads a block the holder has reused. Never a real hash: those are fixed-length
+digests, checked by length and prefix."""
+
+
+def lease_token(remote_request_id: str) -> bytes:
+    """The expected value standing for "this block, under this lease"."""
+    return LEASE_TOKEN_PREFIX + remote_request_id.encode()
+
+
+def parse_lease_token(expected: bytes) -> str | None:
+    """The lease's request id if ``expected`` is a lease token, else None."""
+    if not expected.startswith(LEASE_TOKEN_PREFIX):
+        return None
+    return expected[len(LEASE_TOKEN_PREFIX) :].decode(errors="replace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +100,7 @@ def plan_group_pulls(
     start_block: int,
     end_block: int,
     block_hashes: Sequence[bytes],
+    unhashed_token: bytes = UNCHECKED_HASH,
 ) -> tuple[tuple[GroupPull, ...], tuple[int, ...]]:
     """Pair local and remote blocks of positions ``[start_block, end_block)`` in every group.
 
@@ -92,7 +110,8 @@ def plan_group_pulls(
         start_block: first position to pull (D's local prefix hit, in blocks).
         end_block: one past the last position (``cdiv(local hit + external tokens, block_size)``).
         block_hashes: the request's full-block hashes (D computed them from the same tokens);
-            position ``i`` expects ``block_hashes[i]`` on P, or nothing past the last full block.
+            position ``i`` expects ``block_hashes[i]`` on P; past the last full block it expects
+            ``unhashed_token`` (a ``lease_token`` for a handoff under a lease).
 
     Returns:
         ``(groups, unloadable_local_block_ids)``.
@@ -120,7 +139,7 @@ def plan_group_pulls(
                 continue
             pulled_local.append(local_id)
             pulled_remote.append(remote_id)
-            expected.append(block_hashes[pos] if pos < len(block_hashes) else UNCHECKED_HASH)
+            expected.append(block_hashes[pos] if pos < len(block_hashes) else unhashed_token)
         groups.append(
             GroupPull(group_id, tuple(pulled_remote), tuple(pulled_local), tuple(expected))
         )

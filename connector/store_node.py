@@ -217,7 +217,11 @@ class StoreNode:
             self.transport = UcxxTransport(
                 self.metadata, self.kv_caches_by_group, host=self._host, port=self._port
             )
-        self.transport.set_callbacks(block_validator=self._validate_blocks)
+        # The transport re-checks served blocks after copying them; the re-check must not count
+        # requests and hits a second time.
+        self.transport.set_callbacks(
+            block_validator=self._validate_blocks, block_rechecker=self.cache.validate
+        )
         await self.transport.start()
         if self.index_url:
             index, directory = open_index(self.index_url, self.namespace)

@@ -9,6 +9,7 @@ field's type and range and raises ``KVTransferParamsError`` naming the field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,8 @@ class RemotePrefillParams:
                 raise KVTransferParamsError(key, "must be non-empty")
         if not 1 <= port <= 65535:
             raise KVTransferParamsError("remote_port", f"must be in [1, 65535], got {port}")
+        if not math.isfinite(expires):
+            raise KVTransferParamsError("lease_expires_at", f"must be finite, got {expires}")
         if num_tokens < 1:
             raise KVTransferParamsError("remote_num_tokens", f"must be >= 1, got {num_tokens}")
         if remote_block_size != block_size:

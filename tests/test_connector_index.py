@@ -194,3 +194,27 @@ def test_salt_and_lora_never_cross_hit_through_the_index(nodes, b_kwargs, c_kwar
     assert stats(c)["num_index_hits"] == int(hit)
     assert_node_empty(b)
     assert_node_empty(c)
+
+
+def test_blocks_are_published_only_after_the_forward_that_computes_them(nodes):
+    a, c = nodes("node-a"), nodes("node-c")
+    prompt = long_prompt(6 * BLOCK_SIZE + 4)
+    a.add_request("warm", prompt, SamplingParams(max_tokens=1))
+    # (1) A schedules the prompt: its blocks are hashed now, before the forward writes their KV.
+    scheduler_output = a.scheduler.schedule()
+    probe = Request(
+        "probe",
+        prompt,
+        SamplingParams(max_tokens=1),
+        block_hasher=a.kv_cache_manager.request_block_hasher,
+    )
+    index = index_client(a).index
+    # (2) Mid-step (A's forward not run yet) nobody can find them through the index ...
+    assert index.longest_prefix(probe.block_hashes[:6], (0,)).num_blocks == 0
+    # (3) ... and once the forward has run and the step is applied, they are published.
+    a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
+    assert index.longest_prefix(probe.block_hashes[:6], (0,)).num_blocks == 6
+    assert serve(c, "req-0", prompt) == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert stats(c)["num_index_hits"] == 1
+    assert_node_empty(a)  # "warm" (max_tokens=1) finished in the step applied above
+    assert_node_empty(c)

@@ -60,13 +60,13 @@ def test_decode_node_tokens_equal_single_node(pair_factory, hybrid, num_tokens):
         2 if hybrid else 1
     )
 
-    # (2) D pulls the prompt's KV, recomputes only the last token, then decodes.
+    # (2) D pulls the prompt's KV but the last token (recomputed for its logits), then decodes.
     output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=hybrid)
-    # Every prompt token came from P (the last one is recomputed on top of it).
-    assert output.num_cached_tokens == num_tokens
+    assert output.num_cached_tokens == num_tokens - 1
     stats = _stats(pair.d)
-    assert (stats["num_loads"], stats["num_failed_loads"]) == (1, 0)
+    # A 1-token prompt has nothing to pull: D only tells P to release its block.
+    assert (stats["num_loads"], stats["num_failed_loads"]) == (int(num_tokens > 1), 0)
 
     # (3) D's completion notice released P's lease: P frees its blocks, nothing leaks.
     assert_node_empty(pair.d)
@@ -88,7 +88,7 @@ def test_partial_local_hit_pulls_only_the_missing_blocks(pair_factory):
     output = decode(pair, "req-0", shared, params, MAX_TOKENS)
     assert output.token_ids == reference_greedy(shared, MAX_TOKENS, hybrid=False)
     assert _stats(pair.d)["num_blocks_received"] == 4
-    assert output.num_cached_tokens == 100
+    assert output.num_cached_tokens == 99  # 48 local + 51 pulled; the last token is recomputed
     assert_node_empty(pair.d)
     assert_node_empty(pair.p)
 
@@ -265,6 +265,8 @@ def _malformed(params, mutate):
         (lambda p: p["remote_block_ids"][0].__setitem__(0, -1), r"remote_block_ids\[0\]"),
         (lambda p: p["remote_block_ids"][0].__setitem__(0, "x"), r"remote_block_ids\[0\]"),
         (lambda p: p.update(remote_block_ids="1,2,3"), "remote_block_ids"),
+        (lambda p: p.update(lease_expires_at=float("inf")), "lease_expires_at"),
+        (lambda p: p.update(lease_expires_at=float("nan")), "lease_expires_at"),
     ],
 )
 def test_malformed_params_fail_that_request_and_the_node_keeps_serving(pair_factory, mutate, field):
@@ -273,6 +275,7 @@ def test_malformed_params_fail_that_request_and_the_node_keeps_serving(pair_fact
     params = prefill(pair, "req-0", prompt)
     with pytest.raises(KVTransferParamsError, match=field):
         pair.d.add_request("bad", prompt, SamplingParams(max_tokens=2), _malformed(params, mutate))
+    assert _stats(pair.d)["num_rejected_params"] == 1
     # The same node serves the well-formed request right after.
     output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
@@ -289,5 +292,65 @@ def test_block_ids_out_of_the_holders_range_become_a_load_error(pair_factory):
     # P refused the read (id out of its range); D recomputed: still the right tokens.
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     assert _stats(pair.d)["num_failed_loads"] == 1
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+def test_a_late_puller_never_reads_the_reused_unhashed_last_block(pair_factory):
+    pair = pair_factory(lease_s=0.2, heartbeat_interval_s=0.05)
+    prompt = long_prompt(40)  # 2 full blocks and a partial one, which has no hash
+    params = prefill(pair, "req-0", prompt)
+    # (1) D is late: the lease ends and P frees the blocks; its next prompt takes the unhashed
+    #     partial block first (unhashed blocks go to the front of the free queue).
+    time.sleep(0.25)
+    drain(pair.p)
+    prefill(pair, "other", long_prompt(40, salt="Another prompt. "))
+    # (2) The partial block is served only under its lease, which is gone: a load error, a
+    #     recompute from that block, and the right tokens (never the other prompt's KV).
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert _stats(pair.d)["num_failed_loads"] == 1
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+def test_a_request_preempted_after_its_pull_does_not_pull_again(pair_factory):
+    pair = pair_factory(num_blocks=12, max_model_len=176)
+    prompt = long_prompt(40)
+    params = prefill(pair, "req-0", prompt)
+    # (1) A local request grows until the pool is nearly full ...
+    grower = long_prompt(16, salt="Grow. ")
+    pair.d.add_request("grow", grower, SamplingParams(max_tokens=150, ignore_eos=True))
+    while pair.d.scheduler.requests["grow"].num_tokens < 124:
+        pair.d.step()
+    # (2) ... so req-0, admitted with P's ticket, is preempted after its pull landed.
+    pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=100, ignore_eos=True), params)
+    outputs = {}
+    deadline = time.monotonic() + 60
+    while len(outputs) < 2:
+        assert time.monotonic() < deadline
+        outputs.update({o.request_id: o for o in pair.d.step() if o.finished})
+    assert pair.d.scheduler.num_preemptions >= 1
+    # (3) The ticket was used once: the re-admitted request recomputes instead of pulling from
+    #     blocks P has released (and may have reused) since.
+    assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (1, 0)
+    expected = reference_greedy(prompt, 100, hybrid=False)
+    assert outputs["req-0"].token_ids == expected
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
+# tiny_hybrid's window is 16 tokens at block size 16 in these builders; prompt lengths where the
+# window of the last prompt token starts exactly on a block boundary used to lose that block.
+@pytest.mark.parametrize("num_tokens", [31, 47, 63])
+def test_hybrid_pull_resumes_at_the_last_token_without_a_restart(pair_factory, caplog, num_tokens):
+    pair = pair_factory(hybrid=True)
+    prompt = long_prompt(num_tokens)
+    params = prefill(pair, "req-0", prompt)
+    with caplog.at_level("WARNING", logger="kvbridge"):
+        output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=True)
+    assert not [r for r in caplog.records if "from scratch" in r.getMessage()]
+    assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (1, 0)
     assert_node_empty(pair.d)
     assert_node_empty(pair.p)
