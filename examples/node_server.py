@@ -11,6 +11,8 @@ Routes:
   ``choices[0].token_ids``, the top-level ``kv_transfer_params`` for the next hop (a prefill node's
   pull ticket for the decode node), and ``kvbridge`` (this node's timings and cache hit). With
   ``"stream": true`` it answers server-sent events, one chunk per step, ending ``data: [DONE]``.
+  A client that disconnects, streaming or not, has its request aborted
+  (examples/http_disconnect.py).
   A malformed body (examples/completion_body.py), or a request the engine refuses at admission
   (``Engine.add_request`` raises ``ValueError``: bad token ids, a prompt too long, malformed
   ``kv_transfer_params``), is a 400 with the message; the node keeps serving. Either way, a
@@ -49,7 +51,8 @@ import torch
 import uvicorn
 from completion_body import BadRequest, CompletionBody, remote_prefill_ticket
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
 from kvbridge.kernels import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 from node_loop import EngineLoop, RequestRejected
@@ -187,26 +190,42 @@ def build_app(loop: EngineLoop, *, role: str, engine_id: str, model_name: str) -
             return _error(503, f"engine loop stopped: {loop.error!r}", "server_error")
         params = SamplingParams(max_tokens=body.max_tokens, ignore_eos=body.ignore_eos)
         results = loop.submit(request_id, body.prompt, params, body.kv_transfer_params)
-        first = await results.get()
-        if isinstance(first, RequestRejected):
-            return _error(400, first.message)
-        if body.stream:
-            return StreamingResponse(
-                _stream(loop, request_id, first, results, model_name),
-                media_type="text/event-stream",
-            )
-        item = first
         try:
-            while not item[0].finished:
-                item = await results.get()
-                if isinstance(item, RequestRejected):
-                    return _error(500, item.message, "server_error")
+            async with DisconnectWatch(request) as watch:
+                # A client that goes away, before its first output (a decode node may wait
+                # for its KV) or while a whole answer is generated, is aborted: the engine
+                # frees its blocks rather than generating for nobody.
+                first = await watch.wait(results.get())
+                if isinstance(first, RequestRejected):
+                    return _error(400, first.message)
+                if body.stream:  # leaves the watch: StreamingResponse watches on its own
+                    return StreamingResponse(
+                        _stream(loop, request_id, first, results, model_name),
+                        media_type="text/event-stream",
+                    )
+                item = await watch.wait(_final_output(first, results))
+        except ClientDisconnected:
+            loop.abort(request_id)
+            return Response(status_code=CLIENT_CLOSED_STATUS)
         except asyncio.CancelledError:
             loop.abort(request_id)
             raise
+        if isinstance(item, RequestRejected):
+            return _error(500, item.message, "server_error")
         return JSONResponse(_completion_json(request_id, model_name, *item, final=True))
 
     return app
+
+
+async def _final_output(first: Any, results: asyncio.Queue) -> Any:
+    """The last item of a request's queue: its finished ``(RequestOutput, RequestTimings)``, or
+    a ``RequestRejected`` when the engine loop died under it."""
+    item = first
+    while not item[0].finished:
+        item = await results.get()
+        if isinstance(item, RequestRejected):
+            return item
+    return item
 
 
 def _completion_json(

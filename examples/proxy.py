@@ -17,7 +17,9 @@ For each ``POST /v1/completions`` (DESIGN.md, "One disaggregated request, end to
    ``kv_transfer_params``, and stream D's answer back (or return it whole).
 
 A P or D that answers an error is passed through with its status code; one that cannot be reached
-answers 502. :class:`PDRouter` is the reusable part (examples/pd_pair.py drives it directly).
+answers 502. A client that disconnects, streaming or not, has the hop in flight cancelled, so P
+or D aborts the request (examples/http_disconnect.py). :class:`PDRouter` is the reusable part
+(examples/pd_pair.py drives it directly).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import httpx
 import uvicorn
 from completion_body import BadRequest, CompletionBody
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
 from kvbridge.kernels import ByteTokenizer
 
 __all__ = ["PDResult", "PDRouter", "PrefixLocator", "build_app", "main"]
@@ -277,19 +280,29 @@ def build_app(router: PDRouter) -> FastAPI:
             return JSONResponse({"error": {"message": f"body is not valid JSON: {exc}"}}, 400)
         request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         try:
-            if router.check_body(body).stream:
-                stream = router.stream(body, request_id)
-                first = await anext(stream)  # surfaces P's or D's error before the 200
+            # A client that goes away cancels the hop in flight: closing that connection makes
+            # P or D abort the request (their own DisconnectWatch) instead of finishing it.
+            async with DisconnectWatch(request) as watch:
+                if router.check_body(body).stream:
+                    stream = router.stream(body, request_id)
+                    try:
+                        # surfaces P's or D's error before the 200
+                        first = await watch.wait(anext(stream))
+                    except ClientDisconnected:
+                        await stream.aclose()
+                        raise
 
-                async def chained() -> AsyncIterator[bytes]:
-                    yield first
-                    async for chunk in stream:
-                        yield chunk
+                    async def chained() -> AsyncIterator[bytes]:
+                        yield first
+                        async for chunk in stream:
+                            yield chunk
 
-                return StreamingResponse(chained(), media_type="text/event-stream")
-            result = await router.complete(body, request_id)
+                    return StreamingResponse(chained(), media_type="text/event-stream")
+                result = await watch.wait(router.complete(body, request_id))
         except HopError as exc:
             return JSONResponse(exc.body, exc.status)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
         return JSONResponse(result.response)
 
     return app

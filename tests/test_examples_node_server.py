@@ -6,6 +6,7 @@ expansion and the report's percentile."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -189,6 +190,63 @@ async def test_refused_body_with_a_pull_ticket_releases_the_prefill_nodes_blocks
     engine.check_integrity()
 
 
+async def _post_then_disconnect(app, body: dict, went_away: asyncio.Event) -> list[dict]:
+    """POST ``body`` to ``app`` over raw ASGI; the client hangs up once ``went_away`` is set
+    (uvicorn's ``http.disconnect``). Returns the ASGI messages the app sent."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")],
+             "server": ("node", 80), "client": ("client", 5000)}
+    messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        message = next(messages, None)
+        if message is not None:
+            return message
+        await went_away.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.timeout(60)  # a regression generates all 2,000 tokens: fail, never hang
+async def test_non_streaming_client_that_disconnects_is_aborted():
+    engine = _long_engine()
+    loop = EngineLoop(engine)
+    loop.start()
+    app = build_app(loop, role="both", engine_id="t0", model_name="tiny")
+    went_away = asyncio.Event()
+
+    async def hang_up_once_running() -> None:
+        while loop.counters.snapshot()["num_running_reqs"] == 0:
+            await asyncio.sleep(0.005)
+        went_away.set()
+
+    try:
+        body = {"prompt": list(range(1, 33)), "max_tokens": 2000, "ignore_eos": True}
+        sent, _ = await asyncio.gather(_post_then_disconnect(app, body, went_away),
+                                       hang_up_once_running())
+        assert sent[0]["status"] == 499  # nobody reads it; nginx's "client closed request"
+        # The abort is queued before this request, and the loop takes its inbox in order.
+        after = await loop.submit("r2", [1, 2, 3], SamplingParams(max_tokens=1), None).get()
+        assert after[0].finished
+        counters = loop.counters.snapshot()
+        assert counters["requests_aborted"] == 1  # not run to 2,000 tokens for nobody
+        assert counters["requests_finished"] == 1  # r2
+        assert counters["generation_tokens"] < 2000 + 1
+    finally:
+        loop.stop()
+    assert engine.scheduler.is_empty()
+    engine.check_integrity()
+
+
 # ---------------------------------------------------------------------- the engine loop
 def _long_engine() -> Engine:
     """Room for one long generation: 2,048 tokens in 16-token blocks = 128 blocks (+ null)."""
@@ -273,6 +331,41 @@ async def test_proxy_refuses_a_body_decode_would_refuse_before_prefill_sees_it(b
     assert reply.status_code == 400
     assert field in reply.json()["error"]["message"]
     assert seen == []  # neither P nor D was asked: no prefill spent, no blocks pinned
+
+
+@pytest.mark.timeout(30)  # a regression waits on the hop forever: fail, never hang
+async def test_proxy_cancels_the_hop_in_flight_when_the_client_disconnects():
+    hop_started, hop_cancelled = asyncio.Event(), asyncio.Event()
+
+    async def never_answers(request: httpx.Request) -> httpx.Response:
+        hop_started.set()
+        try:
+            await asyncio.Event().wait()  # P is busy prefilling a long prompt
+        except asyncio.CancelledError:
+            hop_cancelled.set()  # the connection closes: a real P would abort the request
+            raise
+        raise AssertionError("unreachable")
+
+    router = proxy.PDRouter(["http://p"], ["http://d"])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(never_answers))
+    went_away = asyncio.Event()
+
+    async def hang_up_once_the_hop_started() -> None:
+        await hop_started.wait()
+        went_away.set()
+
+    for stream in (False, True):
+        hop_started.clear()
+        hop_cancelled.clear()
+        went_away.clear()
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}
+        sent, _ = await asyncio.gather(
+            _post_then_disconnect(proxy.build_app(router), body, went_away),
+            hang_up_once_the_hop_started(),
+        )
+        assert sent[0]["status"] == 499, stream
+        assert hop_cancelled.is_set(), stream
+    await router.aclose()
 
 
 async def test_proxy_sends_a_valid_body_to_prefill_then_decode():
