@@ -122,8 +122,17 @@ def test_pd_pair_short_run_has_no_mismatch(redis_server, tmp_path):
     assert report["kv_bytes_moved"] > 0  # the decode node pulled KV from the prefill node
 
 
+def _metric(url: str, name: str) -> float:
+    """The value of ``name``'s one series in ``url``'s /metrics (Prometheus text)."""
+    for line in httpx.get(f"{url}/metrics", timeout=5.0).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
 def test_malformed_body_is_400_and_node_keeps_serving(nodes):
     url = nodes["decode"].url
+    rejected_before = _metric(url, "kvbridge_kv_rejected_params_total")
     bad_bodies = [
         (b"not json", "body is not valid JSON"),
         (json.dumps({"prompt": 5}).encode(), "prompt: required"),
@@ -138,6 +147,9 @@ def test_malformed_body_is_400_and_node_keeps_serving(nodes):
                            headers={"content-type": "application/json"})
         assert reply.status_code == 400, (raw, reply.text)
         assert expected in reply.json()["error"]["message"], reply.text
+    # Only the pull ticket without its fields is bad kv_transfer_params (the other bodies are
+    # refused before the connector sees them): counted once, at admission.
+    assert _metric(url, "kvbridge_kv_rejected_params_total") == rejected_before + 1
     # The node still serves: a plain request on D computes locally and matches the reference.
     reply = _complete(url, {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True})
     assert reply.status_code == 200, reply.text
