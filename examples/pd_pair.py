@@ -2,13 +2,17 @@
 crossing between them, every output checked token for token against a single-node run.
 
     python examples/pd_pair.py                      # stdlib-docstring conversations
-    python examples/pd_pair.py --trace conversation_trace.jsonl --limit 40
+    python examples/pd_pair.py --trace PATH/TO/conversation_trace.jsonl --limit 40
     python examples/pd_pair.py --redis-url redis://127.0.0.1:6379/0 --store
 
 What it does:
 
+0. Its inputs, before it starts anything: a ``--trace`` file that is missing or not a Mooncake
+   trace, or a ``--redis-url`` where no Redis answers PING, is one line on stderr and exit code 2
+   (a Redis the user named is never silently replaced by the in-memory index).
 1. The block index: an existing Redis (``--redis-url``), else a ``redis-server`` it starts on a
-   free port when the binary is on PATH, else the embedded in-memory index (said on one line).
+   free port when the binary is on PATH (``--no-redis``: never), else the embedded in-memory
+   index (said on one line).
 2. A prefill node (``--role prefill``), a decode node (``--role decode``) and, with ``--store``, a
    store node, each its own ``examples/node_server.py`` process; it waits until all are healthy.
 3. The workload, through :class:`proxy.PDRouter` (P with ``do_remote_decode``, then D with P's
@@ -42,13 +46,24 @@ import torch
 from node_server import load_model
 from pd_processes import ProcessGroup, StartupError
 from pd_report import Completed, ReferenceRunner, build_report, memcpy_gb_per_s
-from pd_workload import stdlib_conversations, trace_requests
+from pd_workload import TraceRequest, stdlib_conversations, trace_requests
 from proxy import HopError, PDRouter
 from tqdm import tqdm
 
-__all__ = ["main", "parse_args", "run"]
+__all__ = ["UsageError", "check_redis", "load_trace", "main", "parse_args", "run"]
 
 logger = logging.getLogger("kvbridge.pd_pair")
+
+_REDIS_PING_TIMEOUT_S = 3.0
+# Where the trace the README names comes from (it is not shipped with kvbridge).
+_TRACE_SOURCE = (
+    "the Mooncake FAST'25 trace release: conversation_trace.jsonl in github.com/kvcache-ai/"
+    "Mooncake, folder FAST25-release/traces"
+)
+
+
+class UsageError(Exception):
+    """An input the user named is unusable (one line, exit code 2); nothing was started."""
 
 
 @dataclass(slots=True)
@@ -64,8 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    parser.add_argument("--no-redis", action="store_true", help="embedded in-memory index")
+    index = parser.add_mutually_exclusive_group()
+    index.add_argument("--redis-url", default=None,
+                       help="use this Redis instead of starting one (must answer PING)")
+    index.add_argument("--no-redis", action="store_true",
+                       help="start no redis-server: each node keeps an embedded in-memory index")
     parser.add_argument("--store", action="store_true", help="also start a store node")
     parser.add_argument("--offload", choices=("evict", "write_through"), default="evict",
                         help="with --store: which cached blocks P and D write to the store")
@@ -73,7 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--trace", default=None, help="Mooncake-format JSONL trace to replay")
+    parser.add_argument("--trace", default=None,
+                        help="Mooncake-format JSONL trace to replay (e.g. conversation_trace.jsonl "
+                             "of the Mooncake FAST'25 release)")
     parser.add_argument("--limit", type=int, default=32, help="trace requests to replay")
     parser.add_argument("--load-timeout-s", type=float, default=20.0)
     parser.add_argument("--workdir", default=None, help="logs go here (default: a temp dir)")
@@ -120,20 +140,68 @@ async def _one(router: PDRouter, prompt: list[int], max_tokens: int, tally: _Tal
     return list(choice["token_ids"])
 
 
-async def _run_workload(args: argparse.Namespace, p_url: str, d_url: str, tally: _Tally) -> None:
+def load_trace(args: argparse.Namespace) -> list[TraceRequest] | None:
+    """The ``--trace`` requests, read before anything starts (None without ``--trace``).
+
+    Raises:
+        UsageError: the file is missing, unreadable or not a Mooncake trace (one line).
+    """
+    if args.trace is None:
+        return None
+    if not Path(args.trace).is_file():
+        raise UsageError(f"--trace {args.trace}: no such file (the trace comes from "
+                         f"{_TRACE_SOURCE})")
+    try:
+        return list(
+            trace_requests(
+                args.trace,
+                block_size=args.block_size,
+                limit=args.limit,
+                max_output_tokens=args.max_tokens,
+                max_prompt_tokens=args.max_model_len - args.max_tokens,
+            )
+        )
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise UsageError(f"--trace {args.trace}: {exc}") from exc
+
+
+def check_redis(url: str, timeout_s: float = _REDIS_PING_TIMEOUT_S) -> None:
+    """PING the Redis the user named with ``--redis-url``.
+
+    Raises:
+        UsageError: a malformed URL, or no answer within ``timeout_s`` (one line).
+    """
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                      socket_connect_timeout=timeout_s)
+    except ValueError as exc:
+        raise UsageError(f"--redis-url {url}: {exc}") from exc
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        raise UsageError(
+            f"--redis-url {url}: no Redis answered PING ({type(exc).__name__}: {exc}); start "
+            f"one there, or leave out --redis-url (a redis-server is started on a free port) "
+            f"or pass --no-redis"
+        ) from exc
+    finally:
+        client.close()
+
+
+async def _run_workload(
+    args: argparse.Namespace,
+    p_url: str,
+    d_url: str,
+    tally: _Tally,
+    trace: list[TraceRequest] | None,
+) -> None:
     router = PDRouter([p_url], [d_url], timeout_s=4 * args.load_timeout_s + 60)
     semaphore = asyncio.Semaphore(args.concurrency)
     try:
-        if args.trace:
-            requests = list(
-                trace_requests(
-                    args.trace,
-                    block_size=args.block_size,
-                    limit=args.limit,
-                    max_output_tokens=args.max_tokens,
-                    max_prompt_tokens=args.max_model_len - args.max_tokens,
-                )
-            )
+        if trace is not None:
+            requests = trace
             tally.bar.reset(total=len(requests))
 
             async def replay(prompt: list[int], max_tokens: int) -> None:
@@ -188,7 +256,16 @@ def _stats(url: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The whole job; returns the exit code."""
+    """The whole job; returns the exit code (0 ok, 1 a mismatch, an error or a child that did
+    not start, 2 an unusable input)."""
+    try:
+        trace = load_trace(args)
+        if args.redis_url:
+            check_redis(args.redis_url)
+    except UsageError as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        print(json.dumps({"errors": 1, "mismatches": None, "usage_error": str(exc)[:300]}))
+        return 2
     torch.set_num_threads(1)
     own_workdir = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvbridge-pd-"))
@@ -230,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         bar = tqdm(total=0, desc="P/D requests", unit="req", disable=args.no_progress)
         tally = _Tally([], [], bar)
         start = time.perf_counter()
-        asyncio.run(_run_workload(args, prefill.url, decode.url, tally))
+        asyncio.run(_run_workload(args, prefill.url, decode.url, tally, trace))
         wall_s = time.perf_counter() - start
         bar.close()
         stats = {n.name: _stats(n.url) for n in nodes}

@@ -6,7 +6,8 @@ order, so the same Python gives the same text). Conversations share a few system
 each turn's prompt is the previous prompt + the model's answer + a new user message, so prefixes
 repeat across requests as they do in production chat traffic.
 
-``--trace PATH``: a Mooncake-format JSONL trace (``../shared/traces/README.md``): each hash id
+``--trace PATH``: a Mooncake-format JSONL trace (e.g. ``conversation_trace.jsonl`` of the
+Mooncake FAST'25 trace release, kvcache-ai/Mooncake, FAST25-release/traces): each hash id
 becomes a deterministic run of ``block_size`` byte tokens (a PRNG seeded by the id), the prompt is
 cut to ``input_length`` scaled by ``block_size / 512``, so the prefix-sharing structure of the
 trace is kept exactly at the node's block size.

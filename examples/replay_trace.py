@@ -10,7 +10,8 @@ a finite pool (``--blocks-per-node``) and KV events on; every node's events feed
   otherwise a system prompt shared by every request pins all traffic to the first node);
 - ``round_robin``: request i goes to node i mod 4.
 
-Trace format (``shared/traces/README.md``): one JSON object a line with ``timestamp`` (ms),
+Trace format (the Mooncake FAST'25 trace release, kvcache-ai/Mooncake, FAST25-release/traces,
+e.g. its ``conversation_trace.jsonl``): one JSON object a line with ``timestamp`` (ms),
 ``input_length`` and ``output_length`` (tokens) and ``hash_ids`` (one id per 512-token block).
 Each hash id becomes a fixed run of ``--block-size`` token ids from a PRNG seeded by the id, and
 the prompt is cut to ``ceil(input_length * block_size / 512)`` tokens, so the trace's prefix
@@ -26,7 +27,7 @@ is an unbounded cache over the same file: a request's leading hash ids seen in a
 request, capped like ``get_computed_blocks`` (at most ``(num_tokens - 1) // block_size`` full
 blocks). Prints a table; the last line is one JSON object.
 
-    python examples/replay_trace.py ../shared/traces/conversation_trace.jsonl --limit 2000
+    python examples/replay_trace.py /path/to/conversation_trace.jsonl --limit 2000
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The examples' own logic, in process: request-body validation, role -> kv_transfer_config,
 the HTTP app around a plain engine (served through httpx's ASGI transport, no sockets), the
 proxy's checks in front of the prefill hop (nodes faked by httpx's mock transport), the trace
-expansion and the report's percentile."""
+expansion, the main job's checks of its inputs and the report's percentile."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import pd_pair
 import proxy
 from node_loop import EngineLoop
 from node_server import BadRequest, CompletionBody, build_app, kv_transfer_config_dict
+from pd_processes import free_port
 from pd_report import percentile
 from pd_workload import trace_requests
 
@@ -407,6 +409,51 @@ def test_trace_expansion_keeps_shared_prefixes_and_scales_lengths(tmp_path):
     assert out[2].prompt_token_ids == out[0].prompt_token_ids[:1]
     assert len(list(trace_requests(trace, block_size=BLOCK_SIZE, limit=1, max_output_tokens=4,
                                    max_prompt_tokens=100))) == 1
+
+
+# ---------------------------------------------------------------------- pd_pair's inputs
+def _run_pd_pair(capsys, *argv: str) -> tuple[int, list[str], str]:
+    """``pd_pair.run`` in process: (exit code, stderr lines, last stdout line)."""
+    code = pd_pair.run(pd_pair.parse_args(["--no-progress", *argv]))
+    out, err = capsys.readouterr()
+    return code, err.splitlines(), out.splitlines()[-1]
+
+
+def test_pd_pair_missing_trace_is_one_line_naming_the_source(capsys, tmp_path):
+    missing = tmp_path / "conversation_trace.jsonl"
+    code, err, last = _run_pd_pair(capsys, "--trace", str(missing), "--workdir", str(tmp_path))
+    assert code == 2  # nothing was started
+    assert err == [f"ERROR: --trace {missing}: no such file (the trace comes from the Mooncake "
+                   "FAST'25 trace release: conversation_trace.jsonl in github.com/kvcache-ai/"
+                   "Mooncake, folder FAST25-release/traces)"]
+    assert json.loads(last)["usage_error"].startswith(f"--trace {missing}: no such file")
+
+
+def test_pd_pair_trace_that_is_not_a_trace_is_one_line(capsys, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"input_length": 16}\n')  # no output_length, no hash_ids
+    code, err, _ = _run_pd_pair(capsys, "--trace", str(trace), "--workdir", str(tmp_path))
+    assert code == 2
+    assert len(err) == 1
+    assert err[0].startswith(f"ERROR: --trace {trace}: {trace}:1: not a Mooncake trace line")
+
+
+def test_pd_pair_unreachable_redis_url_is_an_error_not_a_silent_fallback(capsys, tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    code, err, last = _run_pd_pair(capsys, "--redis-url", url, "--workdir", str(tmp_path))
+    assert code == 2
+    assert len(err) == 1
+    assert err[0].startswith(f"ERROR: --redis-url {url}: no Redis answered PING (")
+    assert err[0].endswith("or pass --no-redis")
+    assert list(tmp_path.iterdir()) == []  # no child was started, so no log was written
+    assert json.loads(last)["errors"] == 1
+
+
+def test_pd_pair_redis_url_and_no_redis_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pd_pair.parse_args(["--redis-url", "redis://127.0.0.1:6379/0", "--no-redis"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_percentile_is_nearest_rank():
