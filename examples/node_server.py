@@ -73,14 +73,19 @@ ROLE_TO_KV_ROLE = {
 
 # ---------------------------------------------------------------------- engine construction
 def load_model(name: str) -> ReferenceDecoder:
-    """``tiny`` / ``tiny_hybrid`` (seeded weights, identical in every process) or an HF dir."""
+    """``tiny`` / ``tiny_hybrid`` / ``small`` (seeded weights, identical in every process) or
+    an HF dir."""
     if name == "tiny":
         return ReferenceDecoder(ModelConfig.tiny())
+    if name == "small":
+        return ReferenceDecoder(ModelConfig.small())
     if name == "tiny_hybrid":
         return ReferenceDecoder(ModelConfig.tiny_hybrid())
     if Path(name).is_dir():
         return ReferenceDecoder.from_pretrained(name)
-    raise ValueError(f"--model must be tiny, tiny_hybrid or a model directory, got {name!r}")
+    raise ValueError(
+        f"--model must be tiny, tiny_hybrid, small or a model directory, got {name!r}"
+    )
 
 
 def kv_transfer_config_dict(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -293,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model", default="tiny", help="tiny, tiny_hybrid or an HF model dir")
+    parser.add_argument("--model", default="tiny", help="tiny, tiny_hybrid, small or an HF dir")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks incl. null block")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)

@@ -75,7 +75,12 @@ class _Tally:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="kvbridge P/D pair on real input, verified")
-    parser.add_argument("--model", default="tiny", help="tiny, tiny_hybrid or an HF model dir")
+    parser.add_argument(
+        "--model",
+        default="small",
+        help="small (default: grouped-query attention, realistic prefill cost per KV byte), "
+        "tiny, tiny_hybrid or an HF model dir",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=2048)
