@@ -10,7 +10,11 @@ than a fresh one. A chunk of ``n`` blocks of ``L`` layers views the first
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+import ctypes
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -139,13 +143,75 @@ loaded 2-core host, while 1 MiB copies in about 0.1 ms. Larger copies run in a w
 releases the GIL), so UCX keeps progressing the chunks in flight."""
 
 
+_COPY_THREADS = 2
+"""Worker threads for large copies (``_copy_executor``): one per concurrent gather or scatter of
+this process's reads and serves; more only queue for the same memory bandwidth."""
+
+
+@functools.cache
+def _copy_executor() -> ThreadPoolExecutor:
+    """Worker threads whose torch CPU ops each run on one OpenMP thread.
+
+    Why (``benchmarks/bench_transport.py``, paged case, 2-core host): with torch's default of one
+    OpenMP thread per core, each gather/scatter forks onto the core that UCX and the peer process
+    keep busy and waits at the OpenMP barrier for a scheduler tick (a 1 MiB scatter took 8 ms
+    instead of 0.1 ms); a block copy is memory-bound (two copying threads moved no more bytes per
+    second than one here), so one thread per copy loses nothing."""
+    return ThreadPoolExecutor(
+        _COPY_THREADS, thread_name_prefix="kvbridge-copy", initializer=_one_openmp_thread
+    )
+
+
+@contextlib.contextmanager
+def _one_openmp_thread_here() -> Iterator[None]:
+    """The body's torch CPU ops run on the calling thread alone (see ``_one_openmp_thread``);
+    the thread's own OpenMP setting is put back afterwards (no other thread ever sees it)."""
+    torch.get_num_threads()  # torch's lazy per-thread set-up first
+    runtime = _openmp_runtime()
+    previous = runtime.omp_get_max_threads() if runtime is not None else 1
+    if previous == 1:
+        yield
+        return
+    runtime.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        runtime.omp_set_num_threads(previous)
+
+
+def _one_openmp_thread() -> None:
+    """Copy-thread initializer: limit this thread alone to one OpenMP thread.
+
+    ``torch.set_num_threads`` is not used: it also stores a process-wide default that every
+    thread initialising torch later inherits (measured: a main thread then ran on 1 thread). The
+    OpenMP runtime's own ``omp_set_num_threads`` sets only the calling thread's value; torch's
+    lazy per-thread set-up runs first (``torch.get_num_threads``) so it cannot overwrite it."""
+    torch.get_num_threads()
+    runtime = _openmp_runtime()
+    if runtime is not None:
+        runtime.omp_set_num_threads(1)
+
+
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (GNU or Intel), found in ``/proc/self/maps``; None where
+    there is none or no such file (then copies keep torch's default thread count)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line]
+    except OSError:
+        return None
+    return ctypes.CDLL(paths[0]) if paths else None
+
+
 async def run_copy(fn: Callable[..., None], *args: Any, nbytes: int) -> None:
-    """``fn(*args)`` (a ``copy_in`` / ``copy_out``), inline when ``nbytes`` is at most
-    ``INLINE_COPY_MAX_BYTES``, else in a worker thread."""
+    """``fn(*args)`` (a ``copy_in`` / ``copy_out``) on one OpenMP thread: inline when ``nbytes``
+    is at most ``INLINE_COPY_MAX_BYTES``, else in a copy worker thread (``_copy_executor``)."""
     if nbytes <= INLINE_COPY_MAX_BYTES:
-        fn(*args)
+        with _one_openmp_thread_here():
+            fn(*args)
     else:
-        await asyncio.to_thread(fn, *args)
+        await asyncio.get_running_loop().run_in_executor(_copy_executor(), fn, *args)
 
 
 def synchronize(tensor: torch.Tensor) -> None:

@@ -8,10 +8,17 @@ about 0.5 ms. ``"polling"`` fixes that but keeps a core busy even when idle.
 
 So: blocking mode when idle, and while at least one read (requester side) or serve (holder side)
 is in flight, one task per event loop calls ``worker.progress()`` and yields (``sleep(0)``) in a
-loop. In blocking mode each awaited ucxx request already spins the loop the same way
-(``UCXRequest.wait_yield``), so the booster adds no busy CPU that was not there; it only makes
-each of those spins progress the worker. It stops when the last holder of it lets go, so an idle
-process sleeps in ``epoll_wait``.
+loop ("spin"). A bulk serve holds it in "tick" mode instead (``hold(spin=False)``): progress, then
+sleep ``TICK_S``. Measured (``benchmarks/bench_transport.py``, 2-core host): the holder spinning
+through a multi-chunk serve took the core that the requester's receive and scatter needed (paged
+32 MiB read 12 ms, 8.5 ms without), while relying on epoll wake-ups alone is not safe: a requester
+without active progress stalled about half its bulk reads for the 1 s fallback (an event that did
+not wake the fd). A tick bounds such a miss to ``TICK_S`` and costs no busy core.
+
+In blocking mode each awaited ucxx request already spins the loop the same way
+(``UCXRequest.wait_yield``), so the spinning booster adds no busy CPU that was not there; it
+only makes each of those spins progress the worker. It stops when the last holder of it lets go,
+so an idle process sleeps in ``epoll_wait``.
 
 The booster is only used in the ``"blocking"`` mode: ``"polling"`` progresses on every loop turn
 already, and in the ``"thread"`` modes only ucxx's progress thread may progress the worker.
@@ -33,12 +40,18 @@ BOOSTED_PROGRESS_MODES = frozenset({"blocking"})
 
 _MAX_ARM_TRIES = 16
 
+TICK_S = 0.004
+"""Period of progress in tick mode (seconds; one scheduler tick here): bounds a missed epoll
+wake-up without a busy core. Measured on the paged read above: 0.5 ms ticks cost as much as
+spinning (12-16 ms), 2 ms and longer matched no ticks at all (8.3-8.5 ms)."""
+
 
 class ProgressBooster:
     """Refcounted active progress on one event loop.
 
     ``hold()`` (a context manager) counts one in-flight transfer; while the count is above 0 a
-    task calls ``progress_fn()`` and yields, so every turn of the loop progresses UCX. ``kick()``
+    task calls ``progress_fn()`` and yields, so every turn of the loop progresses UCX; while only
+    ``hold(spin=False)`` holds are active it progresses every ``TICK_S`` instead. ``kick()``
     progresses once now (after posting receives or issuing sends). A booster built with
     ``enabled=False`` does nothing (other progress modes).
 
@@ -51,6 +64,7 @@ class ProgressBooster:
         self._progress_fn = progress_fn
         self.enabled = enabled
         self.num_holds = 0
+        self.num_spin_holds = 0
         self._task: asyncio.Task[None] | None = None
         self._arm_fn: Callable[[], bool] | None = None
 
@@ -82,18 +96,21 @@ class ProgressBooster:
         asyncio.get_running_loop().call_soon(self._on_event)  # still busy: again next turn
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Keep the booster running for the body's duration (nests; refcounted)."""
+    def hold(self, *, spin: bool = True) -> Iterator[None]:
+        """Keep the booster running for the body's duration (nests; refcounted). ``spin=False``
+        (bulk transfers): progress every ``TICK_S`` unless a spinning hold is active too."""
         if not self.enabled:
             yield
             return
         self.num_holds += 1
+        self.num_spin_holds += spin
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         try:
             yield
         finally:
             self.num_holds -= 1
+            self.num_spin_holds -= spin
 
     def kick(self) -> None:
         """Progress the worker once now (a no-op when disabled)."""
@@ -108,6 +125,9 @@ class ProgressBooster:
         progress = self._progress_fn
         while self.num_holds > 0:
             progress()
+            if self.num_spin_holds == 0:
+                await asyncio.sleep(TICK_S)
+                continue
             # Both ends of a transfer spin while it is in flight; when they share a core (the
             # other one is busy), each spinner kept it until the 4 ms scheduler tick and a 32 MiB
             # read took 16 ms instead of 5. Yielding hands the core over at once.

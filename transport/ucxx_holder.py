@@ -35,6 +35,7 @@ from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import (
+    Chunk,
     check_read,
     expects_read_done,
     find_mismatched,
@@ -292,9 +293,16 @@ class UcxxHolder:
         pool = self.pool_for(read.chunk_bytes, max_block_bytes)
         serve.late = [[] for _ in read.groups]
         try:
-            with self.booster.hold():  # progress UCX on every loop turn while serving
+            good = [
+                good_positions(len(g.block_ids), mismatched[i]) for i, g in enumerate(read.groups)
+            ]
+            group_ids = [g.group_id for g in read.groups]
+            chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
+            # progress UCX while serving: spinning for a one-chunk (latency-bound) serve, on
+            # ticks for a multi-chunk (bulk) one, so the copies keep the core (``ucx_progress``)
+            with self.booster.hold(spin=len(chunks) <= 1):
                 await asyncio.wait_for(
-                    self._issue_and_wait(conn, serve, mismatched, pool, pending),
+                    self._issue_and_wait(conn, serve, good, chunks, pool, pending),
                     read.deadline_ms / 1000 + DEADLINE_GRACE_S,
                 )
             if not serve.cancelled and expects_read_done(read):
@@ -333,14 +341,12 @@ class UcxxHolder:
         self,
         conn: _Conn,
         serve: _Serve,
-        mismatched: list[list[int]],
+        good: list[list[int]],
+        chunks: list[Chunk],
         pool: StagingPool,
         pending: deque[_InFlight],
     ) -> None:
         read = serve.read
-        good = [good_positions(len(g.block_ids), mismatched[i]) for i, g in enumerate(read.groups)]
-        group_ids = [g.group_id for g in read.groups]
-        chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
         for chunk_idx, chunk in enumerate(chunks):
             while len(pending) >= self.window:
                 await self._retire(serve, pool, pending)
