@@ -32,6 +32,7 @@ from kvbridge.kernels import (
     layer_names_by_type,
     scatter_blocks,
 )
+from kvbridge.kernels.host_memory import host_zeros
 
 TOTAL_BYTES = 32 * 1024 * 1024
 NUM_LAYERS = 4
@@ -59,14 +60,21 @@ def bench_gather_scatter(block_kib: int, generator: torch.Generator) -> dict[str
     head_size = block_kib * 1024 // (2 * block_size * num_kv_heads * 4)  # float32
     num_blocks_moved = TOTAL_BYTES // (NUM_LAYERS * block_kib * 1024)
     num_blocks = POOL_FACTOR * num_blocks_moved
+    # Every buffer on the memory the engine and the transport use (kernels/host_memory.py:
+    # huge pages), so the op and its baseline see the same page size.
+    shape = (num_blocks, 2, block_size, num_kv_heads, head_size)
     kv_caches = [
-        torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=generator)
+        host_zeros(shape, torch.float32).copy_(torch.randn(shape, generator=generator))
         for _ in range(NUM_LAYERS)
     ]
     block_ids = torch.randperm(num_blocks, generator=generator)[:num_blocks_moved]
-    staging = gather_blocks(kv_caches, block_ids)
-    source = torch.randn(staging.shape, generator=generator)
-    target = torch.empty_like(staging)
+    staging_shape = (NUM_LAYERS, num_blocks_moved, *shape[1:])
+    staging = host_zeros(staging_shape, torch.float32)
+    gather_blocks(kv_caches, block_ids, staging)
+    source = host_zeros(staging_shape, torch.float32).copy_(
+        torch.randn(staging_shape, generator=generator)
+    )
+    target = host_zeros(staging_shape, torch.float32)
 
     contiguous_s = _median_seconds(lambda: target.copy_(source))
     gather_s = _median_seconds(lambda: gather_blocks(kv_caches, block_ids, staging))
