@@ -235,9 +235,7 @@ def test_prefill_restart_old_ticket_recomputes_and_index_drops_old_entries(nodes
     # (3) the index: the restarted node's old entries are gone.
     after = index.longest_prefix(probe.block_hashes)
     index.close()
-    if not any(h.node_id == "it-prefill" for h in before.holders):
-        pytest.skip("the connector does not publish its blocks to the block index yet "
-                    "(issue 6 part 4); the recompute half of this test ran")
+    assert any(h.node_id == "it-prefill" for h in before.holders)  # P published its blocks
     old_incarnation = next(h.incarnation for h in before.holders if h.node_id == "it-prefill")
     assert all(h.incarnation != old_incarnation for h in after.holders)
 
