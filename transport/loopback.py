@@ -31,7 +31,6 @@ from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import (
     block_nbytes_by_entry,
-    build_group_msgs,
     check_read,
     check_read_done,
     expects_read_done,
@@ -40,7 +39,11 @@ from .plan import (
     plan_chunks,
     recheck_blocks,
 )
-from .transfer import ReadState, drive_read, local_ids_of, next_transfer_id, tag_base_for
+from .transfer import (
+    ReadState,
+    begin_read,
+    drive_read,
+)
 from .wire import (
     GroupReadMsg,
     Heartbeat,
@@ -200,24 +203,10 @@ class LoopbackTransport(Transport):
         *,
         deadline_s: float,
     ) -> ReadResult:
-        if deadline_s <= 0:
-            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        msgs = build_group_msgs(self.metadata, groups)
-        transfer_id = next_transfer_id()
-        state = ReadState(
-            request_id=request_id,
-            transfer_id=transfer_id,
-            groups=msgs,
-            local_block_ids=local_ids_of(groups),
+        read, state = begin_read(
+            self.metadata, request_id, groups, deadline_s=deadline_s, chunk_bytes=self.chunk_bytes
         )
-        read = Read(
-            transfer_id=transfer_id,
-            request_id=request_id,
-            tag_base=tag_base_for(transfer_id),
-            chunk_bytes=self.chunk_bytes,
-            deadline_ms=max(1, int(deadline_s * 1000)),
-            groups=msgs,
-        )
+        transfer_id = read.transfer_id
         self._reads[transfer_id] = state
         try:
             try:

@@ -14,9 +14,11 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .base import ReadResult
+from .base import GroupRead, ReadResult
 from .errors import TransferCancelledError, TransferError, TransferTimeoutError
-from .wire import GroupReadMsg
+from .metadata import NodeMetadata
+from .plan import build_group_msgs
+from .wire import GroupReadMsg, Read
 
 _TRANSFER_IDS = itertools.count(1)
 _TAG_PREFIX = int.from_bytes(os.urandom(2), "big") << 46
@@ -154,3 +156,38 @@ async def _stop(
     # The core releases its own staging in its ``finally``; then ``abort`` tells the holder.
     await asyncio.shield(asyncio.gather(core_task, return_exceptions=True))
     await asyncio.shield(abort(reason))
+
+
+def begin_read(
+    metadata: NodeMetadata,
+    request_id: str,
+    groups: Sequence[GroupRead],
+    *,
+    deadline_s: float,
+    chunk_bytes: int,
+) -> tuple[Read, ReadState]:
+    """The ``Read`` message and the requester's ``ReadState`` of a new read (both transports).
+
+    Raises:
+        ValueError: ``deadline_s <= 0``, or groups that do not fit ``metadata``
+            (``plan.build_group_msgs``).
+    """
+    if deadline_s <= 0:
+        raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    msgs = build_group_msgs(metadata, groups)
+    transfer_id = next_transfer_id()
+    state = ReadState(
+        request_id=request_id,
+        transfer_id=transfer_id,
+        groups=msgs,
+        local_block_ids=local_ids_of(groups),
+    )
+    read = Read(
+        transfer_id=transfer_id,
+        request_id=request_id,
+        tag_base=tag_base_for(transfer_id),
+        chunk_bytes=chunk_bytes,
+        deadline_ms=max(1, int(deadline_s * 1000)),
+        groups=msgs,
+    )
+    return read, state
