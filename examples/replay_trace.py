@@ -292,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.blocks_per_node < 1 or args.block_size < 1:
         parser.error("--blocks-per-node and --block-size must be positive")
+    if not Path(args.trace).is_file():
+        parser.error(f"trace file not found: {args.trace}")
     return args
 
 
