@@ -177,6 +177,7 @@ class KVBridgeConnector(KVConnectorBase):
         if entry is None:
             return
         remote, num_local = entry
+        self.ctx.waiting_tickets.discard(_ticket(remote))  # the pull (or a notice) takes over
         if remote.remote_request_id and isinstance(request.kv_transfer_params, dict):
             # The ticket is used once (as vLLM's NIXL connector does): a request preempted after
             # its pull must not pull again from blocks the holder has released since.
@@ -252,6 +253,8 @@ class KVBridgeConnector(KVConnectorBase):
     ) -> RequestFinishedResult:
         self._remote.pop(request.request_id, None)
         params = request.kv_transfer_params
+        if self.kv_role.is_consumer and wants_remote_prefill(params):
+            self._release_unused_ticket(params)  # type: ignore[arg-type]
         if not (self.kv_role.is_producer and wants_remote_decode(params)):
             return RequestFinishedResult(False, None)
         if request.status not in _PRODUCER_DONE or self.ctx.transport is None:
@@ -274,14 +277,27 @@ class KVBridgeConnector(KVConnectorBase):
         )
         return RequestFinishedResult(True, out.to_dict())
 
+    def _release_unused_ticket(self, params: Mapping[str, Any]) -> None:
+        """A request finished (aborted) before its ticket was used: stop heart-beating it and
+        tell the prefill node to release the blocks now."""
+        try:
+            remote = self.parse_remote_prefill(params)
+        except KVTransferParamsError:
+            return
+        if self.ctx.waiting_tickets.discard(_ticket(remote)) and self.ctx.transport is not None:
+            notice = release_notice(remote, success=False, reason="finished before its pull")
+            get_loop_thread().submit(send_notice(self.ctx.transport, notice))
+
     def validate_kv_transfer_params(self, kv_transfer_params: Mapping[str, Any]) -> None:
         """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``)."""
         if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
             try:
-                self.parse_remote_prefill(kv_transfer_params)
+                remote = self.parse_remote_prefill(kv_transfer_params)
             except KVTransferParamsError:
                 self.ctx.stats.add("num_rejected_params")
                 raise
+            # Admitted: keep P's lease alive while the request waits for its turn.
+            self.ctx.waiting_tickets.add(_ticket(remote))
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: tell its prefill
@@ -431,3 +447,7 @@ class KVBridgeConnector(KVConnectorBase):
             loop.run(_close(), _START_TIMEOUT_S)
         except Exception:  # shutting down: log, never raise
             logger.exception("%s: transport close failed", self.ctx.config.engine_id)
+
+
+def _ticket(remote: RemotePrefillParams) -> tuple[str, int, str]:
+    return (remote.remote_host, remote.remote_port, remote.remote_request_id)

@@ -203,7 +203,8 @@ class Puller:
         return asyncio.get_running_loop().create_task(self._heartbeat_loop())
 
     async def _heartbeat_loop(self) -> None:
-        """Extend the leases of every pull in flight, one message per holder."""
+        """Extend the leases of every pull in flight and of every admitted request still
+        waiting for its pull, one message per holder."""
         interval = self.ctx.config.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval)
@@ -213,6 +214,8 @@ class Puller:
             by_peer: dict[PeerAddress, list[str]] = {}
             for peer, remote_request_id in list(self._heartbeat_targets.values()):
                 by_peer.setdefault(peer, []).append(remote_request_id)
+            for host, port, remote_request_id in self.ctx.waiting_tickets.snapshot():
+                by_peer.setdefault(PeerAddress(host, port), []).append(remote_request_id)
             for peer, request_ids in by_peer.items():
                 try:
                     await asyncio.wait_for(

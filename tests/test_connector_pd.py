@@ -354,3 +354,34 @@ def test_hybrid_pull_resumes_at_the_last_token_without_a_restart(pair_factory, c
     assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (1, 0)
     assert_node_empty(pair.d)
     assert_node_empty(pair.p)
+
+
+def test_a_queued_request_keeps_the_lease_alive_until_its_pull(pair_factory):
+    pair = pair_factory(lease_s=0.3, heartbeat_interval_s=0.05)
+    prompt = long_prompt(40)
+    params = prefill(pair, "req-0", prompt)
+    # (1) D admits the request but is busy: it waits in the queue longer than the lease ...
+    pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        pair.p.step()  # P watches its leases meanwhile
+        time.sleep(0.01)
+    # (2) ... yet heartbeats for the waiting ticket kept P's blocks: the pull lands whole.
+    output = run_to_completion(pair.d, "req-0")
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (1, 0)
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_expired_leases"] == 0
+    assert_node_empty(pair.d)
+
+
+def test_a_request_aborted_before_its_pull_releases_the_lease_at_once(pair_factory):
+    pair = pair_factory(lease_s=30.0)
+    prompt = long_prompt(40)
+    params = prefill(pair, "req-0", prompt)
+    pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+    pair.d.abort_request("req-0")  # never scheduled: the ticket was not used
+    # P frees its blocks now (a release notice), not after the 30 s lease.
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_released_leases"] == 1
+    assert_node_empty(pair.d)
