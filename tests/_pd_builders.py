@@ -154,6 +154,13 @@ def assert_node_empty(engine: Engine) -> None:
     assert num_free == engine.config.num_blocks - 1, (num_free, engine.config.num_blocks)
 
 
+def assert_pair_empty(pair: PDPair) -> None:
+    """The end of every P/D lifecycle test: D settled first (its completion notices release
+    P's leases), then P; both empty, intact, every block free."""
+    assert_node_empty(pair.d)
+    assert_node_empty(pair.p)
+
+
 def kv_bytes(engine: Engine, group_id: int, block_id: int) -> list[torch.Tensor]:
     """The KV rows of ``block_id`` in every layer of ``group_id`` (copies)."""
     group = engine.kv_cache_config.kv_cache_groups[group_id]

@@ -14,6 +14,7 @@ import torch
 from _engine_builders import reference_greedy
 from _pd_builders import (
     assert_node_empty,
+    assert_pair_empty,
     decode,
     drain,
     kv_bytes,
@@ -69,8 +70,7 @@ def test_decode_node_tokens_equal_single_node(pair_factory, hybrid, num_tokens):
     assert (stats["num_loads"], stats["num_failed_loads"]) == (int(num_tokens > 1), 0)
 
     # (3) D's completion notice released P's lease: P frees its blocks, nothing leaks.
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
     assert _stats(pair.p)["num_released_leases"] == 1
     assert _stats(pair.p)["num_expired_leases"] == 0
 
@@ -89,8 +89,7 @@ def test_partial_local_hit_pulls_only_the_missing_blocks(pair_factory):
     assert output.token_ids == reference_greedy(shared, MAX_TOKENS, hybrid=False)
     assert _stats(pair.d)["num_blocks_received"] == 4
     assert output.num_cached_tokens == 99  # 48 local + 51 pulled; the last token is recomputed
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 @pytest.mark.parametrize("extra_tokens_on_d", [0, 1])
@@ -121,8 +120,7 @@ def test_2048_token_prompt_lands_in_the_right_blocks(pair_factory, extra_tokens_
             assert torch.equal(d_row[:, :n], p_row[:, :n]), (pos, layer)
     output = run_to_completion(pair.d, "req-0")
     assert output.token_ids == reference_greedy(d_prompt, 2, hybrid=False)
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 def test_abort_mid_transfer_keeps_blocks_until_the_load_settles(pair_factory):
@@ -147,8 +145,7 @@ def test_abort_mid_transfer_keeps_blocks_until_the_load_settles(pair_factory):
     # (2) The load settles (cancelled or landed); the other request's KV is intact.
     output = run_to_completion(pair.d, "req-1")
     assert output.token_ids == reference_greedy(other, MAX_TOKENS, hybrid=False)
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -215,8 +212,7 @@ def test_stale_remote_block_ids_cost_a_recompute_not_wrong_output(pair_factory):
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     stats = _stats(pair.d)
     assert stats["num_failed_loads"] == 1 and stats["num_load_errors_blocks"] >= 1
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 def test_full_local_hit_only_notifies_the_prefill_node(pair_factory):
@@ -279,8 +275,7 @@ def test_malformed_params_fail_that_request_and_the_node_keeps_serving(pair_fact
     # The same node serves the well-formed request right after.
     output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 def test_block_ids_out_of_the_holders_range_become_a_load_error(pair_factory):
@@ -292,8 +287,7 @@ def test_block_ids_out_of_the_holders_range_become_a_load_error(pair_factory):
     # P refused the read (id out of its range); D recomputed: still the right tokens.
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     assert _stats(pair.d)["num_failed_loads"] == 1
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 def test_a_late_puller_never_reads_the_reused_unhashed_last_block(pair_factory):
@@ -310,8 +304,7 @@ def test_a_late_puller_never_reads_the_reused_unhashed_last_block(pair_factory):
     output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     assert _stats(pair.d)["num_failed_loads"] == 1
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 def test_a_request_preempted_after_its_pull_does_not_pull_again(pair_factory):
@@ -336,8 +329,7 @@ def test_a_request_preempted_after_its_pull_does_not_pull_again(pair_factory):
     assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (1, 0)
     expected = reference_greedy(prompt, 100, hybrid=False)
     assert outputs["req-0"].token_ids == expected
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 # tiny_hybrid's window is 16 tokens at block size 16 in these builders; prompt lengths where the
@@ -352,8 +344,7 @@ def test_hybrid_pull_resumes_at_the_last_token_without_a_restart(pair_factory, c
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=True)
     assert not [r for r in caplog.records if "from scratch" in r.getMessage()]
     assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (1, 0)
-    assert_node_empty(pair.d)
-    assert_node_empty(pair.p)
+    assert_pair_empty(pair)
 
 
 def test_a_queued_request_keeps_the_lease_alive_until_its_pull(pair_factory):

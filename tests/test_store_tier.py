@@ -112,6 +112,24 @@ def serve(engine: Engine, request_id: str, prompt: list[int]):
     return output
 
 
+def store_and_node(network, redis_url, cleanup, *, capacity_blocks: int):
+    """A store of ``capacity_blocks`` blocks and node "node-a" offloading to it (both closed by
+    the ``cleanup`` fixture)."""
+    engines, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=capacity_blocks)
+    stores.append(store)
+    node = make_node("node-a", network, redis_url, store)
+    engines.append(node)
+    return store, node
+
+
+def two_documents() -> tuple[list[int], list[int]]:
+    """Two unrelated 20-block prompts (plus a partial block each)."""
+    prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
+    prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+    return prompt_a, prompt_b
+
+
 def stats(engine: Engine) -> dict:
     return engine.scheduler.connector.stats.snapshot()
 
@@ -136,13 +154,8 @@ def store_depth(store: StoreNode, hashes: list[bytes]) -> int:
 def test_evicted_prefix_is_offloaded_then_restored_with_equal_greedy_tokens(
     network, redis_url, cleanup
 ):
-    engines, stores = cleanup
-    store = make_store(network, redis_url, capacity_blocks=64)
-    stores.append(store)
-    node = make_node("node-a", network, redis_url, store)
-    engines.append(node)
-    prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
-    prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+    store, node = store_and_node(network, redis_url, cleanup, capacity_blocks=64)
+    prompt_a, prompt_b = two_documents()
 
     # (1) A runs; at the next step its 20 full blocks (ref_cnt 0, hashed) go to the store.
     out = serve(node, "a-0", prompt_a)
@@ -239,13 +252,8 @@ def test_store_restart_vanishes_from_index_and_serves_no_old_block(network, redi
 def test_stale_index_entry_for_a_block_the_store_no_longer_holds_is_a_load_error_then_recompute(
     network, redis_url, cleanup
 ):
-    engines, stores = cleanup
-    store = make_store(network, redis_url, capacity_blocks=64)
-    stores.append(store)
-    node = make_node("node-a", network, redis_url, store)
-    engines.append(node)
-    prompt_a = long_prompt(20 * BLOCK_SIZE + 5)
-    prompt_b = long_prompt(20 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+    store, node = store_and_node(network, redis_url, cleanup, capacity_blocks=64)
+    prompt_a, prompt_b = two_documents()
     serve(node, "a-0", prompt_a)
     serve(node, "b-0", prompt_b)
     hashes_a = hashes_of(node, prompt_a)[:20]
@@ -388,7 +396,6 @@ def test_a_put_the_store_refuses_is_an_error_for_the_writer(network, redis_url, 
     loop.run(writer.close(), 5)
 
 
-
 # ---------------------------------------------------------------------- store in its own process
 _STORE_MAIN = Path(__file__).resolve().parents[1] / "examples" / "store_node.py"
 _PROCESS_TIMEOUT_S = 60.0
@@ -400,12 +407,18 @@ def _start_store_process(redis_url: str, *, capacity_blocks: int) -> tuple[subpr
     per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
     proc = subprocess.Popen(
         [
-            sys.executable, str(_STORE_MAIN),
-            "--host", "127.0.0.1",
-            "--capacity-bytes", str(capacity_blocks * per_block),
-            "--index-url", redis_url,
-            "--model", "tiny",
-            "--block-size", str(BLOCK_SIZE),
+            sys.executable,
+            str(_STORE_MAIN),
+            "--host",
+            "127.0.0.1",
+            "--capacity-bytes",
+            str(capacity_blocks * per_block),
+            "--index-url",
+            redis_url,
+            "--model",
+            "tiny",
+            "--block-size",
+            str(BLOCK_SIZE),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -425,7 +438,10 @@ def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(re
         # The node runs here with a UCX transport; the store's write server and its UCX pull
         # endpoint are in the child process, the index is the real Redis.
         node = make_node(
-            "node-ucx", None, redis_url, None,
+            "node-ucx",
+            None,
+            redis_url,
+            None,
             transport="ucxx",
             host="127.0.0.1",
             port=0,
