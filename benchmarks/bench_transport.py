@@ -7,6 +7,11 @@
 - paged transfer: 2,048 blocks of 16 KiB at random ids (gathered, chunked, scattered) / the same
   32 MiB sent as one contiguous message (target >= 0.7).
 
+Each case runs over both data paths between the two processes: ``cma`` (the default on one
+host: the requester copies blocks out of the holder with ``process_vm_readv``, one copy,
+``kvbridge.transport.cma``) and ``ucx`` (UCX tag messages through staging, the path between
+hosts and for CUDA tensors; unprefixed ratios are ``cma``, ``ucx_`` ratios the UCX path).
+
 Last line: one JSON object with the ratios. Run: ``python benchmarks/bench_transport.py``.
 """
 
@@ -28,7 +33,7 @@ from kvbridge.transport import GroupRead, NodeMetadata
 MIB = 1 << 20
 BLOCK_SHAPE = (2, 16, 8, 32)  # float16: 16 KiB per block
 NUM_BLOCKS = 4097  # 4,096 usable blocks = 64 MiB, block 0 is the null block
-REPEATS = 7
+REPEATS = 11
 WARMUP_READS = 2  # first reads pay endpoint wire-up and UCX memory registration
 
 
@@ -68,12 +73,21 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
 
 
 async def _pull(port: int) -> dict[str, float]:
+    """GB/s per ``"{path} {case}"``: every case over each data path, ``cma`` (same-host copy,
+    the default between processes on one host) and ``ucx`` (tag messages, as between hosts)."""
     from kvbridge.transport import UcxxTransport
 
     caches = _caches(fill=False)
     results = {}
-    for name, chunk_bytes, remote_ids, local_ids in _cases():
-        transport = UcxxTransport(_metadata(f"req-{name}", caches), caches, chunk_bytes=chunk_bytes)
+    for path, name, chunk_bytes, remote_ids, local_ids in [
+        (path, *case) for path in ("cma", "ucx") for case in _cases()
+    ]:
+        transport = UcxxTransport(
+            _metadata(f"req-{path}-{name}", caches),
+            caches,
+            chunk_bytes=chunk_bytes,
+            cma=path == "cma",
+        )
         await transport.start()
         reads = [GroupRead(group_id=0, remote_block_ids=remote_ids, local_block_ids=local_ids)]
         for i in range(WARMUP_READS):
@@ -83,7 +97,8 @@ async def _pull(port: int) -> dict[str, float]:
             start = time.perf_counter()
             await transport.read_blocks(("127.0.0.1", port), f"r{i}", reads, deadline_s=60)
             seconds.append(time.perf_counter() - start)
-        results[name] = _median_gbps(len(remote_ids) * 16384, seconds)
+        assert transport.peer_data_path(("127.0.0.1", port)) == path
+        results[f"{path} {name}"] = _median_gbps(len(remote_ids) * 16384, seconds)
         await transport.close()
     return results
 
@@ -158,26 +173,24 @@ def main() -> None:
         while line and not line.startswith("PORT "):  # UCX may log to stdout first
             line = holder.stdout.readline()
         port = int(line.split()[1])
-        ucx = asyncio.run(_pull(port))
+        pulls = asyncio.run(_pull(port))
     finally:
         holder.stdin.close()
         holder.wait(30)
     print(f"memcpy 64 MiB (1 thread):          {memcpy:6.2f} GB/s")
     print(f"TCP socket 64 MiB:                 {tcp:6.2f} GB/s")
-    for name, gbps in ucx.items():
-        print(f"ucxx {name:32s} {gbps:6.2f} GB/s")
-    contiguous = ucx["contiguous_64mib"]
-    print(
-        json.dumps(
-            {
-                "host_transfer_vs_memcpy": round(contiguous / memcpy, 3),
-                "host_transfer_vs_tcp": round(contiguous / tcp, 3),
-                "paged_vs_contiguous": round(
-                    ucx["paged_2048x16kib_random"] / ucx["contiguous_32mib_one_message"], 3
-                ),
-            }
+    for name, gbps in pulls.items():
+        print(f"{name:36s} {gbps:6.2f} GB/s")
+    ratios = {}
+    for path, prefix in (("cma", ""), ("ucx", "ucx_")):
+        contiguous = pulls[f"{path} contiguous_64mib"]
+        paged = pulls[f"{path} paged_2048x16kib_random"]
+        ratios[f"{prefix}host_transfer_vs_memcpy"] = round(contiguous / memcpy, 3)
+        ratios[f"{prefix}host_transfer_vs_tcp"] = round(contiguous / tcp, 3)
+        ratios[f"{prefix}paged_vs_contiguous"] = round(
+            paged / pulls[f"{path} contiguous_32mib_one_message"], 3
         )
-    )
+    print(json.dumps(ratios))
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ async def test_disabled_booster_never_progresses():
 )
 def test_copy_threads_run_one_openmp_thread_and_leave_the_caller_alone():
     caller_threads = torch.get_num_threads()
-    seen = staging._copy_executor().submit(torch.get_num_threads).result()
-    assert seen == 1  # copies are memory-bound: one thread each (``_copy_executor``)
+    seen = staging.copy_executor().submit(torch.get_num_threads).result()
+    assert seen == 1  # copies are memory-bound: one thread each (``copy_executor``)
     assert torch.get_num_threads() == caller_threads  # set per thread, never process-wide
 
 
@@ -89,3 +89,26 @@ async def test_large_and_inline_copies_land_exactly():
         await staging.run_copy(dst.copy_, src, nbytes=nbytes)
         assert torch.equal(dst, src)
         assert torch.get_num_threads() == caller_threads  # the inline path restores it
+
+
+async def test_a_cancelled_copy_raises_only_after_its_thread_ended():
+    """A read cancelled (deadline, abort) while its scatter runs in a copy thread must not
+    return before the thread stops writing: the KV blocks may go to another request next."""
+    import threading
+    import time
+
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_copy() -> None:
+        started.set()
+        time.sleep(0.2)
+        finished.set()
+
+    task = asyncio.ensure_future(
+        staging.run_copy(slow_copy, nbytes=staging.INLINE_COPY_MAX_BYTES + 1)
+    )
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished.is_set()

@@ -1,4 +1,6 @@
-"""UcxxTransport between real processes on 127.0.0.1 (issue 4, "What must hold").
+"""UcxxTransport between real processes on 127.0.0.1 (issue 4, "What must hold"), over the UCX
+data path: requesters here run with ``cma=False`` (the path between hosts and for CUDA tensors);
+``test_transport_cma.py`` covers the same-host path, and the eviction test runs on both.
 
 A holder process (tests/_transport_helpers.py) fills its KV tensors from a seed; the requester
 rebuilds the same tensors locally and compares bytes. Its block_validator accepts the expected
@@ -80,9 +82,10 @@ def slow_holder():
     process.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def evicting_holder():
-    # 0:30 is sent zero-copy (re-checked after its send), 1:40 from staging (after its gather)
+    # 0:30 is sent zero-copy (re-checked after its send), 1:40 from staging (after its gather);
+    # one process per test: a block is evicted once, by the first check that sees it
     process = HolderProcess(
         "--seed",
         str(EVICTING_SEED),
@@ -100,7 +103,9 @@ def evicting_holder():
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def requester():
     caches = make_kv_caches(seed=0)
-    transport = UcxxTransport(make_metadata("requester", caches), caches, chunk_bytes=1 << 13)
+    transport = UcxxTransport(
+        make_metadata("requester", caches), caches, chunk_bytes=1 << 13, cma=False
+    )
     await transport.start()
     yield transport
     await transport.close()
@@ -221,7 +226,9 @@ async def test_malformed_and_out_of_range_get_errors_while_another_is_served(hol
 
 async def test_two_concurrent_requesters_both_land(holder, requester):
     caches = make_kv_caches(seed=0)
-    second = UcxxTransport(make_metadata("requester-2", caches), caches, chunk_bytes=1 << 14)
+    second = UcxxTransport(
+        make_metadata("requester-2", caches), caches, chunk_bytes=1 << 14, cma=False
+    )
     await second.start()
     try:
         rng = random.Random(4)
@@ -366,12 +373,19 @@ def _hashes(group_id: int, block_ids: list[int]) -> list[bytes]:
     return [f"{group_id}:{b}".encode() for b in block_ids]
 
 
-async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evicting_holder):
+@pytest.mark.parametrize("path", ["ucx", "cma"])
+async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evicting_holder, path):
     """The holder's engine reuses a block after the Read's check passed (index reads are not
-    referenced on the holder): the re-check after the copy reports it, on both the zero-copy
-    path and the staged path, and every other block lands bytes-exact."""
+    referenced on the holder): the re-check after the copy reports it, on both UCX paths (the
+    zero-copy one and the staged one) and after a same-host copy (``ReadCopied``), and every
+    other block lands bytes-exact."""
     caches = make_kv_caches(seed=0, layers_per_group=EVICTING_LAYERS)
-    requester = UcxxTransport(make_metadata("requester-3", caches), caches, chunk_bytes=1 << 13)
+    requester = UcxxTransport(
+        make_metadata(f"requester-3-{path}", caches),
+        caches,
+        chunk_bytes=1 << 13,
+        cma=path == "cma",
+    )
     await requester.start()
     try:
         # group 0 (1 layer, 1 KiB blocks, 8 per chunk): remote 20..35 is two runs of 8, sent
@@ -399,8 +413,9 @@ async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evictin
             ),
         ]
         result = await requester.read_blocks(
-            evicting_holder.address, "req-evict", reads, deadline_s=20
+            evicting_holder.address, f"req-evict-{path}", reads, deadline_s=20
         )
+        assert requester.peer_data_path(evicting_holder.address) == path
         # request order: group 0's remote 30 (position 10), then group 1's 40 (late, position
         # 5) and 41 (refused at ReadOk, position 7)
         assert result.failed_local_block_ids == (local_0[10], 55, 57)

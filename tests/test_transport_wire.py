@@ -11,11 +11,14 @@ from kvbridge.transport.wire import (
     WIRE_VERSION,
     Cancel,
     CancelOk,
+    CmaOffer,
     ErrorMsg,
     GroupReadMsg,
     Heartbeat,
     Hello,
+    HelloOk,
     Read,
+    ReadCopied,
     ReadDone,
     ReadOk,
     TransferDone,
@@ -35,6 +38,7 @@ def _read(**overrides) -> dict:
         "chunk_bytes": 1 << 20,
         "deadline_ms": 1000,
         "groups": [{"group_id": 0, "block_ids": [1, 2], "expected_hashes": None}],
+        "cma": False,
     }
     body.update(overrides)
     return body
@@ -46,8 +50,18 @@ def _decode(obj: dict):
 
 def test_messages_round_trip():
     metadata = make_metadata("p", make_kv_caches(seed=0))
+    offer = CmaOffer(
+        host_id="boot",
+        pid=4242,
+        probe_address=1 << 40,
+        probe=b"p" * 16,
+        regions=[[8, 16, 24], [32, 40]],
+    )
     messages = [
         Hello(metadata=metadata, worker_address=b"\x01\x02"),
+        HelloOk(metadata=metadata, worker_address=b"\x03", cma=None),
+        HelloOk(metadata=metadata, worker_address=b"\x03", cma=offer),
+        ReadCopied(transfer_id=3),
         Read(
             transfer_id=3,
             request_id="r",
@@ -55,6 +69,7 @@ def test_messages_round_trip():
             chunk_bytes=4096,
             deadline_ms=5,
             groups=[GroupReadMsg(group_id=1, block_ids=[4], expected_hashes=[b"h"])],
+            cma=True,
         ),
         ReadOk(transfer_id=3, mismatched=[[0], []]),
         ReadDone(transfer_id=3, mismatched=[[], [1, 4]]),
@@ -75,7 +90,11 @@ def test_messages_round_trip():
     [
         ({"v": 99, "t": "Read"}, "unknown schema version 99"),
         # version 2 had no ReadDone: such a peer could not report late hash mismatches
-        (_read(v=2), "unknown schema version 2, this node speaks 3"),
+        (_read(v=2), f"unknown schema version 2, this node speaks {WIRE_VERSION}"),
+        # version 3 had no same-host reads: a Read without the field is refused by name
+        ({k: v for k, v in _read(v=WIRE_VERSION).items() if k != "cma"}, "missing field 'cma'"),
+        (_read(cma=1), "'cma' must be a bool"),
+        ({"v": WIRE_VERSION, "t": "ReadCopied", "transfer_id": -3}, "'transfer_id' = -3"),
         (
             {"v": WIRE_VERSION, "t": "ReadDone", "transfer_id": 1, "mismatched": [[0, -1]]},
             "'mismatched'[0] must be a list of block positions",
@@ -150,3 +169,34 @@ def test_num_blocks_and_incarnation_may_differ():
     assert local.incarnation != remote.incarnation  # a new one per NodeMetadata (per start)
     check_compatible(local, remote)
     assert local.compat_hash == remote.compat_hash
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"regions": [[8, 16, 24]]}, "'regions' has 1 groups, metadata 2"),
+        ({"regions": [[8, 16], [32, 40]]}, "'regions'[0] must list 3 addresses"),
+        ({"regions": [[8, 16, -1], [32, 40]]}, "'regions'[0] holds a bad address -1"),
+        ({"regions": [[8, 16, "24"], [32, 40]]}, "bad address '24'"),
+        ({"probe": b""}, "'probe' is empty"),
+        ({"pid": 0}, "'pid' = 0 is outside"),
+        ({"host_id": 7}, "'host_id' must be a str"),
+    ],
+)
+def test_malformed_cma_offer_names_the_field(change, fragment):
+    """A holder's same-host offer points the requester at raw addresses: every field is checked
+    against the metadata it arrives with."""
+    metadata = make_metadata("p", make_kv_caches(seed=0))  # 3 + 2 layers
+    offer = {
+        "host_id": "boot",
+        "pid": 4242,
+        "probe_address": 1 << 40,
+        "probe": b"p" * 16,
+        "regions": [[8, 16, 24], [32, 40]],
+    }
+    frame = encode_message(HelloOk(metadata=metadata, worker_address=b""))
+    obj = msgpack.unpackb(frame[4:])
+    obj["cma"] = {**offer, **change}
+    with pytest.raises(WireError) as info:
+        _decode(obj)
+    assert fragment in str(info.value)

@@ -61,12 +61,14 @@ class HolderConnection:
         remote: NodeMetadata,
         remote_worker_address: bytes,
         endpoint: object = None,
+        cma: object = None,
     ):
         self.reader = reader
         self.writer = writer
         self.remote = remote
         self.remote_worker_address = remote_worker_address
         self.endpoint = endpoint  # ucxx endpoint to the holder's worker: the reads' receives
+        self.cma = cma  # ``cma.CmaPeer`` when this holder's blocks are copied directly
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiters: dict[tuple[int, type], asyncio.Future[Message]] = {}
         self._reader_task = asyncio.ensure_future(self._read_loop())

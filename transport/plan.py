@@ -73,18 +73,33 @@ def block_nbytes_by_entry(metadata: NodeMetadata, read: Read) -> list[int]:
 
 def good_positions(num_blocks: int, mismatched: Sequence[int]) -> list[int]:
     """Positions ``0..num_blocks-1`` without ``mismatched``, in order."""
+    if not mismatched:
+        return list(range(num_blocks))
     bad = set(mismatched)
     return [p for p in range(num_blocks) if p not in bad]
 
 
-def build_group_msgs(metadata: NodeMetadata, groups: Sequence[GroupRead]) -> list[GroupReadMsg]:
-    """Check a requester's read against the local layout and turn it into wire form.
+def _first_outside(values: Sequence[int], lo: int, hi: int) -> tuple[int, int] | None:
+    """``(position, value)`` of the first value outside ``[lo, hi)``, or None. ``min`` and
+    ``max`` run in C, so a read of thousands of ids in range costs microseconds; the position is
+    looked for only when one is out."""
+    if not values or (min(values) >= lo and max(values) < hi):
+        return None
+    return next((i, v) for i, v in enumerate(values) if not lo <= v < hi)
+
+
+def build_group_msgs(
+    metadata: NodeMetadata, groups: Sequence[GroupRead]
+) -> tuple[list[GroupReadMsg], list[list[int]]]:
+    """Check a requester's read against the local layout and turn it into wire form: the
+    ``GroupReadMsg`` per group and its local ids as plain ints.
 
     Raises:
         ValueError: unknown group id, a group listed twice, lengths that differ, a local id
             outside ``[1, num_blocks)`` or repeated, a negative remote id, or too many blocks.
     """
     msgs = []
+    locals_ = []
     seen_groups: set[int] = set()
     total = 0
     for group in groups:
@@ -93,21 +108,21 @@ def build_group_msgs(metadata: NodeMetadata, groups: Sequence[GroupRead]) -> lis
         if group.group_id in seen_groups:
             raise ValueError(f"group_id {group.group_id} listed twice in one read")
         seen_groups.add(group.group_id)
-        remote = [int(b) for b in group.remote_block_ids]
-        local = [int(b) for b in group.local_block_ids]
+        remote = list(map(int, group.remote_block_ids))
+        local = list(map(int, group.local_block_ids))
         if len(remote) != len(local):
             raise ValueError(
                 f"group {group.group_id}: {len(remote)} remote_block_ids, {len(local)} local"
             )
         num_blocks = metadata.groups[group.group_id].num_blocks
-        for block_id in local:
-            if not 1 <= block_id < num_blocks:
-                raise ValueError(
-                    f"group {group.group_id}: local block id {block_id} not in [1, {num_blocks})"
-                )
+        bad_local = _first_outside(local, 1, num_blocks)
+        if bad_local is not None:
+            raise ValueError(
+                f"group {group.group_id}: local block id {bad_local[1]} not in [1, {num_blocks})"
+            )
         if len(set(local)) != len(local):
             raise ValueError(f"group {group.group_id}: local_block_ids has repeats")
-        if any(b < 0 for b in remote):
+        if remote and min(remote) < 0:
             raise ValueError(f"group {group.group_id}: negative remote block id")
         hashes = None
         if group.expected_hashes is not None:
@@ -118,9 +133,10 @@ def build_group_msgs(metadata: NodeMetadata, groups: Sequence[GroupRead]) -> lis
                 )
         total += len(remote)
         msgs.append(GroupReadMsg(group_id=group.group_id, block_ids=remote, expected_hashes=hashes))
+        locals_.append(local)
     if total > MAX_BLOCKS_PER_READ:
         raise ValueError(f"a read of {total} blocks exceeds {MAX_BLOCKS_PER_READ}")
-    return msgs
+    return msgs, locals_
 
 
 def check_read(metadata: NodeMetadata, read: Read) -> None:
@@ -136,12 +152,12 @@ def check_read(metadata: NodeMetadata, read: Read) -> None:
                 f"groups[{entry}]: group_id {group.group_id} not in [0, {len(metadata.groups)})"
             )
         num_blocks = metadata.groups[group.group_id].num_blocks
-        for position, block_id in enumerate(group.block_ids):
-            if not 1 <= block_id < num_blocks:
-                raise WireError(
-                    f"groups[{entry}] (group {group.group_id}): block id {block_id} at position "
-                    f"{position} not in [1, {num_blocks})"
-                )
+        bad = _first_outside(group.block_ids, 1, num_blocks)
+        if bad is not None:
+            raise WireError(
+                f"groups[{entry}] (group {group.group_id}): block id {bad[1]} at position "
+                f"{bad[0]} not in [1, {num_blocks})"
+            )
 
 
 def _validate(

@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -144,12 +145,12 @@ releases the GIL), so UCX keeps progressing the chunks in flight."""
 
 
 _COPY_THREADS = 2
-"""Worker threads for large copies (``_copy_executor``): one per concurrent gather or scatter of
+"""Worker threads for large copies (``copy_executor``): one per concurrent gather or scatter of
 this process's reads and serves; more only queue for the same memory bandwidth."""
 
 
 @functools.cache
-def _copy_executor() -> ThreadPoolExecutor:
+def copy_executor() -> ThreadPoolExecutor:
     """Worker threads whose torch CPU ops each run on one OpenMP thread.
 
     Why (``benchmarks/bench_transport.py``, paged case, 2-core host): with torch's default of one
@@ -206,12 +207,49 @@ def _openmp_runtime() -> ctypes.CDLL | None:
 
 async def run_copy(fn: Callable[..., None], *args: Any, nbytes: int) -> None:
     """``fn(*args)`` (a ``copy_in`` / ``copy_out``) on one OpenMP thread: inline when ``nbytes``
-    is at most ``INLINE_COPY_MAX_BYTES``, else in a copy worker thread (``_copy_executor``)."""
+    is at most ``INLINE_COPY_MAX_BYTES``, else in a copy worker thread (``copy_executor``).
+    Returns or raises only once the copy has ended, also when the caller is cancelled
+    (``join_threads``)."""
     if nbytes <= INLINE_COPY_MAX_BYTES:
         with _one_openmp_thread_here():
             fn(*args)
     else:
-        await asyncio.get_running_loop().run_in_executor(_copy_executor(), fn, *args)
+        await join_threads([copy_executor().submit(fn, *args)])
+
+
+async def join_threads(
+    futures: Sequence[Future[None]], stop: threading.Event | None = None
+) -> None:
+    """Await copy-thread futures (``copy_executor().submit``).
+
+    On a failure or a cancellation of the caller, ``stop`` is set (copies check it between
+    calls) and this waits until every thread has ended before it re-raises: a copy that
+    outlived its read could write KV blocks already handed to another request, or staging
+    already reused. A future not yet started is cancelled instead.
+
+    Raises:
+        whatever the first failing copy raised, or ``asyncio.CancelledError``.
+    """
+    try:
+        await asyncio.gather(*map(_waiter, futures))
+    except BaseException:
+        if stop is not None:
+            stop.set()
+        for future in futures:
+            future.cancel()  # only succeeds for a copy that has not started
+        while pending := [f for f in futures if not f.done()]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(map(_waiter, pending))
+        raise
+
+
+def _waiter(future: Future[None]) -> asyncio.Future[None]:
+    """An asyncio future following ``future`` whose outcome counts as retrieved: the caller
+    raises a copy's error once, and an unretrieved one would be logged at garbage collection,
+    from whatever code happens to run then."""
+    waiter = asyncio.wrap_future(future)
+    waiter.add_done_callback(lambda w: w.cancelled() or w.exception())
+    return waiter
 
 
 def synchronize(tensor: torch.Tensor) -> None:

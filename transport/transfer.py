@@ -107,10 +107,6 @@ class ReadState:
         return cls(message, request_id=self.request_id, local_block_ids=self.not_landed())
 
 
-def local_ids_of(groups: Sequence[object]) -> list[list[int]]:
-    return [[int(b) for b in g.local_block_ids] for g in groups]  # type: ignore[attr-defined]
-
-
 async def drive_read(
     state: ReadState,
     core: Awaitable[ReadResult],
@@ -174,13 +170,13 @@ def begin_read(
     """
     if deadline_s <= 0:
         raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-    msgs = build_group_msgs(metadata, groups)
+    msgs, local_block_ids = build_group_msgs(metadata, groups)
     transfer_id = next_transfer_id()
     state = ReadState(
         request_id=request_id,
         transfer_id=transfer_id,
         groups=msgs,
-        local_block_ids=local_ids_of(groups),
+        local_block_ids=local_block_ids,
     )
     read = Read(
         transfer_id=transfer_id,

@@ -14,6 +14,10 @@ messages and answers how many were issued (the requester drains those), so nothi
 waiting. A closed control connection (dead requester) aborts the endpoint at once, ending every
 send issued to it; a read whose deadline (plus ``DEADLINE_GRACE_S``) passes drops its connection.
 
+A same-host read (``Read.cma``, ``cma``) is checked and answered alike, but nothing is sent:
+the requester copies the blocks out of this process itself; with expected hashes the holder then
+waits for ``ReadCopied``, re-checks every block it let through and answers ``ReadDone``.
+
 Every malformed message gets an ``ErrorMsg`` to that peer only; the server keeps serving.
 """
 
@@ -31,6 +35,7 @@ import torch
 import ucxx
 
 from .base import HolderCallbacks, TransferDoneNotice
+from .cma import CmaHost
 from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
@@ -53,6 +58,7 @@ from .wire import (
     Hello,
     HelloOk,
     Read,
+    ReadCopied,
     ReadDone,
     ReadOk,
     TransferDone,
@@ -74,6 +80,7 @@ class _Serve:
     num_chunks_issued: int = 0
     cancelled: bool = False
     stopped_issuing: asyncio.Event = field(default_factory=asyncio.Event)
+    copied: asyncio.Event = field(default_factory=asyncio.Event)  # cma: ReadCopied or Cancel
     task: asyncio.Task[None] | None = None
     late: list[list[int]] = field(default_factory=list)  # per group entry: failed the re-check
 
@@ -115,6 +122,7 @@ class UcxxHolder:
         self.pools: dict[int, StagingPool] = {}
         self.worker_address = b""
         self.booster = ProgressBooster(ucxx.progress, enabled=False)  # the transport's, at start
+        self.cma_host: CmaHost | None = None  # set by the transport when it offers same-host reads
         self._conns: set[asyncio.Task[None]] = set()
         self.num_active_serves = 0
 
@@ -139,6 +147,8 @@ class UcxxHolder:
                 await self._serve_connection(conn, reader)
         except (asyncio.IncompleteReadError, ConnectionError, TransportError):
             pass
+        except asyncio.CancelledError:
+            pass  # close(): end quietly (asyncio's server logs a cancelled handler as an error)
         finally:
             self._conns.discard(task)
             writer.close()
@@ -179,8 +189,9 @@ class UcxxHolder:
             code = "incompatible" if isinstance(exc, HandshakeError) else "bad_message"
             await write_message(writer, ErrorMsg(transfer_id=0, code=code, message=str(exc)))
             return None
+        offer = self.cma_host.offer if self.cma_host is not None else None
         await write_message(
-            writer, HelloOk(metadata=self.metadata, worker_address=self.worker_address)
+            writer, HelloOk(metadata=self.metadata, worker_address=self.worker_address, cma=offer)
         )
         return _Conn(peer_engine_id=message.metadata.engine_id, endpoint=endpoint, writer=writer)
 
@@ -210,6 +221,7 @@ class UcxxHolder:
             issued = 0
             if serve is not None:
                 serve.cancelled = True
+                serve.copied.set()  # a cma read waiting for ReadCopied ends
                 await serve.stopped_issuing.wait()  # at most one gather away
                 issued = serve.num_chunks_issued
                 for chunk_idx in range(issued, message.num_chunks_posted):
@@ -224,6 +236,20 @@ class UcxxHolder:
             await write_message(
                 conn.writer, CancelOk(transfer_id=message.transfer_id, num_chunks_issued=issued)
             )
+        elif isinstance(message, ReadCopied):
+            serve = conn.serves.get(message.transfer_id)
+            if serve is None or not serve.read.cma or serve.copied.is_set():
+                await write_message(
+                    conn.writer,
+                    ErrorMsg(
+                        transfer_id=message.transfer_id,
+                        code="bad_request",
+                        message=f"ReadCopied for transfer {message.transfer_id}, which is not a "
+                        "same-host read waiting for it",
+                    ),
+                )
+            else:
+                serve.copied.set()
         elif isinstance(message, Heartbeat):
             if self.callbacks.on_heartbeat is not None:
                 self.callbacks.on_heartbeat(conn.peer_engine_id, message.request_ids)
@@ -259,6 +285,8 @@ class UcxxHolder:
             )
             return
         try:
+            if read.cma and self.cma_host is None:
+                raise WireError("a same-host (cma) read, but this node offered none")
             check_read(self.metadata, read)
             mismatched = find_mismatched(read, self.callbacks.block_validator)
         except WireError as exc:
@@ -277,7 +305,40 @@ class UcxxHolder:
             if oldest.task is not None and not oldest.task.done():
                 break
             del conn.serves[oldest_id]
+        if read.cma:  # the requester copies; the holder only re-checks once it has
+            serve.stopped_issuing.set()
+            if expects_read_done(read):
+                serve.task = asyncio.ensure_future(self._await_copied(conn, serve, mismatched))
+            return
         serve.task = asyncio.ensure_future(self._send_blocks(conn, serve, mismatched))
+
+    async def _await_copied(self, conn: _Conn, serve: _Serve, mismatched: list[list[int]]) -> None:
+        """A same-host read with expected hashes: wait for the requester's ``ReadCopied``, then
+        re-check every block let through at ``ReadOk`` and answer ``ReadDone``. A Cancel, or no
+        word within the deadline plus ``DEADLINE_GRACE_S``, ends it silently: the holder lent
+        nothing (no staging, no send)."""
+        read = serve.read
+        self.num_active_serves += 1
+        try:
+            await asyncio.wait_for(serve.copied.wait(), read.deadline_ms / 1000 + DEADLINE_GRACE_S)
+            if serve.cancelled:
+                return
+            validator = self.callbacks.recheck_validator
+            late = [
+                recheck_blocks(group, good_positions(len(group.block_ids), bad), validator)
+                for group, bad in zip(read.groups, mismatched, strict=True)
+            ]
+            await write_message(
+                conn.writer, ReadDone(transfer_id=read.transfer_id, mismatched=late)
+            )
+        except asyncio.TimeoutError:
+            logger.info(
+                "same-host transfer %d: no ReadCopied before its deadline", read.transfer_id
+            )
+        except (asyncio.CancelledError, TransportError):
+            pass  # dropped: the requester is gone
+        finally:
+            self.num_active_serves -= 1
 
     async def _send_blocks(self, conn: _Conn, serve: _Serve, mismatched: list[list[int]]) -> None:
         """Serve one read; ends when every issued send completed (then, for a read with expected

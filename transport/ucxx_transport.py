@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +51,7 @@ from .base import (
     Transport,
     check_kv_caches_match,
 )
+from .cma import CmaHost, CmaPeer, CmaPlan, CmaReadError
 from .control import HolderConnection, read_frame, write_message
 from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
@@ -76,10 +79,13 @@ from .wire import (
     HelloOk,
     Message,
     Read,
+    ReadCopied,
     ReadDone,
     ReadOk,
     TransferDone,
 )
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PROGRESS_MODE = "blocking"
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -133,6 +139,9 @@ class UcxxTransport(Transport):
         window: chunks in flight per read on each side (4: receives posted ahead hide the
             event loop's wake-up latency between chunks).
         progress_mode: ucxx progress mode (see module docstring).
+        cma: same-host reads by cross-memory attach (``cma``): offered to peers and used with
+            peers that offer them. None (default): on unless the environment variable
+            ``KVBRIDGE_CMA`` is ``0``. Off, every read goes over UCX.
     """
 
     def __init__(
@@ -145,6 +154,7 @@ class UcxxTransport(Transport):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         window: int = 4,
         progress_mode: str | None = None,
+        cma: bool | None = None,
     ):
         check_kv_caches_match(metadata, kv_caches_by_group)
         if window < 1:
@@ -159,6 +169,10 @@ class UcxxTransport(Transport):
         self._server: asyncio.base_events.Server | None = None
         self._address: PeerAddress | None = None
         self._holder = UcxxHolder(metadata, self.kv_caches_by_group, self.callbacks, window)
+        self.cma_enabled = os.environ.get("KVBRIDGE_CMA", "1") != "0" if cma is None else cma
+        if self.cma_enabled:
+            self._holder.cma_host = CmaHost.for_caches(self.kv_caches_by_group)
+        self._cma_on_batch: Callable[[], None] | None = None  # tests: runs before each copy call
         self._conns: dict[PeerAddress, HolderConnection] = {}
         self._connect_locks: dict[PeerAddress, asyncio.Lock] = {}
         self._reads: dict[int, ReadState] = {}
@@ -181,6 +195,14 @@ class UcxxTransport(Transport):
     @property
     def num_inflight_reads(self) -> int:
         return len(self._reads)
+
+    def peer_data_path(self, peer: PeerAddress | tuple[str, int]) -> str | None:
+        """How reads from ``peer`` move bytes: ``"cma"`` (same host, ``cma``), ``"ucx"``, or
+        None before the first connection to it."""
+        conn = self._conns.get(PeerAddress(*peer))
+        if conn is None:
+            return None
+        return "cma" if conn.cma is not None else "ucx"
 
     @property
     def num_active_serves(self) -> int:
@@ -265,7 +287,14 @@ class UcxxTransport(Transport):
         except BaseException:
             writer.close()
             raise
-        return HolderConnection(reader, writer, reply.metadata, reply.worker_address, endpoint)
+        cma_peer = None
+        if self.cma_enabled:
+            cma_peer, why_not = CmaPeer.accept(reply.cma, reply.metadata, self.kv_caches_by_group)
+            if cma_peer is None:
+                logger.info("reads from %s go over UCX: %s", reply.metadata.engine_id, why_not)
+        return HolderConnection(
+            reader, writer, reply.metadata, reply.worker_address, endpoint, cma=cma_peer
+        )
 
     async def send_heartbeat(
         self, peer: PeerAddress | tuple[str, int], request_ids: Sequence[str]
@@ -310,15 +339,19 @@ class UcxxTransport(Transport):
         self._reads[transfer_id] = state
         io = _ReadIO()
         try:
-            # every turn of the loop progresses UCX until the read ends (``ucx_progress``)
-            with self._booster.hold():
+            with self._booster.hold():  # a first connection creates a UCX endpoint
                 try:
                     await asyncio.wait_for(self.connect(peer), deadline_s)
                 except HandshakeError:
                     raise
                 except (TransportError, asyncio.TimeoutError) as exc:
                     raise state.error(TransferError, f"cannot reach holder: {exc!r}") from None
-                conn = self._conns[PeerAddress(*peer)]
+            conn = self._conns[PeerAddress(*peer)]
+            if conn.cma is not None:
+                read = dataclasses.replace(read, cma=True)
+            # a UCX read progresses UCX on every turn of the loop until it ends
+            # (``ucx_progress``); a same-host read moves no UCX message, so the loop may sleep
+            with contextlib.nullcontext() if read.cma else self._booster.hold():
                 return await drive_read(
                     state,
                     self._run_read(conn, read, state, io),
@@ -352,6 +385,8 @@ class UcxxTransport(Transport):
     ) -> ReadResult:
         try:
             await conn.send(read)
+            # a same-host read plans its copy while the holder checks the read
+            cma_plan = self._cma_plan(conn, read, state, None) if read.cma else None
             reply = await reply_future
         except TransportError as exc:
             raise state.error(TransferError, str(exc)) from None
@@ -369,6 +404,20 @@ class UcxxTransport(Transport):
             good_positions(len(g.block_ids), reply.mismatched[i]) for i, g in enumerate(read.groups)
         ]
         group_ids = [g.group_id for g in read.groups]
+        if read.cma:
+            if cma_plan is None or any(reply.mismatched):
+                cma_plan = self._cma_plan(conn, read, state, good)
+            try:
+                await self._copy_cma(conn, state, good, cma_plan)
+                if done_future is not None:
+                    await conn.send(ReadCopied(transfer_id=read.transfer_id))
+                    await self._apply_read_done(read, state, done_future)
+            except TransportError as exc:
+                if not isinstance(exc, TransferError):
+                    exc = state.error(TransferError, str(exc))
+                await self._drop_connection(conn)
+                raise exc from None
+            return state.result()
         chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
 
         def local_ids(chunk_idx: int) -> list[int]:
@@ -439,6 +488,56 @@ class UcxxTransport(Transport):
                     self.staging.release(posted.buffer)
             state.landed[chunk.entry].update(good[chunk.entry][chunk.start : chunk.stop])
             state.num_bytes_landed += posted.target.numel() * posted.target.element_size()
+
+    def _cma_plan(
+        self,
+        conn: HolderConnection,
+        read: Read,
+        state: ReadState,
+        good: list[list[int]] | None,
+    ) -> CmaPlan:
+        """The copy plan of a same-host read: the ``good`` positions of each group entry, or
+        every position (``None``: planned before ``ReadOk``, used when nothing mismatched)."""
+        assert isinstance(conn.cma, CmaPeer)
+        if good is None:
+            entries = [
+                (group.group_id, group.block_ids, local)
+                for group, local in zip(read.groups, state.local_block_ids, strict=True)
+            ]
+        else:
+            entries = [
+                (
+                    group.group_id,
+                    [group.block_ids[p] for p in positions],
+                    [state.local_block_ids[entry][p] for p in positions],
+                )
+                for entry, (group, positions) in enumerate(zip(read.groups, good, strict=True))
+            ]
+        return conn.cma.plan(self.kv_caches_by_group, entries)
+
+    async def _copy_cma(
+        self, conn: HolderConnection, state: ReadState, good: list[list[int]], plan: CmaPlan
+    ) -> None:
+        """Run a same-host read's copy ``plan`` (``cma``), then re-read the holder's probe (the
+        process is still the one checked at handshake). Mutates ``state`` (landed, bytes) only
+        once every block of ``good`` is in.
+
+        Raises:
+            TransferError: a copy call failed or the probe changed; every block is named.
+        """
+        peer = conn.cma
+        assert isinstance(peer, CmaPeer)
+        try:
+            await peer.copy(plan, self._cma_on_batch)
+            if peer.read_probe() != peer.offer.probe:
+                raise CmaReadError("the holder's probe changed: another process has its pid")
+        except CmaReadError as exc:
+            raise state.error(
+                TransferError, f"same-host copy from {conn.remote.engine_id!r} failed: {exc}"
+            ) from None
+        for entry, positions in enumerate(good):
+            state.landed[entry].update(positions)
+        state.num_bytes_landed += plan.nbytes
 
     async def _apply_read_done(
         self, read: Read, state: ReadState, done_future: asyncio.Future[Message]

@@ -6,10 +6,12 @@ type and every field's type and range, and raises ``WireError`` naming the field
 answers with an ``ErrorMsg`` and keeps serving (DESIGN.md, "Reliability rules": everything that
 arrives over the network is validated).
 
-Requester -> holder: ``Hello``, ``Read``, ``Cancel``, ``Heartbeat``, ``TransferDone``.
+Requester -> holder: ``Hello``, ``Read``, ``ReadCopied``, ``Cancel``, ``Heartbeat``,
+``TransferDone``.
 Holder -> requester: ``HelloOk``, ``ReadOk``, ``ReadDone``, ``CancelOk``, ``ErrorMsg``.
 
-Block bytes never travel in these messages; they go over UCX tag messages (``ucxx_transport``).
+Block bytes never travel in these messages; they go over UCX tag messages (``ucxx_transport``)
+or, between processes on one host, by cross-memory attach (``cma``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import msgpack
 from .errors import WireError
 from .metadata import KVGroupLayout, NodeMetadata
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 # 2: Cancel carries num_chunks_posted (filler sends, see ucxx_holder)
 # 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
+# 4: same-host reads: HelloOk.cma, Read.cma, ReadCopied (see ``cma``)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 MAX_STR_LEN = 512
@@ -48,6 +51,25 @@ class GroupReadMsg:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CmaOffer:
+    """What a holder on host memory tells requesters at handshake (``HelloOk.cma``).
+
+    Attributes:
+        host_id: the holder's boot id; a requester on another boot (another host) ignores it.
+        pid: the holder's process id (in the holder's pid namespace).
+        probe_address, probe: a live 16-byte buffer in the holder and its content.
+        regions: ``[group][layer]`` address of each KV tensor's first byte
+            (``[num_blocks, *block_shape]``, contiguous, as ``NodeMetadata`` describes).
+    """
+
+    host_id: str
+    pid: int
+    probe_address: int
+    probe: bytes
+    regions: list[list[int]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Hello:
     metadata: NodeMetadata
     worker_address: bytes
@@ -55,13 +77,19 @@ class Hello:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HelloOk:
+    """The holder's answer to a compatible ``Hello``; ``cma`` is its same-host offer, None
+    when its KV tensors are not in host memory (``cma``)."""
+
     metadata: NodeMetadata
     worker_address: bytes
+    cma: CmaOffer | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Read:
-    """Pull request. The holder sends chunk ``k`` of the plan with UCX tag ``tag_base + k``."""
+    """Pull request. The holder sends chunk ``k`` of the plan with UCX tag ``tag_base + k``;
+    with ``cma`` it sends nothing: the requester copies the blocks itself after ``ReadOk``
+    (``cma``) and, when it sent expected hashes, ends with ``ReadCopied``."""
 
     transfer_id: int
     request_id: str
@@ -69,6 +97,7 @@ class Read:
     chunk_bytes: int
     deadline_ms: int
     groups: list[GroupReadMsg]
+    cma: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,12 +110,21 @@ class ReadOk:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReadCopied:
+    """The requester finished copying a ``cma`` read that sent expected hashes; the holder
+    re-checks the blocks it let through and answers ``ReadDone``."""
+
+    transfer_id: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReadDone:
     """The holder's last word on a read that sent expected hashes, after its last chunk send
-    completed. ``mismatched[i]`` lists positions in ``groups[i]`` that passed the check at
-    ``ReadOk`` and were sent, but no longer carried the expected hash when re-checked right after
-    their bytes were copied out (the holder evicted and reused the block meanwhile, so the bytes
-    sent may be torn): the requester must treat those blocks as failed, never as landed."""
+    completed (a ``cma`` read: after ``ReadCopied``). ``mismatched[i]`` lists positions in
+    ``groups[i]`` that passed the check at ``ReadOk`` and were sent, but no longer carried the
+    expected hash when re-checked right after their bytes were copied out (the holder evicted
+    and reused the block meanwhile, so the bytes sent may be torn): the requester must treat
+    those blocks as failed, never as landed."""
 
     transfer_id: int
     mismatched: list[list[int]]
@@ -136,6 +174,7 @@ Message = (
     | HelloOk
     | Read
     | ReadOk
+    | ReadCopied
     | ReadDone
     | Cancel
     | CancelOk
@@ -205,6 +244,9 @@ def _map(value: Any, name: str) -> dict[Any, Any]:
 
 def _int_list(obj: dict[Any, Any], name: str, lo: int, hi: int, max_len: int) -> list[int]:
     values = _list(obj, name, max_len)
+    # fast path in C for the usual case (thousands of block ids); the slow one names the culprit
+    if values and set(map(type, values)) == {int} and min(values) >= lo and max(values) <= hi:
+        return values
     for i, value in enumerate(values):
         if type(value) is not int or not lo <= value <= hi:
             raise WireError(f"field {name!r}[{i}] = {value!r} is not an int in [{lo}, {hi}]")
@@ -278,16 +320,51 @@ def _metadata_from_wire(value: Any) -> NodeMetadata:
     return metadata
 
 
+def _cma_offer(value: Any, metadata: NodeMetadata) -> CmaOffer | None:
+    """``HelloOk.cma``: None, or an offer with one region address per layer of each group."""
+    if value is None:
+        return None
+    obj = _map(value, "cma")
+    regions = _list(obj, "regions", MAX_GROUPS)
+    if len(regions) != len(metadata.groups):
+        raise WireError(
+            f"field 'regions' has {len(regions)} groups, metadata {len(metadata.groups)}"
+        )
+    for group_id, (addresses, layout) in enumerate(zip(regions, metadata.groups, strict=True)):
+        if type(addresses) is not list or len(addresses) != layout.num_layers:
+            raise WireError(f"field 'regions'[{group_id}] must list {layout.num_layers} addresses")
+        for address in addresses:
+            if type(address) is not int or not 0 < address <= MAX_U64:
+                raise WireError(f"field 'regions'[{group_id}] holds a bad address {address!r}")
+    probe = _bytes(obj, "probe", 64)
+    if not probe:
+        raise WireError("field 'probe' is empty")
+    return CmaOffer(
+        host_id=_str(obj, "host_id", 64),
+        pid=_int(obj, "pid", 1, (1 << 31) - 1),
+        probe_address=_int(obj, "probe_address", 1, MAX_U64),
+        probe=probe,
+        regions=regions,
+    )
+
+
 # ----------------------------------------------------------------------------- encode / decode
 
 
 def encode_message(message: Message) -> bytes:
     """One frame (length prefix + msgpack) for ``message``."""
     body: dict[str, Any]
-    if isinstance(message, Hello | HelloOk):
+    if isinstance(message, Hello):
         body = {
             "metadata": _metadata_to_wire(message.metadata),
             "worker_address": message.worker_address,
+        }
+    elif isinstance(message, HelloOk):
+        cma = message.cma
+        body = {
+            "metadata": _metadata_to_wire(message.metadata),
+            "worker_address": message.worker_address,
+            "cma": None if cma is None else {name: getattr(cma, name) for name in cma.__slots__},
         }
     elif isinstance(message, Read):
         body = {
@@ -296,6 +373,7 @@ def encode_message(message: Message) -> bytes:
             "tag_base": message.tag_base,
             "chunk_bytes": message.chunk_bytes,
             "deadline_ms": message.deadline_ms,
+            "cma": message.cma,
             "groups": [
                 {
                     "group_id": g.group_id,
@@ -347,6 +425,7 @@ def _decode_read(obj: dict[Any, Any]) -> Read:
         chunk_bytes=_int(obj, "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES),
         deadline_ms=_int(obj, "deadline_ms", 1, MAX_DEADLINE_MS),
         groups=groups,
+        cma=_bool(obj, "cma"),
     )
 
 
@@ -368,14 +447,18 @@ def _decode_body(kind: str, obj: dict[Any, Any]) -> Message:
             worker_address=_bytes(obj, "worker_address", 1 << 16),
         )
     if kind == "HelloOk":
+        metadata = _metadata_from_wire(_get(obj, "metadata"))
         return HelloOk(
-            metadata=_metadata_from_wire(_get(obj, "metadata")),
+            metadata=metadata,
             worker_address=_bytes(obj, "worker_address", 1 << 16),
+            cma=_cma_offer(_get(obj, "cma"), metadata),
         )
     if kind == "Read":
         return _decode_read(obj)
     if kind == "ReadOk":
         return ReadOk(transfer_id=_int(obj, "transfer_id", 1, MAX_U64), mismatched=_positions(obj))
+    if kind == "ReadCopied":
+        return ReadCopied(transfer_id=_int(obj, "transfer_id", 1, MAX_U64))
     if kind == "ReadDone":
         return ReadDone(
             transfer_id=_int(obj, "transfer_id", 1, MAX_U64), mismatched=_positions(obj)

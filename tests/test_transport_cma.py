@@ -1,0 +1,447 @@
+"""Same-host reads (``kvbridge.transport.cma``): the requester copies blocks out of the holder's
+KV tensors with ``process_vm_readv``.
+
+Plans and copies are checked in this process (a process may read itself the same way); reads
+between processes use the holder of ``tests/_transport_helpers.py``, whose tensors the requester
+rebuilds from the seed to compare bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+pytest.importorskip("ucxx")
+
+import kvbridge.transport.cma as cma
+import kvbridge.transport.ucxx_holder as ucxx_holder
+from _transport_helpers import NUM_BLOCKS, make_kv_caches, make_metadata
+from kvbridge.transport import (
+    GroupRead,
+    TransferCancelledError,
+    TransferError,
+    TransferTimeoutError,
+    UcxxTransport,
+)
+from kvbridge.transport.control import read_frame
+from kvbridge.transport.wire import (
+    Cancel,
+    CancelOk,
+    ErrorMsg,
+    GroupReadMsg,
+    Heartbeat,
+    Hello,
+    Read,
+    ReadCopied,
+    ReadDone,
+    ReadOk,
+    decode_message,
+    encode_message,
+)
+from test_transport_ucxx import HolderProcess, _assert_landed, _random_read
+
+pytestmark = pytest.mark.timeout(60)
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+if not cma.available():
+    pytest.skip("this system has no process_vm_readv", allow_module_level=True)
+
+SEED = 21
+BIG_SEED = 23
+BIG_BLOCK_SIZE = 256  # 16 KiB per block and layer: a read of all blocks is about 5 MiB
+
+
+def _self_peer(caches: list[list[torch.Tensor]]) -> cma.CmaPeer:
+    """A peer for ``caches`` of this very process (the kernel lets a process read itself)."""
+    host = cma.CmaHost(caches)
+    peer, why = cma.CmaPeer.accept(host.offer, make_metadata("self", caches), caches)
+    assert peer is not None, why
+    peer._host = host  # keeps the probe buffer alive
+    return peer
+
+
+# ----------------------------------------------------------------------------- plans, in-process
+
+
+def test_plan_sorts_by_source_merges_runs_and_splits_long_ones(monkeypatch):
+    caches = make_kv_caches(seed=1, layers_per_group=(2,), block_size=256)
+    local = make_kv_caches(seed=0, layers_per_group=(2,), block_size=256)
+    peer = _self_peer(caches)
+    block_nbytes = caches[0][0][0].nbytes  # 16 KiB
+    # remote 10..13 -> local 20..23 is one run; 40 -> 5 and 3 -> 60 stand alone
+    entries = [(0, [40, 10, 11, 12, 13, 3], [5, 20, 21, 22, 23, 60])]
+    plan = peer.plan(local, entries)
+    assert len(plan.parts) == 1  # 2 layers x 6 blocks x 16 KiB = 192 KiB: one inline part
+    local_iov, remote_iov = plan.parts[0]
+    assert plan.nbytes == 2 * 6 * block_nbytes
+    assert list(remote_iov[:, 0]) == sorted(remote_iov[:, 0])
+    assert list(local_iov[:, 1]) == list(remote_iov[:, 1])
+    assert sorted(remote_iov[:, 1] // block_nbytes) == [1, 1, 1, 1, 4, 4]  # per layer: 3, 40, run
+
+    # a long run splits into MAX_SEGMENT_BYTES pieces, cut into parts of about equal bytes
+    monkeypatch.setattr(cma, "MAX_SEGMENT_BYTES", 4 * block_nbytes)
+    monkeypatch.setattr(cma, "INLINE_COPY_MAX_BYTES", 0)
+    ids = list(range(1, 41))
+    plan = peer.plan(local, [(0, ids, ids)])
+    assert len(plan.parts) == cma.COPY_PARTS
+    lengths = np.concatenate([part[0][:, 1] for part in plan.parts])
+    assert set(lengths) == {4 * block_nbytes} and lengths.sum() == plan.nbytes == 80 * block_nbytes
+    part_bytes = [int(part[0][:, 1].sum()) for part in plan.parts]
+    assert max(part_bytes) - min(part_bytes) <= 4 * block_nbytes
+
+
+@in_module_loop
+async def test_copy_in_threads_lands_random_ids_exactly(monkeypatch):
+    monkeypatch.setattr(cma, "IOV_MAX", 7)  # several calls per part
+    source = make_kv_caches(seed=SEED, block_size=BIG_BLOCK_SIZE)
+    local = make_kv_caches(seed=0, block_size=BIG_BLOCK_SIZE)
+    peer = _self_peer(source)
+    rng = random.Random(1)
+    reads = _random_read(rng, num_blocks=50)
+    plan = peer.plan(local, [(r.group_id, r.remote_block_ids, r.local_block_ids) for r in reads])
+    assert plan.nbytes > cma.INLINE_COPY_MAX_BYTES and len(plan.parts) == cma.COPY_PARTS
+    await peer.copy(plan)
+    _assert_landed(local, source, reads)
+    untouched = set(range(NUM_BLOCKS)) - set(reads[0].local_block_ids)
+    assert not any(local[0][0][b].any() for b in untouched)
+
+
+@in_module_loop
+async def test_cancelled_copy_returns_only_after_its_threads_stopped(monkeypatch):
+    monkeypatch.setattr(cma, "IOV_MAX", 1)
+    monkeypatch.setattr(cma, "INLINE_COPY_MAX_BYTES", 0)
+    source = make_kv_caches(seed=SEED)
+    local = make_kv_caches(seed=0)
+    peer = _self_peer(source)
+    ids = list(range(1, NUM_BLOCKS))
+    plan = peer.plan(local, [(0, ids, ids[::-1])])
+    calls = []
+    started = threading.Event()
+
+    def slow_batch() -> None:
+        calls.append(threading.get_ident())
+        started.set()
+        time.sleep(0.01)
+
+    task = asyncio.ensure_future(peer.copy(plan, slow_batch))
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    seen = len(calls)
+    await asyncio.sleep(0.1)
+    assert len(calls) == seen < 3 * (NUM_BLOCKS - 1)  # stopped early, and nothing ran after
+
+
+@in_module_loop
+async def test_a_gone_process_is_a_read_error_naming_esrch():
+    source = make_kv_caches(seed=SEED)
+    peer = _self_peer(source)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = cma.CmaPeer(dataclasses.replace(peer.offer, pid=int(gone.stdout)), peer.remote)
+    with pytest.raises(cma.CmaReadError, match="ESRCH") as info:
+        dead.read_probe()
+    assert info.value.errno_name == "ESRCH"
+
+
+def test_accept_refuses_offers_it_cannot_use():
+    caches = make_kv_caches(seed=SEED)
+    metadata = make_metadata("self", caches)
+    host = cma.CmaHost(caches)
+    offer = host.offer
+    cases = {
+        "offers no same-host reads": None,
+        "another host": dataclasses.replace(offer, host_id="another-boot"),
+        "different bytes": dataclasses.replace(offer, probe=bytes(cma.PROBE_BYTES)),
+        "regions": dataclasses.replace(offer, regions=[*offer.regions[:1], []]),
+    }
+    for reason, bad in cases.items():
+        peer, why = cma.CmaPeer.accept(bad, metadata, caches)
+        assert peer is None and reason in why, (reason, why)
+    peer, why = cma.CmaPeer.accept(offer, metadata, caches)
+    assert peer is not None and why == ""
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+@pytest.fixture(scope="module")
+def holder():
+    process = HolderProcess("--seed", str(SEED))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def big_holder():
+    process = HolderProcess("--seed", str(BIG_SEED), "--block-size", str(BIG_BLOCK_SIZE))
+    yield process
+    process.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def requester():
+    caches = make_kv_caches(seed=0)
+    transport = UcxxTransport(make_metadata("cma-requester", caches), caches)
+    await transport.start()
+    yield transport
+    await transport.close()
+
+
+def _assert_clean(transport: UcxxTransport) -> None:
+    assert transport.num_inflight_reads == 0
+    assert transport.staging.num_outstanding == 0
+
+
+@in_module_loop
+async def test_random_ids_two_groups_land_exactly_by_cma(holder, requester):
+    reads = _random_read(random.Random(2), num_blocks=30)
+    result = await requester.read_blocks(holder.address, "cma-1", reads, deadline_s=20)
+    assert requester.peer_data_path(holder.address) == "cma"
+    assert (result.num_blocks_landed, result.failed_local_block_ids) == (60, ())
+    assert result.num_bytes_landed == 30 * 3 * 1024 + 30 * 2 * 1024
+    _assert_landed(requester.kv_caches_by_group, make_kv_caches(seed=SEED), reads)
+    _assert_clean(requester)
+
+
+@in_module_loop
+async def test_large_read_in_copy_threads_lands_exactly(big_holder):
+    caches = make_kv_caches(seed=0, block_size=BIG_BLOCK_SIZE)
+    transport = UcxxTransport(make_metadata("cma-big", caches), caches)
+    await transport.start()
+    try:
+        reads = _random_read(random.Random(3), num_blocks=NUM_BLOCKS - 1)
+        result = await transport.read_blocks(big_holder.address, "cma-big", reads, deadline_s=20)
+        assert result.num_bytes_landed == (NUM_BLOCKS - 1) * 5 * 16384  # > inline: threads
+        _assert_landed(caches, make_kv_caches(seed=BIG_SEED, block_size=BIG_BLOCK_SIZE), reads)
+        _assert_clean(transport)
+    finally:
+        await transport.close()
+
+
+@in_module_loop
+async def test_mismatched_hash_is_never_copied_and_bad_ids_are_refused(holder, requester):
+    for layer in requester.kv_caches_by_group[0]:
+        layer[[5, 6]] = 0
+    read = GroupRead(
+        group_id=0,
+        remote_block_ids=[9, 10],
+        local_block_ids=[5, 6],
+        expected_hashes=[b"0:9", b"0:999"],  # the holder holds "0:10" at block 10
+    )
+    result = await requester.read_blocks(holder.address, "cma-hash", [read], deadline_s=20)
+    assert result.failed_local_block_ids == (6,)
+    source = make_kv_caches(seed=SEED)
+    assert all(
+        torch.equal(mine[5], theirs[9])
+        for mine, theirs in zip(requester.kv_caches_by_group[0], source[0], strict=True)
+    )
+    assert not any(layer[6].any() for layer in requester.kv_caches_by_group[0])
+
+    out_of_range = GroupRead(group_id=1, remote_block_ids=[3, NUM_BLOCKS], local_block_ids=[4, 5])
+    with pytest.raises(TransferError, match=f"block id {NUM_BLOCKS} at position 1") as info:
+        await requester.read_blocks(holder.address, "cma-bad", [out_of_range], deadline_s=20)
+    assert info.value.local_block_ids == (4, 5)
+    reads = _random_read(random.Random(4), num_blocks=5)  # the connection still serves
+    result = await requester.read_blocks(holder.address, "cma-after", reads, deadline_s=20)
+    assert result.num_blocks_landed == 10
+    _assert_clean(requester)
+
+
+@in_module_loop
+async def test_holder_killed_mid_copy_fails_naming_every_block(monkeypatch):
+    process = HolderProcess("--seed", str(SEED))
+    caches = make_kv_caches(seed=0)
+    transport = UcxxTransport(make_metadata("cma-kill", caches), caches)
+    await transport.start()
+    try:
+        monkeypatch.setattr(cma, "IOV_MAX", 2)
+        calls = []
+
+        def kill_on_third_call() -> None:
+            calls.append(1)
+            if len(calls) == 3:
+                process.proc.kill()
+                process.proc.wait(10)
+
+        transport._cma_on_batch = kill_on_third_call
+        reads = _random_read(random.Random(5), num_blocks=20)
+        with pytest.raises(TransferError) as info:
+            await transport.read_blocks(process.address, "cma-kill", reads, deadline_s=20)
+        assert not isinstance(info.value, TransferTimeoutError)
+        assert "ESRCH" in str(info.value) or "probe" in str(info.value)
+        assert sorted(info.value.local_block_ids) == sorted(
+            b for r in reads for b in r.local_block_ids
+        )
+        _assert_clean(transport)
+    finally:
+        process.stop()
+        await transport.close()
+
+
+@in_module_loop
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_cancel_or_deadline_mid_copy_stops_the_copy_first(holder, monkeypatch, how):
+    monkeypatch.setattr(cma, "IOV_MAX", 1)
+    monkeypatch.setattr(cma, "INLINE_COPY_MAX_BYTES", 0)  # copy threads, so the loop runs
+    caches = make_kv_caches(seed=0)
+    transport = UcxxTransport(make_metadata(f"cma-{how}", caches), caches)
+    await transport.start()
+    try:
+        calls = []
+        transport._cma_on_batch = lambda: (calls.append(1), time.sleep(0.01))
+        reads = _random_read(random.Random(6), num_blocks=40)
+        deadline = 0.3 if how == "deadline" else 20
+        task = asyncio.ensure_future(
+            transport.read_blocks(holder.address, f"cma-{how}", reads, deadline_s=deadline)
+        )
+        if how == "cancel":
+            while not calls:
+                await asyncio.sleep(0.01)
+            assert await transport.cancel(f"cma-{how}") == 1
+        expected = TransferCancelledError if how == "cancel" else TransferTimeoutError
+        with pytest.raises(expected):
+            await task
+        seen = len(calls)
+        await asyncio.sleep(0.1)
+        assert len(calls) == seen < 5 * 40  # stopped mid-way; no copy runs after the error
+        _assert_clean(transport)
+        transport._cma_on_batch = None
+        monkeypatch.setattr(cma, "IOV_MAX", 1024)
+        result = await transport.read_blocks(holder.address, "again", reads, deadline_s=20)
+        assert result.num_blocks_landed == 80
+        _assert_landed(caches, make_kv_caches(seed=SEED), reads)
+    finally:
+        await transport.close()
+
+
+@in_module_loop
+async def test_without_cma_on_either_side_reads_go_over_ucx(holder, monkeypatch):
+    caches = make_kv_caches(seed=0)
+    monkeypatch.setenv("KVBRIDGE_CMA", "0")
+    off_by_env = UcxxTransport(make_metadata("cma-env-off", caches), caches)
+    monkeypatch.delenv("KVBRIDGE_CMA")
+    source = make_kv_caches(seed=31)
+    no_offer = UcxxTransport(make_metadata("holder-no-offer", source), source, cma=False)
+    on = UcxxTransport(make_metadata("cma-on", make_kv_caches(seed=0)), make_kv_caches(seed=0))
+    for transport in (off_by_env, no_offer, on):
+        await transport.start()
+    try:
+        assert not off_by_env.cma_enabled and on.cma_enabled
+        reads = _random_read(random.Random(7), num_blocks=6)
+        await off_by_env.read_blocks(holder.address, "env-off", reads, deadline_s=20)
+        assert off_by_env.peer_data_path(holder.address) == "ucx"
+        _assert_landed(caches, make_kv_caches(seed=SEED), reads)
+        await on.read_blocks(no_offer.address, "no-offer", reads, deadline_s=20)
+        assert on.peer_data_path(no_offer.address) == "ucx"
+        _assert_landed(on.kv_caches_by_group, source, reads)
+    finally:
+        for transport in (off_by_env, no_offer, on):
+            await transport.close()
+
+
+# ----------------------------------------------------------------------------- holder protocol
+
+
+@contextlib.asynccontextmanager
+async def _raw_peer(holder: UcxxTransport, requester_metadata):
+    """A hand-driven requester connection to an in-process holder (after the handshake)."""
+    import ucxx
+
+    reader, writer = await asyncio.open_connection(*holder.address)
+    hello = Hello(metadata=requester_metadata, worker_address=ucxx.get_worker_address().tobytes())
+    writer.write(encode_message(hello))
+    decode_message(await read_frame(reader))
+
+    async def ask(message):
+        writer.write(encode_message(message))
+        return decode_message(await asyncio.wait_for(read_frame(reader), 10))
+
+    try:
+        yield writer, ask
+    finally:
+        writer.close()
+
+
+def _cma_read(transfer_id: int, hashes: bool, deadline_ms: int = 20_000) -> Read:
+    ids = [3, 4]
+    return Read(
+        transfer_id=transfer_id,
+        request_id=f"raw-{transfer_id}",
+        tag_base=transfer_id << 20,
+        chunk_bytes=1 << 14,
+        deadline_ms=deadline_ms,
+        groups=[
+            GroupReadMsg(
+                group_id=0,
+                block_ids=ids,
+                expected_hashes=[f"0:{b}".encode() for b in ids] if hashes else None,
+            )
+        ],
+        cma=True,
+    )
+
+
+@in_module_loop
+async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
+    from _transport_helpers import make_hash_validator
+
+    monkeypatch.setattr(ucxx_holder, "DEADLINE_GRACE_S", 0.05)
+    caches = make_kv_caches(seed=SEED)
+    holder = UcxxTransport(make_metadata("raw-holder", caches), caches)
+    holder.set_callbacks(block_validator=make_hash_validator(set()))
+    no_offer = UcxxTransport(make_metadata("raw-no-offer", caches), caches, cma=False)
+    await holder.start()
+    await no_offer.start()
+    requester_metadata = make_metadata("raw", make_kv_caches(seed=0))
+    try:
+        async with _raw_peer(holder, requester_metadata) as (writer, ask):
+            stray = await ask(ReadCopied(transfer_id=77))
+            assert isinstance(stray, ErrorMsg) and stray.code == "bad_request"
+            assert "not a same-host read" in stray.message
+
+            # with hashes: ReadOk, then ReadCopied -> ReadDone; a second ReadCopied is refused
+            assert isinstance(await ask(_cma_read(1, hashes=True)), ReadOk)
+            assert holder.num_active_serves == 1
+            assert await ask(ReadCopied(transfer_id=1)) == ReadDone(transfer_id=1, mismatched=[[]])
+            assert isinstance(await ask(ReadCopied(transfer_id=1)), ErrorMsg)
+            # without hashes the holder has nothing more to say
+            assert isinstance(await ask(_cma_read(2, hashes=False)), ReadOk)
+            # a Cancel ends a serve waiting for ReadCopied at once
+            assert isinstance(await ask(_cma_read(3, hashes=True)), ReadOk)
+            assert await ask(Cancel(transfer_id=3, num_chunks_posted=0)) == CancelOk(
+                transfer_id=3, num_chunks_issued=0
+            )
+            # a requester that never reports: the serve ends after deadline + grace
+            assert isinstance(await ask(_cma_read(4, hashes=True, deadline_ms=50)), ReadOk)
+            for _ in range(100):
+                if holder.num_active_serves == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert holder.num_active_serves == 0
+            writer.write(encode_message(Heartbeat(request_ids=["raw-1"])))  # still serving
+            assert isinstance(await ask(_cma_read(5, hashes=False)), ReadOk)
+        async with _raw_peer(no_offer, requester_metadata) as (_, ask):
+            refused = await ask(_cma_read(1, hashes=False))
+            assert isinstance(refused, ErrorMsg) and "offered none" in refused.message
+    finally:
+        await holder.close()
+        await no_offer.close()
+    assert os.getpid() == holder._holder.cma_host.offer.pid
