@@ -390,7 +390,7 @@ class KVBridgeConnector(KVConnectorBase):
             )
         from kvbridge.transport import UcxxTransport  # ucxx is imported only when used
 
-        return UcxxTransport(metadata, by_group, host=config.host, port=config.port)
+        return UcxxTransport(metadata, by_group, host=config.host, port=config.port, cma=config.cma)
 
     def start_load_kv(self, forward_context: ForwardContext) -> None:
         meta = self._get_connector_metadata()

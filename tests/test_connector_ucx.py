@@ -19,7 +19,7 @@ MAX_TOKENS = 4
 _REPLY_TIMEOUT_S = 60.0
 
 
-def _node(engine_id: str, role: str, *, hybrid: bool) -> Engine:
+def _node(engine_id: str, role: str, *, hybrid: bool, cma: bool = True) -> Engine:
     config = EngineConfig(num_blocks=128, block_size=BLOCK_SIZE, max_model_len=512)
     kv_transfer_config = {
         "kv_role": role,
@@ -30,6 +30,7 @@ def _node(engine_id: str, role: str, *, hybrid: bool) -> Engine:
             "port": 0,
             "load_timeout_s": 20.0,
             "heartbeat_interval_s": 0.5,
+            "cma": cma,
         },
     }
     return create_engine(tiny_model(hybrid=hybrid), config, kv_transfer_config)
@@ -62,8 +63,11 @@ def _prefill_node_main(conn: Any, hybrid: bool) -> None:
         engine.shutdown()
 
 
+@pytest.mark.parametrize("path", ["cma", "ucx"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
-def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid):
+def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid, path):
+    """Both data paths: same-host copy (the default between processes on one host) and UCX
+    tag messages (``cma`` off on D, as between hosts)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill_node_main, args=(child, hybrid), daemon=True)
@@ -71,7 +75,7 @@ def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid):
     d = None
     try:
         assert parent.poll(_REPLY_TIMEOUT_S) and parent.recv() == "ready"
-        d = _node("decode-ucx", "kv_consumer", hybrid=hybrid)
+        d = _node("decode-ucx", "kv_consumer", hybrid=hybrid, cma=path == "cma")
         # 1 token, block size - 1, block size, block size + 1, many blocks.
         for i, num_tokens in enumerate([1, 15, 16, 17, 150]):
             prompt = long_prompt(num_tokens, salt=f"Prompt {i}. ")  # no shared prefixes
@@ -86,6 +90,8 @@ def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid):
             output = run_to_completion(d, request_id, timeout_s=_REPLY_TIMEOUT_S)
             assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=hybrid)
             assert output.num_cached_tokens == num_tokens - 1  # the last token is recomputed
+        transport = d.scheduler.connector.ctx.transport
+        assert {transport.peer_data_path(peer) for peer in transport._conns} == {path}
         stats = d.scheduler.connector.stats.snapshot()
         # The 1-token prompt has nothing to pull (D only tells P to release); 4 pulls landed.
         assert (stats["num_loads"], stats["num_failed_loads"]) == (4, 0)
