@@ -416,6 +416,9 @@ async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
             stray = await ask(ReadCopied(transfer_id=77))
             assert isinstance(stray, ErrorMsg) and stray.code == "bad_request"
             assert "not a same-host read" in stray.message
+            # a read without hashes has no ReadCopied to wait for: one is refused, not ignored
+            assert isinstance(await ask(_cma_read(9, hashes=False)), ReadOk)
+            assert isinstance(await ask(ReadCopied(transfer_id=9)), ErrorMsg)
 
             # with hashes: ReadOk, then ReadCopied -> ReadDone; a second ReadCopied is refused
             assert isinstance(await ask(_cma_read(1, hashes=True)), ReadOk)
@@ -438,6 +441,19 @@ async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
             assert holder.num_active_serves == 0
             writer.write(encode_message(Heartbeat(request_ids=["raw-1"])))  # still serving
             assert isinstance(await ask(_cma_read(5, hashes=False)), ReadOk)
+
+        # a validator that raises fails that read with an error, and the holder keeps serving
+        def broken(group_id, block_ids, hashes):
+            raise RuntimeError("validator bug")
+
+        holder.set_callbacks(block_validator=make_hash_validator(set()), block_rechecker=broken)
+        async with _raw_peer(holder, requester_metadata) as (_, ask):
+            assert isinstance(await ask(_cma_read(1, hashes=True)), ReadOk)
+            failed = await ask(ReadCopied(transfer_id=1))
+            assert isinstance(failed, ErrorMsg) and failed.code == "holder_error"
+            assert "validator bug" in failed.message
+            assert isinstance(await ask(_cma_read(2, hashes=False)), ReadOk)
+        assert holder.num_active_serves == 0
         async with _raw_peer(no_offer, requester_metadata) as (_, ask):
             refused = await ask(_cma_read(1, hashes=False))
             assert isinstance(refused, ErrorMsg) and "offered none" in refused.message
@@ -445,3 +461,137 @@ async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
         await holder.close()
         await no_offer.close()
     assert os.getpid() == holder._holder.cma_host.offer.pid
+
+
+# ----------------------------------------------------------------------------- review findings
+
+
+@in_module_loop
+async def test_calls_are_capped_by_bytes_as_well_as_by_ranges(monkeypatch):
+    """Linux copies at most 2 GiB less a page per call and returns a short count beyond it, so
+    a huge read is cut by bytes too (here scaled down: 3 blocks a call)."""
+    source = make_kv_caches(seed=SEED, layers_per_group=(1,))
+    local = make_kv_caches(seed=0, layers_per_group=(1,))
+    peer = _self_peer(source)
+    block_nbytes = source[0][0][0].nbytes
+    monkeypatch.setattr(cma, "MAX_BYTES_PER_CALL", 3 * block_nbytes)
+    remote = list(range(1, 21))
+    local_ids = random.Random(9).sample(range(1, NUM_BLOCKS), 20)
+    calls = []
+    plan = peer.plan(local, [(0, remote, local_ids)])
+    await peer.copy(plan, lambda: calls.append(1))
+    assert len(calls) == 7  # 20 ranges of one block, 3 a call
+    for r, b in zip(remote, local_ids, strict=True):
+        assert torch.equal(local[0][0][b], source[0][0][r])
+
+
+def test_the_offer_names_the_process_that_sends_it(monkeypatch):
+    """A holder forked after its transport was built has the parent's probe at the same address:
+    it must send its own pid, or requesters would copy the parent's tensors."""
+    host = cma.CmaHost(make_kv_caches(seed=SEED))
+    assert host.offer.pid == os.getpid()
+    monkeypatch.setattr(cma.os, "getpid", lambda: 424242)
+    assert host.offer.pid == 424242
+
+
+@in_module_loop
+@pytest.mark.parametrize("path", ["cma", "ucx"])
+async def test_hash_checked_blocks_without_read_done_are_named_not_landed(monkeypatch, path):
+    """The holder's ReadDone never comes (a lost message, a holder stuck): when the deadline ends
+    the read, its hash-checked blocks were copied but never confirmed, so the error names them
+    (the puller must not count them as loaded)."""
+    from _transport_helpers import make_hash_validator
+
+    real_write = ucxx_holder.write_message
+
+    async def drop_read_done(writer, message):
+        if not isinstance(message, ReadDone):
+            await real_write(writer, message)
+
+    monkeypatch.setattr(ucxx_holder, "write_message", drop_read_done)
+    source = make_kv_caches(seed=SEED)
+    holder = UcxxTransport(make_metadata(f"silent-{path}", source), source)
+    holder.set_callbacks(block_validator=make_hash_validator(set()))
+    caches = make_kv_caches(seed=0)
+    requester = UcxxTransport(make_metadata(f"r-{path}", caches), caches, cma=path == "cma")
+    await holder.start()
+    await requester.start()
+    try:
+        ids = [3, 4, 5]
+        reads = [
+            GroupRead(
+                group_id=0,
+                remote_block_ids=ids,
+                local_block_ids=[10, 11, 12],
+                expected_hashes=[f"0:{b}".encode() for b in ids],
+            ),
+            GroupRead(group_id=1, remote_block_ids=[6], local_block_ids=[13]),  # no hashes
+        ]
+        with pytest.raises(TransferTimeoutError) as info:
+            await requester.read_blocks(holder.address, "silent", reads, deadline_s=0.5)
+        assert requester.peer_data_path(holder.address) == path
+        assert info.value.local_block_ids == (10, 11, 12)  # group 1 landed and needs no check
+        _assert_clean(requester)
+    finally:
+        await requester.close()
+        await holder.close()
+
+
+@in_module_loop
+async def test_a_second_cancel_still_waits_for_the_copy_threads(holder, monkeypatch):
+    monkeypatch.setattr(cma, "IOV_MAX", 1)
+    monkeypatch.setattr(cma, "INLINE_COPY_MAX_BYTES", 0)
+    caches = make_kv_caches(seed=0)
+    transport = UcxxTransport(make_metadata("cma-twice", caches), caches)
+    await transport.start()
+    try:
+        started = threading.Event()
+        ended: list[float] = []  # when each copy call returned
+        # each call stands for one long process_vm_readv
+        transport._cma_on_batch = lambda: (
+            started.set(),
+            time.sleep(0.05),
+            ended.append(time.monotonic()),
+        )
+        reads = _random_read(random.Random(10), num_blocks=40)
+        task = asyncio.ensure_future(
+            transport.read_blocks(holder.address, "twice", reads, deadline_s=20)
+        )
+        await asyncio.to_thread(started.wait, 5)
+        task.cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()  # a second cancel while the first is being handled (wait_for, shutdown)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        raised_at = time.monotonic()
+        await asyncio.sleep(0.2)
+        assert not [t for t in ended if t > raised_at]  # no copy ran after read_blocks raised
+        _assert_clean(transport)
+    finally:
+        await transport.close()
+
+
+@in_module_loop
+async def test_a_holder_whose_memory_cannot_be_read_is_read_over_ucx_next(holder, monkeypatch):
+    caches = make_kv_caches(seed=0)
+    transport = UcxxTransport(make_metadata("cma-efault", caches), caches)
+    await transport.start()
+    real_copy = cma.CmaPeer.copy
+
+    async def refused(self, plan, on_batch=None):
+        raise cma.CmaReadError("process_vm_readv of ranges 0..3 failed: EFAULT", "EFAULT")
+
+    try:
+        reads = _random_read(random.Random(11), num_blocks=4)
+        monkeypatch.setattr(cma.CmaPeer, "copy", refused)
+        with pytest.raises(TransferError, match="EFAULT") as info:
+            await transport.read_blocks(holder.address, "efault", reads, deadline_s=20)
+        assert len(info.value.local_block_ids) == 8
+        monkeypatch.setattr(cma.CmaPeer, "copy", real_copy)
+        result = await transport.read_blocks(holder.address, "after", reads, deadline_s=20)
+        assert transport.peer_data_path(holder.address) == "ucx"
+        assert result.num_blocks_landed == 8
+        _assert_landed(caches, make_kv_caches(seed=SEED), reads)
+    finally:
+        await transport.close()

@@ -32,6 +32,7 @@ says where the KV tensors are.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import itertools
 import os
@@ -49,6 +50,9 @@ from .wire import CmaOffer
 
 IOV_MAX = 1024
 """Ranges per ``process_vm_readv`` call on each side (Linux ``UIO_MAXIOV``)."""
+MAX_BYTES_PER_CALL = 1 << 30
+"""Bytes per ``process_vm_readv`` call at most: Linux copies at most ``MAX_RW_COUNT`` (2 GiB
+less a page) per call and returns a short count beyond it."""
 MAX_SEGMENT_BYTES = 4 << 20
 """Longer contiguous ranges are split, so copy threads share a long run and a cancel is seen
 within one call of ``IOV_MAX`` ranges of at most this size."""
@@ -121,13 +125,23 @@ class CmaHost:
 
     def __init__(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]]):
         self._probe = ctypes.create_string_buffer(os.urandom(PROBE_BYTES), PROBE_BYTES)
-        self.offer = CmaOffer(
+        self._offer = CmaOffer(
             host_id=host_id(),
             pid=os.getpid(),
             probe_address=ctypes.addressof(self._probe),
             probe=self._probe.raw,
             regions=[[int(t.data_ptr()) for t in caches] for caches in kv_caches_by_group],
         )
+
+    @property
+    def offer(self) -> CmaOffer:
+        """The offer, naming the process that makes it: a child forked after this host was
+        built has the same probe at the same address, but must send its own pid, or requesters
+        would copy the parent's tensors."""
+        pid = os.getpid()
+        if pid != self._offer.pid:
+            self._offer = dataclasses.replace(self._offer, pid=pid)
+        return self._offer
 
     @classmethod
     def for_caches(cls, kv_caches_by_group: Sequence[Sequence[torch.Tensor]]) -> CmaHost | None:
@@ -315,22 +329,26 @@ def _copy_part(
     stop: threading.Event,
     on_batch: Callable[[], None] | None,
 ) -> None:
-    """Copy one part in calls of at most ``IOV_MAX`` ranges (runs in a copy thread; ctypes
-    releases the GIL for the call)."""
+    """Copy one part in calls of at most ``IOV_MAX`` ranges and ``MAX_BYTES_PER_CALL`` bytes
+    (runs in a copy thread; ctypes releases the GIL for the call)."""
     assert _process_vm_readv is not None
-    for start in range(0, len(local), IOV_MAX):
+    ends = np.cumsum(local[:, 1])
+    start, copied = 0, 0
+    while start < len(local):
         if stop.is_set():
             raise CmaCancelled("copy stopped")
         if on_batch is not None:
             on_batch()
-        stop_row = min(len(local), start + IOV_MAX)
-        want = int(local[start:stop_row, 1].sum())
+        by_bytes = int(np.searchsorted(ends, copied + MAX_BYTES_PER_CALL, side="right"))
+        stop_row = max(start + 1, min(len(local), start + IOV_MAX, by_bytes))
+        want = int(ends[stop_row - 1]) - copied
         count = stop_row - start
         local_iov = local[start:stop_row].ctypes.data
         remote_iov = remote[start:stop_row].ctypes.data
         got = _process_vm_readv(pid, local_iov, count, remote_iov, count, 0)
         if got != want:
             raise _read_error(got, want, f"ranges {start}..{stop_row - 1}")
+        start, copied = stop_row, copied + want
 
 
 def _read_error(got: int, want: int, what: str) -> CmaReadError:

@@ -38,7 +38,13 @@ def tag_base_for(transfer_id: int) -> int:
 
 @dataclass(kw_only=True, slots=True)
 class ReadState:
-    """One in-flight read on the requester."""
+    """One in-flight read on the requester.
+
+    A group entry with expected hashes counts as landed only once the holder's ``ReadDone``
+    was applied (``fail_late`` sets ``confirmed``): until then its blocks' bytes may be torn
+    (evicted and reused on the holder during the copy), so every error path names them as
+    not landed, whatever ended the read (lost connection, deadline, cancel).
+    """
 
     request_id: str
     transfer_id: int
@@ -47,6 +53,7 @@ class ReadState:
     landed: list[set[int]] = field(default_factory=list)
     mismatched: list[list[int]] = field(default_factory=list)
     num_bytes_landed: int = 0
+    confirmed: bool = False
     cancel_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -54,12 +61,15 @@ class ReadState:
         self.mismatched = [[] for _ in self.groups]
 
     def not_landed(self) -> tuple[int, ...]:
-        """Local ids (request order) that did not land."""
+        """Local ids (request order) that did not land, hash-checked ones not yet confirmed by
+        the holder's ``ReadDone`` included."""
+        unconfirmed = not self.confirmed
         return tuple(
             block_id
             for entry, local in enumerate(self.local_block_ids)
             for position, block_id in enumerate(local)
             if position not in self.landed[entry]
+            or (unconfirmed and self.groups[entry].expected_hashes is not None)
         )
 
     def fail_late(
@@ -68,7 +78,8 @@ class ReadState:
         """Apply a ``ReadDone``: positions ``late[entry]`` (landed, checked by
         ``plan.check_read_done``) failed the holder's re-check, so they count as failed, never as
         landed, and their ``block_nbytes_by_entry[entry]`` bytes (all layers) leave
-        ``num_bytes_landed``. Mutates ``landed``, ``mismatched`` and ``num_bytes_landed``.
+        ``num_bytes_landed``; the other landed blocks are ``confirmed``. Mutates ``landed``,
+        ``mismatched``, ``num_bytes_landed`` and ``confirmed``.
 
         Raises:
             RuntimeError: a late position had not landed (the caller skipped the check).
@@ -85,12 +96,7 @@ class ReadState:
             self.landed[entry].difference_update(positions)
             self.mismatched[entry] = sorted({*self.mismatched[entry], *positions})
             self.num_bytes_landed -= len(positions) * block_nbytes_by_entry[entry]
-
-    def unconfirm(self, entries: Sequence[int]) -> None:
-        """The holder's re-check of these group entries never arrived (connection lost before
-        ``ReadDone``): their landed blocks are unconfirmed, so they count as not landed."""
-        for entry in entries:
-            self.landed[entry].clear()
+        self.confirmed = True
 
     def result(self) -> ReadResult:
         failed = tuple(
@@ -147,11 +153,37 @@ async def _stop(
     abort: Callable[[str], Awaitable[None]],
     reason: str,
 ) -> None:
+    """Cancel the core, wait until it has ended (it joins its copy threads and releases its
+    staging), then run ``abort`` (it tells the holder and settles UCX requests) to its end.
+
+    Both waits outlast further cancellations of the caller: returning earlier would let bytes
+    land in local blocks that the caller is about to hand to another request. A cancellation
+    that arrived meanwhile is raised afterwards.
+    """
     cancel_task.cancel()
     core_task.cancel()
-    # The core releases its own staging in its ``finally``; then ``abort`` tells the holder.
-    await asyncio.shield(asyncio.gather(core_task, return_exceptions=True))
-    await asyncio.shield(abort(reason))
+    cancelled = await _wait_out(core_task)
+    abort_task = asyncio.ensure_future(abort(reason))
+    cancelled |= await _wait_out(abort_task)
+    if not abort_task.cancelled() and abort_task.exception() is not None:
+        raise abort_task.exception()  # type: ignore[misc]
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _wait_out(task: asyncio.Future[object]) -> bool:
+    """Wait until ``task`` is done, through any number of cancellations of the caller; whether
+    there were any. The task's own outcome is left for the caller (retrieved here if an error
+    of a cancelled core, which ``drive_read`` replaces with its own)."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            cancelled = True
+    if not task.cancelled():
+        task.exception()
+    return cancelled
 
 
 def begin_read(

@@ -238,14 +238,15 @@ class UcxxHolder:
             )
         elif isinstance(message, ReadCopied):
             serve = conn.serves.get(message.transfer_id)
-            if serve is None or not serve.read.cma or serve.copied.is_set():
+            waiting = serve is not None and serve.task is not None and not serve.task.done()
+            if not (waiting and serve.read.cma and not serve.copied.is_set()):
                 await write_message(
                     conn.writer,
                     ErrorMsg(
                         transfer_id=message.transfer_id,
                         code="bad_request",
                         message=f"ReadCopied for transfer {message.transfer_id}, which is not a "
-                        "same-host read waiting for it",
+                        "same-host read with expected hashes waiting for it",
                     ),
                 )
             else:
@@ -337,6 +338,17 @@ class UcxxHolder:
             )
         except (asyncio.CancelledError, TransportError):
             pass  # dropped: the requester is gone
+        except Exception as exc:  # a validator bug: fail this read, keep serving
+            logger.warning("re-checking transfer %d failed: %r", read.transfer_id, exc)
+            with contextlib.suppress(TransportError):
+                await write_message(
+                    conn.writer,
+                    ErrorMsg(
+                        transfer_id=read.transfer_id,
+                        code="holder_error",
+                        message=f"the holder could not re-check the blocks: {exc!r}",
+                    ),
+                )
         finally:
             self.num_active_serves -= 1
 

@@ -1,5 +1,8 @@
 """``Transport`` over UCX (the ``ucxx`` package): TCP control channel, UCX tag messages for
-block bytes.
+block bytes, and, between processes on one host, a direct copy instead (``cma``: the holder
+offers it in ``HelloOk``, the requester copies the blocks out of the holder's KV tensors with
+``process_vm_readv`` after ``ReadOk``; one copy, no staging). ``peer_data_path`` says which path
+a peer's reads take.
 
 Set-up (DESIGN.md, "Transport", measured table): the handshake carries each side's UCX worker
 address; data endpoints are created from worker addresses with ``endpoint_error_handling=False``
@@ -173,6 +176,7 @@ class UcxxTransport(Transport):
         if self.cma_enabled:
             self._holder.cma_host = CmaHost.for_caches(self.kv_caches_by_group)
         self._cma_on_batch: Callable[[], None] | None = None  # tests: runs before each copy call
+        self._cma_failed: set[str] = set()  # incarnations whose memory a copy could not read
         self._conns: dict[PeerAddress, HolderConnection] = {}
         self._connect_locks: dict[PeerAddress, asyncio.Lock] = {}
         self._reads: dict[int, ReadState] = {}
@@ -288,7 +292,9 @@ class UcxxTransport(Transport):
             writer.close()
             raise
         cma_peer = None
-        if self.cma_enabled:
+        if reply.metadata.incarnation in self._cma_failed:
+            logger.info("reads from %s go over UCX: a copy failed", reply.metadata.engine_id)
+        elif self.cma_enabled:
             cma_peer, why_not = CmaPeer.accept(reply.cma, reply.metadata, self.kv_caches_by_group)
             if cma_peer is None:
                 logger.info("reads from %s go over UCX: %s", reply.metadata.engine_id, why_not)
@@ -532,6 +538,13 @@ class UcxxTransport(Transport):
             if peer.read_probe() != peer.offer.probe:
                 raise CmaReadError("the holder's probe changed: another process has its pid")
         except CmaReadError as exc:
+            if exc.errno_name != "ESRCH":  # not "the holder is gone": its memory is unreadable
+                logger.warning(
+                    "same-host copy from %s failed (%s); its reads go over UCX from now on",
+                    conn.remote.engine_id,
+                    exc,
+                )
+                self._cma_failed.add(conn.remote.incarnation)
             raise state.error(
                 TransferError, f"same-host copy from {conn.remote.engine_id!r} failed: {exc}"
             ) from None
@@ -544,7 +557,6 @@ class UcxxTransport(Transport):
     ) -> None:
         """Wait for the holder's ``ReadDone`` and fail the blocks it names. Without it the
         hash-checked blocks are unconfirmed and the read fails naming them."""
-        checked = [i for i, g in enumerate(read.groups) if g.expected_hashes is not None]
         try:
             done = await done_future
             if isinstance(done, ErrorMsg):
@@ -552,7 +564,6 @@ class UcxxTransport(Transport):
             assert isinstance(done, ReadDone)
             check_read_done(read, state.mismatched, done.mismatched)
         except TransportError as exc:  # WireError too: a ReadDone that does not fit the read
-            state.unconfirm(checked)
             raise state.error(TransferError, f"no valid ReadDone from the holder: {exc}") from None
         state.fail_late(done.mismatched, block_nbytes_by_entry(self.metadata, read))
 
