@@ -33,7 +33,7 @@ from kvbridge.transport import GroupRead, NodeMetadata
 MIB = 1 << 20
 BLOCK_SHAPE = (2, 16, 8, 32)  # float16: 16 KiB per block
 NUM_BLOCKS = 4097  # 4,096 usable blocks = 64 MiB, block 0 is the null block
-REPEATS = 11
+REPEATS = 15
 WARMUP_READS = 2  # first reads pay endpoint wire-up and UCX memory registration
 
 
@@ -74,32 +74,43 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
 
 async def _pull(port: int) -> dict[str, float]:
     """GB/s per ``"{path} {case}"``: every case over each data path, ``cma`` (same-host copy,
-    the default between processes on one host) and ``ucx`` (tag messages, as between hosts)."""
+    the default between processes on one host) and ``ucx`` (tag messages, as between hosts).
+
+    A path's cases are timed in rounds (one read of each case and one memcpy per round,
+    ``"{path} memcpy"``), so a change in the machine's load meets all of them alike and the
+    ratios between them hold."""
     from kvbridge.transport import UcxxTransport
 
+    memcpy = _Memcpy()
     caches = _caches(fill=False)
+    peer = ("127.0.0.1", port)
     results = {}
-    for path, name, chunk_bytes, remote_ids, local_ids in [
-        (path, *case) for path in ("cma", "ucx") for case in _cases()
-    ]:
-        transport = UcxxTransport(
-            _metadata(f"req-{path}-{name}", caches),
-            caches,
-            chunk_bytes=chunk_bytes,
-            cma=path == "cma",
-        )
-        await transport.start()
-        reads = [GroupRead(group_id=0, remote_block_ids=remote_ids, local_block_ids=local_ids)]
-        for i in range(WARMUP_READS):
-            await transport.read_blocks(("127.0.0.1", port), f"warm{i}", reads, deadline_s=60)
-        seconds = []
+    for path in ("cma", "ucx"):
+        runs = []
+        for name, chunk_bytes, remote_ids, local_ids in _cases():
+            transport = UcxxTransport(
+                _metadata(f"req-{path}-{name}", caches),
+                caches,
+                chunk_bytes=chunk_bytes,
+                cma=path == "cma",
+            )
+            await transport.start()
+            reads = [GroupRead(group_id=0, remote_block_ids=remote_ids, local_block_ids=local_ids)]
+            for i in range(WARMUP_READS):
+                await transport.read_blocks(peer, f"warm{i}", reads, deadline_s=60)
+            assert transport.peer_data_path(peer) == path
+            runs.append((name, transport, reads, len(remote_ids) * 16384, []))
+        memcpy_seconds = []
         for i in range(REPEATS):
-            start = time.perf_counter()
-            await transport.read_blocks(("127.0.0.1", port), f"r{i}", reads, deadline_s=60)
-            seconds.append(time.perf_counter() - start)
-        assert transport.peer_data_path(("127.0.0.1", port)) == path
-        results[f"{path} {name}"] = _median_gbps(len(remote_ids) * 16384, seconds)
-        await transport.close()
+            memcpy_seconds.append(memcpy.seconds())
+            for _, transport, reads, _, seconds in runs:
+                start = time.perf_counter()
+                await transport.read_blocks(peer, f"r{i}", reads, deadline_s=60)
+                seconds.append(time.perf_counter() - start)
+        results[f"{path} memcpy"] = _median_gbps(64 * MIB, memcpy_seconds)
+        for name, transport, _, nbytes, seconds in runs:
+            results[f"{path} {name}"] = _median_gbps(nbytes, seconds)
+            await transport.close()
     return results
 
 
@@ -113,18 +124,21 @@ def _cases() -> list[tuple[str, int, list[int], list[int]]]:
     ]
 
 
-def _memcpy_gbps() -> float:
-    torch.set_num_threads(1)
-    src = host_buffer(64 * MIB).view(torch.float32)  # same memory kind as the KV tensors
-    src.copy_(torch.randn(16 * MIB))
-    dst = host_buffer(64 * MIB).view(torch.float32)
-    dst.copy_(src)  # warm: pages of dst faulted in
-    seconds = []
-    for _ in range(REPEATS):
+class _Memcpy:
+    """Single-thread copy of 64 MiB between buffers of the KV tensors' memory kind (huge pages),
+    timed inside the pull rounds so both see the same machine load."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self.src = host_buffer(64 * MIB).view(torch.float32)
+        self.src.copy_(torch.randn(16 * MIB))
+        self.dst = host_buffer(64 * MIB).view(torch.float32)
+        self.dst.copy_(self.src)  # warm: pages of dst faulted in
+
+    def seconds(self) -> float:
         start = time.perf_counter()
-        dst.copy_(src)
-        seconds.append(time.perf_counter() - start)
-    return _median_gbps(64 * MIB, seconds)
+        self.dst.copy_(self.src)
+        return time.perf_counter() - start
 
 
 def _tcp_sender(port: int) -> None:
@@ -160,7 +174,6 @@ def _tcp_gbps() -> float:
 
 
 def main() -> None:
-    memcpy = _memcpy_gbps()
     tcp = _tcp_gbps()
     holder = subprocess.Popen(
         [sys.executable, __file__, "--holder"],
@@ -177,7 +190,6 @@ def main() -> None:
     finally:
         holder.stdin.close()
         holder.wait(30)
-    print(f"memcpy 64 MiB (1 thread):          {memcpy:6.2f} GB/s")
     print(f"TCP socket 64 MiB:                 {tcp:6.2f} GB/s")
     for name, gbps in pulls.items():
         print(f"{name:36s} {gbps:6.2f} GB/s")
@@ -185,7 +197,7 @@ def main() -> None:
     for path, prefix in (("cma", ""), ("ucx", "ucx_")):
         contiguous = pulls[f"{path} contiguous_64mib"]
         paged = pulls[f"{path} paged_2048x16kib_random"]
-        ratios[f"{prefix}host_transfer_vs_memcpy"] = round(contiguous / memcpy, 3)
+        ratios[f"{prefix}host_transfer_vs_memcpy"] = round(contiguous / pulls[f"{path} memcpy"], 3)
         ratios[f"{prefix}host_transfer_vs_tcp"] = round(contiguous / tcp, 3)
         ratios[f"{prefix}paged_vs_contiguous"] = round(
             paged / pulls[f"{path} contiguous_32mib_one_message"], 3

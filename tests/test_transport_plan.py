@@ -98,3 +98,13 @@ def test_late_mismatches_become_failed_not_landed():
     assert (result.num_blocks_landed, result.num_bytes_landed) == (2, 3072 + 2048)
     with pytest.raises(RuntimeError, match=r"late mismatches \[2\] never landed"):
         state.fail_late([[2], []], [3072, 2048])  # no longer landed
+
+
+def test_pick_slices_when_nothing_mismatched_and_indexes_otherwise():
+    from kvbridge.transport.plan import good_positions, pick
+
+    values = [50, 51, 52, 53, 54]
+    assert pick(values, good_positions(5, []), 1, 4) == [51, 52, 53]
+    good = good_positions(5, [1, 3])  # positions 0, 2, 4
+    assert pick(values, good, 0, 2) == [50, 52]
+    assert pick(values, good, 2, 3) == [54]

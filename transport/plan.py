@@ -79,6 +79,22 @@ def good_positions(num_blocks: int, mismatched: Sequence[int]) -> list[int]:
     return [p for p in range(num_blocks) if p not in bad]
 
 
+def pick(values: Sequence[int], good: Sequence[int], start: int, stop: int) -> list[int]:
+    """``[values[p] for p in good[start:stop]]``, a plain slice when ``good`` is every position
+    (no block mismatched: the usual read, thousands of ids per chunk)."""
+    if len(good) == len(values):
+        return list(values[start:stop])
+    return [values[p] for p in good[start:stop]]
+
+
+def _int_list(values: Sequence[int]) -> list[int]:
+    """A fresh list of ``int``: a copy of a list of ints (a C-level check and copy, a third of
+    converting each id), otherwise each value converted (numpy ints, tensors' items, bools)."""
+    if type(values) is list and set(map(type, values)) <= {int}:
+        return values.copy()
+    return list(map(int, values))
+
+
 def _first_outside(values: Sequence[int], lo: int, hi: int) -> tuple[int, int] | None:
     """``(position, value)`` of the first value outside ``[lo, hi)``, or None. ``min`` and
     ``max`` run in C, so a read of thousands of ids in range costs microseconds; the position is
@@ -108,8 +124,8 @@ def build_group_msgs(
         if group.group_id in seen_groups:
             raise ValueError(f"group_id {group.group_id} listed twice in one read")
         seen_groups.add(group.group_id)
-        remote = list(map(int, group.remote_block_ids))
-        local = list(map(int, group.local_block_ids))
+        remote = _int_list(group.remote_block_ids)
+        local = _int_list(group.local_block_ids)
         if len(remote) != len(local):
             raise ValueError(
                 f"group {group.group_id}: {len(remote)} remote_block_ids, {len(local)} local"

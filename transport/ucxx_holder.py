@@ -45,6 +45,7 @@ from .plan import (
     expects_read_done,
     find_mismatched,
     good_positions,
+    pick,
     plan_chunks,
     recheck_blocks,
 )
@@ -429,7 +430,7 @@ class UcxxHolder:
             caches = self.kv_caches_by_group[group.group_id]
             layout = self.metadata.groups[group.group_id]
             positions = good[chunk.entry][chunk.start : chunk.stop]
-            ids = [group.block_ids[p] for p in positions]
+            ids = pick(group.block_ids, good[chunk.entry], chunk.start, chunk.stop)
             start = run_start(ids) if len(caches) == 1 else None
             buffer: torch.Tensor | None = None
             recheck: tuple[int, list[int]] | None = None

@@ -63,6 +63,7 @@ from .plan import (
     check_read_done,
     expects_read_done,
     good_positions,
+    pick,
     plan_chunks,
 )
 from .staging import StagingPool, chunk_view, copy_in, run_copy, run_start, wire_buffer
@@ -428,8 +429,8 @@ class UcxxTransport(Transport):
 
         def local_ids(chunk_idx: int) -> list[int]:
             chunk = chunks[chunk_idx]
-            positions = good[chunk.entry][chunk.start : chunk.stop]
-            return [state.local_block_ids[chunk.entry][p] for p in positions]
+            local = state.local_block_ids[chunk.entry]
+            return pick(local, good[chunk.entry], chunk.start, chunk.stop)
 
         def post(chunk_idx: int) -> None:
             chunk = chunks[chunk_idx]
