@@ -50,7 +50,12 @@ from kvbridge.transport.wire import (
     decode_message,
     encode_message,
 )
-from test_transport_ucxx import HolderProcess, _assert_landed, _random_read
+from test_transport_ucxx import (
+    HolderProcess,
+    _assert_landed,
+    _random_read,
+    assert_changed_hash_reported_not_sent,
+)
 
 pytestmark = pytest.mark.timeout(60)
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -238,22 +243,7 @@ async def test_large_read_in_copy_threads_lands_exactly(big_holder):
 
 @in_module_loop
 async def test_mismatched_hash_is_never_copied_and_bad_ids_are_refused(holder, requester):
-    for layer in requester.kv_caches_by_group[0]:
-        layer[[5, 6]] = 0
-    read = GroupRead(
-        group_id=0,
-        remote_block_ids=[9, 10],
-        local_block_ids=[5, 6],
-        expected_hashes=[b"0:9", b"0:999"],  # the holder holds "0:10" at block 10
-    )
-    result = await requester.read_blocks(holder.address, "cma-hash", [read], deadline_s=20)
-    assert result.failed_local_block_ids == (6,)
-    source = make_kv_caches(seed=SEED)
-    assert all(
-        torch.equal(mine[5], theirs[9])
-        for mine, theirs in zip(requester.kv_caches_by_group[0], source[0], strict=True)
-    )
-    assert not any(layer[6].any() for layer in requester.kv_caches_by_group[0])
+    await assert_changed_hash_reported_not_sent(holder.address, requester, SEED)
 
     out_of_range = GroupRead(group_id=1, remote_block_ids=[3, NUM_BLOCKS], local_block_ids=[4, 5])
     with pytest.raises(TransferError, match=f"block id {NUM_BLOCKS} at position 1") as info:

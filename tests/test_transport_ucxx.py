@@ -149,7 +149,11 @@ async def test_two_groups_random_ids_land_exactly(holder, requester):
     _assert_requester_clean(requester)
 
 
-async def test_changed_block_hash_is_reported_not_sent(holder, requester):
+async def assert_changed_hash_reported_not_sent(
+    holder_address: tuple[str, int], requester: UcxxTransport, holder_seed: int
+) -> None:
+    """Remote block 10 no longer carries the expected hash: local block 6 is reported failed
+    and never written (every layer stays zero), block 5 lands."""
     for layer in requester.kv_caches_by_group[0]:
         layer[[5, 6]] = 0
     read = GroupRead(
@@ -158,12 +162,17 @@ async def test_changed_block_hash_is_reported_not_sent(holder, requester):
         local_block_ids=[5, 6],
         expected_hashes=[b"0:9", b"0:999"],  # the holder holds "0:10" at block 10
     )
-    result = await requester.read_blocks(holder.address, "req-hash", [read], deadline_s=20)
+    result = await requester.read_blocks(holder_address, "req-hash", [read], deadline_s=20)
     assert result.failed_local_block_ids == (6,)
-    source = make_kv_caches(seed=HOLDER_SEED)
-    assert torch.equal(requester.kv_caches_by_group[0][0][5], source[0][0][9])
-    assert not requester.kv_caches_by_group[0][0][6].any()  # never stale bytes
+    source = make_kv_caches(seed=holder_seed)
+    for mine, theirs in zip(requester.kv_caches_by_group[0], source[0], strict=True):
+        assert torch.equal(mine[5], theirs[9])
+        assert not mine[6].any()  # never stale bytes
     _assert_requester_clean(requester)
+
+
+async def test_changed_block_hash_is_reported_not_sent(holder, requester):
+    await assert_changed_hash_reported_not_sent(holder.address, requester, HOLDER_SEED)
 
 
 async def test_incompatible_peer_refused_naming_field(requester):

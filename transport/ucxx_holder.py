@@ -201,16 +201,12 @@ class UcxxHolder:
             try:
                 payload = await read_frame(reader)
             except WireError as exc:  # bad length prefix: the stream cannot be trusted further
-                await write_message(
-                    conn.writer, ErrorMsg(transfer_id=0, code="bad_frame", message=str(exc))
-                )
+                await _send_error(conn.writer, 0, "bad_frame", str(exc))
                 return
             try:
                 message = decode_message(payload)
             except WireError as exc:
-                await write_message(
-                    conn.writer, ErrorMsg(transfer_id=0, code="bad_message", message=str(exc))
-                )
+                await _send_error(conn.writer, 0, "bad_message", str(exc))
                 continue
             await self._dispatch(conn, message)
 
@@ -241,14 +237,12 @@ class UcxxHolder:
             serve = conn.serves.get(message.transfer_id)
             waiting = serve is not None and serve.task is not None and not serve.task.done()
             if not (waiting and serve.read.cma and not serve.copied.is_set()):
-                await write_message(
+                await _send_error(
                     conn.writer,
-                    ErrorMsg(
-                        transfer_id=message.transfer_id,
-                        code="bad_request",
-                        message=f"ReadCopied for transfer {message.transfer_id}, which is not a "
-                        "same-host read with expected hashes waiting for it",
-                    ),
+                    message.transfer_id,
+                    "bad_request",
+                    f"ReadCopied for transfer {message.transfer_id}, which is not a "
+                    "same-host read with expected hashes waiting for it",
                 )
             else:
                 serve.copied.set()
@@ -266,24 +260,20 @@ class UcxxHolder:
                     )
                 )
         else:
-            await write_message(
+            await _send_error(
                 conn.writer,
-                ErrorMsg(
-                    transfer_id=0,
-                    code="bad_message",
-                    message=f"{type(message).__name__} is not a requester message",
-                ),
+                0,
+                "bad_message",
+                f"{type(message).__name__} is not a requester message",
             )
 
     async def _start_read(self, conn: _Conn, read: Read) -> None:
         if read.transfer_id in conn.serves:
-            await write_message(
+            await _send_error(
                 conn.writer,
-                ErrorMsg(
-                    transfer_id=read.transfer_id,
-                    code="bad_request",
-                    message=f"transfer_id {read.transfer_id} already used",
-                ),
+                read.transfer_id,
+                "bad_request",
+                f"transfer_id {read.transfer_id} already used",
             )
             return
         try:
@@ -292,9 +282,11 @@ class UcxxHolder:
             check_read(self.metadata, read)
             mismatched = find_mismatched(read, self.callbacks.block_validator)
         except WireError as exc:
-            await write_message(
+            await _send_error(
                 conn.writer,
-                ErrorMsg(transfer_id=read.transfer_id, code="bad_request", message=str(exc)),
+                read.transfer_id,
+                "bad_request",
+                str(exc),
             )
             return
         await write_message(
@@ -342,13 +334,11 @@ class UcxxHolder:
         except Exception as exc:  # a validator bug: fail this read, keep serving
             logger.warning("re-checking transfer %d failed: %r", read.transfer_id, exc)
             with contextlib.suppress(TransportError):
-                await write_message(
+                await _send_error(
                     conn.writer,
-                    ErrorMsg(
-                        transfer_id=read.transfer_id,
-                        code="holder_error",
-                        message=f"the holder could not re-check the blocks: {exc!r}",
-                    ),
+                    read.transfer_id,
+                    "holder_error",
+                    f"the holder could not re-check the blocks: {exc!r}",
                 )
         finally:
             self.num_active_serves -= 1
@@ -477,6 +467,13 @@ class UcxxHolder:
             pool.release(item.buffer)
         if item.recheck is not None and not serve.cancelled:
             self._recheck(serve, *item.recheck)
+
+
+async def _send_error(
+    writer: asyncio.StreamWriter, transfer_id: int, code: str, message: str
+) -> None:
+    """An ``ErrorMsg`` to one peer (``transfer_id`` 0: about the connection)."""
+    await write_message(writer, ErrorMsg(transfer_id=transfer_id, code=code, message=message))
 
 
 def _settle_filler(fillers: set[asyncio.Future[object]]):  # type: ignore[no-untyped-def]
