@@ -10,9 +10,10 @@ key                          default   meaning
 ``host``                     127.0.0.1  address the transport listens on (and advertises to peers)
 ``port``                     0         listen port; 0 picks a free one
 ``transport``                ucxx      ``"ucxx"`` or ``"loopback"`` (in-process, for tests)
-``cma``                      true      ucxx only: between processes on one host, pull blocks by
+``cma``                      None      ucxx only: between processes on one host, pull blocks by
                                        cross-memory attach (``process_vm_readv``, one copy;
-                                       ``kvbridge.transport.cma``); false: every read over UCX
+                                       ``kvbridge.transport.cma``); false: every read over UCX;
+                                       None: on unless the environment has ``KVBRIDGE_CMA=0``
 ``load_timeout_s``           30.0      deadline of one remote load (decode side)
 ``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
                                        a heartbeat
@@ -60,7 +61,7 @@ class KVTransferConfig:
     host: str = "127.0.0.1"
     port: int = 0
     transport: str = "ucxx"
-    cma: bool = True
+    cma: bool | None = None
     load_timeout_s: float = 30.0
     lease_s: float = 30.0
     heartbeat_interval_s: float = 2.0
@@ -81,8 +82,8 @@ class KVTransferConfig:
             raise KVTransferConfigError(
                 f"transport must be one of {_TRANSPORTS}, got {self.transport!r}"
             )
-        if type(self.cma) is not bool:
-            raise KVTransferConfigError(f"cma must be true or false, got {self.cma!r}")
+        if self.cma is not None and type(self.cma) is not bool:
+            raise KVTransferConfigError(f"cma must be true, false or null, got {self.cma!r}")
         if self.load_failure_policy not in _POLICIES:
             raise KVTransferConfigError(
                 f"load_failure_policy must be one of {_POLICIES}, got {self.load_failure_policy!r}"

@@ -17,16 +17,28 @@ def _config(**extra) -> KVTransferConfig:
     )
 
 
-def test_same_host_reads_are_on_unless_turned_off():
-    assert _config().cma is True
+def test_same_host_reads_follow_the_environment_unless_set(monkeypatch):
+    """``cma`` unset leaves the choice to the transport (on unless ``KVBRIDGE_CMA=0``)."""
+    pytest.importorskip("ucxx")
+    from _transport_helpers import make_kv_caches, make_metadata
+    from kvbridge.transport import UcxxTransport
+
+    assert _config().cma is None
     assert _config(cma=False).cma is False
+    caches = make_kv_caches(seed=0)
+    metadata = make_metadata("config", caches)
+    monkeypatch.setenv("KVBRIDGE_CMA", "0")
+    assert not UcxxTransport(metadata, caches, cma=_config().cma).cma_enabled
+    assert UcxxTransport(metadata, caches, cma=_config(cma=True).cma).cma_enabled
+    monkeypatch.delenv("KVBRIDGE_CMA")
+    assert UcxxTransport(metadata, caches, cma=_config().cma).cma_enabled
 
 
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        ({"cma": "no"}, "cma must be true or false, got 'no'"),
-        ({"cma": 0}, "cma must be true or false, got 0"),
+        ({"cma": "no"}, "cma must be true, false or null, got 'no'"),
+        ({"cma": 0}, "cma must be true, false or null, got 0"),
         ({"transport": "tcp"}, "transport must be one of"),
         ({"lease_s": 1.0, "heartbeat_interval_s": 2.0}, "must be shorter than lease_s"),
     ],
