@@ -176,6 +176,8 @@ def test_accept_refuses_offers_it_cannot_use():
         "another host": dataclasses.replace(offer, host_id="another-boot"),
         "different bytes": dataclasses.replace(offer, probe=bytes(cma.PROBE_BYTES)),
         "regions": dataclasses.replace(offer, regions=[*offer.regions[:1], []]),
+        # the kernel refuses the read (here EFAULT; EPERM under ptrace rules or seccomp)
+        "probe read failed": dataclasses.replace(offer, probe_address=8),
     }
     for reason, bad in cases.items():
         peer, why = cma.CmaPeer.accept(bad, metadata, caches)
