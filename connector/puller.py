@@ -172,6 +172,8 @@ class Puller:
         finally:
             self._heartbeat_targets.pop(plan.request_id, None)
         self._record(plan, started, failed, num_bytes, error)
+        if not failed and transport.peer_data_path(peer) == "cma":
+            self.ctx.stats.add("bytes_received_same_host", num_bytes)
         if params.remote_request_id:
             # The holder may free its blocks now; the request need not wait for that.
             notice = release_notice(params, success=not failed, reason=error or "")

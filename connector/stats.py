@@ -34,8 +34,9 @@ class KVTransferStats:
     refused), ``num_blocks_received``, ``num_load_errors_blocks`` (local blocks that did not
     land), ``num_expired_leases`` (blocks held for a puller that never came back),
     ``num_index_lookups`` / ``num_index_hits`` (cross-node prefix lookups and pulls they started),
-    ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens planned from another node's
-    device/host blocks, or from the store tier),
+    ``bytes_received_same_host`` (the part of ``bytes_received`` pulled by a same-host copy,
+    ``kvbridge.transport.cma``), ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens
+    planned from another node's device/host blocks, or from the store tier),
     ``num_released_leases`` (completion notices),
     ``num_offloaded_blocks`` / ``bytes_offloaded`` (blocks the store tier now holds from this
     node's writes), ``num_offload_failures`` (writes that failed: store unreachable or refused),
@@ -46,6 +47,7 @@ class KVTransferStats:
     """
 
     bytes_received: int = 0
+    bytes_received_same_host: int = 0
     bytes_sent: int = 0
     num_loads: int = 0
     num_failed_loads: int = 0

@@ -115,6 +115,11 @@ class NodeMetricsCollector(Collector):
         for tier, rate in stats["hit_rate"].items():
             yield gauge(f"prefix_hit_rate_{tier}", f"Prefix hit rate ({tier})", rate)
         yield counter("kv_bytes_received", "KV bytes pulled", t.get("bytes_received"))
+        yield counter(
+            "kv_bytes_received_same_host",
+            "KV bytes pulled by a same-host copy (not over UCX)",
+            t.get("bytes_received_same_host"),
+        )
         yield counter("kv_bytes_sent", "KV bytes served to pullers", t.get("bytes_sent"))
         yield counter("kv_loads", "KV pulls that landed", t.get("num_loads"))
         yield counter("kv_failed_loads", "KV pulls that failed", t.get("num_failed_loads"))

@@ -178,6 +178,9 @@ def build_report(
         **split("transfer_s"),
         **split("decode_s"),
         "kv_bytes_moved": int(bytes_received),
+        "kv_same_host_fraction": _rate(
+            total(decode_stats, "transfer", "bytes_received_same_host"), bytes_received
+        ),
         "kv_transfer_gb_per_s": receive_gbps,
         "memcpy_gb_per_s": memcpy_gbps,
         "transfer_vs_memcpy_ratio": _rate(receive_gbps or 0.0, memcpy_gbps),

@@ -96,6 +96,8 @@ def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid, path):
         # The 1-token prompt has nothing to pull (D only tells P to release); 4 pulls landed.
         assert (stats["num_loads"], stats["num_failed_loads"]) == (4, 0)
         assert stats["bytes_received"] > 0
+        same_host = stats["bytes_received"] if path == "cma" else 0
+        assert stats["bytes_received_same_host"] == same_host
         assert_node_empty(d)
         # (3) Every completion notice reached P: it ends with nothing held, every block free.
         parent.send(("stop",))

@@ -120,6 +120,7 @@ def test_pd_pair_short_run_has_no_mismatch(redis_server, tmp_path):
     assert report["completed"] == 4  # 2 conversations x 2 turns
     assert report["output_tokens"] == 16  # 4 requests x 4 tokens (ignore_eos)
     assert report["kv_bytes_moved"] > 0  # the decode node pulled KV from the prefill node
+    assert report["kv_same_host_fraction"] == 1.0  # P and D share this host: no byte over UCX
 
 
 def _metric(url: str, name: str) -> float:

@@ -174,6 +174,11 @@ class Transport(abc.ABC):
     async def close(self) -> None:
         """Stop serving, fail in-flight reads (``TransferError``), release staging. Idempotent."""
 
+    def peer_data_path(self, peer: PeerAddress | tuple[str, int]) -> str | None:
+        """How reads from ``peer`` move their bytes (``UcxxTransport``: ``"ucx"`` or ``"cma"``,
+        a same-host copy), or None where the transport does not say or has not connected."""
+        return None
+
     @abc.abstractmethod
     async def connect(self, peer: PeerAddress | tuple[str, int]) -> NodeMetadata:
         """Handshake with ``peer`` (cached per peer; a new incarnation reconnects).
