@@ -387,7 +387,7 @@ class Offloader:
         try:
             view = memoryview(buffer[: put.payload_nbytes].numpy())
             reply = await self.writer.put(put, [view])
-        except (StoreWireError, OSError, asyncio.TimeoutError, EOFError) as exc:
+        except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
             logger.warning("offload of %d block(s) failed: %s", len(keys), exc)
             self.stats.add("num_offload_failures")
             self._forget(keys)

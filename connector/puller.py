@@ -166,7 +166,7 @@ class Puller:
         except TransferError as exc:
             failed.update(exc.local_block_ids)
             error = str(exc)
-        except (Exception, asyncio.TimeoutError) as exc:
+        except (TimeoutError, Exception) as exc:
             failed.update(plan.local_block_ids())
             error = f"{type(exc).__name__}: {exc}"
         finally:

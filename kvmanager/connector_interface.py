@@ -80,7 +80,7 @@ class KVConnectorRole(enum.Enum):
     WORKER = 1
 
 
-class KVRole(str, enum.Enum):
+class KVRole(str, enum.Enum):  # noqa: UP042 (StrEnum changes str() of members)
     """The node's part in KV transfer (vLLM ``KVTransferConfig.kv_role`` values)."""
 
     PRODUCER = "kv_producer"  # computes KV that other nodes pull (a prefill node)

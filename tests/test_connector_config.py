@@ -52,3 +52,15 @@ def test_bad_values_are_refused_by_name(extra, fragment):
 def test_unknown_outer_key_is_refused():
     with pytest.raises(KVTransferConfigError, match="unknown kv_transfer_config keys"):
         KVTransferConfig.from_dict({"kv_connector": "KVBridgeConnector", "kv_parallel_size": 2})
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [("0", False), ("false", False), ("OFF", False), ("no", False), ("1", True), ("", True)],
+)
+def test_kvbridge_cma_environment_values(monkeypatch, value, on):
+    pytest.importorskip("ucxx")
+    from kvbridge.transport.ucxx_transport import cma_from_environment
+
+    monkeypatch.setenv("KVBRIDGE_CMA", value)
+    assert cma_from_environment() is on

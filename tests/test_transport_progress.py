@@ -112,3 +112,14 @@ async def test_a_cancelled_copy_raises_only_after_its_thread_ended():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert finished.is_set()
+
+
+def test_run_start_takes_python_ids_of_any_integer_type():
+    import numpy as np
+
+    assert staging.run_start([5, 6, 7]) == 5
+    assert staging.run_start((9,)) == 9
+    assert staging.run_start([5, 7]) is None
+    assert staging.run_start([]) is None
+    # a fixed-width integer must not wrap while the run is compared
+    assert staging.run_start(np.array([32766, 32767], dtype=np.int16)) == 32766

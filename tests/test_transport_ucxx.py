@@ -463,3 +463,39 @@ async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evictin
         assert all(not conn._waiters for conn in requester._conns.values())  # no reply waiter
     finally:
         await requester.close()
+
+
+@pytest.mark.parametrize("path", ["ucx", "cma"])
+async def test_a_frozen_holder_cannot_hold_a_read_past_its_deadline(path):
+    """The holder process stops (SIGSTOP) with the control socket full: the read still ends
+    at its deadline plus the bounded Cancel, and leaves nothing in flight."""
+    import os
+    import signal
+    import time
+
+    process = HolderProcess("--seed", "5", "--block-size", "1", "--layers-per-group", "1")
+    caches = make_kv_caches(seed=0, num_blocks=70_000, block_size=1, layers_per_group=(1,))
+    transport = UcxxTransport(make_metadata(f"frozen-{path}", caches), caches, cma=path == "cma")
+    await transport.start()
+    try:
+        await transport.connect(process.address)
+        assert transport.peer_data_path(process.address) == path
+        os.kill(process.proc.pid, signal.SIGSTOP)
+        ids = list(range(1, 65_001))
+        # about 8.5 MB of Read: more than the socket buffers take while nobody reads them
+        read = GroupRead(
+            group_id=0,
+            remote_block_ids=ids,
+            local_block_ids=ids,
+            expected_hashes=[b"h" * 128] * len(ids),
+        )
+        started = time.monotonic()
+        with pytest.raises(TransferTimeoutError):
+            await transport.read_blocks(process.address, "frozen", [read], deadline_s=1.0)
+        assert time.monotonic() - started < 10  # 1 s deadline + 2 s bounded Cancel
+        assert transport.num_inflight_reads == 0
+        assert transport.staging.num_outstanding == 0
+    finally:
+        os.kill(process.proc.pid, signal.SIGCONT)
+        await transport.close()
+        process.stop()

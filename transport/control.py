@@ -126,7 +126,8 @@ class HolderConnection:
             if not future.done():
                 future.set_exception(TransportError(f"control connection lost: {reason}"))
         self._waiters.clear()
-        self.writer.close()
+        # abort, not close: close() keeps flushing to a peer that may have stopped reading
+        self.writer.transport.abort()
         if self.endpoint is not None:  # cancels every receive still posted from this holder
             with contextlib.suppress(Exception):
                 self.endpoint.abort(period=10**8)  # type: ignore[attr-defined]

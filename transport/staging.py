@@ -97,9 +97,9 @@ def run_start(block_ids: Sequence[int]) -> int | None:
 
     A run of one layer is one contiguous byte range of the KV tensor, so UCX can send from or
     receive into the tensor itself (no gather/scatter copy)."""
-    if not block_ids:
+    if len(block_ids) == 0:
         return None
-    first = block_ids[0]
+    first = int(block_ids[0])
     # compared in C: a chunk of thousands of ids costs microseconds, not a Python loop
     if list(block_ids) != list(range(first, first + len(block_ids))):
         return None

@@ -165,10 +165,10 @@ async def _stop(
     cancelled = await _wait_out(core_task)
     abort_task = asyncio.ensure_future(abort(reason))
     cancelled |= await _wait_out(abort_task)
+    if cancelled:  # the caller's cancellation wins over an abort's own error
+        raise asyncio.CancelledError
     if not abort_task.cancelled() and abort_task.exception() is not None:
         raise abort_task.exception()  # type: ignore[misc]
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 async def _wait_out(task: asyncio.Future[object]) -> bool:

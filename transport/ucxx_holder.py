@@ -325,7 +325,7 @@ class UcxxHolder:
             await write_message(
                 conn.writer, ReadDone(transfer_id=read.transfer_id, mismatched=late)
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.info(
                 "same-host transfer %d: no ReadCopied before its deadline", read.transfer_id
             )
@@ -376,7 +376,7 @@ class UcxxHolder:
                         transfer_id=read.transfer_id, mismatched=[sorted(p) for p in serve.late]
                     ),
                 )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("transfer %d passed its deadline; dropping peer", read.transfer_id)
             conn.writer.close()  # the control loop ends and drops the connection
             with contextlib.suppress(Exception):

@@ -127,6 +127,11 @@ def init_ucx(progress_mode: str | None = None) -> None:
         ucxx.init(options=dict(UCX_OPTIONS), progress_mode=mode)
 
 
+def cma_from_environment() -> bool:
+    """Same-host reads unless ``KVBRIDGE_CMA`` says ``0``, ``false``, ``off`` or ``no``."""
+    return os.environ.get("KVBRIDGE_CMA", "1").strip().lower() not in {"0", "false", "off", "no"}
+
+
 def current_progress_mode() -> str:
     """The progress mode ucxx runs in (whoever initialised it first decided)."""
     return str(ucxx.core._get_ctx().progress_mode)
@@ -173,7 +178,7 @@ class UcxxTransport(Transport):
         self._server: asyncio.base_events.Server | None = None
         self._address: PeerAddress | None = None
         self._holder = UcxxHolder(metadata, self.kv_caches_by_group, self.callbacks, window)
-        self.cma_enabled = os.environ.get("KVBRIDGE_CMA", "1") != "0" if cma is None else cma
+        self.cma_enabled = cma_from_environment() if cma is None else cma
         if self.cma_enabled:
             self._holder.cma_host = CmaHost.for_caches(self.kv_caches_by_group)
         self._cma_on_batch: Callable[[], None] | None = None  # tests: runs before each copy call
@@ -262,7 +267,7 @@ class UcxxTransport(Transport):
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(peer.host, peer.port), HANDSHAKE_TIMEOUT_S
             )
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise TransportError(f"peer {tuple(peer)} unreachable: {exc}") from None
         try:
             await write_message(
@@ -274,7 +279,7 @@ class UcxxTransport(Transport):
                 reply = decode_message(
                     await asyncio.wait_for(read_frame(reader), HANDSHAKE_TIMEOUT_S)
                 )
-            except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 raise HandshakeError(f"no handshake answer from {tuple(peer)}: {exc!r}") from None
             except WireError as exc:
                 raise HandshakeError(f"bad handshake answer from {tuple(peer)}: {exc}") from None
@@ -348,10 +353,11 @@ class UcxxTransport(Transport):
         try:
             with self._booster.hold():  # a first connection creates a UCX endpoint
                 try:
-                    await asyncio.wait_for(self.connect(peer), deadline_s)
+                    async with asyncio.timeout(deadline_s):
+                        await self.connect(peer)
                 except HandshakeError:
                     raise
-                except (TransportError, asyncio.TimeoutError) as exc:
+                except (TransportError, TimeoutError) as exc:
                     raise state.error(TransferError, f"cannot reach holder: {exc!r}") from None
             conn = self._conns[PeerAddress(*peer)]
             if conn.cma is not None:
@@ -377,9 +383,10 @@ class UcxxTransport(Transport):
         try:
             return await self._run_read_replies(conn, read, state, io, reply_future, done_future)
         finally:
-            conn.forget(read.transfer_id, ReadDone)
-            if done_future is not None and done_future.done() and not done_future.cancelled():
-                done_future.exception()  # retrieved: a lost connection fails it unawaited
+            for kind, future in ((ReadOk, reply_future), (ReadDone, done_future)):
+                conn.forget(read.transfer_id, kind)
+                if future is not None and future.done() and not future.cancelled():
+                    future.exception()  # retrieved: a lost connection fails it unawaited
 
     async def _run_read_replies(
         self,
@@ -582,11 +589,14 @@ class UcxxTransport(Transport):
         if not torn_down:
             reply_future = conn.expect(read.transfer_id, CancelOk)
             try:
-                await conn.send(
-                    Cancel(transfer_id=read.transfer_id, num_chunks_posted=io.num_posted)
-                )
-                reply = await asyncio.wait_for(reply_future, CANCEL_REPLY_TIMEOUT_S)
-            except (TransportError, asyncio.TimeoutError):
+                # bounded: a frozen holder that stopped reading leaves a full socket behind,
+                # and this path outlasts the caller's cancellations (``transfer.drive_read``)
+                async with asyncio.timeout(CANCEL_REPLY_TIMEOUT_S):
+                    await conn.send(
+                        Cancel(transfer_id=read.transfer_id, num_chunks_posted=io.num_posted)
+                    )
+                    reply = await reply_future
+            except (TransportError, TimeoutError):
                 conn.forget(read.transfer_id, CancelOk)
                 reply = None
             if isinstance(reply, CancelOk):
