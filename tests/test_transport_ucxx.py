@@ -499,3 +499,57 @@ async def test_a_frozen_holder_cannot_hold_a_read_past_its_deadline(path):
         os.kill(process.proc.pid, signal.SIGCONT)
         await transport.close()
         process.stop()
+
+
+@pytest.mark.parametrize("path", ["ucx", "cma"])
+async def test_a_holder_failing_mid_read_fails_it_at_once(path, monkeypatch):
+    """A bug on the holder after ReadOk (a re-check validator that raises, a copy that fails)
+    ends the read with the holder's error at once, not at the deadline, on both data paths."""
+    import time
+
+    import kvbridge.transport.ucxx_holder as ucxx_holder
+    from _transport_helpers import make_hash_validator
+
+    def broken_rechecker(group_id, block_ids, hashes):
+        raise RuntimeError("validator bug")
+
+    source = make_kv_caches(seed=5)
+    holder = UcxxTransport(make_metadata(f"failing-{path}", source), source)
+    holder.set_callbacks(
+        block_validator=make_hash_validator(set()), block_rechecker=broken_rechecker
+    )
+    caches = make_kv_caches(seed=0)
+    requester = UcxxTransport(
+        make_metadata(f"r-failing-{path}", caches), caches, chunk_bytes=1 << 13, cma=path == "cma"
+    )
+    await holder.start()
+    await requester.start()
+    try:
+        ids = [3, 4, 5, 6]
+        hashed = [
+            GroupRead(
+                group_id=1,
+                remote_block_ids=ids,
+                local_block_ids=ids,
+                expected_hashes=[f"1:{b}".encode() for b in ids],
+            )
+        ]
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="validator bug") as info:
+            await requester.read_blocks(holder.address, "bad-recheck", hashed, deadline_s=20)
+        assert sorted(info.value.local_block_ids) == ids
+        if path == "ucx":  # a staged chunk whose gather fails, in a read without hashes
+
+            def failing_copy_out(*args):
+                raise RuntimeError("gather bug")
+
+            monkeypatch.setattr(ucxx_holder, "copy_out", failing_copy_out)
+            plain = [GroupRead(group_id=1, remote_block_ids=ids, local_block_ids=ids)]
+            with pytest.raises(TransferError, match="gather bug"):
+                await requester.read_blocks(holder.address, "bad-copy", plain, deadline_s=20)
+        assert time.monotonic() - started < 10
+        _assert_requester_clean(requester)
+        assert holder.num_active_serves == 0
+    finally:
+        await requester.close()
+        await holder.close()

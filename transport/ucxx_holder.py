@@ -383,8 +383,11 @@ class UcxxHolder:
                 conn.endpoint.abort(period=10**8)  # type: ignore[attr-defined]
         except (asyncio.CancelledError, TransportError):
             pass  # dropped: the requester is gone
-        except Exception as exc:
+        except Exception as exc:  # a validator or copy bug: fail this read, keep serving
             logger.warning("serving transfer %d failed: %r", read.transfer_id, exc)
+            with contextlib.suppress(TransportError):
+                message = f"serving the read failed: {exc!r}"
+                await _send_error(conn.writer, read.transfer_id, "holder_error", message)
         finally:
             serve.stopped_issuing.set()
             if pending:  # cancelled or failed: the endpoint abort ends these sends

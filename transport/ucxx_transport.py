@@ -380,10 +380,18 @@ class UcxxTransport(Transport):
         reply_future = conn.expect(read.transfer_id, ReadOk)
         # registered before the Read goes out: ReadDone may arrive before the last chunk lands
         done_future = conn.expect(read.transfer_id, ReadDone) if expects_read_done(read) else None
+        # after ReadOk, a holder that fails mid-read says so with an ErrorMsg: to the ReadDone
+        # waiter when there is one, else to this one (``HolderConnection`` routes by transfer)
+        error_future = conn.expect(read.transfer_id, ErrorMsg) if done_future is None else None
+        io.holder_word = done_future or error_future
         try:
             return await self._run_read_replies(conn, read, state, io, reply_future, done_future)
         finally:
-            for kind, future in ((ReadOk, reply_future), (ReadDone, done_future)):
+            for kind, future in (
+                (ReadOk, reply_future),
+                (ReadDone, done_future),
+                (ErrorMsg, error_future),
+            ):
                 conn.forget(read.transfer_id, kind)
                 if future is not None and future.done() and not future.cancelled():
                     future.exception()  # retrieved: a lost connection fails it unawaited
@@ -482,7 +490,13 @@ class UcxxTransport(Transport):
         for chunk_idx, chunk in enumerate(chunks):
             posted = io.posted[chunk_idx]
             if not posted.recv.done():
-                await asyncio.wait({posted.recv, conn.lost}, return_when=asyncio.FIRST_COMPLETED)
+                waits = {posted.recv, conn.lost}
+                if io.holder_word is not None and not io.holder_word.done():
+                    waits.add(io.holder_word)  # an early ReadDone is fine; an ErrorMsg is not
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            failure = _holder_failure(io.holder_word)
+            if failure is not None:
+                raise state.error(TransferError, f"holder failed the read: {failure}")
             if not posted.recv.done() or posted.recv.exception() is not None:
                 raise state.error(TransferError, f"holder connection lost: {conn.lost.result()}")
             del io.posted[chunk_idx]
@@ -661,7 +675,18 @@ class _Posted:
 
 @dataclass(slots=True)
 class _ReadIO:
-    """UCX receives of one read, shared by its core and its abort path."""
+    """UCX receives of one read, shared by its core and its abort path; ``holder_word`` is
+    the reply future through which the holder's ``ErrorMsg`` about the read arrives."""
 
     posted: dict[int, _Posted] = field(default_factory=dict)
     num_posted: int = 0
+    holder_word: asyncio.Future[Message] | None = None
+
+
+def _holder_failure(word: asyncio.Future[Message] | None) -> str | None:
+    """The holder's error message about a read, once one arrived (None otherwise, also for an
+    early ``ReadDone`` or a lost connection, which the caller handles)."""
+    if word is None or not word.done() or word.cancelled() or word.exception() is not None:
+        return None
+    message = word.result()
+    return message.message if isinstance(message, ErrorMsg) else None
