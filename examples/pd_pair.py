@@ -365,8 +365,8 @@ def _print_summary(r: dict[str, Any]) -> None:
             f"p99 {_fmt(r[name + '_p99'], ' ms', 1e3)}"
         )
     print(
-        f"KV moved {r['kv_bytes_moved'] / 1e6:.2f} MB ({_fmt(r['kv_same_host_fraction'])} of it by "
-        f"same-host copy) at {_fmt(r['kv_transfer_gb_per_s'], ' GB/s')}"
+        f"KV moved {r['kv_bytes_moved'] / 1e6:.2f} MB ({_fmt(r['kv_same_host_fraction'], '%', 100)}"
+        f" of it by same-host copy) at {_fmt(r['kv_transfer_gb_per_s'], ' GB/s')}"
         f" = {_fmt(r['transfer_vs_memcpy_ratio'])} x memcpy ({_fmt(r['memcpy_gb_per_s'])} GB/s); "
         f"fetch / prefill time p50 {_fmt(r['fetch_vs_prefill_ratio_p50'])}, "
         f"total {_fmt(r['fetch_vs_prefill_ratio_total'])}, per token "
