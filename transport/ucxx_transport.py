@@ -527,20 +527,12 @@ class UcxxTransport(Transport):
         """The copy plan of a same-host read: the ``good`` positions of each group entry, or
         every position (``None``: planned before ``ReadOk``, used when nothing mismatched)."""
         assert isinstance(conn.cma, CmaPeer)
-        if good is None:
-            entries = [
-                (group.group_id, group.block_ids, local)
-                for group, local in zip(read.groups, state.local_block_ids, strict=True)
-            ]
-        else:
-            entries = [
-                (
-                    group.group_id,
-                    [group.block_ids[p] for p in positions],
-                    [state.local_block_ids[entry][p] for p in positions],
-                )
-                for entry, (group, positions) in enumerate(zip(read.groups, good, strict=True))
-            ]
+        entries = []
+        for entry, group in enumerate(read.groups):
+            positions = range(len(group.block_ids)) if good is None else good[entry]
+            remote = pick(group.block_ids, positions, 0, len(positions))
+            local = pick(state.local_block_ids[entry], positions, 0, len(positions))
+            entries.append((group.group_id, remote, local))
         return conn.cma.plan(self.kv_caches_by_group, entries)
 
     async def _copy_cma(
