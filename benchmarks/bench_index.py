@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable
 
 import redis
-from kvbridge.connector.block_index import IndexNamespace
-from kvbridge.connector.redis_block_index import RedisBlockIndex
+from kvbridge.connector.index.protocol import IndexNamespace
+from kvbridge.connector.index.redis_index import RedisBlockIndex
 from kvbridge.kvmanager.kv_events import BlockStored
 
 NUM_BLOCKS = 625  # 10,000 tokens / block size 16

@@ -23,16 +23,14 @@ import time
 from collections.abc import Callable
 
 import torch
-from kvbridge.kernels import (
-    AttentionMetadata,
+from kvbridge.kernels import AttentionMetadata, gather_blocks, scatter_blocks
+from kvbridge.kernels.host_memory import host_zeros
+from kvbridge.kernels.model import (
     ModelConfig,
     ReferenceDecoder,
     allocate_kv_caches,
-    gather_blocks,
     layer_names_by_type,
-    scatter_blocks,
 )
-from kvbridge.kernels.host_memory import host_zeros
 
 TOTAL_BYTES = 32 * 1024 * 1024
 NUM_LAYERS = 4

@@ -39,11 +39,11 @@ from typing import Any
 import redis
 import torch
 from kvbridge.connector.loop_thread import get_loop_thread
-from kvbridge.connector.offload import StoreWriter, snapshot_blocks, staging_nbytes
-from kvbridge.connector.store_node import StoreNode, close_store_node, start_store_node
-from kvbridge.connector.store_wire import PutGroup, PutRequest
-from kvbridge.kernels import ModelConfig, ReferenceDecoder
-from kvbridge.kernels.model import allocate_kv_caches
+from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
+from kvbridge.connector.store.offload import StoreWriter, snapshot_blocks, staging_nbytes
+from kvbridge.connector.store.wire import PutGroup, PutRequest
+from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
+from kvbridge.kernels.model.decoder import allocate_kv_caches
 from kvbridge.transport import GroupRead, NodeMetadata, UcxxTransport
 
 PREFIX_TOKENS = 4096

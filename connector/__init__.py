@@ -7,20 +7,21 @@
   held anywhere; ``IndexClient`` is one node's use of it.
 """
 
-from .block_index import (
-    BlockIndex,
-    Holder,
-    IndexNamespace,
-    InMemoryBlockIndex,
-    PrefixHit,
-    new_incarnation,
-)
 from .config import KVTransferConfig
 from .errors import KVConnectorError, KVTransferConfigError, KVTransferParamsError
 from .factory import KVBridgeConnectorFactory, create_engine
-from .index_client import IndexClient, open_index
+from .index import (
+    BlockIndex,
+    Holder,
+    IndexClient,
+    IndexNamespace,
+    InMemoryBlockIndex,
+    PrefixHit,
+    RedisBlockIndex,
+    new_incarnation,
+    open_index,
+)
 from .kvbridge_connector import KVBridgeConnector
-from .redis_block_index import RedisBlockIndex
 from .stats import KVTransferStats
 from .transfer_params import RemotePrefillParams
 

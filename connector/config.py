@@ -120,7 +120,7 @@ class KVTransferConfig:
                 "pool events that name each block's parent, and the index restores go through)"
             )
         if self.store_url is not None:
-            from .offload import parse_store_url
+            from .store.offload import parse_store_url
 
             try:
                 parse_store_url(self.store_url)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
 from kvbridge.transport import LoopbackFaults, LoopbackNetwork, Transport
 
-from .block_index import new_incarnation
 from .config import KVTransferConfig
-from .index_client import IndexClient
+from .index.client import IndexClient
+from .index.protocol import new_incarnation
 from .lease import LeaseTable
-from .offload import Offloader, make_offloader
 from .stats import KVTransferStats
+from .store.offload import Offloader, make_offloader
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager.kv_cache_manager import KVCacheManager

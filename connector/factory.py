@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kvbridge.kernels import ModelConfig, ReferenceDecoder
+from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager.connector_interface import KVConnectorRole
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.kvmanager.model_runner import make_kv_cache_config

@@ -42,11 +42,11 @@ from kvbridge.kvmanager.connector_interface import (
 from kvbridge.kvmanager.request import RequestStatus
 from kvbridge.transport import LoopbackTransport, NodeMetadata, Transport
 
-from .block_index import IndexNamespace
 from .context import ConnectorContext
 from .errors import KVConnectorError, KVTransferParamsError
 from .holder import HolderCallbacks
-from .index_client import IndexClient, open_index
+from .index.client import IndexClient, open_index
+from .index.protocol import IndexNamespace
 from .loop_thread import get_loop_thread
 from .pull_plan import PullPlan, ReleaseNotice, lease_token, plan_group_pulls
 from .puller import Puller, release_notice, send_notice

@@ -25,7 +25,7 @@ Routes:
 
 Roles map onto vLLM's ``kv_role``: ``prefill`` -> ``kv_producer``, ``decode`` -> ``kv_consumer``,
 ``both`` -> ``kv_both``. ``store`` runs no model: it serves a ``StoreNode`` (the remote store
-tier, kvbridge.connector.store_node: offloaded blocks in host memory, pulled like any holder's,
+tier, kvbridge.connector.store.node: offloaded blocks in host memory, pulled like any holder's,
 published to the index as tier ``"store"``) with /health (which names its ``store_url``), /metrics
 and /v1/stats (examples/store_app.py). ``both`` without ``--kv-transfer-config`` and
 ``--index-url`` is a plain node without a connector.
@@ -53,7 +53,7 @@ from completion_body import BadRequest, CompletionBody, remote_prefill_ticket
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
-from kvbridge.kernels import ModelConfig, ReferenceDecoder
+from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 from node_loop import EngineLoop, RequestRejected
 from node_metrics import make_registry, node_stats
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_store(args: argparse.Namespace) -> int:
-    from kvbridge.connector.store_node import close_store_node
+    from kvbridge.connector.store.node import close_store_node
     from store_app import build_store_app, build_store_node
 
     config = kv_transfer_config_dict(args) or {}

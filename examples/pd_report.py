@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvbridge.kernels import ReferenceDecoder
+from kvbridge.kernels.model import ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 
 __all__ = ["Completed", "ReferenceRunner", "build_report", "memcpy_gb_per_s", "percentile"]

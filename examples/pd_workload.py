@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbridge.kernels import ByteTokenizer
+from kvbridge.kernels.model import ByteTokenizer
 
 __all__ = [
     "Conversation",

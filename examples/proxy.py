@@ -41,7 +41,7 @@ from completion_body import BadRequest, CompletionBody
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
-from kvbridge.kernels import ByteTokenizer
+from kvbridge.kernels.model import ByteTokenizer
 
 __all__ = ["PDResult", "PDRouter", "PrefixLocator", "build_app", "main"]
 
@@ -86,8 +86,8 @@ class PrefixLocator:
     """
 
     def __init__(self, index_url: str, *, model_name: str, block_size: int, hash_fn: str) -> None:
-        from kvbridge.connector.block_index import IndexNamespace
-        from kvbridge.connector.redis_block_index import RedisBlockIndex
+        from kvbridge.connector.index.protocol import IndexNamespace
+        from kvbridge.connector.index.redis_index import RedisBlockIndex
         from kvbridge.kvmanager import get_request_block_hasher
 
         self._index = RedisBlockIndex(

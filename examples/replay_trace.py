@@ -45,13 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from kvbridge.connector.block_index import (
+from kvbridge.connector.index import (
     BlockIndex,
     IndexNamespace,
     InMemoryBlockIndex,
+    RedisBlockIndex,
     new_incarnation,
 )
-from kvbridge.connector.redis_block_index import RedisBlockIndex
 from kvbridge.kvmanager import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -15,8 +15,8 @@ import json
 import signal
 import threading
 
-from kvbridge.connector.store_node import StoreNode, close_store_node, start_store_node
-from kvbridge.kernels import ModelConfig
+from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
+from kvbridge.kernels.model import ModelConfig
 
 
 def main() -> None:

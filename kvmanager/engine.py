@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.kernels import ByteTokenizer, ModelConfig, ReferenceDecoder
+from kvbridge.kernels.model import ByteTokenizer, ModelConfig, ReferenceDecoder
 
 from .connector_interface import KVConnectorBase, KVConnectorRole, KVLoadFailurePolicy
 from .kv_cache_manager import KVCacheManager

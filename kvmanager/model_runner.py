@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from kvbridge.kernels import (
+from kvbridge.kernels import AttentionMetadata
+from kvbridge.kernels.model import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    AttentionMetadata,
     ModelConfig,
     ReferenceDecoder,
     allocate_kv_caches,

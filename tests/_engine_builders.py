@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from kvbridge.kernels import ByteTokenizer, ModelConfig, ReferenceDecoder
+from kvbridge.kernels.model import ByteTokenizer, ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig
 from kvbridge.kvmanager.engine import ConnectorFactory
 

@@ -12,14 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from kvbridge.connector.block_index import (
+from kvbridge.connector.index import (
     NO_HIT,
     BlockIndex,
     IndexNamespace,
     InMemoryBlockIndex,
     PrefixHit,
+    RedisBlockIndex,
 )
-from kvbridge.connector.redis_block_index import RedisBlockIndex
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 _NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
@@ -277,7 +277,7 @@ def test_redis_stopped_gives_no_hit_then_recovers(redis_server, redis_url: str, 
     assert index.longest_prefix(prompt).num_blocks == 20
     # (1) Redis dies: lookups answer NO_HIT with a warning, publishes are dropped; nothing raises.
     redis_server.stop()
-    with caplog.at_level(logging.WARNING, logger="kvbridge.connector.redis_block_index"):
+    with caplog.at_level(logging.WARNING, logger="kvbridge.connector.index.redis_index"):
         assert index.longest_prefix(prompt) == NO_HIT
         assert index.longest_prefix(prompt) == NO_HIT
         assert index.publish("A", 1, [_stored(prompt)]).status == "unavailable"

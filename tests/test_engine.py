@@ -18,7 +18,8 @@ from _engine_builders import (
     tiny_model,
     varied_prompts,
 )
-from kvbridge.kernels import gather_blocks, prompt_logprobs, scatter_blocks
+from kvbridge.kernels import gather_blocks, scatter_blocks
+from kvbridge.kernels.model import prompt_logprobs
 from kvbridge.kvmanager import (
     Engine,
     KVConnectorBase,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvbridge.kernels import ModelConfig
+from kvbridge.kernels.model import ModelConfig
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from kvbridge.kernels import ModelConfig
 from kvbridge.kernels.host_memory import HUGE_PAGE_BYTES, host_buffer, host_zeros
-from kvbridge.kernels.model import allocate_kv_caches
+from kvbridge.kernels.model import ModelConfig
+from kvbridge.kernels.model.decoder import allocate_kv_caches
 
 
 @pytest.mark.parametrize(

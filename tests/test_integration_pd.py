@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvbridge.kernels import ByteTokenizer, ModelConfig
+from kvbridge.kernels.model import ByteTokenizer, ModelConfig
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -206,8 +206,8 @@ async def test_proxy_routes_through_prefill_then_decode(nodes, redis_server):
 
 
 def test_prefill_restart_old_ticket_recomputes_and_index_drops_old_entries(nodes, redis_server):
-    from kvbridge.connector.block_index import IndexNamespace
-    from kvbridge.connector.redis_block_index import RedisBlockIndex
+    from kvbridge.connector.index.protocol import IndexNamespace
+    from kvbridge.connector.index.redis_index import RedisBlockIndex
     from kvbridge.kvmanager import Request, get_request_block_hasher
 
     group, old = nodes["group"], nodes["prefill"]

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
-from kvbridge.kernels import (
+from kvbridge.kernels import AttentionMetadata, set_default_use_triton
+from kvbridge.kernels.model import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    AttentionMetadata,
     ByteTokenizer,
     ModelConfig,
     ReferenceDecoder,
@@ -21,7 +21,6 @@ from kvbridge.kernels import (
     greedy_sample,
     layer_names_by_type,
     prompt_logprobs,
-    set_default_use_triton,
 )
 
 LOGITS_ATOL = 1e-4
@@ -229,7 +228,7 @@ def test_tied_embeddings_are_saved_once_and_shared(tmp_path):
 
 
 _CHILD = (
-    "import torch; from kvbridge.kernels import ModelConfig, ReferenceDecoder\n"
+    "import torch; from kvbridge.kernels.model import ModelConfig, ReferenceDecoder\n"
     "m = ReferenceDecoder(ModelConfig.tiny_hybrid(seed=3))\n"
     "print(m.forward_full(torch.tensor([256, 72, 105])).double().sum().item().hex())\n"
 )

@@ -19,9 +19,9 @@ from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.loop_thread import get_loop_thread
-from kvbridge.connector.offload import StoreWriter
-from kvbridge.connector.store_node import StoreNode, close_store_node, start_store_node
-from kvbridge.connector.store_wire import PutGroup, PutRequest, StoreWireError
+from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
+from kvbridge.connector.store.offload import StoreWriter
+from kvbridge.connector.store.wire import PutGroup, PutRequest, StoreWireError
 from kvbridge.kvmanager import Request, SamplingParams
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.transport import LoopbackNetwork

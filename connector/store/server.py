@@ -1,6 +1,6 @@
 """The store node's write path (issue 7, part 1): a TCP server for ``put`` frames.
 
-Schema and checks: ``store_wire.py``. Per connection, frames are handled one after another; each
+Schema and checks: ``wire.py``. Per connection, frames are handled one after another; each
 gets exactly one reply. A bad message is an ``error`` reply to that writer only, and the server
 keeps serving everyone: after an error in the header (framing, schema version, a field) the
 connection is closed because the payload length can no longer be trusted; after an error about
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .store_wire import (
+from .wire import (
     FRAME_HEADER,
     MAX_HEADER_BYTES,
     StoreWireError,
@@ -35,7 +35,7 @@ from .store_wire import (
 )
 
 if TYPE_CHECKING:
-    from .store_node import StoreNode
+    from .node import StoreNode
 
 __all__ = ["PeerClosedError", "StoreWriteServer", "recv_exactly"]
 

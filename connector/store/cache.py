@@ -6,7 +6,7 @@ null block, so the transport's ``[1, num_blocks)`` id rule holds), a map ``block
 block id`` in LRU order (first = coldest) and the chain links the writers sent (``parent_hashes``).
 
 Index visibility. The Redis index records, per entry, how long a run from block 0 the holder had
-when it stored the hash (``redis_index_scripts.py``), so a child stored before its parent would
+when it stored the hash (``index/redis_scripts.py``), so a child stored before its parent would
 stay invisible. Offloading walks the free queue from its head, where a finished request's *last*
 blocks sit (vLLM frees in reverse order), so children usually arrive first. The store therefore
 publishes a block only once it is *anchored* (its parent is the chain root or anchored) and, when

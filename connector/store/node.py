@@ -5,8 +5,8 @@ A ``StoreNode`` holds offloaded blocks in host memory (``StoreCache``: KV tensor
 node's, a hash map, LRU eviction within ``capacity_bytes``), serves pulls with the same
 ``Transport`` as any holder (its ``block_validator`` checks that the store still holds the
 expected hash in that block, so a pull never gets stale bytes and an unknown hash is a load error
-for that request), accepts writes on a small TCP server (``store_server.py``, schema in
-``store_wire.py``), and publishes what it stores and drops to the block index as tier ``"store"``
+for that request), accepts writes on a small TCP server (``server.py``, schema in
+``wire.py``), and publishes what it stores and drops to the block index as tier ``"store"``
 with its own node id and incarnation (a restart is a new incarnation: its old entries vanish).
 
 Everything runs on one asyncio loop (the connector's loop thread when in-process). Start and
@@ -23,15 +23,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
-from kvbridge.kernels import ModelConfig
+from kvbridge.kernels.model import ModelConfig
 from kvbridge.kvmanager.model_runner import make_kv_cache_config
 from kvbridge.transport import LoopbackNetwork, NodeMetadata, PeerAddress, Transport
 
-from .block_index import IndexNamespace, new_incarnation
-from .index_client import IndexClient, open_index
-from .loop_thread import get_loop_thread
-from .store_cache import StoreCache
-from .store_wire import PutReply, PutRequest, StoreWireError
+from ..index.client import IndexClient, open_index
+from ..index.protocol import IndexNamespace, new_incarnation
+from ..loop_thread import get_loop_thread
+from .cache import StoreCache
+from .wire import PutReply, PutRequest, StoreWireError
 
 __all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "store_kv_caches"]
 
@@ -199,7 +199,7 @@ class StoreNode:
 
     async def start(self) -> None:
         """Serve pulls, accept writes, register in the index (a fresh incarnation)."""
-        from .store_server import StoreWriteServer
+        from .server import StoreWriteServer
 
         if self._transport_kind == "loopback":
             from kvbridge.transport import LoopbackTransport

@@ -16,7 +16,7 @@ is snapshotted at the next ``on_step`` (after the forward pass that computed it)
 holds that hash.
 
 Parents. The store publishes a block to the index only once its chain back to the first block is
-held (``store_cache.py``), so each write carries the block's parent hash, learned here from the
+held (``cache.py``), so each write carries the block's parent hash, learned here from the
 pool's ``BlockStored`` events (``observe``, fed by the connector's event publishing).
 
 Back-pressure: at most ``max_inflight_bytes`` of snapshots wait for the store; beyond that a step
@@ -44,10 +44,10 @@ from kvbridge.kvmanager.block_hash import (
 )
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from .loop_thread import get_loop_thread
-from .stats import KVTransferStats
-from .store_server import recv_exactly
-from .store_wire import (
+from ..loop_thread import get_loop_thread
+from ..stats import KVTransferStats
+from .server import recv_exactly
+from .wire import (
     FRAME_HEADER,
     PutGroup,
     PutReply,
@@ -61,7 +61,7 @@ from .store_wire import (
 if TYPE_CHECKING:
     from kvbridge.kvmanager.block_pool import BlockPool
 
-    from .config import KVTransferConfig
+    from ..config import KVTransferConfig
 
 __all__ = [
     "Offloader",

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import KVConnectorError
+from ..errors import KVConnectorError
 
 __all__ = [
     "FRAME_HEADER",

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from .config import ModelConfig
 
 if TYPE_CHECKING:
-    from .model import ReferenceDecoder
+    from .decoder import ReferenceDecoder
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -18,14 +18,15 @@ from typing import Any, NamedTuple
 
 import redis
 
-from .block_index import BlockIndex, Holder, IndexNamespace, InMemoryBlockIndex, Tier
+from .in_memory import InMemoryBlockIndex
 from .node_directory import (
     InMemoryNodeDirectory,
     NodeAddress,
     NodeDirectory,
     RedisNodeDirectory,
 )
-from .redis_block_index import RedisBlockIndex
+from .protocol import BlockIndex, Holder, IndexNamespace, Tier
+from .redis_index import RedisBlockIndex
 
 __all__ = ["IndexClient", "RemotePrefix", "open_index"]
 

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
-from .cache_ops import reshape_and_cache
+from ..attention import AttentionMetadata, paged_attention
+from ..cache_ops import reshape_and_cache
+from ..host_memory import host_zeros
+from ..layout import kv_cache_shape
 from .config import ModelConfig, layer_name
-from .host_memory import host_zeros
-from .layout import kv_cache_shape
 
 
 class _Linear(nn.Module):

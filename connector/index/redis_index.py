@@ -1,11 +1,11 @@
 """``RedisBlockIndex``: the cross-node block index on a real Redis (redis-py), one round trip.
 
-Contract: ``BlockIndex`` in ``block_index.py`` (DESIGN.md, "Block index"). Every call is one
+Contract: ``BlockIndex`` in ``protocol.py`` (DESIGN.md, "Block index"). Every call is one
 ``EVALSHA`` of a server-side Lua script through the client's ``execute_command`` (the same path as
 ``PING``); a server that does not know the script (restarted, flushed) gets it with ``SCRIPT LOAD``
 and the call is sent again. A longest-prefix lookup of any number of hashes costs one round trip.
 
-Key layout, scripts and the O(log N) exact lookup: ``redis_index_scripts.py``. A lookup sends the
+Key layout, scripts and the O(log N) exact lookup: ``redis_scripts.py``. A lookup sends the
 hashes cut to ``IndexNamespace.key_hash_bytes`` (625 x 8 bytes = 5 KB for a 10k-token prompt at
 block size 16, under redis-py's 6,000-byte single-buffer cut-off).
 
@@ -31,8 +31,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
-from . import redis_index_scripts as scripts
-from .block_index import (
+from . import redis_scripts as scripts
+from .protocol import (
     CODE_TO_TIER,
     INCARNATION_DIGITS,
     NO_HIT,

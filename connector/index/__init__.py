@@ -1,0 +1,39 @@
+"""kvbridge.connector.index: which node holds which block hash, across nodes.
+
+``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex`` and ``RedisBlockIndex``
+implement it; ``NodeDirectory`` maps node ids to transport addresses; ``IndexClient`` is one
+node's use of both (publishing its block events, heart-beating, looking up remote prefixes).
+DESIGN.md, "Block index".
+"""
+
+from .client import IndexClient, RemotePrefix, open_index
+from .in_memory import InMemoryBlockIndex
+from .node_directory import NodeDirectory
+from .protocol import (
+    NO_HIT,
+    BlockIndex,
+    Holder,
+    IndexNamespace,
+    IndexStats,
+    PrefixHit,
+    Tier,
+    new_incarnation,
+)
+from .redis_index import RedisBlockIndex
+
+__all__ = [
+    "NO_HIT",
+    "BlockIndex",
+    "Holder",
+    "InMemoryBlockIndex",
+    "IndexClient",
+    "IndexNamespace",
+    "IndexStats",
+    "NodeDirectory",
+    "PrefixHit",
+    "RedisBlockIndex",
+    "RemotePrefix",
+    "Tier",
+    "new_incarnation",
+    "open_index",
+]
