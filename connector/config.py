@@ -21,6 +21,9 @@ key                          default   meaning
 ``load_failure_policy``      recompute ``"recompute"`` or ``"fail"``
 ``index_url``                None      ``redis://host:port/db``, ``"memory"`` or None (no index)
 ``min_remote_hit_blocks``    1         a remote hit must beat the local hit by this many blocks
+``index_lookup_timeout_s``   0.5       a request waits at most this long (over scheduling
+                                       steps, never inside one) for its index lookup, then
+                                       goes on with its local prefix hit alone
 ``index_ttl_s``              10.0      a node's index entries expire this long after its last
                                        heartbeat (heartbeats every third of it)
 ``model_name``               kvbridge  part of the index namespace and the handshake
@@ -32,12 +35,14 @@ key                          default   meaning
 ``offload_scan_blocks``      4096      most free-queue entries looked at per step
 ``offload_max_inflight_bytes`` 256 MiB snapshot bytes allowed to wait for the store
 ===========================  ========  ==========================================================
+
+Any other key under ``kv_connector_extra_config`` is refused, naming it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.kvmanager.connector_interface import KVRole
@@ -49,6 +54,9 @@ __all__ = ["KVTransferConfig"]
 _TRANSPORTS = ("ucxx", "loopback")
 _POLICIES = ("recompute", "fail")
 _OFFLOAD = ("off", "evict", "write_through")
+_OUTER_KEYS = frozenset(
+    {"kv_connector", "kv_connector_module_path", "kv_role", "engine_id", "kv_connector_extra_config"}
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +76,7 @@ class KVTransferConfig:
     load_failure_policy: str = "recompute"
     index_url: str | None = None
     min_remote_hit_blocks: int = 1
+    index_lookup_timeout_s: float = 0.5
     index_ttl_s: float = 10.0
     model_name: str = "kvbridge"
     store_url: str | None = None
@@ -75,7 +84,6 @@ class KVTransferConfig:
     offload_blocks_per_step: int = 32
     offload_scan_blocks: int = 4096
     offload_max_inflight_bytes: int = 256 << 20
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.transport not in _TRANSPORTS:
@@ -90,7 +98,13 @@ class KVTransferConfig:
             )
         if not 0 <= self.port <= 65535:
             raise KVTransferConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("load_timeout_s", "lease_s", "heartbeat_interval_s", "index_ttl_s"):
+        for name in (
+            "load_timeout_s",
+            "lease_s",
+            "heartbeat_interval_s",
+            "index_ttl_s",
+            "index_lookup_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise KVTransferConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_interval_s >= self.lease_s:
@@ -132,13 +146,21 @@ class KVTransferConfig:
         """Read a vLLM-shaped mapping. Raises KVTransferConfigError naming an unknown key or a
         bad value."""
         config = dict(config)
-        outer = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config"}
-        unknown = set(config) - outer
+        unknown = set(config) - _OUTER_KEYS
         if unknown:
             raise KVTransferConfigError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
-        extra = dict(config.get("kv_connector_extra_config") or {})
-        known = {f for f in cls.__dataclass_fields__ if f not in outer | {"extra"}}
-        kwargs: dict[str, Any] = {k: extra.pop(k) for k in list(extra) if k in known}
+        extra = config.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, Mapping):
+            raise KVTransferConfigError(
+                f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}"
+            )
+        known = {f for f in cls.__dataclass_fields__ if f not in _OUTER_KEYS}
+        unknown = set(extra) - known
+        if unknown:
+            raise KVTransferConfigError(
+                f"unknown kv_connector_extra_config keys: {sorted(unknown)} (known: {sorted(known)})"
+            )
+        kwargs: dict[str, Any] = dict(extra)
         try:
             role = KVRole(config.get("kv_role", KVRole.BOTH.value))
         except ValueError as exc:
@@ -149,6 +171,5 @@ class KVTransferConfig:
             kv_connector=str(config.get("kv_connector", "KVBridgeConnector")),
             kv_role=role,
             engine_id=str(config.get("engine_id", "kvbridge-0")),
-            extra=extra,
             **kwargs,
         )

@@ -1,33 +1,96 @@
-"""The holder side of a node: what it does when a peer reads its blocks.
+"""The holder side of a node: whether a block may be served to a peer, and when a lease ends.
 
-A holder serves reads from its own KV tensors (the transport does the bytes); the connector
-decides, through the transport's callbacks, whether a block may be served and when a lease ends:
+A holder serves reads from its own KV tensors (the transport does the bytes); the worker half
+decides, through the transport's callbacks, whether a block may be served:
 
-- ``validate_blocks``: a block whose hash changed since the requester planned the read (the
-  holder evicted and reused it) is refused, so the requester gets a load error and recomputes,
-  never stale bytes (DESIGN.md, "Block index": a hit is advisory).
-- ``on_heartbeat`` extends the leases a puller depends on; ``on_transfer_done`` (the puller's
-  completion notice, success or not) ends one, so the prefill node frees the blocks.
+- a block read under a handoff's lease (``LeaseTable``) is served while the lease is held and
+  protects that block at a position with the hash the requester expects (a ticket handed to
+  the wrong request names other hashes: refused, the requester recomputes);
+- a block read through the block index is served while this node's mirror of its prefix-cache
+  identities (``HeldBlockHashes``, fed by the scheduler half's ``BlockHashDelta`` orders) says
+  it holds the expected hash, so a block evicted and reused meanwhile is refused (DESIGN.md,
+  "Block index": a hit is advisory).
 
-Callbacks run on the connector's event-loop thread and never block.
+``on_heartbeat`` extends the leases a puller depends on; ``on_transfer_done`` ends one.
+Callbacks run on the connector's event-loop thread and never block; nothing here reads the
+scheduler half's block pool.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.transport import TransferDoneNotice
 
-from .context import ConnectorContext
+from .lease import LeaseTable
+from .metadata import BlockHashDelta
 from .pull_plan import parse_lease_token
+from .stats import KVTransferStats
 
-__all__ = ["HolderCallbacks"]
+__all__ = ["HeldBlockHashes", "HolderChecks"]
 
 
-class HolderCallbacks:
-    """One node's transport callbacks: ``transport.set_callbacks(**callbacks.as_kwargs())``."""
+class HeldBlockHashes:
+    """Block id -> the ``BlockHashWithGroupId`` it holds, as the scheduler half reported.
 
-    def __init__(self, ctx: ConnectorContext) -> None:
-        self.ctx = ctx
+    Thread-safety: the worker thread applies deltas, the loop thread reads; one lock. Order
+    (``BlockHashDelta``): removals before the step's forward may overwrite a block, stores after
+    the forward has computed it, so at every moment a listed hash describes the bytes there.
+    """
+
+    def __init__(self) -> None:
+        self._block_to_hash: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def apply_removals(self, delta: BlockHashDelta) -> None:
+        with self._lock:
+            if delta.cleared:
+                self._block_to_hash.clear()
+            for block_id in delta.removed_block_ids:
+                self._block_to_hash.pop(block_id, None)
+
+    def apply_stores(self, delta: BlockHashDelta) -> None:
+        with self._lock:
+            self._block_to_hash.update(
+                zip(delta.stored_block_ids, delta.stored_hashes, strict=True)
+            )
+
+    def holds(self, block_id: int, block_hash_with_group: bytes) -> bool:
+        with self._lock:
+            return self._block_to_hash.get(block_id) == block_hash_with_group
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._block_to_hash)
+
+
+class HolderChecks:
+    """One node's transport callbacks: ``transport.set_callbacks(**checks.as_kwargs())``.
+
+    Args:
+        leases: the worker half's lease table.
+        hashes: the worker half's mirror of cached block hashes.
+        stats: the worker half's statistics.
+        num_blocks: blocks of the node's pool (ids from the network are range-checked).
+        bytes_per_block: per group, KV bytes of one block over all the group's layers.
+    """
+
+    def __init__(
+        self,
+        *,
+        leases: LeaseTable,
+        hashes: HeldBlockHashes,
+        stats: KVTransferStats,
+        num_blocks: int,
+        bytes_per_block: Sequence[int],
+    ) -> None:
+        self.leases = leases
+        self.hashes = hashes
+        self.stats = stats
+        self.num_blocks = num_blocks
+        self.bytes_per_block = tuple(bytes_per_block)
 
     def as_kwargs(self) -> dict[str, object]:
         return {
@@ -49,50 +112,41 @@ class HolderCallbacks:
                 lease is held and covers the block; ``b""`` = not checked.
 
         Returns:
-            positions to refuse: the hash differs, the lease ended, or the id is outside this
-            pool. Called again after the bytes were copied, so a block reused meanwhile (its
-            hash goes before new content comes) is refused too.
+            positions to refuse: unknown hash, the lease ended, or an id outside this pool.
+            Side-effect free, so it also serves the re-check after the bytes were copied.
         """
-        manager = self.ctx.kv_cache_manager
         bad: list[int] = []
         for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
             if not expected:
                 continue
-            if manager is None or not 0 < block_id < len(manager.block_pool.blocks):
-                bad.append(pos)  # no pool yet, or an id from the network out of range
+            if not 0 < block_id < self.num_blocks:
+                bad.append(pos)  # an id from the network out of range
                 continue
             lease_id = parse_lease_token(expected)
             if lease_id is not None:
-                if not self._lease_covers(lease_id, group_id, block_id):
-                    bad.append(pos)
-                continue
-            actual = manager.block_pool.blocks[block_id].block_hash
-            if actual != make_block_hash_with_group_id(expected, group_id):
+                ok = self.leases.covers(lease_id, group_id, block_id, None)
+            else:
+                ok = self.hashes.holds(
+                    block_id, make_block_hash_with_group_id(expected, group_id)
+                ) or self.leases.covers_hash(group_id, block_id, expected)
+            if not ok:
                 bad.append(pos)
         return bad
 
-    def _lease_covers(self, lease_id: str, group_id: int, block_id: int) -> bool:
-        """True while ``lease_id``'s lease is held and protects ``block_id`` in ``group_id``."""
-        held = self.ctx.leases.block_ids(lease_id)
-        if held is None or not self.ctx.leases.is_held(lease_id) or group_id >= len(held):
-            return False
-        return block_id in held[group_id]
-
     def on_heartbeat(self, peer_engine_id: str, request_ids: list[str]) -> None:
-        self.ctx.leases.extend(request_ids)
+        self.leases.extend(request_ids)
 
     def on_transfer_done(self, notice: TransferDoneNotice) -> None:
         """The puller is done with a request (or gave up): end its lease now."""
-        held = self.ctx.leases.block_ids(notice.request_id)
-        if self.ctx.leases.release(notice.request_id) and held is not None:
-            self.ctx.stats.add("num_released_leases")
+        held = self.leases.block_ids(notice.request_id)
+        if self.leases.release(notice.request_id) and held is not None:
+            self.stats.add("num_released_leases")
             if notice.success:
-                self.ctx.stats.add("bytes_sent", self._held_nbytes(held))
+                self.stats.add("bytes_sent", self._held_nbytes(held))
 
     def _held_nbytes(self, held: tuple[tuple[int, ...], ...]) -> int:
         """KV bytes of the held blocks over every layer (the null block 0 holds none)."""
-        total = 0
-        for group, ids in zip(self.ctx.kv_cache_config.kv_cache_groups, held, strict=True):
-            page = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-            total += page * sum(1 for b in ids if b != 0)
-        return total
+        return sum(
+            nbytes * sum(1 for b in ids if b != 0)
+            for nbytes, ids in zip(self.bytes_per_block, held, strict=True)
+        )

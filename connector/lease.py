@@ -6,15 +6,16 @@ heartbeat from the puller extends it (DESIGN.md, "Reliability rules": a prefill 
 blocks forever). Expiry and release both hand the request id back once, as ``finished_sending``,
 so the scheduler frees the blocks exactly once whichever comes first.
 
-Thread-safety: heartbeats and completion notices arrive on the transport's event-loop thread,
-``pop_finished`` runs on the engine thread; one lock guards the table.
+Thread-safety: the worker half grants (from the step's ``LeaseGrant`` orders) and runs
+``pop_finished`` on the worker thread; heartbeats, completion notices and the holder's checks
+arrive on the connector's event-loop thread; one lock guards the table.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["LeaseTable"]
@@ -24,6 +25,9 @@ __all__ = ["LeaseTable"]
 class _Lease:
     expires_at: float
     block_ids: tuple[tuple[int, ...], ...]
+    # per group: block id -> position in the request's block table
+    positions: tuple[dict[int, int], ...]
+    block_hashes: tuple[bytes, ...]  # the request's full-block hashes, position order
 
 
 class LeaseTable:
@@ -40,19 +44,72 @@ class LeaseTable:
         self.lease_s = lease_s
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
+        self._block_to_leases: dict[tuple[int, int], set[str]] = {}  # (group, block) -> ids
         self._released: list[str] = []
         self._num_expired = 0
         self._num_released = 0
         self._lock = threading.Lock()
 
-    def grant(self, request_id: str, block_ids: tuple[tuple[int, ...], ...]) -> float:
-        """Start a lease; returns its expiry. Raises ValueError if one is already held."""
+    def grant(
+        self,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        block_hashes: Sequence[bytes] = (),
+    ) -> float:
+        """Start a lease on ``block_ids`` (per group, position order) of a request whose
+        full-block hashes are ``block_hashes``; returns its expiry. Raises ValueError if one is
+        already held."""
+        held = tuple(tuple(ids) for ids in block_ids)
+        positions = tuple({b: pos for pos, b in enumerate(ids) if b != 0} for ids in held)
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             expires_at = self._clock() + self.lease_s
-            self._leases[request_id] = _Lease(expires_at, block_ids)
+            self._leases[request_id] = _Lease(expires_at, held, positions, tuple(block_hashes))
+            for group_id, group_positions in enumerate(positions):
+                for block_id in group_positions:
+                    self._block_to_leases.setdefault((group_id, block_id), set()).add(request_id)
             return expires_at
+
+    def _drop(self, request_id: str) -> _Lease | None:
+        lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            for group_id, group_positions in enumerate(lease.positions):
+                for block_id in group_positions:
+                    ids = self._block_to_leases.get((group_id, block_id))
+                    if ids is not None:
+                        ids.discard(request_id)
+                        if not ids:
+                            del self._block_to_leases[(group_id, block_id)]
+        return lease
+
+    def covers_hash(self, group_id: int, block_id: int, expected: bytes) -> bool:
+        """True while some live lease protects ``block_id`` of ``group_id`` at a position whose
+        hash is ``expected`` (a handoff's full blocks: the puller names the hash, not the
+        lease)."""
+        with self._lock:
+            for request_id in self._block_to_leases.get((group_id, block_id), ()):
+                lease = self._leases[request_id]
+                if lease.expires_at <= self._clock():
+                    continue
+                pos = lease.positions[group_id][block_id]
+                if pos < len(lease.block_hashes) and lease.block_hashes[pos] == expected:
+                    return True
+            return False
+
+    def covers(self, request_id: str, group_id: int, block_id: int, expected: bytes | None) -> bool:
+        """True while ``request_id``'s lease is held and protects ``block_id`` of ``group_id``
+        at a position whose hash is ``expected`` (``None``: the position has no hash, the
+        partial last block, and must have none under the lease either)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.expires_at <= self._clock() or group_id >= len(lease.positions):
+                return False
+            pos = lease.positions[group_id].get(block_id)
+            if pos is None:
+                return False
+            actual = lease.block_hashes[pos] if pos < len(lease.block_hashes) else None
+            return actual == expected
 
     def extend(self, request_ids: Iterable[str]) -> int:
         """A heartbeat: push the expiry of each named lease to ``now + lease_s``. Unknown ids
@@ -70,7 +127,7 @@ class LeaseTable:
     def release(self, request_id: str) -> bool:
         """The puller is done (or gave up): end the lease now. False if it was not held."""
         with self._lock:
-            if self._leases.pop(request_id, None) is None:
+            if self._drop(request_id) is None:
                 return False
             self._released.append(request_id)
             self._num_released += 1
@@ -95,7 +152,7 @@ class LeaseTable:
             now = self._clock()
             expired = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
             for rid in expired:
-                del self._leases[rid]
+                self._drop(rid)
             self._num_expired += len(expired)
             finished = set(self._released) | set(expired)
             self._released.clear()

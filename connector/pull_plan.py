@@ -18,11 +18,10 @@ as a load error up front.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from .transfer_params import RemotePrefillParams
+from kvbridge.transport import GroupRead
 
-__all__ = ["GroupPull", "PullPlan", "ReleaseNotice", "plan_group_pulls"]
+__all__ = ["lease_token", "parse_lease_token", "plan_group_pulls"]
 
 NULL_BLOCK_ID = 0
 UNCHECKED_HASH = b""
@@ -46,53 +45,6 @@ def parse_lease_token(expected: bytes) -> str | None:
     return expected[len(LEASE_TOKEN_PREFIX) :].decode(errors="replace")
 
 
-@dataclass(frozen=True, slots=True)
-class GroupPull:
-    """One KV cache group's part of a pull; the three tuples have equal length."""
-
-    group_id: int
-    remote_block_ids: tuple[int, ...]
-    local_block_ids: tuple[int, ...]
-    expected_hashes: tuple[bytes, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PullPlan:
-    """Everything the worker half needs to pull one request's external KV.
-
-    Attributes:
-        request_id: the request here (D).
-        params: where from (P's address, request id, incarnation).
-        groups: per group, the paired blocks.
-        unloadable_block_ids: local blocks P cannot supply (its null block at that position).
-        num_external_tokens: tokens covered by the pull.
-        created_at: ``time.monotonic()`` when the scheduler planned it (queueing time starts).
-    """
-
-    request_id: str
-    params: RemotePrefillParams
-    groups: tuple[GroupPull, ...]
-    unloadable_block_ids: tuple[int, ...]
-    num_external_tokens: int
-    created_at: float
-
-    def local_block_ids(self) -> tuple[int, ...]:
-        """Every local block this pull writes or was meant to write."""
-        ids = [b for g in self.groups for b in g.local_block_ids]
-        return (*ids, *self.unloadable_block_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseNotice:
-    """Tell a prefill node it can release a request's blocks (no pull needed, or gave up)."""
-
-    host: str
-    port: int
-    remote_request_id: str
-    success: bool
-    reason: str
-
-
 def plan_group_pulls(
     *,
     local_block_ids: Sequence[Sequence[int]],
@@ -101,7 +53,7 @@ def plan_group_pulls(
     end_block: int,
     block_hashes: Sequence[bytes],
     unhashed_token: bytes = UNCHECKED_HASH,
-) -> tuple[tuple[GroupPull, ...], tuple[int, ...]]:
+) -> tuple[list[GroupRead], list[int]]:
     """Pair local and remote blocks of positions ``[start_block, end_block)`` in every group.
 
     Args:
@@ -119,7 +71,7 @@ def plan_group_pulls(
     Raises:
         ValueError: a table is shorter than ``end_block`` (a caller mistake).
     """
-    groups: list[GroupPull] = []
+    groups: list[GroupRead] = []
     unloadable: list[int] = []
     for group_id, (local, remote) in enumerate(zip(local_block_ids, remote_block_ids, strict=True)):
         if len(local) < end_block or len(remote) < end_block:
@@ -141,6 +93,11 @@ def plan_group_pulls(
             pulled_remote.append(remote_id)
             expected.append(block_hashes[pos] if pos < len(block_hashes) else unhashed_token)
         groups.append(
-            GroupPull(group_id, tuple(pulled_remote), tuple(pulled_local), tuple(expected))
+            GroupRead(
+                group_id=group_id,
+                remote_block_ids=pulled_remote,
+                local_block_ids=pulled_local,
+                expected_hashes=expected,
+            )
         )
-    return tuple(groups), tuple(unloadable)
+    return groups, unloadable

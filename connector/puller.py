@@ -17,23 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from typing import NamedTuple
 
-from kvbridge.transport import GroupRead, PeerAddress, TransferError, Transport
+from kvbridge.transport import PeerAddress, TransferError, Transport
 
-from .context import ConnectorContext
 from .errors import KVConnectorError
 from .loop_thread import get_loop_thread
-from .pull_plan import PullPlan, ReleaseNotice
-from .transfer_params import RemotePrefillParams
+from .metadata import PullPlan, ReleaseNotice, Ticket
+from .stats import KVTransferStats
 
-__all__ = ["PullOutcome", "Puller", "release_notice", "send_notice"]
+__all__ = ["PullOutcome", "Puller", "WaitingTickets", "send_notice"]
 
 logger = logging.getLogger(__name__)
 
 NOTIFY_TIMEOUT_S = 5.0
+TICKET_MAX_WAIT_S = 300.0
+"""A ticket heart-beaten this long without its request's pull starting is dropped, so a request
+lost between admission and the queue cannot pin a prefill node's blocks forever."""
 
 
 class PullOutcome(NamedTuple):
@@ -45,46 +48,89 @@ class PullOutcome(NamedTuple):
     error: str | None
 
 
-def release_notice(remote: RemotePrefillParams, *, success: bool, reason: str) -> ReleaseNotice:
-    """The notice that ends ``remote``'s lease on its holder."""
-    return ReleaseNotice(
-        remote.remote_host, remote.remote_port, remote.remote_request_id, success, reason
-    )
-
-
 async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
     """Deliver a release notice; best effort (an unreachable holder releases at lease expiry)."""
+    ticket = notice.ticket
     try:
         await asyncio.wait_for(
             transport.notify_transfer_done(
-                PeerAddress(notice.host, notice.port),
-                notice.remote_request_id,
+                PeerAddress(ticket.host, ticket.port),
+                ticket.remote_request_id,
                 success=notice.success,
                 reason=notice.reason,
             ),
             NOTIFY_TIMEOUT_S,
         )
     except Exception as exc:
-        logger.info("release notice for %s not delivered: %s", notice.remote_request_id, exc)
+        logger.info("release notice for %s not delivered: %s", ticket.remote_request_id, exc)
+
+
+class WaitingTickets:
+    """Handoff tickets of admitted requests whose pull has not started: their leases on the
+    prefill node need heartbeats while the request waits in the queue (a queue longer than the
+    lease would otherwise lose the blocks). The worker thread adds and removes (from the step's
+    orders), the loop thread reads; one lock."""
+
+    def __init__(self, max_wait_s: float = TICKET_MAX_WAIT_S) -> None:
+        self._max_wait_s = max_wait_s
+        self._added_at: dict[Ticket, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._added_at.setdefault(ticket, time.monotonic())
+
+    def discard(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._added_at.pop(ticket, None)
+
+    def snapshot(self) -> list[Ticket]:
+        """The tickets to heartbeat now (older than ``max_wait_s`` ones are dropped)."""
+        now = time.monotonic()
+        with self._lock:
+            for ticket in [t for t, at in self._added_at.items() if now - at > self._max_wait_s]:
+                del self._added_at[ticket]
+            return list(self._added_at)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._added_at)
 
 
 class Puller:
-    """Pulls in flight on one node. Engine-thread methods: ``submit``, ``cancel_aborted``,
-    ``pop_settled``; everything else runs on the connector loop."""
+    """Pulls in flight on one node.
 
-    def __init__(self, ctx: ConnectorContext) -> None:
-        self.ctx = ctx
+    Owners: the worker thread calls ``start_heartbeats``, ``submit``, ``cancel_aborted`` and
+    ``pop_settled`` (``_inflight`` is its own); the pull tasks and the heartbeat loop run on the
+    connector loop thread (``_heartbeat_targets`` is theirs); ``waiting_tickets`` and ``stats``
+    lock themselves.
+
+    Args:
+        load_timeout_s: deadline of one pull.
+        heartbeat_interval_s: how often the leases of pulls in flight and waiting tickets are
+            extended.
+        stats: the worker half's statistics.
+    """
+
+    def __init__(
+        self, *, load_timeout_s: float, heartbeat_interval_s: float, stats: KVTransferStats
+    ) -> None:
+        self.load_timeout_s = load_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.stats = stats
+        self.waiting_tickets = WaitingTickets()
         self._inflight: dict[str, Future[PullOutcome]] = {}
-        self._load_errors: set[int] = set()
         # local request id -> (holder, request id on the holder), for heartbeats
         self._heartbeat_targets: dict[str, tuple[PeerAddress, str]] = {}
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._notices: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ engine thread
-    def start_heartbeats(self, timeout_s: float) -> None:
+    def start_heartbeats(self, transport: Transport, timeout_s: float) -> None:
         """Start the heartbeat task on the connector loop (once, after the transport)."""
-        self._heartbeat_task = get_loop_thread().run(self._create_heartbeat_task(), timeout_s)
+        self._heartbeat_task = get_loop_thread().run(
+            self._create_heartbeat_task(transport), timeout_s
+        )
 
     def submit(self, transport: Transport, plan: PullPlan) -> None:
         """Start pulling ``plan`` (returns at once). Raises RuntimeError if that request
@@ -122,36 +168,27 @@ class Puller:
     # ------------------------------------------------------------------ connector loop
     async def _pull(self, transport: Transport, plan: PullPlan) -> PullOutcome:
         """Pull one request's blocks. Never raises: every failure becomes failed blocks."""
-        params = plan.params
-        peer = PeerAddress(params.remote_host, params.remote_port)
+        holder = plan.holder
+        peer = PeerAddress(holder.host, holder.port)
         started = time.monotonic()
-        deadline_at = started + self.ctx.config.load_timeout_s
+        deadline_at = started + self.load_timeout_s
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
         error: str | None = None
-        if params.remote_request_id:  # a handoff under a lease (index pulls have none)
-            self._heartbeat_targets[plan.request_id] = (peer, params.remote_request_id)
+        if plan.lease is not None:  # a handoff under a lease (index pulls have none)
+            self._heartbeat_targets[plan.request_id] = (peer, plan.lease.remote_request_id)
         try:
             peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
             if (peer_meta.engine_id, peer_meta.incarnation) != (
-                params.remote_engine_id,
-                params.remote_incarnation,
+                holder.engine_id,
+                holder.incarnation,
             ):
                 raise KVConnectorError(
                     f"peer {peer.host}:{peer.port} is {peer_meta.engine_id}/"
-                    f"{peer_meta.incarnation}, the params name {params.remote_engine_id}/"
-                    f"{params.remote_incarnation} (restarted or replaced)"
+                    f"{peer_meta.incarnation}, the plan names {holder.engine_id}/"
+                    f"{holder.incarnation} (restarted or replaced)"
                 )
-            reads = [
-                GroupRead(
-                    group_id=g.group_id,
-                    remote_block_ids=g.remote_block_ids,
-                    local_block_ids=g.local_block_ids,
-                    expected_hashes=g.expected_hashes,
-                )
-                for g in plan.groups
-                if g.local_block_ids
-            ]
+            reads = [g for g in plan.groups if g.local_block_ids]
             if reads:
                 result = await transport.read_blocks(
                     peer,
@@ -173,10 +210,10 @@ class Puller:
             self._heartbeat_targets.pop(plan.request_id, None)
         self._record(plan, started, failed, num_bytes, error)
         if not failed and transport.peer_data_path(peer) == "cma":
-            self.ctx.stats.add("bytes_received_same_host", num_bytes)
-        if params.remote_request_id:
+            self.stats.add("bytes_received_same_host", num_bytes)
+        if plan.lease is not None:
             # The holder may free its blocks now; the request need not wait for that.
-            notice = release_notice(params, success=not failed, reason=error or "")
+            notice = ReleaseNotice(ticket=plan.lease, success=not failed, reason=error or "")
             task = asyncio.get_running_loop().create_task(send_notice(transport, notice))
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
@@ -185,8 +222,8 @@ class Puller:
     def _record(
         self, plan: PullPlan, started: float, failed: set[int], num_bytes: int, error: str | None
     ) -> None:
-        stats = self.ctx.stats
-        if plan.params.remote_engine_id in self.ctx.store_engine_ids:  # issue 7: a restore
+        stats = self.stats
+        if plan.holder.tier == "store":  # a restore from the store tier
             landed = [b for g in plan.groups for b in g.local_block_ids if b not in failed]
             stats.add("num_restored_blocks", len(landed))
             stats.add("bytes_restored", num_bytes)
@@ -201,23 +238,21 @@ class Puller:
                 queue_s=started - plan.created_at,
             )
 
-    async def _create_heartbeat_task(self) -> asyncio.Task[None]:
-        return asyncio.get_running_loop().create_task(self._heartbeat_loop())
+    async def _create_heartbeat_task(self, transport: Transport) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._heartbeat_loop(transport))
 
-    async def _heartbeat_loop(self) -> None:
+    async def _heartbeat_loop(self, transport: Transport) -> None:
         """Extend the leases of every pull in flight and of every admitted request still
         waiting for its pull, one message per holder."""
-        interval = self.ctx.config.heartbeat_interval_s
         while True:
-            await asyncio.sleep(interval)
-            transport = self.ctx.transport
-            if transport is None:
-                return
+            await asyncio.sleep(self.heartbeat_interval_s)
             by_peer: dict[PeerAddress, list[str]] = {}
             for peer, remote_request_id in list(self._heartbeat_targets.values()):
                 by_peer.setdefault(peer, []).append(remote_request_id)
-            for host, port, remote_request_id in self.ctx.waiting_tickets.snapshot():
-                by_peer.setdefault(PeerAddress(host, port), []).append(remote_request_id)
+            for ticket in self.waiting_tickets.snapshot():
+                by_peer.setdefault(PeerAddress(ticket.host, ticket.port), []).append(
+                    ticket.remote_request_id
+                )
             for peer, request_ids in by_peer.items():
                 try:
                     await asyncio.wait_for(

@@ -72,6 +72,9 @@ class KVTransferStats:
     _transfer_s: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW), repr=False)
     _queue_s: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW), repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reported: dict[str, int] = field(default_factory=dict, repr=False)
+    _unreported_transfer_s: list[float] = field(default_factory=list, repr=False)
+    _unreported_queue_s: list[float] = field(default_factory=list, repr=False)
 
     def record_load(
         self, *, nbytes: int, num_blocks: int, transfer_s: float, queue_s: float
@@ -85,6 +88,8 @@ class KVTransferStats:
             self.queue_s_sum += queue_s
             self._transfer_s.append(transfer_s)
             self._queue_s.append(queue_s)
+            self._unreported_transfer_s.append(transfer_s)
+            self._unreported_queue_s.append(queue_s)
 
     def record_failed_load(self, *, num_failed_blocks: int) -> None:
         with self._lock:
@@ -97,6 +102,41 @@ class KVTransferStats:
             raise ValueError(f"{name!r} is not a counter of KVTransferStats")
         with self._lock:
             setattr(self, name, getattr(self, name) + amount)
+
+    def take_report(self) -> tuple[dict[str, int], list[float], list[float]]:
+        """What changed since the last call: ``(counter increments, transfer_s samples, queue_s
+        samples)``. The worker half sends it to the scheduler half each step."""
+        with self._lock:
+            counters = {}
+            for name, value in vars(self).items():
+                if name.startswith("_") or not isinstance(value, int):
+                    continue
+                delta = value - self._reported.get(name, 0)
+                if delta:
+                    counters[name] = delta
+                    self._reported[name] = value
+            transfer, self._unreported_transfer_s = self._unreported_transfer_s, []
+            queue, self._unreported_queue_s = self._unreported_queue_s, []
+        return counters, transfer, queue
+
+    def apply_report(
+        self, counters: dict[str, int], transfer_s: list[float], queue_s: list[float]
+    ) -> None:
+        """Add another half's ``take_report`` (the node's totals live in the scheduler half).
+
+        Raises:
+            ValueError: a name that is not a counter (a message from an incompatible peer).
+        """
+        for name in counters:
+            if name.startswith("_") or not isinstance(getattr(self, name, None), int):
+                raise ValueError(f"{name!r} is not a counter of KVTransferStats")
+        with self._lock:
+            for name, delta in counters.items():
+                setattr(self, name, getattr(self, name) + delta)
+            self.transfer_s_sum += sum(transfer_s)
+            self.queue_s_sum += sum(queue_s)
+            self._transfer_s.extend(transfer_s)
+            self._queue_s.extend(queue_s)
 
     def snapshot(self) -> dict[str, Any]:
         """A plain dict of every counter plus transfer p50/p99 and GB/s, for reports/metrics."""

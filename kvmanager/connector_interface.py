@@ -25,10 +25,12 @@ Worker side, called by ``ModelRunner.execute_model`` in this order within a step
     -- model forward: wait_for_layer_load(layer) / save_kv_layer(layer, ...) per layer --
     wait_for_save()
     get_finished(finished_req_ids)  and  get_block_ids_with_load_errors()
+    build_connector_worker_meta()
     clear_connector_metadata()
 
-``register_kv_caches`` is called once after the KV tensors are allocated; ``shutdown`` once at the
-end. A request id reported in ``finished_sending`` / ``finished_recving`` is reported once.
+``register_kv_caches`` is called once after the KV tensors are allocated, then the worker's
+``get_handshake_metadata`` goes to the scheduler's ``set_xfer_handshake_metadata``; ``shutdown``
+once at the end. A request id reported in ``finished_sending`` / ``finished_recving`` is reported once.
 
 Lifetime rules the scheduler relies on (DESIGN.md, "Reliability rules"):
 
@@ -112,15 +114,23 @@ class KVConnectorOutput:
             or None.
         invalid_block_ids: local block ids whose load failed; the scheduler applies the load
             failure policy to every request that was loading into them.
+        kv_connector_worker_meta: the worker half's own per-step report to its scheduler half
+            (``build_connector_worker_meta``; vLLM's ``KVConnectorWorkerMetadata``), or None.
     """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_worker_meta: Any = None
 
     def is_empty(self) -> bool:
         """True when nothing finished and no block failed (the runner may skip reporting)."""
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.kv_connector_worker_meta is not None
+        )
 
 
 class MatchedTokens(NamedTuple):
@@ -226,15 +236,21 @@ class KVConnectorBase(ABC):
         return ()
 
     def validate_kv_transfer_params(  # noqa: B027 - optional hook, default accepts
-        self, kv_transfer_params: Mapping[str, Any]
+        self, request_id: str, kv_transfer_params: Mapping[str, Any]
     ) -> None:
-        """Check a new request's ``kv_transfer_params`` at admission (``Engine.add_request``),
-        before anything is queued; they came over the network.
+        """Check request ``request_id``'s ``kv_transfer_params`` at admission
+        (``Engine.add_request``), before anything is queued; they came over the network.
 
         Raises:
             ValueError: (a subclass naming the field) for params this connector cannot honour.
                 Default: accept everything.
         """
+
+    def has_pending_orders(self) -> bool:
+        """Scheduler side: True when the next ``build_connector_meta`` carries work for the
+        worker half (a release notice, a lease grant), so the engine loop must step to deliver
+        it even with no request left (``Scheduler.is_empty`` counts it). Default: False."""
+        return False
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:  # noqa: B027
         """A request carrying ``kv_transfer_params`` was refused at admission: release whatever
@@ -285,6 +301,22 @@ class KVConnectorBase(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local block ids whose load failed since the last call (default: none)."""
         return set()
+
+    def build_connector_worker_meta(self) -> Any:
+        """The worker half's report for this step, carried to the scheduler half's
+        ``update_connector_output`` in ``KVConnectorOutput.kv_connector_worker_meta`` (vLLM
+        ``build_connector_worker_meta``; default: nothing to report). Called once per step
+        after ``get_finished``."""
+        return None
+
+    def get_handshake_metadata(self) -> Any:
+        """Worker side, once after ``register_kv_caches``: what the scheduler half must know of
+        this worker (its transport's address and identity); None when there is nothing."""
+        return None
+
+    def set_xfer_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:  # noqa: B027
+        """Scheduler side, once before the first step: the workers' handshake metadata by
+        worker rank (vLLM ``set_xfer_handshake_metadata``). Default: nothing to learn."""
 
     def shutdown(self) -> None:  # noqa: B027
         """Release connections and threads (default: nothing to release)."""

@@ -20,6 +20,7 @@ from kvbridge.kernels.model import ByteTokenizer, ModelConfig, ReferenceDecoder
 
 from .connector_interface import KVConnectorBase, KVConnectorRole, KVLoadFailurePolicy
 from .kv_cache_manager import KVCacheManager
+from .kv_cache_spec import KVCacheConfig
 from .model_runner import ModelRunner, make_kv_cache_config
 from .request import Request, RequestStatus, SamplingParams
 from .scheduler import Scheduler
@@ -27,8 +28,9 @@ from .scheduler_output import EngineCoreOutput
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
-ConnectorFactory = Callable[[KVConnectorRole], KVConnectorBase]
-"""Builds one half of a connector: called once with SCHEDULER and once with WORKER."""
+ConnectorFactory = Callable[[KVConnectorRole, KVCacheConfig], KVConnectorBase]
+"""Builds one half of a connector for the engine's ``KVCacheConfig``: called once with SCHEDULER
+and once with WORKER (the halves may share nothing)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,8 +139,8 @@ class Engine:
         )
         scheduler_connector = worker_connector = None
         if connector_factory is not None:
-            scheduler_connector = connector_factory(KVConnectorRole.SCHEDULER)
-            worker_connector = connector_factory(KVConnectorRole.WORKER)
+            scheduler_connector = connector_factory(KVConnectorRole.SCHEDULER, self.kv_cache_config)
+            worker_connector = connector_factory(KVConnectorRole.WORKER, self.kv_cache_config)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             block_size=config.block_size,
@@ -159,6 +161,10 @@ class Engine:
             device=config.device,
             use_triton=config.use_triton,
         )
+        if scheduler_connector is not None and worker_connector is not None:
+            handshake = worker_connector.get_handshake_metadata()
+            if handshake is not None:
+                scheduler_connector.set_xfer_handshake_metadata({0: handshake})
         self._block_hasher = self.kv_cache_manager.request_block_hasher
         self._tracked: dict[str, _Tracked] = {}
         self._next_auto_id = 0
@@ -191,7 +197,7 @@ class Engine:
         try:
             prompt_token_ids = self._check_request(request_id, prompt, kv_transfer_params)
             if kv_transfer_params is not None:
-                connector.validate_kv_transfer_params(kv_transfer_params)
+                connector.validate_kv_transfer_params(request_id, kv_transfer_params)
         except ValueError as exc:
             if kv_transfer_params:
                 # A refused request may hold KV on a peer (a prefill node's lease): release it.

@@ -246,6 +246,7 @@ class ModelRunner:
             finished_sending=finished_sending,
             finished_recving=finished_recving,
             invalid_block_ids=connector.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=connector.build_connector_worker_meta(),
         )
         connector.clear_connector_metadata()
         return output

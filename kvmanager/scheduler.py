@@ -193,9 +193,14 @@ class Scheduler:
         return self.kv_transfer.held_req_ids
 
     def is_empty(self) -> bool:
-        """True when no request is queued, running or holding blocks (tests' leak check)."""
+        """True when no request is queued, running or holding blocks (tests' leak check), and
+        the connector has no orders waiting for the next step."""
         return not (
-            self.requests or self.waiting or self.running or self.kv_transfer.num_held_reqs
+            self.requests
+            or self.waiting
+            or self.running
+            or self.kv_transfer.num_held_reqs
+            or self.connector.has_pending_orders()
         )
 
     # ------------------------------------------------------------------ schedule

@@ -58,6 +58,7 @@ def make_pd_pair(
     heartbeat_interval_s: float = 0.05,
     load_timeout_s: float = 5.0,
     load_failure_policy: str = "recompute",
+    d_max_num_seqs: int = 16,
 ) -> PDPair:
     """P (``kv_producer``) and D (``kv_consumer``) over one ``LoopbackNetwork``; P's holder
     faults are ``pair.p_faults`` (mutable)."""
@@ -65,8 +66,9 @@ def make_pd_pair(
     faults = LoopbackFaults()
     model = tiny_model(hybrid=hybrid)
 
-    def node(engine_id: str, role: str, bs: int, **extra: Any) -> Engine:
+    def node(engine_id: str, role: str, bs: int, max_num_seqs: int = 16) -> Engine:
         config = EngineConfig(
+            max_num_seqs=max_num_seqs,
             num_blocks=num_blocks,
             block_size=bs,
             max_model_len=max_model_len,
@@ -83,7 +85,6 @@ def make_pd_pair(
                 "heartbeat_interval_s": heartbeat_interval_s,
                 "load_timeout_s": load_timeout_s,
                 "load_failure_policy": load_failure_policy,
-                **extra,
             },
         }
         return create_engine(
@@ -95,7 +96,7 @@ def make_pd_pair(
         )
 
     p = node("prefill-0", "kv_producer", block_size)
-    d = node("decode-0", "kv_consumer", d_block_size or block_size)
+    d = node("decode-0", "kv_consumer", d_block_size or block_size, d_max_num_seqs)
     return PDPair(p=p, d=d, hybrid=hybrid, p_faults=faults, network=network)
 
 
@@ -122,6 +123,9 @@ def prefill(pair: PDPair, request_id: str, prompt: list[int]) -> dict[str, Any]:
     output = run_to_completion(pair.p, request_id)
     assert output.finish_reason == "length"
     assert output.kv_transfer_params is not None
+    # P's serving loop steps again at once (its blocks are held); that step's metadata hands
+    # the lease grant to P's worker half, which serves D's pull only from then on.
+    pair.p.step()
     return output.kv_transfer_params
 
 

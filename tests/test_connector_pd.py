@@ -238,7 +238,10 @@ def test_different_block_sizes_are_refused_naming_the_field(pair_factory):
     params = prefill(pair, "req-0", prompt)
     with pytest.raises(KVTransferParamsError, match="remote_block_size: local 32, remote 16"):
         pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=2), params)
-    # The refusal told P to release its blocks now, not at lease expiry.
+    # The refusal told P to release its blocks now, not at lease expiry (D's next step hands
+    # the notice to its worker half; D's loop steps for it although no request is left).
+    assert not pair.d.scheduler.is_empty()
+    drain(pair.d)
     assert_node_empty(pair.p)
     assert _stats(pair.p)["num_released_leases"] == 1
     assert_node_empty(pair.d)
@@ -348,15 +351,20 @@ def test_hybrid_pull_resumes_at_the_last_token_without_a_restart(pair_factory, c
 
 
 def test_a_queued_request_keeps_the_lease_alive_until_its_pull(pair_factory):
-    pair = pair_factory(lease_s=0.3, heartbeat_interval_s=0.05)
+    pair = pair_factory(lease_s=0.3, heartbeat_interval_s=0.05, d_max_num_seqs=1)
     prompt = long_prompt(40)
     params = prefill(pair, "req-0", prompt)
-    # (1) D admits the request but is busy: it waits in the queue longer than the lease ...
+    # (1) D is busy with one request (one seat) and admits req-0, which waits in the queue
+    # longer than the lease while both nodes keep stepping ...
+    pair.d.add_request("busy", long_prompt(8, salt="busy"), SamplingParams(max_tokens=240))
     pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
     deadline = time.monotonic() + 0.6
     while time.monotonic() < deadline:
         pair.p.step()  # P watches its leases meanwhile
+        pair.d.step()
         time.sleep(0.01)
+    assert pair.d.scheduler.requests["req-0"].num_computed_tokens == 0  # still queued
+    pair.d.abort_request("busy")
     # (2) ... yet heartbeats for the waiting ticket kept P's blocks: the pull lands whole.
     output = run_to_completion(pair.d, "req-0")
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
@@ -372,7 +380,8 @@ def test_a_request_aborted_before_its_pull_releases_the_lease_at_once(pair_facto
     params = prefill(pair, "req-0", prompt)
     pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
     pair.d.abort_request("req-0")  # never scheduled: the ticket was not used
-    # P frees its blocks now (a release notice), not after the 30 s lease.
+    # P frees its blocks now (a release notice, sent at D's next step), not after the lease.
+    drain(pair.d)
     assert_node_empty(pair.p)
     assert _stats(pair.p)["num_released_leases"] == 1
     assert_node_empty(pair.d)

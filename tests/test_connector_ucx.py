@@ -90,7 +90,7 @@ def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid, path):
             output = run_to_completion(d, request_id, timeout_s=_REPLY_TIMEOUT_S)
             assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=hybrid)
             assert output.num_cached_tokens == num_tokens - 1  # the last token is recomputed
-        transport = d.scheduler.connector.ctx.transport
+        transport = d.runner.connector.worker_half.transport
         assert {transport.peer_data_path(peer) for peer in transport._conns} == {path}
         stats = d.scheduler.connector.stats.snapshot()
         # The 1-token prompt has nothing to pull (D only tells P to release); 4 pulls landed.

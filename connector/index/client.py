@@ -212,3 +212,30 @@ class IndexClient:
             if block_ids is not None:
                 return RemotePrefix(holder, address, holder.num_blocks, block_ids)
         return None
+
+
+class _TempLookup(NamedTuple):  # TEMP shim until the async client lands
+    pending: bool
+    prefix: RemotePrefix | None
+
+
+def _start_lookup(self, key, hashes, *, num_local_blocks, min_gain_blocks):
+    self._temp = getattr(self, "_temp", {})
+    self._temp[key] = self.find_remote_prefix(hashes, num_local_blocks=num_local_blocks, min_gain_blocks=min_gain_blocks)
+
+
+def _poll_lookup(self, key):
+    return _TempLookup(False, self._temp.pop(key, None))
+
+
+def _cancel_lookup(self, key):
+    getattr(self, "_temp", {}).pop(key, None)
+
+
+IndexClient.start_lookup = _start_lookup
+IndexClient.poll_lookup = _poll_lookup
+IndexClient.cancel_lookup = _cancel_lookup
+_orig_init = IndexClient.__init__
+def _init(self, *a, lookup_timeout_s=0.5, **k):
+    _orig_init(self, *a, **k)
+IndexClient.__init__ = _init

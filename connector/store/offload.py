@@ -420,3 +420,19 @@ class Offloader:
             get_loop_thread().run(self.writer.close(), 5.0)
         except Exception:  # shutting down: never raise
             logger.exception("closing the store writer failed")
+
+
+class OffloadPlanner:  # TEMP shim until the store split lands
+    @classmethod
+    def from_config(cls, config):
+        if config.offload == "off":
+            return None
+        raise RuntimeError("temp")
+
+
+class OffloadSender:  # TEMP shim
+    @classmethod
+    def from_config(cls, config, stats):
+        if config.offload == "off":
+            return None
+        raise RuntimeError("temp")

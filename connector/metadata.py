@@ -1,0 +1,220 @@
+"""What the two halves of a node's connector tell each other, and nothing else.
+
+The halves share no object (DESIGN.md, "Two halves that share nothing"; in vLLM they are separate
+objects, with a multiprocess executor separate processes). Each step:
+
+    scheduler half --- KVBridgeConnectorMetadata (build_connector_meta) ---> worker half
+    worker half ---- finished_sending / finished_recving / load errors ----> scheduler half
+                ---- KVBridgeWorkerMeta (build_connector_worker_meta) ------>
+
+Both are ``msgspec`` structs of plain values (ints, strings, bytes, lists), so a step's messages
+cross a process boundary as msgpack (``encode_metadata`` / ``decode_metadata``), never pickle.
+The decoders check every field's type; a message of another schema version is refused.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from kvbridge.transport import GroupRead
+
+__all__ = [
+    "METADATA_SCHEMA_VERSION",
+    "BlockHashDelta",
+    "HolderRef",
+    "KVBridgeConnectorMetadata",
+    "KVBridgeWorkerMeta",
+    "LeaseGrant",
+    "PullPlan",
+    "ReleaseNotice",
+    "StatsDelta",
+    "Ticket",
+    "WorkerHandshake",
+    "decode_metadata",
+    "decode_worker_meta",
+    "encode_metadata",
+    "encode_worker_meta",
+]
+
+METADATA_SCHEMA_VERSION = 1
+
+
+class HolderRef(msgspec.Struct, frozen=True, kw_only=True):
+    """The node a pull reads from: who it must be (``engine_id``, ``incarnation``: a restarted
+    holder no longer holds the blocks) and where it listens. ``tier`` is ``"store"`` for the
+    store tier (its pulls count as restores)."""
+
+    engine_id: str
+    incarnation: str
+    host: str
+    port: int
+    tier: str = "device"
+
+
+class Ticket(msgspec.Struct, frozen=True):
+    """A P/D handoff's lease on its prefill node: ``remote_request_id`` names it there."""
+
+    host: str
+    port: int
+    remote_request_id: str
+
+
+class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the worker half needs to pull one request's external KV.
+
+    Attributes:
+        request_id: the request here (the decode side).
+        holder: where from.
+        lease: the handoff's lease on the holder (its heartbeats and release notice), or None for
+            a pull found through the block index (nothing is held for it: the holder's hash
+            re-check is its only guard).
+        groups: per KV cache group, the paired blocks (``pull_plan.plan_group_pulls``).
+        unloadable_block_ids: local blocks the holder cannot supply (its null block there).
+        num_external_tokens: tokens the pull covers.
+        created_at: ``time.monotonic()`` of the scheduler half when it planned the pull (the
+            same clock as the worker's only when both share a host; used for queueing time).
+    """
+
+    request_id: str
+    holder: HolderRef
+    lease: Ticket | None
+    groups: list[GroupRead]
+    unloadable_block_ids: list[int]
+    num_external_tokens: int
+    created_at: float
+
+    def local_block_ids(self) -> list[int]:
+        """Every local block this pull writes or was meant to write."""
+        return [b for g in self.groups for b in g.local_block_ids] + self.unloadable_block_ids
+
+
+class ReleaseNotice(msgspec.Struct, frozen=True, kw_only=True):
+    """Tell a prefill node it may release a request's blocks (no pull needed, or gave up)."""
+
+    ticket: Ticket
+    success: bool
+    reason: str
+
+
+class LeaseGrant(msgspec.Struct, frozen=True, kw_only=True):
+    """A finished prefill request whose blocks this node keeps for a puller.
+
+    Attributes:
+        request_id: the request here (the prefill side); the lease's name.
+        block_ids: per KV cache group, the held blocks in position order (0: the null block).
+        block_hashes: the request's full-block hashes (plain ``BlockHash``, position order);
+            a position at or past ``len(block_hashes)`` (the partial last block) has none and
+            is served only under this lease.
+        lease_s: how long the lease lasts without a heartbeat.
+    """
+
+    request_id: str
+    block_ids: list[list[int]]
+    block_hashes: list[bytes]
+    lease_s: float
+
+
+class BlockHashDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """How the prefix-cache identity of this node's blocks changed in one step (from the block
+    pool's events), for the holder's re-check of pulls found through the index.
+
+    ``removed_block_ids`` lost their hash before this step's forward may overwrite them (apply
+    before the forward); ``stored_block_ids[i]`` holds ``stored_hashes[i]`` (a
+    ``BlockHashWithGroupId``) once this step's forward has computed it (apply after the
+    forward); ``cleared``: every hash went (``reset_prefix_cache``), applied first.
+    """
+
+    cleared: bool = False
+    removed_block_ids: list[int] = msgspec.field(default_factory=list)
+    stored_block_ids: list[int] = msgspec.field(default_factory=list)
+    stored_hashes: list[bytes] = msgspec.field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.cleared or self.removed_block_ids or self.stored_block_ids)
+
+
+class KVBridgeConnectorMetadata(msgspec.Struct, kw_only=True):
+    """One step's orders from the scheduler half to the worker half.
+
+    Attributes:
+        pulls: pulls to start.
+        notices: release notices to send.
+        lease_grants: leases to start (prefill side).
+        tickets_to_watch: admitted requests' handoff leases to heart-beat while they wait for
+            their pull; ``tickets_to_forget`` stop (the pull took over, or the request ended).
+        block_hashes: this step's prefix-cache identity changes (only with a block index).
+        offload_items: cold blocks to write to the store tier, msgpack-ready records
+            (``store.offload``); snapshotted before this step's forward.
+    """
+
+    version: int = METADATA_SCHEMA_VERSION
+    pulls: list[PullPlan] = msgspec.field(default_factory=list)
+    notices: list[ReleaseNotice] = msgspec.field(default_factory=list)
+    lease_grants: list[LeaseGrant] = msgspec.field(default_factory=list)
+    tickets_to_watch: list[Ticket] = msgspec.field(default_factory=list)
+    tickets_to_forget: list[Ticket] = msgspec.field(default_factory=list)
+    block_hashes: BlockHashDelta = msgspec.field(default_factory=BlockHashDelta)
+    offload_items: list[tuple[int, int, bytes, bytes]] = msgspec.field(default_factory=list)
+
+
+class StatsDelta(msgspec.Struct, kw_only=True):
+    """Counter increments and duration samples of ``KVTransferStats`` since the last report."""
+
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+    transfer_s: list[float] = msgspec.field(default_factory=list)
+    queue_s: list[float] = msgspec.field(default_factory=list)
+
+
+class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
+    """What the worker half reports each step besides finished ids and load errors: its
+    statistics since its last report."""
+
+    version: int = METADATA_SCHEMA_VERSION
+    stats: StatsDelta = msgspec.field(default_factory=StatsDelta)
+
+
+class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):
+    """The worker half's transport, told once to the scheduler half when the transport has
+    started (vLLM: ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): the
+    scheduler half advertises it in tickets and in the block index."""
+
+    version: int = METADATA_SCHEMA_VERSION
+    engine_id: str
+    incarnation: str
+    host: str
+    port: int
+
+
+_META_DECODER = msgspec.msgpack.Decoder(KVBridgeConnectorMetadata)
+_WORKER_META_DECODER = msgspec.msgpack.Decoder(KVBridgeWorkerMeta)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _check_version(version: int, what: str) -> None:
+    if version != METADATA_SCHEMA_VERSION:
+        raise ValueError(f"{what}: schema version {version}, this node speaks "
+                         f"{METADATA_SCHEMA_VERSION}")
+
+
+def encode_metadata(metadata: KVBridgeConnectorMetadata) -> bytes:
+    """msgpack bytes of one step's metadata."""
+    return _ENCODER.encode(metadata)
+
+
+def decode_metadata(payload: bytes) -> KVBridgeConnectorMetadata:
+    """The metadata ``encode_metadata`` wrote. Raises ``msgspec.ValidationError`` naming the bad
+    field, or ValueError for another schema version."""
+    metadata = _META_DECODER.decode(payload)
+    _check_version(metadata.version, "connector metadata")
+    return metadata
+
+
+def encode_worker_meta(meta: KVBridgeWorkerMeta) -> bytes:
+    """msgpack bytes of one step's worker report."""
+    return _ENCODER.encode(meta)
+
+
+def decode_worker_meta(payload: bytes) -> KVBridgeWorkerMeta:
+    """The report ``encode_worker_meta`` wrote (same errors as ``decode_metadata``)."""
+    meta = _WORKER_META_DECODER.decode(payload)
+    _check_version(meta.version, "worker metadata")
+    return meta

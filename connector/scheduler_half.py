@@ -1,0 +1,446 @@
+"""``KVBridgeScheduler``: the scheduler half of a node's connector (admission, matching,
+allocation pairing, planning).
+
+It owns no transport, no KV tensor and no thread of its own; everything it wants done on the
+network goes to the worker half as that step's ``KVBridgeConnectorMetadata`` (``metadata.py``),
+and everything it learns back arrives as the worker's per-step output (DESIGN.md, "Two halves
+that share nothing"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
+
+    admission       validate_kv_transfer_params   parse the ticket once; heart-beat it meanwhile
+    schedule()      get_num_new_matched_tokens    a ticket: (remote - local hit, async);
+                                                  no ticket: the index, asked asynchronously
+                                                  (None = "ask again next step")
+                    update_state_after_alloc      pair blocks by position -> PullPlan
+                    build_connector_meta          this step's orders (pulls, notices, leases,
+                                                  hash changes, offload)
+    update_from_output()
+                    update_connector_output       the worker's identity and statistics; the
+                                                  step's block events go to the index
+                    request_finished              prefill side: grant a lease, return the ticket
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
+from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishedResult
+from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.kvmanager.request import RequestStatus
+
+from .config import KVTransferConfig
+from .errors import KVTransferParamsError
+from .index import IndexClient, IndexNamespace, RemotePrefix, open_index
+from .metadata import (
+    BlockHashDelta,
+    HolderRef,
+    KVBridgeConnectorMetadata,
+    KVBridgeWorkerMeta,
+    LeaseGrant,
+    PullPlan,
+    ReleaseNotice,
+    Ticket,
+    WorkerHandshake,
+)
+from .pull_plan import lease_token, plan_group_pulls
+from .stats import KVTransferStats
+from .store.offload import OffloadPlanner
+from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager.block_pool import BlockPool
+    from kvbridge.kvmanager.request import Request
+
+__all__ = ["KVBridgeScheduler"]
+
+logger = logging.getLogger(__name__)
+
+_PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def ticket_of(params: RemotePrefillParams) -> Ticket:
+    """The lease a handoff's params name on their prefill node."""
+    return Ticket(params.remote_host, params.remote_port, params.remote_request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class _Match:
+    """What ``get_num_new_matched_tokens`` found for a request, until its allocation."""
+
+    holder: HolderRef
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    ticket: Ticket | None  # a handoff's lease; None for a prefix found through the index
+    num_local_tokens: int
+    num_remote_tokens: int
+
+
+class KVBridgeScheduler:
+    """The scheduler half. Owner: the engine thread (every method; nothing here is shared).
+
+    Args:
+        config: the node's validated settings.
+        block_size: tokens per block (one block size for every group).
+        num_groups: KV cache groups of the node.
+        hash_fn_name: the block hash function (part of the index namespace).
+    """
+
+    def __init__(
+        self, config: KVTransferConfig, *, block_size: int, num_groups: int, hash_fn_name: str
+    ) -> None:
+        self.config = config
+        self.kv_role = config.kv_role
+        self.block_size = block_size
+        self.num_groups = num_groups
+        self.hash_fn_name = hash_fn_name
+        self.stats = KVTransferStats()
+        self.worker: WorkerHandshake | None = None
+        self.index_client: IndexClient | None = None
+        self._block_pool: BlockPool | None = None
+        self._take_pool_events: Any = None
+        self._tickets: dict[str, RemotePrefillParams] = {}  # parsed once, at admission
+        self._waiting: dict[str, Ticket] = {}  # admitted, their pull not planned yet
+        self._matches: dict[str, _Match] = {}
+        self._lookups: set[str] = set()  # requests with an index lookup started
+        self._meta = KVBridgeConnectorMetadata()
+        self._unpublished: list[Any] = []  # this step's block events, published after forward
+        self._events: list[Any] = []  # for take_events
+        self._store_engine_ids: set[str] = set()
+        self._offload = OffloadPlanner.from_config(config)
+
+    # ------------------------------------------------------------------ wiring
+    def bind_block_pool(self, block_pool: BlockPool, take_events: Any) -> None:
+        """Give the half the node's block pool (for offload's cold-block picks, read through
+        ``BlockPool``'s public API on this thread) and the manager's ``take_events``."""
+        self._block_pool = block_pool
+        self._take_pool_events = take_events
+
+    # ------------------------------------------------------------------ admission
+    def ticket_for(self, request_id: str, params: Mapping[str, Any]) -> RemotePrefillParams:
+        """The parsed handoff ticket of ``request_id`` (parsed on first use, then kept).
+
+        Raises:
+            KVTransferParamsError: naming the bad field (counted in ``num_rejected_params``).
+        """
+        ticket = self._tickets.get(request_id)
+        if ticket is None:
+            try:
+                ticket = RemotePrefillParams.parse(
+                    params, num_groups=self.num_groups, block_size=self.block_size
+                )
+            except KVTransferParamsError:
+                self.stats.add("num_rejected_params")
+                raise
+            self._tickets[request_id] = ticket
+            self._waiting[request_id] = ticket_of(ticket)
+            self._meta.tickets_to_watch.append(ticket_of(ticket))
+        return ticket
+
+    def validate_kv_transfer_params(
+        self, request_id: str, kv_transfer_params: Mapping[str, Any]
+    ) -> None:
+        """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``);
+        an admitted ticket's lease is heart-beaten while the request waits in the queue."""
+        if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
+            self.ticket_for(request_id, kv_transfer_params)
+
+    def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
+        """A request with remote-prefill params was refused before admission: ask its prefill
+        node to release the blocks now (best effort; unusable addresses are left to the
+        lease)."""
+        if not (isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)):
+            return
+        host = kv_transfer_params.get("remote_host")
+        port = kv_transfer_params.get("remote_port")
+        remote_request_id = kv_transfer_params.get("remote_request_id")
+        if not (isinstance(host, str) and host and isinstance(port, int)):
+            return
+        if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
+            return
+        notice = ReleaseNotice(
+            ticket=Ticket(host, port, remote_request_id), success=False, reason=f"rejected: {reason}"
+        )
+        self._meta.notices.append(notice)
+
+    # ------------------------------------------------------------------ schedule()
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> MatchedTokens:
+        params = request.kv_transfer_params
+        if not (self.kv_role.is_consumer and wants_remote_prefill(params)):
+            return self._match_from_index(request, num_computed_tokens)
+        try:
+            ticket = self.ticket_for(request.request_id, params)  # type: ignore[arg-type]
+        except KVTransferParamsError as exc:
+            # Normally refused at admission; never let bad params stop the step.
+            logger.warning("request %s: %s; computing locally", request.request_id, exc)
+            return MatchedTokens(0, False)
+        # The last prompt token is recomputed for its logits anyway: never plan it as external
+        # (a sliding-window group then keeps the block that token's window starts in).
+        num_remote = min(ticket.remote_num_tokens, request.num_prompt_tokens - 1)
+        self._matches[request.request_id] = _Match(
+            holder=HolderRef(
+                engine_id=ticket.remote_engine_id,
+                incarnation=ticket.remote_incarnation,
+                host=ticket.remote_host,
+                port=ticket.remote_port,
+            ),
+            remote_block_ids=ticket.remote_block_ids,
+            ticket=ticket_of(ticket),
+            num_local_tokens=num_computed_tokens,
+            num_remote_tokens=num_remote,
+        )
+        return MatchedTokens(max(num_remote - num_computed_tokens, 0), True)
+
+    def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
+        """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
+        elsewhere, asynchronously: the first call starts the lookup and answers None ("ask
+        again next step") until the answer is in; the client bounds the wait, after which the
+        request goes on with its local hit alone."""
+        client = self.index_client
+        if client is None or request.skip_reading_prefix_cache:
+            return MatchedTokens(0, False)
+        request_id = request.request_id
+        if request_id not in self._lookups:
+            # Never plan the last token's block: it is recomputed for its logits anyway.
+            hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+            self.stats.add("num_index_lookups")
+            client.start_lookup(
+                request_id,
+                hashes,
+                num_local_blocks=num_computed_tokens // self.block_size,
+                min_gain_blocks=self.config.min_remote_hit_blocks,
+            )
+            self._lookups.add(request_id)
+        result = client.poll_lookup(request_id)
+        if result.pending:
+            return MatchedTokens(None, False)
+        self._lookups.discard(request_id)
+        found: RemotePrefix | None = result.prefix
+        if found is None:
+            return MatchedTokens(0, False)
+        num_remote_tokens = found.num_blocks * self.block_size
+        if num_remote_tokens <= num_computed_tokens:
+            return MatchedTokens(0, False)
+        tier = found.holder.tier
+        self._matches[request_id] = _Match(
+            holder=HolderRef(
+                engine_id=found.holder.node_id,
+                incarnation=str(found.holder.incarnation),
+                host=found.address.host,
+                port=found.address.port,
+                tier=tier,
+            ),
+            remote_block_ids=tuple(tuple(ids) for ids in found.block_ids),
+            ticket=None,
+            num_local_tokens=num_computed_tokens,
+            num_remote_tokens=num_remote_tokens,
+        )
+        return MatchedTokens(num_remote_tokens - num_computed_tokens, True)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        match = self._matches.pop(request.request_id, None)
+        if match is None:
+            return
+        if match.ticket is not None:
+            # The pull (or the notice below) takes over from the queue's heartbeats. The ticket
+            # is used once (as vLLM's NIXL connector does): a request preempted after its pull
+            # must not pull again from blocks the holder has released since.
+            self._forget_waiting(request.request_id)
+            if isinstance(request.kv_transfer_params, dict):
+                request.kv_transfer_params["do_remote_prefill"] = False
+            if num_external_tokens == 0:
+                # The local prefix cache covers everything P offered: P only releases.
+                self._meta.notices.append(
+                    ReleaseNotice(ticket=match.ticket, success=True, reason="local prefix hit")
+                )
+                return
+        if num_external_tokens == 0:
+            return
+        if match.ticket is None:  # a remote hit counts once, when its blocks are allocated
+            self.stats.add("num_index_hits")
+            is_store = match.holder.tier == "store"
+            self.stats.add("store_hit_tokens" if is_store else "remote_hit_tokens", num_external_tokens)
+        start_block = match.num_local_tokens // self.block_size
+        end_block = _cdiv(match.num_local_tokens + num_external_tokens, self.block_size)
+        groups, unloadable = plan_group_pulls(
+            local_block_ids=blocks.get_block_ids(),
+            remote_block_ids=match.remote_block_ids,
+            start_block=start_block,
+            end_block=end_block,
+            block_hashes=request.block_hashes,
+            unhashed_token=b"" if match.ticket is None else lease_token(match.ticket.remote_request_id),
+        )
+        self._meta.pulls.append(
+            PullPlan(
+                request_id=request.request_id,
+                holder=match.holder,
+                lease=match.ticket,
+                groups=groups,
+                unloadable_block_ids=unloadable,
+                num_external_tokens=num_external_tokens,
+                created_at=time.monotonic(),
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeConnectorMetadata:
+        """This step's orders; the step's block events are taken here (their hash changes
+        travel with the orders) and published to the index after the forward."""
+        events = list(self._take_pool_events()) if self._take_pool_events is not None else []
+        if events:
+            self._events.extend(events)
+            if self.config.index_url:
+                self._unpublished.extend(events)
+                self._meta.block_hashes = _hash_delta(events)
+        if self._offload is not None and self._block_pool is not None:
+            self._offload.observe(events)
+            self._meta.offload_items = self._offload.plan(self._block_pool)
+        meta, self._meta = self._meta, KVBridgeConnectorMetadata()
+        return meta
+
+    # ------------------------------------------------------------------ update_from_output()
+    def update_connector_output(self, worker_meta: KVBridgeWorkerMeta | None) -> None:
+        """Learn the worker's identity and statistics; publish the step's block events.
+
+        Publishing waits for the forward: ``allocate_slots`` hashes a step's new full blocks
+        before their KV is computed (vLLM's order, safe inside one engine), but a peer could
+        pull them through the index in between.
+        """
+        if worker_meta is not None:
+            delta = worker_meta.stats
+            self.stats.apply_report(delta.counters, delta.transfer_s, delta.queue_s)
+        if self._unpublished and self.index_client is not None:
+            events, self._unpublished = self._unpublished, []
+            self.index_client.publish(events)
+
+    def set_xfer_handshake_metadata(self, handshake: WorkerHandshake) -> None:
+        """Learn the worker half's transport (once, before the first step); with an index
+        configured, register this node there under that address and incarnation.
+
+        Raises:
+            RuntimeError: a second handshake (a restarted worker needs a new scheduler half).
+        """
+        if self.worker is not None:
+            raise RuntimeError("the worker half's handshake arrived twice")
+        self.worker = handshake
+        if self.config.index_url:
+            self._start_index(handshake)
+
+    def _start_index(self, worker: WorkerHandshake) -> None:
+        namespace = IndexNamespace(
+            model_name=self.config.model_name,
+            block_size=self.block_size,
+            hash_fn_name=self.hash_fn_name,
+        )
+        index, directory = open_index(self.config.index_url, namespace)  # type: ignore[arg-type]
+        client = IndexClient(
+            index,
+            directory,
+            node_id=self.config.engine_id,
+            incarnation=int(worker.incarnation),
+            group_ids=range(self.num_groups),
+            ttl_s=self.config.index_ttl_s,
+            lookup_timeout_s=self.config.index_lookup_timeout_s,
+        )
+        client.start(worker.host, worker.port)
+        self.index_client = client
+
+    def take_events(self) -> Iterable[Any]:
+        """The block pool's events this half drained since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> RequestFinishedResult:
+        request_id = request.request_id
+        self._matches.pop(request_id, None)
+        if request_id in self._lookups and self.index_client is not None:
+            self.index_client.cancel_lookup(request_id)
+        self._lookups.discard(request_id)
+        self._tickets.pop(request_id, None)
+        waiting = self._forget_waiting(request_id)
+        if waiting is not None:  # finished (aborted) before its pull: release P's blocks now
+            self._meta.notices.append(
+                ReleaseNotice(ticket=waiting, success=False, reason="finished before its pull")
+            )
+        params = request.kv_transfer_params
+        if not (self.kv_role.is_producer and wants_remote_decode(params)):
+            return RequestFinishedResult(False, None)
+        if request.status not in _PRODUCER_DONE or self.worker is None:
+            return RequestFinishedResult(False, None)  # aborted or failed: nothing to hand over
+        num_tokens = request.num_prompt_tokens
+        num_blocks = _cdiv(num_tokens, self.block_size)
+        held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
+        self._meta.lease_grants.append(
+            LeaseGrant(
+                request_id=request_id,
+                block_ids=[list(ids) for ids in held],
+                block_hashes=list(request.block_hashes[: num_tokens // self.block_size]),
+                lease_s=self.config.lease_s,
+            )
+        )
+        out = RemotePrefillParams(
+            remote_engine_id=self.config.engine_id,
+            remote_incarnation=self.worker.incarnation,
+            remote_request_id=request_id,
+            remote_host=self.worker.host,
+            remote_port=self.worker.port,
+            remote_block_ids=held,
+            remote_num_tokens=num_tokens,
+            remote_block_size=self.block_size,
+            lease_expires_at=time.time() + self.config.lease_s,
+        )
+        return RequestFinishedResult(True, out.to_dict())
+
+    def _forget_waiting(self, request_id: str) -> Ticket | None:
+        ticket = self._waiting.pop(request_id, None)
+        if ticket is not None:
+            self._meta.tickets_to_forget.append(ticket)
+        return ticket
+
+    def has_pending_orders(self) -> bool:
+        """True when the next ``build_connector_meta`` carries orders for the worker half."""
+        meta = self._meta
+        return bool(meta.pulls or meta.notices or meta.lease_grants or meta.tickets_to_watch
+                    or meta.tickets_to_forget)
+
+    def shutdown(self) -> None:
+        client, self.index_client = self.index_client, None
+        if client is not None:
+            client.close()
+
+
+def _hash_delta(events: Iterable[Any]) -> BlockHashDelta:
+    """The prefix-cache identity changes a step's block events describe. Every block that lost
+    a hash this step is in ``removed`` (applied before the forward); a block whose last event is
+    a store is in ``stored`` with that hash (applied after the forward), its group kept: the
+    holder compares ``BlockHashWithGroupId`` values."""
+    cleared = False
+    removed: list[int] = []
+    stored: dict[int, bytes] = {}
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            cleared, removed, stored = True, [], {}
+        elif isinstance(event, BlockRemoved):
+            removed.extend(event.block_ids)
+            for block_id in event.block_ids:
+                stored.pop(block_id, None)
+        elif isinstance(event, BlockStored):
+            for block_id, block_hash in zip(event.block_ids, event.block_hashes, strict=True):
+                stored[block_id] = make_block_hash_with_group_id(block_hash, event.group_id)
+    return BlockHashDelta(
+        cleared=cleared,
+        removed_block_ids=removed,
+        stored_block_ids=list(stored),
+        stored_hashes=list(stored.values()),
+    )

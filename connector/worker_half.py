@@ -1,0 +1,261 @@
+"""``KVBridgeWorker``: the worker half of a node's connector (KV tensors, transport, pulls,
+serving, leases, heartbeats, notices).
+
+It never sees the scheduler half: its orders arrive each step as ``KVBridgeConnectorMetadata``
+and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
+``build_connector_worker_meta`` (DESIGN.md, "Two halves that share nothing"; vLLM:
+``KVConnectorBase_V1`` with ``role=WORKER``). One step, in the model runner's order:
+
+    bind_connector_metadata(meta)
+    start_load_kv      hash removals; lease grants; tickets to heart-beat or forget; release
+                       notices; pulls (tasks on the connector loop); offload snapshots
+    -- forward --
+    wait_for_save      hash stores (the forward has computed those blocks)
+    get_finished       pulls settled -> finished_recving; leases ended -> finished_sending
+    build_connector_worker_meta   the transport's identity, the step's statistics
+
+Pulls are whole-request (not layer by layer): ``wait_for_layer_load`` / ``save_kv_layer`` have
+nothing to wait for, since a request only runs after its load settled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
+from kvbridge.transport import (
+    LoopbackFaults,
+    LoopbackNetwork,
+    LoopbackTransport,
+    NodeMetadata,
+    Transport,
+)
+
+from .config import KVTransferConfig
+from .errors import KVConnectorError
+from .holder import HeldBlockHashes, HolderChecks
+from .index import new_incarnation
+from .lease import LeaseTable
+from .loop_thread import get_loop_thread
+from .metadata import (
+    BlockHashDelta,
+    KVBridgeConnectorMetadata,
+    KVBridgeWorkerMeta,
+    StatsDelta,
+    WorkerHandshake,
+)
+from .puller import Puller, send_notice
+from .stats import KVTransferStats
+from .store.offload import OffloadSender
+
+__all__ = ["KVBridgeWorker"]
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 60.0
+
+
+class KVBridgeWorker:
+    """The worker half.
+
+    Owners: the worker thread (the model runner's) calls every public method; the transport's
+    callbacks and the pulls run on the connector loop thread. They share only the objects that
+    lock themselves: ``leases`` (``LeaseTable``), ``hashes`` (``HeldBlockHashes``), ``stats``
+    and the puller's waiting tickets.
+
+    Args:
+        config: the node's validated settings.
+        kv_cache_config: the node's KV cache groups (layer names, block sizes).
+        hash_fn_name: the block hash function (part of the handshake's compatibility hash).
+        loopback_network: required when ``transport`` is ``"loopback"``.
+        loopback_faults: holder-side faults for tests (loopback only).
+    """
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        hash_fn_name: str,
+        loopback_network: LoopbackNetwork | None = None,
+        loopback_faults: LoopbackFaults | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.hash_fn_name = hash_fn_name
+        self.incarnation = new_incarnation()
+        self.stats = KVTransferStats()
+        self.leases = LeaseTable(config.lease_s)
+        self.hashes = HeldBlockHashes()
+        self.puller = Puller(
+            load_timeout_s=config.load_timeout_s,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            stats=self.stats,
+        )
+        self.transport: Transport | None = None
+        self._loopback_network = loopback_network
+        self._loopback_faults = loopback_faults
+        self._offload = OffloadSender.from_config(config, self.stats)
+        self._meta: KVBridgeConnectorMetadata | None = None
+        self._stores_after_forward: BlockHashDelta | None = None
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ start
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Start this node's transport over the KV tensors (group order from the config).
+
+        Raises:
+            RuntimeError: when called twice.
+        """
+        if self.transport is not None:
+            raise RuntimeError("register_kv_caches called twice for one node's connector")
+        by_group = [
+            [kv_caches[name] for name in group.layer_names]
+            for group in self.kv_cache_config.kv_cache_groups
+        ]
+        metadata = NodeMetadata.from_kv_caches(
+            engine_id=self.config.engine_id,
+            kv_caches_by_group=by_group,
+            model_name=self.config.model_name,
+            hash_fn_name=self.hash_fn_name,
+        )
+        metadata = replace(metadata, incarnation=str(self.incarnation))
+        if self._offload is not None:
+            self._offload.bind(by_group, metadata.compat_hash)
+        transport = self._make_transport(metadata, by_group)
+        checks = HolderChecks(
+            leases=self.leases,
+            hashes=self.hashes,
+            stats=self.stats,
+            num_blocks=self.kv_cache_config.num_blocks,
+            bytes_per_block=[
+                group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+                for group in self.kv_cache_config.kv_cache_groups
+            ],
+        )
+        transport.set_callbacks(**checks.as_kwargs())  # type: ignore[arg-type]
+        get_loop_thread().run(transport.start(), _START_TIMEOUT_S)
+        self.transport = transport
+        self.puller.start_heartbeats(transport, _START_TIMEOUT_S)
+        logger.info(
+            "%s: transport %s listening on %s:%d",
+            self.config.engine_id,
+            self.config.transport,
+            *transport.address,
+        )
+
+    def _make_transport(
+        self, metadata: NodeMetadata, by_group: Sequence[Sequence[torch.Tensor]]
+    ) -> Transport:
+        config = self.config
+        if config.transport == "loopback":
+            if self._loopback_network is None:
+                raise KVConnectorError("transport 'loopback' needs a LoopbackNetwork")
+            return LoopbackTransport(
+                metadata,
+                by_group,
+                network=self._loopback_network,
+                host=config.host,
+                port=config.port,
+                faults=self._loopback_faults,
+            )
+        from kvbridge.transport import UcxxTransport  # ucxx is imported only when used
+
+        return UcxxTransport(metadata, by_group, host=config.host, port=config.port, cma=config.cma)
+
+    # ------------------------------------------------------------------ one step
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        """Hold this step's orders (a ``KVBridgeConnectorMetadata``; anything else: none)."""
+        self._meta = metadata if isinstance(metadata, KVBridgeConnectorMetadata) else None
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self) -> None:
+        """Carry out this step's orders; returns at once (network work goes to the loop).
+
+        Raises:
+            RuntimeError: before ``register_kv_caches``.
+        """
+        meta = self._meta
+        if meta is None:
+            return
+        transport = self.transport
+        if transport is None:
+            raise RuntimeError("start_load_kv before register_kv_caches")
+        self.hashes.apply_removals(meta.block_hashes)
+        self._stores_after_forward = meta.block_hashes
+        for grant in meta.lease_grants:
+            self.leases.grant(grant.request_id, grant.block_ids, grant.block_hashes)
+        for ticket in meta.tickets_to_watch:
+            self.puller.waiting_tickets.add(ticket)
+        for ticket in meta.tickets_to_forget:
+            self.puller.waiting_tickets.discard(ticket)
+        loop = get_loop_thread()
+        for notice in meta.notices:
+            loop.submit(send_notice(transport, notice))
+        for plan in meta.pulls:
+            self.puller.submit(transport, plan)
+        if self._offload is not None and meta.offload_items:
+            self._offload.submit(meta.offload_items)
+
+    def wait_for_save(self) -> None:
+        """End of the forward: the blocks this step cached now hold their KV."""
+        delta, self._stores_after_forward = self._stores_after_forward, None
+        if delta is not None:
+            self.hashes.apply_stores(delta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` since the last call. Pulls of requests in
+        ``finished_req_ids`` (aborted while loading) are cancelled; they are still reported
+        once settled, and the scheduler keeps their blocks until then."""
+        if self.transport is not None:
+            self.puller.cancel_aborted(self.transport, finished_req_ids)
+        finished_recving, failed = self.puller.pop_settled()
+        self._load_errors.update(failed)
+        finished_sending, num_expired = self.leases.pop_finished()
+        if num_expired:
+            self.stats.add("num_expired_leases", num_expired)
+            logger.warning("%d lease(s) expired without a completion notice", num_expired)
+        return finished_sending or None, finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMeta:
+        """The statistics since the last call."""
+        counters, transfer_s, queue_s = self.stats.take_report()
+        return KVBridgeWorkerMeta(
+            stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s)
+        )
+
+    def get_handshake_metadata(self) -> WorkerHandshake | None:
+        """The transport's identity and address once ``register_kv_caches`` started it."""
+        if self.transport is None:
+            return None
+        host, port = self.transport.address
+        return WorkerHandshake(
+            engine_id=self.config.engine_id, incarnation=str(self.incarnation), host=host, port=port
+        )
+
+    def shutdown(self) -> None:
+        if self._offload is not None:
+            self._offload.close()
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        puller = self.puller
+
+        async def _close() -> None:
+            await puller.close()
+            await transport.close()
+
+        try:
+            get_loop_thread().run(_close(), _START_TIMEOUT_S)
+        except Exception:  # shutting down: log, never raise
+            logger.exception("%s: transport close failed", self.config.engine_id)
