@@ -372,8 +372,8 @@ def test_no_import_cycles():
     modules = {**package_modules(), **example_modules()}
     graph = import_graph(modules)
     cycles = [
-        f"{format_cycle(graph, shortest_cycle(graph, component))}"
-        f"  (circle of {len(component)}: {', '.join(component)})"
+        format_cycle(graph, shortest_cycle(graph, component))
+        + f"  (circle of {len(component)}: {', '.join(component)})"
         for component in strongly_connected_components(graph)
     ]
     _assert_none(cycles, "import cycles (shortest cycle shown with import lines)")
