@@ -1,4 +1,4 @@
-"""kvbridge.kernels: data-plane ops on paged KV tensors (the reference decoder is ``kernels.model``).
+"""kvbridge.kernels: data-plane ops on paged KV tensors (the reference decoder: ``model``).
 
 The KV tensor layout is defined in ``layout`` (one tensor per layer,
 ``[num_blocks, 2, block_size, num_kv_heads, head_size]``). Each op runs a Triton kernel on CUDA

@@ -31,6 +31,7 @@ from ..cache_ops import reshape_and_cache
 from ..host_memory import host_zeros
 from ..layout import kv_cache_shape
 from .config import ModelConfig, layer_name
+from .weights import copy_weights, load_checkpoint, save_checkpoint
 
 
 class _Linear(nn.Module):
@@ -334,16 +335,17 @@ class ReferenceDecoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu"):
-        """Load ``config.json`` + ``model.safetensors`` from ``model_dir`` (see ``weights``)."""
-        from .weights import load_pretrained
-
-        return load_pretrained(cls, model_dir, device)
+        """Load ``config.json`` + ``model.safetensors`` from ``model_dir`` (see ``weights``);
+        tensors are cast to the config's dtype. FileNotFoundError on a missing file,
+        ValueError on a missing weight or one of the wrong shape (naming it)."""
+        checkpoint = load_checkpoint(model_dir)
+        model = cls(checkpoint.config, init_weights=False)
+        copy_weights(model.named_parameters(), checkpoint.tensors, checkpoint.weights_path)
+        return model.to(device)
 
     def save_pretrained(self, model_dir: str | Path) -> None:
         """Write ``config.json`` + ``model.safetensors`` into ``model_dir`` (see ``weights``)."""
-        from .weights import save_pretrained
-
-        save_pretrained(self, model_dir)
+        save_checkpoint(self.config, self.state_dict(), model_dir)
 
 
 def allocate_kv_caches(
