@@ -8,8 +8,8 @@ Sources, all read at scrape time (no sampling thread):
   KV load times, and the scheduler's ``make_stats()`` (queues, preemptions, KV usage).
 - The connector's ``KVTransferStats.snapshot()`` (connector/stats.py), when the node has a
   connector that exposes ``stats``: bytes moved, pull durations, failed loads, expired leases.
-- The block index's ``IndexStats`` (``connector.ctx.index_client.index.stats``: lookups, hits,
-  Redis trouble) when the node has an index.
+- The block index's ``IndexStats`` (``KVBridgeConnector.index_stats``: lookups, hits, Redis
+  trouble) when the node has an index.
 
 Hit rates are fractions of prompt tokens: ``local`` = local APC hit tokens / prompt tokens looked
 up; ``remote`` = tokens the connector planned to pull from another node's device or host blocks
@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from kvbridge.connector import KVBridgeConnector
 from kvbridge.kvmanager import Engine
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -32,10 +33,10 @@ __all__ = ["NodeMetricsCollector", "connector_of", "node_stats"]
 _PREFIX = "kvbridge_"
 
 
-def connector_of(engine: Engine) -> Any | None:
-    """The scheduler-side connector when it is not the no-op one (None otherwise)."""
+def connector_of(engine: Engine) -> KVBridgeConnector | None:
+    """The scheduler-side connector when it is kvbridge's (None otherwise)."""
     connector = engine.scheduler.connector
-    return connector if hasattr(connector, "stats") else None
+    return connector if isinstance(connector, KVBridgeConnector) else None
 
 
 def node_stats(loop: Any, *, role: str, engine_id: str) -> dict[str, Any]:
@@ -51,9 +52,8 @@ def node_stats(loop: Any, *, role: str, engine_id: str) -> dict[str, Any]:
     index: dict[str, Any] = {}
     if connector is not None:
         transfer = dict(connector.stats.snapshot())
-        client = getattr(getattr(connector, "ctx", None), "index_client", None)
-        index_stats = getattr(getattr(client, "index", None), "stats", None)
-        if index_stats is not None and dataclasses.is_dataclass(index_stats):
+        index_stats = connector.index_stats
+        if index_stats is not None:
             index = {
                 k: v for k, v in dataclasses.asdict(index_stats).items() if isinstance(v, int)
             }

@@ -121,18 +121,12 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     """The node's ``Engine`` and engine id from the CLI arguments."""
     model = load_model(args.model)
     config = kv_transfer_config_dict(args)
-    policy = "recompute"
-    if config is not None:
-        policy = (config.get("kv_connector_extra_config") or {}).get(
-            "load_failure_policy", "recompute"
-        )
     engine_config = EngineConfig(
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
-        kv_load_failure_policy=policy,
         enable_kv_cache_events=config is not None,
     )
     if config is None:

@@ -73,7 +73,6 @@ def make_pd_pair(
             block_size=bs,
             max_model_len=max_model_len,
             max_num_batched_tokens=max(512, max_model_len),
-            kv_load_failure_policy=load_failure_policy,  # type: ignore[arg-type]
         )
         kv_transfer_config = {
             "kv_connector": "KVBridgeConnector",

@@ -50,7 +50,7 @@ def stats(engine: Engine) -> dict:
 
 
 def index_client(engine: Engine):
-    return engine.scheduler.connector.ctx.index_client
+    return engine.scheduler.connector.scheduler_half.index_client
 
 
 @pytest.fixture
