@@ -7,7 +7,7 @@ the node side runs here. Model: ``ModelConfig.tiny`` widened to 8 layers, hidden
 (a 4,096-token prefix, 16 tokens a block) is 32 MiB.
 
 - offload: one batch of 256 blocks, node to store: snapshot (``snapshot_blocks``, the
-  ``Offloader``'s gather into a reused host buffer), ``StoreWriter.put`` (msgpack header, raw
+  ``OffloadSender``'s gather into a reused host buffer), ``StoreWriter.put`` (msgpack header, raw
   payload with ``sock_sendall``), the store's receive, copy into its KV tensors, index publish to
   Redis, reply. In GB/s, as ratios to (a) a single-thread memcpy of the same 32 MiB between two
   preallocated tensors and (b) a plain TCP socket moving the same 32 MiB to the store process
@@ -40,8 +40,9 @@ import redis
 import torch
 from kvbridge.connector.loop_thread import get_loop_thread
 from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
-from kvbridge.connector.store.offload import StoreWriter, snapshot_blocks, staging_nbytes
+from kvbridge.connector.store.staging import snapshot_blocks, staging_nbytes
 from kvbridge.connector.store.wire import PutGroup, PutRequest
+from kvbridge.connector.store.writer import StoreWriter
 from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
 from kvbridge.kernels.model.decoder import allocate_kv_caches
 from kvbridge.transport import GroupRead, NodeMetadata, UcxxTransport
@@ -224,7 +225,7 @@ def _measure(
 ) -> dict[str, float]:
     batch_nbytes = staging_nbytes(caches, NUM_BLOCKS)
     block_ids = list(range(1, NUM_BLOCKS + 1))
-    staging = torch.empty(batch_nbytes, dtype=torch.uint8)  # reused, as the Offloader's pool
+    staging = torch.empty(batch_nbytes, dtype=torch.uint8)  # reused, as the sender's StagingPool
     snapshot_blocks(caches, block_ids, staging)
 
     # (1) Baselines on the same bytes: memcpy, then a plain socket to the store process.
