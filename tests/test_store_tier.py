@@ -1,6 +1,7 @@
 """The remote store tier (issue 7): a store node over the loopback transport and a real Redis
-index; nodes offload cold cached blocks to it and pull them back through the index. The last
-test runs the store as its own process (``examples/store_node.py``) and restores over UCX."""
+index; nodes offload cold cached blocks to it and pull them back through the index. One test
+runs the store as its own process (``examples/store_node.py``) and restores over UCX; the last
+ones test offload's two halves (``OffloadPlanner``, ``OffloadSender``) on their own."""
 
 from __future__ import annotations
 

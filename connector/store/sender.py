@@ -106,7 +106,7 @@ class OffloadSender:
         """
         if not items:
             return 0
-        by_group = self._check(items)
+        caches_by_group, by_group = self._check(items)
         with self._lock:
             skipped = self._inflight_bytes >= self.max_inflight_bytes
             if skipped:
@@ -115,7 +115,6 @@ class OffloadSender:
         if skipped:
             self.stats.add("num_offload_skipped_blocks", len(items))
             return 0
-        assert self._kv_caches_by_group is not None  # checked by _check
         groups: list[PutGroup] = []
         for group_id, members in by_group.items():
             groups.append(
@@ -123,7 +122,7 @@ class OffloadSender:
                     group_id=group_id,
                     block_hashes=tuple(item.block_hash for item in members),
                     parent_hashes=tuple(item.parent_hash for item in members),
-                    nbytes=staging_nbytes(self._kv_caches_by_group[group_id], len(members)),
+                    nbytes=staging_nbytes(caches_by_group[group_id], len(members)),
                 )
             )
         put = PutRequest(compat_hash=self._compat_hash, groups=tuple(groups))
@@ -131,7 +130,7 @@ class OffloadSender:
         offset = 0
         for group in groups:
             block_ids = [item.block_id for item in by_group[group.group_id]]
-            caches = self._kv_caches_by_group[group.group_id]
+            caches = caches_by_group[group.group_id]
             snapshot_blocks(caches, block_ids, buffer[offset : offset + group.nbytes])
             offset += group.nbytes
         with self._lock:
@@ -151,8 +150,11 @@ class OffloadSender:
             self._outcomes.clear()
         return outcomes
 
-    def _check(self, items: Sequence[OffloadItem]) -> dict[int, list[OffloadItem]]:
-        """``items`` by group id (ascending), plan order kept within a group."""
+    def _check(
+        self, items: Sequence[OffloadItem]
+    ) -> tuple[list[list[torch.Tensor]], dict[int, list[OffloadItem]]]:
+        """The bound KV tensors and ``items`` by group id (ascending; plan order kept within a
+        group). Raises as ``submit``."""
         caches_by_group = self._kv_caches_by_group
         if self._closed:
             raise RuntimeError("OffloadSender.submit after close()")
@@ -171,7 +173,7 @@ class OffloadSender:
                     f"offload item [{i}]: block_id {item.block_id} not in [1, {num_blocks})"
                 )
             by_group.setdefault(item.group_id, []).append(item)
-        return dict(sorted(by_group.items()))
+        return caches_by_group, dict(sorted(by_group.items()))
 
     # ------------------------------------------------------------------ loop thread
     async def _send(self, put: PutRequest, buffer: torch.Tensor) -> None:
