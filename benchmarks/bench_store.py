@@ -7,11 +7,16 @@ the node side runs here. Model: ``ModelConfig.tiny`` widened to 8 layers, hidden
 (a 4,096-token prefix, 16 tokens a block) is 32 MiB.
 
 - offload: one batch of 256 blocks, node to store: snapshot (``snapshot_blocks``, the
-  ``Offloader``'s gather into a reused host buffer), ``StoreWriter.put`` (msgpack header, raw
+  ``OffloadSender``'s gather into a reused host buffer), ``StoreWriter.put`` (msgpack header, raw
   payload with ``sock_sendall``), the store's receive, copy into its KV tensors, index publish to
   Redis, reply. In GB/s, as ratios to (a) a single-thread memcpy of the same 32 MiB between two
   preallocated tensors and (b) a plain TCP socket moving the same 32 MiB to the store process
   (blocking ``sendall``, the store's sink thread ``recv_into`` a reused buffer, one byte back).
+- sender: the same batch through the worker half's ``OffloadSender`` (``submit``: snapshot into
+  its staging pool and hand-off to the loop thread; ``wait_idle``: the write and reply), as a
+  ratio to the direct offload above (the split's overhead; target ~1).
+- plan: the scheduler half's ``OffloadPlanner.plan`` over a pool of 4,096 cold cached blocks
+  (256 picked, the whole queue scanned), the engine thread's cost per step.
 - restore: pulling the 4,096-token prefix back from the store into the node's KV tensors over
   UCX (``UcxxTransport.read_blocks``, the store's hash checks included), as a ratio to
   recomputing it with ``ReferenceDecoder.forward_full`` (target < 1).
@@ -39,11 +44,17 @@ from typing import Any
 import redis
 import torch
 from kvbridge.connector.loop_thread import get_loop_thread
+from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
-from kvbridge.connector.store.offload import StoreWriter, snapshot_blocks, staging_nbytes
+from kvbridge.connector.store.offload_items import OffloadItem, OffloadOutcome
+from kvbridge.connector.store.planner import OffloadPlanner
+from kvbridge.connector.store.sender import OffloadSender
+from kvbridge.connector.store.staging import snapshot_blocks, staging_nbytes
 from kvbridge.connector.store.wire import PutGroup, PutRequest
+from kvbridge.connector.store.writer import StoreWriter
 from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
 from kvbridge.kernels.model.decoder import allocate_kv_caches
+from kvbridge.kvmanager import BlockPool, Request, get_block_hash, get_request_block_hasher
 from kvbridge.transport import GroupRead, NodeMetadata, UcxxTransport
 
 PREFIX_TOKENS = 4096
@@ -162,7 +173,7 @@ def main() -> None:
         redis_proc, index_url = _start_redis(workdir)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        capacity = (REPEATS + 3) * batch_nbytes
+        capacity = (2 * REPEATS + 5) * batch_nbytes
         proc = ctx.Process(target=_store_main, args=(child, index_url, capacity), daemon=True)
         proc.start()
         try:
@@ -190,6 +201,10 @@ def main() -> None:
     print(f"offload {NUM_BLOCKS} blocks (median):       {figures['offload_s'] * 1e3:8.2f} ms "
           f"= {offload_gbps:.2f} GB/s = {offload_gbps / memcpy:.3f} x memcpy "
           f"= {offload_gbps / sock_gbps:.2f} x socket")
+    sender_s, plan_s = figures["sender_s"], figures["plan_s"]
+    print(f"offload through OffloadSender:         {sender_s * 1e3:8.2f} ms "
+          f"= {figures['offload_s'] / sender_s:.3f} x the direct offload")
+    print(f"OffloadPlanner.plan, 4096 scanned:     {plan_s * 1e3:8.2f} ms (256 picked)")
     print(f"restore {PREFIX_TOKENS} tokens over UCX:      {restore_s * 1e3:8.2f} ms")
     print(f"recompute (forward_full):          {recompute_s * 1e3:8.2f} ms")
     print(f"store: {store_stats['num_blocks_stored']} blocks stored, "
@@ -208,6 +223,9 @@ def main() -> None:
                 "socket_gb_per_s": round(sock_gbps, 3),
                 "offload_vs_memcpy": round(offload_gbps / memcpy, 3),
                 "offload_vs_socket": round(offload_gbps / sock_gbps, 3),
+                "sender_offload_ms": round(sender_s * 1e3, 3),
+                "sender_vs_direct": round(figures["offload_s"] / sender_s, 3),
+                "plan_ms": round(plan_s * 1e3, 3),
             }
         )
     )
@@ -224,7 +242,7 @@ def _measure(
 ) -> dict[str, float]:
     batch_nbytes = staging_nbytes(caches, NUM_BLOCKS)
     block_ids = list(range(1, NUM_BLOCKS + 1))
-    staging = torch.empty(batch_nbytes, dtype=torch.uint8)  # reused, as the Offloader's pool
+    staging = torch.empty(batch_nbytes, dtype=torch.uint8)  # reused, as the sender's StagingPool
     snapshot_blocks(caches, block_ids, staging)
 
     # (1) Baselines on the same bytes: memcpy, then a plain socket to the store process.
@@ -269,6 +287,28 @@ def _measure(
     offload_s = _median_s(offload)
     loop.run(writer.close(), 10)
 
+    # (2b) The same through the worker half: OffloadSender.submit + wait_idle, fresh hashes.
+    sender = OffloadSender(
+        store_address=write_address, max_inflight_bytes=2 * batch_nbytes, stats=KVTransferStats()
+    )
+    sender.bind([caches], metadata.compat_hash)
+
+    def offload_by_sender() -> None:
+        round_no[0] += 1
+        hashes = [round_no[0].to_bytes(4, "big") + i.to_bytes(28, "big") for i in range(NUM_BLOCKS)]
+        parents = (b"", *hashes[:-1])
+        items = [
+            OffloadItem(b, 0, h, p) for b, h, p in zip(block_ids, hashes, parents, strict=True)
+        ]
+        assert sender.submit(items) == NUM_BLOCKS
+        sender.wait_idle(60)
+        outcomes = sender.take_outcomes()
+        assert len(outcomes) == NUM_BLOCKS and all(o.held for o in outcomes), outcomes[:3]
+
+    sender_s = _median_s(offload_by_sender)
+    sender.close()
+    plan_s = _plan_s()
+
     # (3) Restore the last batch over UCX into a second set of tensors.
     store_conn.send(("block_ids", last_hashes))
     assert store_conn.poll(_REPLY_TIMEOUT_S)
@@ -300,9 +340,46 @@ def _measure(
         "memcpy_gb_per_s": batch_nbytes / memcpy_s / 1e9,
         "socket_gb_per_s": batch_nbytes / socket_s / 1e9,
         "offload_s": offload_s,
+        "sender_s": sender_s,
+        "plan_s": plan_s,
         "restore_s": restore_s,
         "recompute_s": recompute_s,
     }
+
+
+def _plan_s(num_blocks: int = 4096) -> float:
+    """Median seconds of one ``OffloadPlanner.plan`` over ``num_blocks`` cold blocks of which all
+    but the last 256 in the queue are offloaded already (the worst case: the whole queue is
+    scanned for 256 picks); a fresh planner each run."""
+    pool = BlockPool(num_blocks + 1, enable_caching=True, enable_kv_cache_events=True)
+    request = Request("bench", list(range(num_blocks * BLOCK_SIZE)),
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE))
+    blocks = pool.get_new_blocks(num_blocks)
+    pool.cache_full_blocks(request, blocks, request.block_hashes, 0, num_blocks, BLOCK_SIZE, 0)
+    pool.free_blocks(reversed(blocks))
+    events = pool.take_events()
+    done = [
+        OffloadOutcome(0, get_block_hash(key), True)
+        for _, key in list(pool.iter_cold_cached_blocks(num_blocks))[:-NUM_BLOCKS]
+    ]
+    planners: list[OffloadPlanner] = []
+
+    def fresh() -> OffloadPlanner:
+        planner = OffloadPlanner(policy="evict", blocks_per_step=NUM_BLOCKS, scan_blocks=num_blocks)
+        planner.observe(events)
+        planner.apply_outcomes(done)
+        return planner
+
+    def plan() -> None:
+        assert len(planners.pop().plan(pool)) == NUM_BLOCKS
+
+    seconds = []
+    for _ in range(REPEATS + 1):
+        planners.append(fresh())
+        start = time.perf_counter()
+        plan()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
 
 
 if __name__ == "__main__":

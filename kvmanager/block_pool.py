@@ -15,6 +15,7 @@ out at start, never hashed, never queued, its ref count never kept.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from .block_hash import (
     BlockHash,
@@ -27,7 +28,15 @@ from .kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .request import Request
 
-__all__ = ["BlockHashToBlockMap", "BlockPool"]
+__all__ = ["BlockHashToBlockMap", "BlockPool", "ColdCachedBlock"]
+
+
+class ColdCachedBlock(NamedTuple):
+    """A cached block no request holds (ref_cnt 0, in the free queue, still findable by its
+    hash): ``block_id`` and its prefix-cache key (block hash plus group id)."""
+
+    block_id: int
+    block_hash_with_group_id: BlockHashWithGroupId
 
 
 class BlockHashToBlockMap:
@@ -204,6 +213,30 @@ class BlockPool:
             for out, block in zip(found, hits, strict=True):
                 out.append(block)  # type: ignore[arg-type]
         return found
+
+    def iter_cold_cached_blocks(self, max_scan: int) -> Iterator[ColdCachedBlock]:
+        """The hashed blocks of the free queue, from its head: the block evicted next comes
+        first (the free queue is the LRU eviction order, seed 000 "回收顺序"; offload writes
+        blocks out in this order before ``get_new_blocks`` drops their hashes). At most
+        ``max_scan`` queue entries are looked at, unhashed ones included (they are skipped).
+
+        Does not mutate. Engine thread only (the pool's owner, which is also the only thread
+        that may change the pool); do not change the pool before the iterator is exhausted or
+        dropped. ValueError if ``max_scan < 0``.
+        """
+        if max_scan < 0:
+            raise ValueError(f"max_scan must be >= 0, got {max_scan}")
+        return self._walk_cold_cached_blocks(max_scan)
+
+    def _walk_cold_cached_blocks(self, max_scan: int) -> Iterator[ColdCachedBlock]:
+        tail = self.free_block_queue.fake_free_list_tail
+        block = self.free_block_queue.fake_free_list_head.next_free_block
+        for _ in range(max_scan):
+            if block is None or block is tail:
+                return
+            if block._block_hash is not None:
+                yield ColdCachedBlock(block.block_id, block._block_hash)
+            block = block.next_free_block
 
     # -- caching ------------------------------------------------------------------------------
     def cache_full_blocks(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from _kvmanager_builders import free_queue_ids, hashed_block_ids
+from _kvmanager_builders import free_queue_ids, hashed_block_ids, pool_snapshot
 from kvbridge.kvmanager import (
     AllBlocksCleared,
     BlockHashToBlockMap,
@@ -331,3 +331,68 @@ def test_get_cached_prefix_stops_at_the_first_block_any_group_misses() -> None:
     pool.evict_blocks([g0[0].block_id])
     assert pool.get_cached_prefix(req.block_hashes, [0, 1], 9) == ([], [])  # a miss at 0
     check_pool_integrity(pool)
+
+
+# -- cold cached blocks (the offload planner's view of the pool) --------------------------------
+def _pool_with_cold_blocks() -> tuple[BlockPool, Request, list[KVCacheBlock]]:
+    """Blocks 1-5 taken, 1-3 cached (group 0), then freed in reverse as a request frees: the
+    queue is ``[5, 4, 6, 7, 3, 2, 1]`` (unhashed 5, 4 prepended; hashed 3, 2, 1 appended)."""
+    pool = BlockPool(8, enable_caching=True)
+    blocks = pool.get_new_blocks(5)
+    req = _cached_request(12)
+    _cache(pool, req, blocks[:3])
+    pool.free_blocks(reversed(blocks))
+    assert free_queue_ids(pool) == [5, 4, 6, 7, 3, 2, 1]
+    return pool, req, blocks
+
+
+def _cold(pool: BlockPool, max_scan: int) -> list[tuple[int, bytes]]:
+    return [tuple(c) for c in pool.iter_cold_cached_blocks(max_scan)]
+
+
+def test_cold_cached_blocks_come_from_the_queue_head_skipping_unhashed_ones() -> None:
+    pool, req, _ = _pool_with_cold_blocks()
+    keys = [make_block_hash_with_group_id(h, 0) for h in req.block_hashes]
+    before = pool_snapshot(pool)
+    # Queue order is eviction order: block 3 (the request's last block) goes first, then 2, 1.
+    assert _cold(pool, 7) == [(3, keys[2]), (2, keys[1]), (1, keys[0])]
+    assert _cold(pool, 100) == _cold(pool, 7)  # past the tail: the walk just ends
+    # max_scan counts every entry looked at: 5, 4, 6, 7 (unhashed), then 3.
+    assert _cold(pool, 5) == [(3, keys[2])]
+    assert _cold(pool, 4) == [] and _cold(pool, 0) == []
+    assert pool_snapshot(pool) == before  # looking changed nothing
+    first = next(pool.iter_cold_cached_blocks(7))
+    assert (first.block_id, first.block_hash_with_group_id) == (3, keys[2])
+    with pytest.raises(ValueError, match="max_scan must be >= 0, got -1"):
+        pool.iter_cold_cached_blocks(-1)  # raised at the call, not at the first next()
+    check_pool_integrity(pool)
+
+
+def test_touched_evicted_and_reused_blocks_are_no_longer_cold() -> None:
+    pool, req, blocks = _pool_with_cold_blocks()
+    keys = [make_block_hash_with_group_id(h, 0) for h in req.block_hashes]
+    pool.touch([blocks[1]])  # a hit on block 2: ref_cnt 1, off the queue
+    assert _cold(pool, 7) == [(3, keys[2]), (1, keys[0])]
+    pool.evict_blocks([3])  # stays queued, unhashed
+    assert _cold(pool, 7) == [(1, keys[0])]
+    pool.get_new_blocks(5)  # 5, 4, 6, 7, 3: the unhashed ones; block 1 is still cold
+    assert _cold(pool, 7) == [(1, keys[0])]
+    pool.get_new_blocks(1)  # block 1 popped: its hash is dropped
+    assert _cold(pool, 7) == []
+    check_pool_integrity(pool)
+
+
+def test_cold_cached_blocks_carry_their_group_id() -> None:
+    pool = BlockPool(6, enable_caching=True)
+    req = _cached_request(8)
+    g0, g1 = pool.get_new_blocks(2), pool.get_new_blocks(2)  # 1, 2 and 3, 4
+    _cache(pool, req, g0, group_id=0)
+    _cache(pool, req, g1, group_id=1)
+    pool.free_blocks([*g1, *g0])  # queue [5, 3, 4, 1, 2]
+    hashes = req.block_hashes
+    assert _cold(pool, 5) == [
+        (3, make_block_hash_with_group_id(hashes[0], 1)),
+        (4, make_block_hash_with_group_id(hashes[1], 1)),
+        (1, make_block_hash_with_group_id(hashes[0], 0)),
+        (2, make_block_hash_with_group_id(hashes[1], 0)),
+    ]

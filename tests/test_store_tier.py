@@ -1,6 +1,7 @@
 """The remote store tier (issue 7): a store node over the loopback transport and a real Redis
-index; nodes offload cold cached blocks to it and pull them back through the index. The last
-test runs the store as its own process (``examples/store_node.py``) and restores over UCX."""
+index; nodes offload cold cached blocks to it and pull them back through the index. One test
+runs the store as its own process (``examples/store_node.py``) and restores over UCX; the last
+ones test offload's two halves (``OffloadPlanner``, ``OffloadSender``) on their own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import msgpack
@@ -18,11 +20,25 @@ import torch
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
-from kvbridge.connector.loop_thread import get_loop_thread
-from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
-from kvbridge.connector.store.offload import StoreWriter
+from kvbridge.connector.loop_thread import LoopThread, get_loop_thread
+from kvbridge.connector.stats import KVTransferStats
+from kvbridge.connector.store.node import (
+    StoreNode,
+    close_store_node,
+    start_store_node,
+    store_kv_caches,
+)
+from kvbridge.connector.store.offload_items import (
+    OffloadItem,
+    OffloadOutcome,
+    items_from_wire,
+    outcomes_from_wire,
+)
+from kvbridge.connector.store.planner import OffloadPlanner
+from kvbridge.connector.store.sender import OffloadSender
 from kvbridge.connector.store.wire import PutGroup, PutRequest, StoreWireError
-from kvbridge.kvmanager import Request, SamplingParams
+from kvbridge.connector.store.writer import StoreWriter
+from kvbridge.kvmanager import BlockPool, Request, SamplingParams, get_request_block_hasher
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.transport import LoopbackNetwork
 
@@ -483,3 +499,231 @@ def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(re
     assert (store_stats["num_blocks_requested"], store_stats["num_blocks_hit"]) == (18, 18)
     assert store_stats["num_put_errors"] == 0
     assert proc.returncode == 0
+
+
+# ---------------------------------------------------------------------- offload halves
+# The scheduler half's OffloadPlanner against a real BlockPool, the worker half's OffloadSender
+# against a real store node, and both across a msgpack boundary (as in two processes).
+def _cold_pool(
+    *, num_full_blocks: int = 4, free: bool = True
+) -> tuple[BlockPool, list[bytes], list]:
+    """A 10-block pool with events on: blocks 1..5 taken, 1..``num_full_blocks`` cached as one
+    request's chain; with ``free``, all freed in reverse (a finished request), so the queue is
+    ``[5, 6, 7, 8, 9, 4, 3, 2, 1]``. Returns the pool, the chain's hashes and its events."""
+    pool = BlockPool(10, enable_caching=True, enable_kv_cache_events=True)
+    request = Request(
+        "r",
+        long_prompt(num_full_blocks * BLOCK_SIZE + 3),
+        SamplingParams(max_tokens=1),
+        block_hasher=get_request_block_hasher(BLOCK_SIZE),
+    )
+    blocks = pool.get_new_blocks(5)
+    pool.cache_full_blocks(
+        request, blocks, request.block_hashes, 0, num_full_blocks, BLOCK_SIZE, 0
+    )
+    if free:
+        pool.free_blocks(reversed(blocks))
+    return pool, list(request.block_hashes), pool.take_events()
+
+
+def _item(block_id: int, hashes: list[bytes], position: int) -> OffloadItem:
+    """The item for chain position ``position`` in block ``block_id`` (group 0)."""
+    parent = hashes[position - 1] if position else b""
+    return OffloadItem(block_id, 0, hashes[position], parent)
+
+
+def test_planner_picks_cold_blocks_from_the_queue_head_once_each_until_reported():
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=2, scan_blocks=100)
+    assert planner.plan(pool) == []  # no BlockStored observed: parents unknown, nothing planned
+    planner.observe(events)
+    # (1) The queue's hashed blocks from its head: 4, 3 (the chain's tail is evicted first).
+    assert planner.plan(pool) == [_item(4, h, 3), _item(3, h, 2)]
+    # (2) 4 and 3 are in flight: the next plan goes on with 2, 1; then nothing is left.
+    assert planner.plan(pool) == [_item(2, h, 1), _item(1, h, 0)]
+    assert planner.plan(pool) == [] and planner.num_in_flight == 4
+    # (3) The worker reports: 3 skipped (back-pressure), the others held. Only 3 comes back.
+    planner.apply_outcomes(
+        [OffloadOutcome(0, h[3], True), OffloadOutcome(0, h[2], False),
+         OffloadOutcome(0, h[1], True), OffloadOutcome(0, h[0], True)]
+    )
+    assert planner.plan(pool) == [_item(3, h, 2)]
+    planner.apply_outcomes([OffloadOutcome(0, h[2], True)])
+    assert planner.plan(pool) == [] and planner.num_in_flight == 0
+    assert all(planner.is_offloaded(0, x) for x in h)
+
+
+def test_planner_scans_at_most_scan_blocks_entries_and_forgets_evicted_parents():
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=5)
+    planner.observe(events)
+    assert planner.plan(pool) == []  # 5 entries looked at: 5, 6, 7, 8, 9, none hashed
+    planner.scan_blocks = 7
+    assert planner.plan(pool) == [_item(4, h, 3), _item(3, h, 2)]  # ... then 4 and 3
+    planner.apply_outcomes([OffloadOutcome(0, h[3], False), OffloadOutcome(0, h[2], False)])
+    # The next schedule takes 6 blocks: 5..9 and block 4 (its hash dropped, BlockRemoved).
+    pool.get_new_blocks(6)
+    planner.observe(pool.take_events())
+    planner.scan_blocks = 100
+    assert planner.plan(pool) == [_item(3, h, 2), _item(2, h, 1), _item(1, h, 0)]
+
+
+def test_planner_write_through_plans_new_cached_blocks_first_even_while_held():
+    # Blocks 1..4 cached and still held by the request (not in the free queue).
+    pool, h, events = _cold_pool(free=False)
+    planner = OffloadPlanner(policy="write_through", blocks_per_step=3, scan_blocks=100)
+    planner.observe(events)
+    assert planner.plan(pool) == [_item(1, h, 0), _item(2, h, 1), _item(3, h, 2)]
+    pool.evict_blocks([4])  # lost its hash before the next plan: not planned
+    assert planner.plan(pool) == []
+    # Write-through candidates come first, then the queue; a block is planned once per plan.
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="write_through", blocks_per_step=8, scan_blocks=100)
+    planner.observe(events)
+    assert planner.plan(pool) == [_item(i + 1, h, i) for i in range(4)]
+    with pytest.raises(ValueError, match="policy must be one of"):
+        OffloadPlanner(policy="lru", blocks_per_step=1, scan_blocks=1)
+    with pytest.raises(ValueError, match="scan_blocks must be >= 1, got 0"):
+        OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=0)
+
+
+def test_offload_records_round_trip_msgpack_and_bad_fields_are_named():
+    items = [OffloadItem(4, 0, b"h" * 32, b"p" * 32), OffloadItem(1, 1, b"g" * 32, b"")]
+    outcomes = [OffloadOutcome(0, b"h" * 32, True), OffloadOutcome(1, b"g" * 32, False)]
+    assert items_from_wire(msgpack.unpackb(msgpack.packb(items))) == items
+    assert outcomes_from_wire(msgpack.unpackb(msgpack.packb(outcomes))) == outcomes
+    with pytest.raises(StoreWireError, match=r"offload item \[1\].block_hash must be bytes"):
+        items_from_wire([list(items[0]), [1, 0, "not bytes", b""]])
+    with pytest.raises(StoreWireError, match=r"offload item \[0\].group_id must be an int"):
+        items_from_wire([[1, -1, b"h", b""]])
+    with pytest.raises(StoreWireError, match=r"offload outcome \[0\] must be"):
+        outcomes_from_wire([[0, b"h", 1]])
+
+
+def _node_caches(store: StoreNode, num_blocks: int) -> list[list[torch.Tensor]]:
+    """KV tensors laid out like the store's (``num_blocks`` rows), each block's bytes distinct."""
+    model = tiny_model(hybrid=False).config
+    nbytes = num_blocks * store.cache.groups[0].block_nbytes
+    by_group, _ = store_kv_caches(model, block_size=BLOCK_SIZE, capacity_bytes=nbytes)
+    for group in by_group:
+        for layer, cache in enumerate(group):
+            cache.copy_(torch.randn_like(cache) + layer)
+    return [[c[: num_blocks] for c in group] for group in by_group]
+
+
+def _assert_store_holds(store: StoreNode, caches: list[torch.Tensor], block_id: int, h: bytes):
+    """The store holds ``h`` with exactly the bytes of the node's block ``block_id``."""
+    store_block_id = store.cache.block_id_of(0, h)
+    assert store_block_id is not None, "the store does not hold the block"
+    for node_cache, store_cache in zip(caches, store.cache.groups[0].kv_caches, strict=True):
+        assert torch.equal(store_cache[store_block_id], node_cache[block_id])
+
+
+def test_sender_snapshots_at_submit_and_reports_one_outcome_per_item(network, redis_url, cleanup):
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=16)
+    stores.append(store)
+    caches = _node_caches(store, 10)
+    block_nbytes = store.cache.groups[0].block_nbytes
+    gate, loop_thread = threading.Event(), LoopThread(name="test-offload-sender")
+    loop_thread.call_soon(gate.wait)  # the sender's loop is stuck until the gate opens
+    node_stats = KVTransferStats()
+    sender = OffloadSender(
+        store_address=store.write_address,
+        max_inflight_bytes=block_nbytes,  # one block waiting is the most
+        stats=node_stats,
+        loop_thread=loop_thread,
+    )
+    items = [OffloadItem(2, 0, b"a" * 32, b""), OffloadItem(5, 0, b"b" * 32, b"a" * 32)]
+    with pytest.raises(RuntimeError, match="before bind"):
+        sender.submit(items)
+    sender.bind([caches[0]], store.metadata.compat_hash)
+    with pytest.raises(ValueError, match=r"offload item \[0\]: block_id 10 not in \[1, 10\)"):
+        sender.submit([OffloadItem(10, 0, b"c" * 32, b"")])
+    with pytest.raises(ValueError, match=r"offload item \[0\]: group_id 1 not in \[0, 1\)"):
+        sender.submit([OffloadItem(1, 1, b"c" * 32, b"")])
+    original = [c.clone() for c in caches[0]]
+
+    # (1) Two blocks are snapshotted now; the forward then overwrites block 2 (as a reused block
+    # would be): the store must still get the bytes of the moment of submit.
+    assert sender.submit(items) == 2
+    for cache in caches[0]:
+        cache[2].zero_()
+    # (2) 2 blocks wait (>= max_inflight_bytes): the next submit is skipped, reported at once.
+    assert sender.submit([OffloadItem(7, 0, b"c" * 32, b"b" * 32)]) == 0
+    assert sender.take_outcomes() == [OffloadOutcome(0, b"c" * 32, False)]
+    assert node_stats.num_offload_skipped_blocks == 1
+    gate.set()
+    sender.wait_idle()
+    assert sender.take_outcomes() == [
+        OffloadOutcome(0, b"a" * 32, True), OffloadOutcome(0, b"b" * 32, True)
+    ]
+    assert sender.inflight_bytes == 0
+    _assert_store_holds(store, original, 2, b"a" * 32)
+    _assert_store_holds(store, original, 5, b"b" * 32)
+    # (3) With room again the skipped block goes.
+    assert sender.submit([OffloadItem(7, 0, b"c" * 32, b"b" * 32)]) == 1
+    sender.wait_idle()
+    assert sender.take_outcomes() == [OffloadOutcome(0, b"c" * 32, True)]
+    _assert_store_holds(store, original, 7, b"c" * 32)
+    s = node_stats.snapshot()
+    assert (s["num_offloaded_blocks"], s["bytes_offloaded"]) == (3, 3 * block_nbytes)
+    assert (s["num_offload_failures"], s["num_offload_refused_blocks"]) == (0, 0)
+    assert store_depth(store, [b"a" * 32, b"b" * 32, b"c" * 32]) == 3  # the chain is indexed
+    sender.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        sender.submit(items)
+
+
+def test_sender_reports_every_item_not_held_when_the_store_is_unreachable():
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    caches = [torch.zeros(4, 2, BLOCK_SIZE, 2, 8)]
+    node_stats = KVTransferStats()
+    sender = OffloadSender(
+        store_address=("127.0.0.1", port), max_inflight_bytes=1 << 20, stats=node_stats
+    )
+    sender.bind([caches], "any")
+    items = [OffloadItem(1, 0, b"a" * 32, b""), OffloadItem(3, 0, b"b" * 32, b"")]
+    assert sender.submit(items) == 2
+    sender.wait_idle()
+    assert sender.take_outcomes() == [
+        OffloadOutcome(0, b"a" * 32, False), OffloadOutcome(0, b"b" * 32, False)
+    ]
+    assert (node_stats.num_offload_failures, node_stats.num_offloaded_blocks) == (1, 0)
+    assert sender.inflight_bytes == 0
+    sender.close()
+
+
+def test_planner_and_sender_across_msgpack_offload_a_whole_chain(network, redis_url, cleanup):
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=16)
+    stores.append(store)
+    pool, h, events = _cold_pool()
+    caches = _node_caches(store, pool.num_gpu_blocks)
+    planner = OffloadPlanner(policy="evict", blocks_per_step=3, scan_blocks=100)
+    sender = OffloadSender(
+        store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats()
+    )
+    sender.bind([caches[0]], store.metadata.compat_hash)  # (0) register_kv_caches
+    planner.observe(events)  # (0) update_connector_output of the step that computed the chain
+    outcomes_wire = msgpack.packb([])
+    for step in range(3):
+        # (a) scheduler half, build_connector_meta: the worker's last outcomes, then the plan.
+        planner.apply_outcomes(outcomes_from_wire(msgpack.unpackb(outcomes_wire)))
+        metadata_wire = msgpack.packb(planner.plan(pool))
+        # (b) worker half, start_load_kv (the forward follows); then its step output.
+        sender.submit(items_from_wire(msgpack.unpackb(metadata_wire)))
+        sender.wait_idle()
+        outcomes_wire = msgpack.packb(sender.take_outcomes())
+        planned = len(msgpack.unpackb(metadata_wire))
+        # Steps: blocks 4, 3, 2 (queue head first), then block 1, then nothing.
+        assert planned == [3, 1, 0][step]
+    planner.apply_outcomes(outcomes_from_wire(msgpack.unpackb(outcomes_wire)))
+    assert planner.num_in_flight == 0 and all(planner.is_offloaded(0, x) for x in h)
+    for position, block_id in enumerate([1, 2, 3, 4]):
+        _assert_store_holds(store, caches[0], block_id, h[position])
+    # Children (4, 3, 2) were stored before their parent (1); the index lists the whole chain.
+    assert store_depth(store, h) == 4
+    sender.close()

@@ -1,7 +1,13 @@
 """kvbridge.connector.store: the remote store tier for cold cached blocks.
 
-``StoreNode`` (``node``) holds offloaded blocks (``cache``), takes writes on a small TCP server
-(``server``, frames in ``wire``) and serves them back through the block index and the transport
-like any holder; ``offload`` is a node's policy and client for writing its cold blocks there.
+The store's side: ``StoreNode`` (``node``) holds offloaded blocks (``cache``), takes writes on a
+small TCP server (``server``; frames in ``wire``, socket helpers in ``framing``) and serves them
+back through the block index and the transport like any holder.
+
+A node's side (offload): ``OffloadPlanner`` (``planner``, scheduler half) picks cold cached
+blocks each step; ``OffloadSender`` (``sender``, worker half) snapshots them into host staging
+(``staging``) and writes them with ``StoreWriter`` (``writer``); the records between the halves
+are in ``offload_items``; ``offload`` keeps the one-object ``Offloader`` until the connector
+wires the halves; ``url`` parses ``store_url``.
 DESIGN.md, "One disaggregated request, end to end" (the store tier).
 """

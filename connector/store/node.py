@@ -31,6 +31,7 @@ from ..index.client import IndexClient, open_index
 from ..index.protocol import IndexNamespace, new_incarnation
 from ..loop_thread import get_loop_thread
 from .cache import StoreCache
+from .server import StoreWriteServer
 from .wire import PutReply, PutRequest, StoreWireError
 
 __all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "store_kv_caches"]
@@ -178,7 +179,7 @@ class StoreNode:
         self._write_host, self._write_port = write_host, write_port
         self.transport: Transport | None = None
         self.index_client: IndexClient | None = None
-        self._server: Any = None
+        self._server: StoreWriteServer | None = None
         # One thread: index publishes are applied in the order the cache produced them.
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-{engine_id}-index")
 
@@ -199,8 +200,6 @@ class StoreNode:
 
     async def start(self) -> None:
         """Serve pulls, accept writes, register in the index (a fresh incarnation)."""
-        from .server import StoreWriteServer
-
         if self._transport_kind == "loopback":
             from kvbridge.transport import LoopbackTransport
 
@@ -261,7 +260,11 @@ class StoreNode:
             await asyncio.get_running_loop().run_in_executor(self._publisher, client.close)
         self._publisher.shutdown(wait=False)
 
-    # ------------------------------------------------------------------ writes
+    # ------------------------------------------------------------------ writes (PutHandler)
+    def count_put_error(self) -> None:
+        """One malformed or refused put frame (``StoreStats.num_put_errors``)."""
+        self.stats.add(num_put_errors=1)
+
     def check_put(self, put: PutRequest) -> None:
         """Raise StoreWireError if ``put`` does not fit this store (namespace, group, sizes)."""
         if put.compat_hash != self.metadata.compat_hash:

@@ -9,7 +9,7 @@ consumed and the connection stays open.
 
 Copies. A payload is received with ``loop.sock_recv_into`` straight into the connection's receive
 buffer (a host tensor, reused from frame to frame, grown to the largest payload seen, never past
-``StoreNode.max_put_bytes``), and copied once from there into the store's KV tensors
+``PutHandler.max_put_bytes``), and copied once from there into the store's KV tensors
 (``StoreCache.put``). No ``bytes`` object is made of the payload on the way: a stream reader's
 buffer-then-slice costs two extra copies, and a freshly allocated buffer per frame costs more in
 page faults than the copy itself (measured by ``benchmarks/bench_store.py``).
@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from .framing import PeerClosedError, recv_exactly
 from .wire import (
     FRAME_HEADER,
     MAX_HEADER_BYTES,
+    PutReply,
+    PutRequest,
     StoreWireError,
     decode_header,
     decode_put,
@@ -34,49 +37,46 @@ from .wire import (
     encode_reply,
 )
 
-if TYPE_CHECKING:
-    from .node import StoreNode
-
-__all__ = ["PeerClosedError", "StoreWriteServer", "recv_exactly"]
+__all__ = ["PutHandler", "StoreWriteServer"]
 
 logger = logging.getLogger(__name__)
 
 _LISTEN_BACKLOG = 128
 
 
+class PutHandler(Protocol):
+    """What the write server needs of a store (``StoreNode`` is one). Called on the server's
+    event loop only.
+
+    ``engine_id``: names the store in logs. ``max_put_bytes``: the largest payload accepted.
+    ``check_put``: raises ``StoreWireError`` naming the field when a decoded put does not fit
+    the store (its payload is then read and dropped; the connection stays open). ``put``: stores
+    a checked put from ``payload`` (uint8 ``[put.payload_nbytes]``, reused by the server once it
+    returns) and returns the reply. ``count_put_error``: one malformed or refused frame.
+    """
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def max_put_bytes(self) -> int: ...
+
+    def check_put(self, put: PutRequest) -> None: ...
+
+    async def put(self, put: PutRequest, payload: torch.Tensor) -> PutReply: ...
+
+    def count_put_error(self) -> None: ...
+
+
 class _FramingLost(Exception):
     """The stream cannot be resynchronised: reply, then close the connection."""
 
 
-class PeerClosedError(EOFError):
-    """The peer closed its end of a connection; ``num_received`` bytes of the expected ones had
-    arrived (0: it closed between frames)."""
-
-    def __init__(self, num_received: int) -> None:
-        super().__init__(f"connection closed after {num_received} bytes")
-        self.num_received = num_received
-
-
-async def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` (mutated) from the non-blocking ``sock`` on the running loop.
-
-    Raises:
-        PeerClosedError: the peer closed before ``len(view)`` bytes arrived.
-        OSError: the connection failed.
-    """
-    loop = asyncio.get_running_loop()
-    filled, total = 0, len(view)
-    while filled < total:
-        n = await loop.sock_recv_into(sock, view[filled:])
-        if n == 0:
-            raise PeerClosedError(filled)
-        filled += n
-
-
 class StoreWriteServer:
-    """Accepts writes for ``node`` on ``host:port`` (port 0: any free one)."""
+    """Accepts writes for ``node`` on ``host:port`` (port 0: any free one). Everything runs on
+    the event loop that called ``start``."""
 
-    def __init__(self, node: StoreNode, *, host: str, port: int) -> None:
+    def __init__(self, node: PutHandler, *, host: str, port: int) -> None:
         self.node = node
         self._host, self._port = host, port
         self._listener: socket.socket | None = None
@@ -150,12 +150,12 @@ class StoreWriteServer:
                         FRAME_HEADER.unpack(prefix)[0], sock, receive_buffer
                     )
                 except _FramingLost as exc:
-                    self.node.stats.add(num_put_errors=1)
+                    self.node.count_put_error()
                     logger.warning("store %s: bad write frame: %s", self.node.engine_id, exc)
                     await loop.sock_sendall(sock, encode_error(str(exc)))
                     return
                 except StoreWireError as exc:
-                    self.node.stats.add(num_put_errors=1)
+                    self.node.count_put_error()
                     logger.warning("store %s: refused a put: %s", self.node.engine_id, exc)
                     reply = encode_error(str(exc))
                 await loop.sock_sendall(sock, reply)

@@ -1,0 +1,242 @@
+"""Offload's worker half: snapshot the planned blocks' bytes out of the KV tensors into host
+staging and write them to the store tier without making the step wait for the network.
+
+``submit`` is called in ``start_load_kv``, before the step's forward: it gathers the items'
+blocks into a staging buffer at once (a consistent snapshot: no forward or pull writes a cached
+block that is free, ``planner.py``) and hands the write to the connector's loop thread
+(``StoreWriter``). Every submitted item gets exactly one ``OffloadOutcome`` (``take_outcomes``),
+which the worker half returns to the scheduler half's ``OffloadPlanner``.
+
+Back-pressure: while ``max_inflight_bytes`` or more of snapshots wait for the store, ``submit``
+snapshots nothing; its items are reported not held at once (``num_offload_skipped_blocks``) and
+the planner plans them again later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+
+from ..loop_thread import LoopThread, get_loop_thread
+from ..stats import KVTransferStats
+from .offload_items import OffloadItem, OffloadOutcome
+from .staging import StagingPool, snapshot_blocks, staging_nbytes
+from .wire import PutGroup, PutRequest, StoreWireError
+from .writer import StoreWriter
+
+__all__ = ["OffloadSender"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_PENDING_OUTCOMES = 1 << 20
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class OffloadSender:
+    """Writes submitted blocks to one store. See the module docstring.
+
+    Threads: ``bind``, ``submit`` and ``take_outcomes`` run on the worker thread (the KV
+    tensors' owner); the writes run on the connector loop thread; what both touch (bytes in
+    flight, pending outcomes, the send futures) is under one lock. ``wait_idle`` and ``close``
+    may be called from any thread but the loop's.
+
+    Args:
+        store_address: the store's write server ``(host, port)``.
+        max_inflight_bytes: snapshot bytes allowed to wait for the store (>= 1); also the most
+            bytes of idle staging buffers kept for reuse.
+        stats: the node's ``KVTransferStats`` (offload counters).
+        loop_thread: where writes run (default: the process's connector loop).
+    """
+
+    def __init__(
+        self,
+        *,
+        store_address: tuple[str, int],
+        max_inflight_bytes: int,
+        stats: KVTransferStats,
+        loop_thread: LoopThread | None = None,
+    ) -> None:
+        if max_inflight_bytes < 1:
+            raise ValueError(f"max_inflight_bytes must be >= 1, got {max_inflight_bytes}")
+        self.max_inflight_bytes = max_inflight_bytes
+        self.stats = stats
+        self.writer = StoreWriter(*store_address)
+        self._loop_thread = loop_thread
+        self._staging_pool = StagingPool(max_inflight_bytes)
+        self._kv_caches_by_group: list[list[torch.Tensor]] | None = None
+        self._compat_hash = ""
+        self._closed = False
+        self._lock = threading.Lock()
+        self._inflight_bytes = 0
+        self._outcomes: deque[OffloadOutcome] = deque(maxlen=_MAX_PENDING_OUTCOMES)
+        self._futures: set[Future[None]] = set()
+
+    # ------------------------------------------------------------------ worker thread
+    def bind(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]], compat_hash: str) -> None:
+        """Give the sender the node's KV tensors, ``[group][layer]`` tensors
+        ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (``register_kv_caches``), and
+        its ``NodeMetadata.compat_hash`` (the store refuses another layout)."""
+        self._kv_caches_by_group = [list(group) for group in kv_caches_by_group]
+        self._compat_hash = compat_hash
+
+    @property
+    def is_bound(self) -> bool:
+        return self._kv_caches_by_group is not None
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Snapshot bytes handed to the loop thread whose write has not settled."""
+        with self._lock:
+            return self._inflight_bytes
+
+    def submit(self, items: Sequence[OffloadItem]) -> int:
+        """Snapshot ``items`` now and start writing them to the store; returns how many were
+        snapshotted (0: none given, or all skipped for back-pressure). Reads the KV tensors,
+        never waits for the network.
+
+        Raises:
+            RuntimeError: called before ``bind`` or after ``close``.
+            ValueError: an item's group or block id does not exist in the bound KV tensors.
+        """
+        if not items:
+            return 0
+        caches_by_group, by_group = self._check(items)
+        with self._lock:
+            skipped = self._inflight_bytes >= self.max_inflight_bytes
+            if skipped:
+                self._outcomes.extend(OffloadOutcome(it.group_id, it.block_hash, False)
+                                      for it in items)
+        if skipped:
+            self.stats.add("num_offload_skipped_blocks", len(items))
+            return 0
+        groups: list[PutGroup] = []
+        for group_id, members in by_group.items():
+            groups.append(
+                PutGroup(
+                    group_id=group_id,
+                    block_hashes=tuple(item.block_hash for item in members),
+                    parent_hashes=tuple(item.parent_hash for item in members),
+                    nbytes=staging_nbytes(caches_by_group[group_id], len(members)),
+                )
+            )
+        put = PutRequest(compat_hash=self._compat_hash, groups=tuple(groups))
+        buffer = self._staging_pool.take(put.payload_nbytes)
+        offset = 0
+        for group in groups:
+            block_ids = [item.block_id for item in by_group[group.group_id]]
+            caches = caches_by_group[group.group_id]
+            snapshot_blocks(caches, block_ids, buffer[offset : offset + group.nbytes])
+            offset += group.nbytes
+        with self._lock:
+            self._inflight_bytes += put.payload_nbytes
+        loop_thread = self._loop_thread or get_loop_thread()
+        future = loop_thread.submit(self._send(put, buffer))
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget_future)
+        return len(items)
+
+    def take_outcomes(self) -> list[OffloadOutcome]:
+        """The outcomes reported since the last call, in the order they settled (for the step's
+        worker output)."""
+        with self._lock:
+            outcomes = list(self._outcomes)
+            self._outcomes.clear()
+        return outcomes
+
+    def _check(
+        self, items: Sequence[OffloadItem]
+    ) -> tuple[list[list[torch.Tensor]], dict[int, list[OffloadItem]]]:
+        """The bound KV tensors and ``items`` by group id (ascending; plan order kept within a
+        group). Raises as ``submit``."""
+        caches_by_group = self._kv_caches_by_group
+        if self._closed:
+            raise RuntimeError("OffloadSender.submit after close()")
+        if caches_by_group is None:
+            raise RuntimeError("OffloadSender.submit before bind()")
+        by_group: dict[int, list[OffloadItem]] = {}
+        for i, item in enumerate(items):
+            if not 0 <= item.group_id < len(caches_by_group):
+                raise ValueError(
+                    f"offload item [{i}]: group_id {item.group_id} not in "
+                    f"[0, {len(caches_by_group)})"
+                )
+            num_blocks = caches_by_group[item.group_id][0].shape[0]
+            if not 1 <= item.block_id < num_blocks:
+                raise ValueError(
+                    f"offload item [{i}]: block_id {item.block_id} not in [1, {num_blocks})"
+                )
+            by_group.setdefault(item.group_id, []).append(item)
+        return caches_by_group, dict(sorted(by_group.items()))
+
+    # ------------------------------------------------------------------ loop thread
+    async def _send(self, put: PutRequest, buffer: torch.Tensor) -> None:
+        try:
+            view = memoryview(buffer[: put.payload_nbytes].numpy())
+            reply = await self.writer.put(put, [view])
+        except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
+            num_blocks = sum(len(g.block_hashes) for g in put.groups)
+            logger.warning("offload of %d block(s) failed: %s", num_blocks, exc)
+            self.stats.add("num_offload_failures")
+            self._report(put, refused=None)
+            return
+        except BaseException:  # a bug or a cancelled loop: still one outcome per item
+            self._report(put, refused=None)
+            raise
+        finally:
+            with self._lock:
+                self._inflight_bytes -= put.payload_nbytes
+            self._staging_pool.give(buffer)  # the socket no longer reads it
+        num_held, bytes_held = self._report(put, refused=set(reply.refused))
+        self.stats.add("num_offloaded_blocks", num_held)
+        self.stats.add("bytes_offloaded", bytes_held)
+        self.stats.add("num_offload_refused_blocks", reply.num_refused)
+
+    def _report(
+        self, put: PutRequest, *, refused: set[tuple[int, bytes]] | None
+    ) -> tuple[int, int]:
+        """One outcome per block of ``put`` (``refused`` None: the write failed, none held).
+        Returns the blocks and bytes held."""
+        outcomes: list[OffloadOutcome] = []
+        num_held = bytes_held = 0
+        for group in put.groups:
+            block_nbytes = group.nbytes // max(len(group.block_hashes), 1)
+            for block_hash in group.block_hashes:
+                held = refused is not None and (group.group_id, block_hash) not in refused
+                outcomes.append(OffloadOutcome(group.group_id, block_hash, held))
+                if held:
+                    num_held += 1
+                    bytes_held += block_nbytes
+        with self._lock:
+            self._outcomes.extend(outcomes)
+        return num_held, bytes_held
+
+    def _forget_future(self, future: Future[None]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    # ------------------------------------------------------------------ any thread
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Block until every started write settled (tests, shutdown); its outcome is then in
+        ``take_outcomes``."""
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            with contextlib.suppress(Exception):  # already logged and counted by _send
+                future.result(timeout_s)
+
+    def close(self) -> None:
+        """Let started writes settle (up to a few seconds), then close the connection. Never
+        raises; idempotent."""
+        self._closed = True
+        self.wait_idle(_CLOSE_TIMEOUT_S)
+        try:
+            (self._loop_thread or get_loop_thread()).run(self.writer.close(), _CLOSE_TIMEOUT_S)
+        except Exception:  # shutting down: never raise
+            logger.exception("closing the store writer failed")

@@ -1,0 +1,97 @@
+"""The store tier's writer client: one TCP connection from a node to a store's write server,
+sending ``put`` frames (``wire.py``) and reading their replies, on the connector's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+
+from .framing import recv_exactly
+from .wire import (
+    FRAME_HEADER,
+    PutReply,
+    PutRequest,
+    StoreWireError,
+    decode_header,
+    decode_reply,
+    encode_put_header,
+)
+
+__all__ = ["StoreWriter"]
+
+_PUT_TIMEOUT_S = 30.0
+_MAX_REPLY_HEADER_BYTES = 1 << 20
+
+
+class StoreWriter:
+    """One TCP connection to a store's write server at ``host:port``, used from one event loop
+    (the connector's loop thread); puts are sent one at a time (an asyncio lock), and the
+    connection is reopened by the next put after any error.
+
+    The payload parts go out with ``loop.sock_sendall`` straight from the caller's memory (no
+    copy into a stream buffer, no msgpack of the bytes): only the small header is packed."""
+
+    def __init__(self, host: str, port: int, *, put_timeout_s: float = _PUT_TIMEOUT_S) -> None:
+        self.host, self.port = host, port
+        self.put_timeout_s = put_timeout_s
+        self._lock = asyncio.Lock()
+        self._sock: socket.socket | None = None
+
+    async def put(self, put: PutRequest, payloads: Sequence[memoryview]) -> PutReply:
+        """Send ``put`` with its payload parts (byte views, ``put.payload_nbytes`` in all; read
+        only, the caller keeps them alive until this returns); returns the store's reply.
+
+        Raises:
+            ValueError: the parts do not add up to ``put.payload_nbytes``.
+            StoreWireError: the store refused the put (its message) or replied garbage.
+            OSError, EOFError, TimeoutError: the store is unreachable, closed the connection
+                or took longer than ``put_timeout_s``.
+        """
+        num_bytes = sum(part.nbytes for part in payloads)
+        if num_bytes != put.payload_nbytes:
+            raise ValueError(f"payload parts hold {num_bytes} bytes, the put {put.payload_nbytes}")
+        async with self._lock:
+            try:
+                return await asyncio.wait_for(self._put(put, payloads), self.put_timeout_s)
+            except BaseException:
+                await self.close()  # the stream may be out of step; the next put reconnects
+                raise
+
+    async def _connect(self) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _put(self, put: PutRequest, payloads: Sequence[memoryview]) -> PutReply:
+        loop = asyncio.get_running_loop()
+        if self._sock is None:
+            self._sock = await self._connect()
+        sock = self._sock
+        await loop.sock_sendall(sock, encode_put_header(put))
+        for part in payloads:
+            if part.nbytes:
+                await loop.sock_sendall(sock, part.cast("B") if part.format != "B" else part)
+        prefix = bytearray(FRAME_HEADER.size)
+        await recv_exactly(sock, memoryview(prefix))
+        (header_nbytes,) = FRAME_HEADER.unpack(prefix)
+        if not 0 < header_nbytes <= _MAX_REPLY_HEADER_BYTES:
+            raise StoreWireError(f"reply header of {header_nbytes} bytes")
+        raw = bytearray(header_nbytes)
+        await recv_exactly(sock, memoryview(raw))
+        return decode_reply(decode_header(bytes(raw)))
+
+    async def close(self) -> None:
+        """Close the connection (the next put opens a new one). Idempotent."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
