@@ -194,10 +194,12 @@ class IndexWorker:
 
     def enqueue_publish(self, events: list[Any]) -> bool:
         """Queue one batch; False (batch dropped, counted, logged) when the queue holds
-        ``max_queued_ops`` ops already."""
+        ``max_queued_ops`` ops already, or (not counted) once ``stop`` was called."""
         batch = _Batch(events, count_ops(events))
         with self._lock:
-            accepted = self._num_queued_ops < self.max_queued_ops and not self._stopping
+            if self._stopping:
+                return False
+            accepted = self._num_queued_ops < self.max_queued_ops
             if accepted:
                 self._batches.append(batch)
                 self._num_queued_ops += batch.num_ops
