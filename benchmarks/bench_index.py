@@ -16,6 +16,18 @@ rounds of the per-round ratio:
   A's 400, found by bisection; not the target's workload, shown for what a miss tail costs);
 - ``naive_us``: one GET per block until the first miss (625 round trips; the naive client loop).
 
+The engine thread's side of ``IndexClient`` (node E looking up, B announced in the node
+directory), medians over ``--iters`` x ``--repeats`` calls, garbage collector on:
+
+- ``start_lookup_us``: what ``start_lookup`` of the 625 hashes costs its caller;
+- ``async_lookup_us``: from ``start_lookup`` until ``poll_lookup`` has the answer (a hit:
+  lookup, directory and block-id round trips on the worker thread, plus the thread hand-offs),
+  the caller off the GIL for 100 us between polls (``time.sleep``), as an engine thread is
+  while its forward pass runs; ``async_lookup_busy_us``: the same with a caller that never lets
+  go of the GIL (pure-Python busy polling), so the worker waits out CPython's 5 ms switch
+  interval at each round trip: the worst case, a Python-bound engine thread;
+- ``publish_us``: what ``publish`` of one 16-block ``BlockStored`` costs its caller.
+
 Target (DESIGN.md, "Performance targets"): ``lookup_us / ping_us <= 2.0``; also printed:
 ``lookup_us / naive_us``. Starts its own ``redis-server`` on a free port. The last line of output
 is one JSON object.
@@ -36,6 +48,8 @@ import time
 from collections.abc import Callable
 
 import redis
+from kvbridge.connector.index.client import IndexClient
+from kvbridge.connector.index.node_directory import NodeAddress, RedisNodeDirectory
 from kvbridge.connector.index.protocol import IndexNamespace
 from kvbridge.connector.index.redis_index import RedisBlockIndex
 from kvbridge.kvmanager.kv_events import BlockStored
@@ -113,6 +127,50 @@ def _stored(block_hashes: list[bytes]) -> BlockStored:
     )
 
 
+def _client_us(
+    port: int, namespace: IndexNamespace, hashes: list[bytes], samples: int
+) -> dict[str, float]:
+    """Median caller-side microseconds of IndexClient's engine-thread calls (see above)."""
+    url = f"redis://127.0.0.1:{port}/0"
+    directory = RedisNodeDirectory(redis.Redis(port=port, socket_timeout=5.0), namespace.key_prefix)
+    directory.announce("B", NodeAddress("127.0.0.1", 9, 1), ttl_s=600.0)
+    client = IndexClient(
+        RedisBlockIndex(namespace, url, socket_timeout_s=5.0), directory, node_id="E",
+        incarnation=1, group_ids=(0,), ttl_s=600.0, lookup_timeout_s=5.0,
+    )
+    client.start("127.0.0.1", 10)
+    clock = time.perf_counter_ns
+    times_ns: dict[str, list[int]] = {"start": [], "yielding": [], "busy": [], "publish": []}
+
+    def lookup(key: str, *, yielding: bool) -> None:
+        t0 = clock()
+        client.start_lookup(key, hashes, num_local_blocks=0, min_gain_blocks=1)
+        t1 = clock()
+        while not (result := client.poll_lookup(key)).done:
+            if yielding:
+                time.sleep(1e-4)
+        t2 = clock()
+        if result.status != "hit" or result.prefix.num_blocks != NUM_BLOCKS:
+            raise SystemExit(f"unexpected async lookup result {result.status}")
+        times_ns["start"].append(t1 - t0)
+        times_ns["yielding" if yielding else "busy"].append(t2 - t0)
+
+    try:
+        for i in range(samples):
+            lookup(f"req-{i}", yielding=True)
+            if i % 8 == 0:  # a busy sample costs up to ~20 ms: one in eight is enough
+                lookup(f"busy-{i}", yielding=False)
+            batch = [_stored([hashlib.sha256(b"e%d/%d" % (i, j)).digest() for j in range(16)])]
+            t0 = clock()
+            client.publish(batch)
+            times_ns["publish"].append(clock() - t0)
+        if not client.flush(5.0):
+            raise SystemExit("IndexClient publishes did not drain")
+    finally:
+        client.close()
+    return {name: statistics.median(ns) / 1e3 for name, ns in times_ns.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50, help="calls of each per round")
@@ -157,6 +215,7 @@ def main() -> None:
             rounds = _rounds_us(loops, args.iters, args.repeats)
             naive_rounds = [(_loop_us(client.ping, args.iters), _loop_us(naive_lookup, 2))
                             for _ in range(3)]
+            client_us = _client_us(port, namespace, hashes, args.iters * args.repeats)
         finally:
             proc.kill()
             proc.wait()
@@ -187,6 +246,11 @@ def main() -> None:
         "lookup_partial_over_ping": round(over_ping("lookup_partial"), 3),
         "lookup_over_naive": round(ratio_naive, 5),
         "naive_over_ping": round(naive_over_ping, 1),
+        "start_lookup_us": round(client_us["start"], 1),
+        "async_lookup_us": round(client_us["yielding"], 1),
+        "async_lookup_over_ping": round(client_us["yielding"] / ping_us, 3),
+        "async_lookup_busy_us": round(client_us["busy"], 1),
+        "publish_us": round(client_us["publish"], 1),
         "target_lookup_over_ping": 2.0,
         "meets_target": ratio <= 2.0,
     }
@@ -198,6 +262,12 @@ def main() -> None:
         ("longest_prefix(625), run 400 by bisection", median_us("lookup_partial"),
          over_ping("lookup_partial")),
         ("naive GET per block", naive_us, naive_over_ping),
+        ("IndexClient.start_lookup(625), caller", client_us["start"], client_us["start"] / ping_us),
+        ("IndexClient start -> hit, caller yields", client_us["yielding"],
+         client_us["yielding"] / ping_us),
+        ("IndexClient start -> hit, busy caller", client_us["busy"], client_us["busy"] / ping_us),
+        ("IndexClient.publish(16 blocks), caller", client_us["publish"],
+         client_us["publish"] / ping_us),
     ]
     for label, us, over in rows:
         print(f"{label:<40}{us:>10.1f}{over:>10.2f}")

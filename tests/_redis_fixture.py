@@ -8,6 +8,10 @@ Fixtures:
   ``.stop()`` and ``.start()`` stop and restart it on the same port mid-test (for "Redis stopped
   mid-run" tests); the fixture restarts it if a test left it stopped and kills it at the end.
 - ``redis_url`` (function scope): the server's URL after ``FLUSHALL``, so every test starts empty.
+- ``pause_redis`` (function scope): ``pause_redis(ms)`` sends ``CLIENT PAUSE ms ALL`` from a
+  connection of its own (the server then answers no client for ``ms``) and returns the
+  ``time.monotonic()`` at which the pause ends; teardown waits until the last pause is over.
+  Redis 7.0 queues even ``CLIENT UNPAUSE`` behind ``PAUSE ALL``: a pause cannot end early.
 
 A missing ``redis-server`` binary FAILS the test with a clear message (CI installs it); it never
 skips.
@@ -20,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -137,3 +141,22 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     yield redis_server.url
     if not redis_server.running:
         redis_server.start()
+
+
+@pytest.fixture
+def pause_redis(redis_server: RedisServer) -> Iterator[Callable[[int], float]]:
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5.0)
+    ends_at: list[float] = []
+
+    def pause(duration_ms: int) -> float:
+        client.execute_command("CLIENT", "PAUSE", duration_ms, "ALL")
+        ends_at.append(time.monotonic() + duration_ms / 1000)
+        return ends_at[-1]
+
+    try:
+        yield pause
+    finally:
+        if ends_at and redis_server.running:
+            time.sleep(max(0.0, max(ends_at) - time.monotonic()))
+            client.ping()  # answered only once the pause is over
+        client.close()

@@ -41,8 +41,12 @@ def make_node(engine_id: str, network: LoopbackNetwork, index_url: str, **extra)
 
 
 def serve(engine: Engine, request_id: str, prompt: list[int], **kwargs) -> list[int]:
+    """Run the request to completion, then wait until the node's block events have reached the
+    index (publishing is asynchronous), so the next node's lookup sees them."""
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS), **kwargs)
-    return run_to_completion(engine, request_id).token_ids
+    token_ids = run_to_completion(engine, request_id).token_ids
+    assert index_client(engine).flush()
+    return token_ids
 
 
 def stats(engine: Engine) -> dict:
@@ -118,6 +122,7 @@ def test_eviction_and_restart_remove_entries_and_fence_the_old_incarnation(nodes
     block_id = a.kv_cache_manager.block_pool.get_cached_block(hashes[5], [0])[0].block_id
     a.kv_cache_manager.block_pool.evict_blocks({block_id})
     a.step()
+    assert index_client(a).flush()
     assert depth() == 5
     # (2) A restarts: the new incarnation drops every entry of the old one ...
     old_client = index_client(a)
@@ -209,10 +214,13 @@ def test_blocks_are_published_only_after_the_forward_that_computes_them(nodes):
         block_hasher=a.kv_cache_manager.request_block_hasher,
     )
     index = index_client(a).index
-    # (2) Mid-step (A's forward not run yet) nobody can find them through the index ...
+    # (2) Mid-step (A's forward not run yet) nobody can find them through the index, even
+    # once everything A queued so far has been sent ...
+    assert index_client(a).flush()
     assert index.longest_prefix(probe.block_hashes[:6], (0,)).num_blocks == 0
     # (3) ... and once the forward has run and the step is applied, they are published.
     a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
+    assert index_client(a).flush()
     assert index.longest_prefix(probe.block_hashes[:6], (0,)).num_blocks == 6
     assert serve(c, "req-0", prompt) == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     assert stats(c)["num_index_hits"] == 1

@@ -2,12 +2,14 @@
 
 ``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex`` and ``RedisBlockIndex``
 implement it; ``NodeDirectory`` maps node ids to transport addresses; ``IndexClient`` is one
-node's use of both (publishing its block events, heart-beating, looking up remote prefixes).
-DESIGN.md, "Block index".
+node's non-blocking use of both (publishing its block events, heart-beating, looking up remote
+prefixes), its ``IndexWorker`` thread the one that makes the backend calls (``lookup.py``: one
+lookup). DESIGN.md, "Block index".
 """
 
-from .client import IndexClient, RemotePrefix, open_index
+from .client import IndexClient, open_index
 from .in_memory import InMemoryBlockIndex
+from .lookup import LookupResult, LookupStatus, RemotePrefix
 from .node_directory import NodeDirectory
 from .protocol import (
     NO_HIT,
@@ -29,6 +31,8 @@ __all__ = [
     "IndexClient",
     "IndexNamespace",
     "IndexStats",
+    "LookupResult",
+    "LookupStatus",
     "NodeDirectory",
     "PrefixHit",
     "RedisBlockIndex",

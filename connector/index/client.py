@@ -1,48 +1,49 @@
-"""A node's link to the cross-node block index (issue 6, part 4; DESIGN.md, "Block index").
+"""A node's link to the cross-node block index (DESIGN.md, "Block index"; "Two halves that
+share nothing": a scheduling step never waits on the network).
 
-``IndexClient`` publishes the node's ``BlockPool`` events in batches, keeps the node alive in the
-index and the node directory with heartbeats from a daemon thread, and answers the connector's
-question "which node holds the longest prefix of these block hashes, and where do I pull it?".
+``IndexClient`` is the engine thread's non-blocking face of the index: ``publish`` queues the
+node's ``BlockPool`` events, ``start_lookup`` / ``poll_lookup`` / ``cancel_lookup`` ask "which
+node holds the longest prefix of these block hashes, and where do I pull it?" without waiting.
+Its ``IndexWorker`` thread (``worker.py``) makes every backend call: heartbeats, publishes in
+order, lookups (``lookup.py``). ``open_index`` builds the backends behind a URL.
 
 Everything it learns is advisory: the holder re-checks each block's hash when it serves it, so a
 stale entry costs a recompute, never wrong output. Backend trouble never raises out of here: the
-index answers "no hit" (counted) and the request falls back to local prefix caching.
+lookup answers "unavailable" or "timed_out" (counted) and the request falls back to local APC.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .in_memory import InMemoryBlockIndex
+from .lookup import LOOKUP_PENDING, LookupResult, RemotePrefix, resolve_remote_prefix
 from .node_directory import (
     InMemoryNodeDirectory,
     NodeAddress,
     NodeDirectory,
     RedisNodeDirectory,
 )
-from .protocol import BlockIndex, Holder, IndexNamespace, Tier
+from .protocol import BlockIndex, Holder, IndexNamespace, IndexStats, Tier, check_lookup_args
 from .redis_index import RedisBlockIndex
+from .worker import IndexWorker, LookupJob
 
-__all__ = ["IndexClient", "RemotePrefix", "open_index"]
+__all__ = ["IndexClient", "LookupResult", "RemotePrefix", "open_index"]
 
 logger = logging.getLogger(__name__)
 
 _SOCKET_TIMEOUT_S = 0.25
-
-
-class RemotePrefix(NamedTuple):
-    """A pullable prefix: ``num_blocks`` blocks from block 0, held by ``holder`` at ``address``
-    in blocks ``block_ids[group][i]``."""
-
-    holder: Holder
-    address: NodeAddress
-    num_blocks: int
-    block_ids: list[list[int]]
+_TIMED_OUT = LookupResult("timed_out")
+_OVERLOADED = LookupResult("overloaded")
+_NO_HIT = LookupResult("no_hit")
 
 
 class _Locked:
@@ -87,7 +88,10 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
             return _memory_backends[key]
     if url.startswith(("redis://", "rediss://", "unix://")):
         client = redis.Redis.from_url(
-            url, socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=_SOCKET_TIMEOUT_S
+            url,
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=_SOCKET_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),  # fail fast: a lookup has a deadline of its own
         )
         index = RedisBlockIndex(namespace, url)
         return index, RedisNodeDirectory(client, namespace.key_prefix)
@@ -95,15 +99,36 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
 
 
 class IndexClient:
-    """One node's use of the index.
+    """One node's use of the index, non-blocking for the engine thread.
 
     Args:
         index, directory: from ``open_index``.
         node_id: the node's engine id (no ``:`` or whitespace).
         incarnation: this start's incarnation (the transport advertises the same number).
         group_ids: the KV cache groups a prefix must be held in.
-        ttl_s: the node's entries and address expire this long after the last heartbeat.
+        ttl_s: the node's entries and address expire this long after the last heartbeat
+            (heartbeats every ``ttl_s / 3``).
         tier: the tier this node's blocks are published as (``"store"`` for a store node).
+        lookup_timeout_s: a lookup not answered this long after ``start_lookup`` resolves to
+            ``"timed_out"`` (config key ``index_lookup_timeout_s``).
+        max_lookups_in_flight: lookups queued or running at once; ``start_lookup`` beyond it
+            resolves to ``"overloaded"``.
+        max_queued_ops: publish ops (one per block hash of an event) waiting for the worker;
+            a batch offered while the queue holds this many is dropped (counted in ``stats``,
+            logged).
+
+    Threads:
+
+    - The caller thread (the engine thread; any single thread at a time) calls ``start_lookup``,
+      ``poll_lookup``, ``cancel_lookup``, ``publish`` and ``close``; none of them makes a
+      network call or waits on a lock held across one. It owns ``_key_to_lookup`` and the
+      client counters of ``stats`` (``lookups_timed_out``, ``lookups_refused``,
+      ``publish_*_dropped_full``).
+    - The worker thread (``IndexWorker``, started by ``start``) makes every backend call:
+      heartbeats, publishes in order, lookups including the node-directory address resolution.
+      It owns the backend's counters and writes each ``LookupJob.result`` once.
+    - ``start`` (registration), ``flush`` and ``find_remote_prefix`` block: startup, tests and
+      tools, never a scheduling step.
     """
 
     def __init__(
@@ -116,7 +141,14 @@ class IndexClient:
         group_ids: Sequence[int],
         ttl_s: float,
         tier: Tier = "device",
+        lookup_timeout_s: float = 0.5,
+        max_lookups_in_flight: int = 64,
+        max_queued_ops: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not lookup_timeout_s > 0:
+            raise ValueError(f"lookup_timeout_s must be positive, got {lookup_timeout_s}")
+        check_lookup_args((), group_ids)
         self.index = index
         self.directory = directory
         self.node_id = node_id
@@ -124,60 +156,122 @@ class IndexClient:
         self.group_ids = tuple(group_ids)
         self.ttl_s = ttl_s
         self.tier: Tier = tier
-        self._address: NodeAddress | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.num_reregistrations = 0
+        self.lookup_timeout_s = lookup_timeout_s
+        self._clock = clock
+        self._worker = IndexWorker(
+            index,
+            directory,
+            node_id=node_id,
+            incarnation=incarnation,
+            group_ids=self.group_ids,
+            ttl_s=ttl_s,
+            tier=tier,
+            max_lookups_in_flight=max_lookups_in_flight,
+            max_queued_ops=max_queued_ops,
+            clock=clock,
+        )
+        self._key_to_lookup: dict[str, LookupJob] = {}
+
+    @property
+    def stats(self) -> IndexStats:
+        return self.index.stats
+
+    @property
+    def num_reregistrations(self) -> int:
+        return self._worker.num_reregistrations
+
+    @property
+    def num_lookups_in_flight(self) -> int:
+        return self._worker.num_lookups_in_flight
 
     # ------------------------------------------------------------------ life
     def start(self, host: str, port: int) -> None:
-        """Register the node, announce its address, start heart-beating."""
-        self._address = NodeAddress(host, port, self.incarnation)
-        self._register()
-        self._thread = threading.Thread(
-            target=self._heartbeat_loop, name=f"kvbridge-index-{self.node_id}", daemon=True
-        )
-        self._thread.start()
+        """Register the node and announce its address (blocking, bounded by the backend's
+        socket timeouts), then start the worker thread (heartbeats, publishes, lookups)."""
+        self._worker.start(NodeAddress(host, port, self.incarnation))
 
-    def close(self) -> None:
-        """Stop heart-beating and withdraw the address (entries expire with the TTL)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.directory.withdraw(self.node_id)
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the worker and withdraw the address (entries expire with the TTL). Returns
+        within about ``timeout_s`` even if the backend does not answer (its call is then
+        interrupted; a worker stuck past that is left behind as a daemon and logged)."""
+        self._worker.stop(timeout_s)
+        self._key_to_lookup.clear()
 
-    def _register(self) -> None:
-        status = self.index.register_node(self.node_id, self.incarnation, ttl_s=self.ttl_s)
-        if status != "ok":
-            logger.warning("index: register of %s answered %s", self.node_id, status)
-        if self._address is not None:
-            self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
-
-    def _heartbeat_loop(self) -> None:
-        interval = self.ttl_s / 3
-        while not self._stop.wait(interval):
-            status = self.index.heartbeat(self.node_id, self.incarnation, ttl_s=self.ttl_s)
-            if status == "fenced":
-                # Expired (a long pause, or Redis restarted): register again, entries empty.
-                self.num_reregistrations += 1
-                self._register()
-            elif self._address is not None:
-                self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
-
-    # ------------------------------------------------------------------ use
+    # ------------------------------------------------------------------ publish
     def publish(self, events: Iterable[Any]) -> None:
-        """Apply a batch of ``BlockPool`` events to this node's entries (one round trip)."""
+        """Queue a batch of ``BlockPool`` events for the index and return at once; the worker
+        applies batches in the order they were queued. A batch offered while the queue is full
+        is dropped (counted in ``stats.publish_*_dropped_full``, logged). ``events`` must not
+        change afterwards."""
         events = list(events)
-        if not events:
+        if events:
+            self._worker.enqueue_publish(events)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every batch queued so far has been handed to the backend; False on
+        timeout. Blocking: for tests and shutdown paths, never for a scheduling step."""
+        return self._worker.flush(timeout_s)
+
+    # ------------------------------------------------------------------ lookups
+    def start_lookup(
+        self,
+        key: str,
+        block_hashes: Sequence[bytes],
+        *,
+        num_local_blocks: int,
+        min_gain_blocks: int,
+    ) -> None:
+        """Start looking up the longest prefix of ``block_hashes`` held on another node that
+        beats ``num_local_blocks`` by at least ``min_gain_blocks``; returns at once.
+
+        ``key`` names the lookup (a request id). While a lookup of ``key`` is known (not yet
+        answered by ``poll_lookup``, nor cancelled) another ``start_lookup(key, ...)`` does
+        nothing. The hashes are copied. Raises ValueError for hashes of different lengths.
+        """
+        if key in self._key_to_lookup:
             return
-        result = self.index.publish(self.node_id, self.incarnation, events, default_tier=self.tier)
-        if result.status == "fenced":
-            # Our registration lapsed (a long pause, or Redis lost its data): register again
-            # and apply the batch once more; blocks stored before the lapse stay unlisted.
-            logger.warning("index: publish of %s fenced; registering again", self.node_id)
-            self.num_reregistrations += 1
-            self._register()
-            self.index.publish(self.node_id, self.incarnation, events, default_tier=self.tier)
+        hashes = tuple(block_hashes)
+        # One join, not a length per hash (this runs in the scheduling step); mixed lengths that
+        # happen to add up pass here and cost a miss, as in ``protocol.join_keys``.
+        if hashes and (not hashes[0] or len(b"".join(hashes)) != len(hashes[0]) * len(hashes)):
+            raise ValueError("block hashes must share one non-zero length")
+        job = LookupJob(
+            key, hashes, num_local_blocks, min_gain_blocks, self._clock() + self.lookup_timeout_s
+        )
+        if len(hashes) < num_local_blocks + min_gain_blocks:
+            job.result = _NO_HIT  # cannot beat the local hit: no need to ask
+        elif not self._worker.submit_lookup(job):
+            job.result = _OVERLOADED
+            self.index.stats.lookups_refused += 1
+        self._key_to_lookup[key] = job
+
+    def poll_lookup(self, key: str) -> LookupResult:
+        """The lookup's state: ``"pending"`` (ask again), or its final answer, which is handed
+        out once (the key is forgotten). A lookup past ``lookup_timeout_s`` without an answer
+        answers ``"timed_out"`` (counted in ``stats.lookups_timed_out``). Raises ValueError for
+        a key with no lookup (never started, already answered, or cancelled)."""
+        job = self._key_to_lookup.get(key)
+        if job is None:
+            raise ValueError(
+                f"no index lookup for key {key!r} (not started, answered or cancelled)"
+            )
+        result = job.result
+        if result is None:
+            if self._clock() < job.deadline_s:
+                return LOOKUP_PENDING
+            self._worker.withdraw_lookup(job)
+            result = _TIMED_OUT
+        if result.status == "timed_out":
+            self.index.stats.lookups_timed_out += 1
+        del self._key_to_lookup[key]
+        return result
+
+    def cancel_lookup(self, key: str) -> None:
+        """Forget the lookup of ``key`` (request aborted or finished); unknown keys are fine.
+        A queued lookup leaves the queue; a running one finishes and its answer is ignored."""
+        job = self._key_to_lookup.pop(key, None)
+        if job is not None and job.result is None:
+            self._worker.withdraw_lookup(job)
 
     def find_remote_prefix(
         self,
@@ -187,55 +281,18 @@ class IndexClient:
         min_gain_blocks: int,
         choose: Callable[[Sequence[Holder]], Sequence[Holder]] = lambda holders: holders,
     ) -> RemotePrefix | None:
-        """The longest prefix of ``block_hashes`` held on another node, if it beats the local
-        hit by at least ``min_gain_blocks`` blocks and its holder is reachable; else None.
-
-        Costs one index round trip, plus one directory and one block-id round trip on a hit.
-        """
-        if len(block_hashes) < num_local_blocks + min_gain_blocks:
-            return None
-        hit = self.index.longest_prefix(
-            block_hashes, self.group_ids, exclude_node_ids=(self.node_id,)
+        """Blocking twin of ``start_lookup``/``poll_lookup`` on the caller's thread (one to
+        three round trips): for tools and tests, and for the connector until it moves to the
+        non-blocking calls (its backend calls then share the backend counters with the worker's).
+        Never call it from a scheduling step."""
+        result = resolve_remote_prefix(
+            self.index,
+            self.directory,
+            node_id=self.node_id,
+            group_ids=self.group_ids,
+            block_hashes=block_hashes,
+            num_local_blocks=num_local_blocks,
+            min_gain_blocks=min_gain_blocks,
+            choose=choose,
         )
-        if hit.num_blocks - num_local_blocks < min_gain_blocks:
-            return None
-        for holder in choose(hit.holders):
-            address = self.directory.lookup(holder.node_id)
-            if address is None or address.incarnation != holder.incarnation:
-                continue  # gone, or restarted since it published these entries
-            block_ids = self.index.get_block_ids(
-                holder.node_id,
-                holder.incarnation,
-                block_hashes[: holder.num_blocks],
-                self.group_ids,
-            )
-            if block_ids is not None:
-                return RemotePrefix(holder, address, holder.num_blocks, block_ids)
-        return None
-
-
-class _TempLookup(NamedTuple):  # TEMP shim until the async client lands
-    pending: bool
-    prefix: RemotePrefix | None
-
-
-def _start_lookup(self, key, hashes, *, num_local_blocks, min_gain_blocks):
-    self._temp = getattr(self, "_temp", {})
-    self._temp[key] = self.find_remote_prefix(hashes, num_local_blocks=num_local_blocks, min_gain_blocks=min_gain_blocks)
-
-
-def _poll_lookup(self, key):
-    return _TempLookup(False, self._temp.pop(key, None))
-
-
-def _cancel_lookup(self, key):
-    getattr(self, "_temp", {}).pop(key, None)
-
-
-IndexClient.start_lookup = _start_lookup
-IndexClient.poll_lookup = _poll_lookup
-IndexClient.cancel_lookup = _cancel_lookup
-_orig_init = IndexClient.__init__
-def _init(self, *a, lookup_timeout_s=0.5, **k):
-    _orig_init(self, *a, **k)
-IndexClient.__init__ = _init
+        return result.prefix

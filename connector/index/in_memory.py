@@ -176,5 +176,12 @@ class InMemoryBlockIndex:
             group_to_block_ids.append([entry[0] for entry in held if entry is not None])
         return group_to_block_ids
 
+    @property
+    def available(self) -> bool:
+        return True  # nothing between the caller and the entries can fail
+
+    def interrupt(self) -> None:
+        return None  # calls never block
+
     def close(self) -> None:
         self._nodes.clear()

@@ -46,6 +46,11 @@ class NodeDirectory(Protocol):
         """Remove the node's entry (clean shutdown)."""
         ...
 
+    def interrupt(self) -> None:
+        """Make calls in flight on other threads return at once (as backend trouble: logged,
+        answered None); later calls reconnect. Safe from any thread; for prompt shutdown."""
+        ...
+
 
 class InMemoryNodeDirectory:
     """Process-local directory; thread-safe."""
@@ -69,6 +74,9 @@ class InMemoryNodeDirectory:
     def withdraw(self, node_id: str) -> None:
         with self._lock:
             self._entries.pop(node_id, None)
+
+    def interrupt(self) -> None:
+        return None  # calls never block
 
 
 class RedisNodeDirectory:
@@ -114,3 +122,6 @@ class RedisNodeDirectory:
             self._client.delete(self._prefix + node_id)
         except redis.RedisError as exc:
             logger.warning("node directory: withdraw of %s failed: %s", node_id, exc)
+
+    def interrupt(self) -> None:
+        self._client.connection_pool.disconnect()

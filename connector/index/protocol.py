@@ -211,7 +211,13 @@ class PublishResult(NamedTuple):
 
 @dataclass(slots=True)
 class IndexStats:
-    """Counters, mutated by the index. Redis trouble is counted, never raised."""
+    """Counters. Redis trouble is counted, never raised.
+
+    Each counter has one writer: the backend's counters are bumped by whichever thread calls
+    the backend (``IndexClient``'s worker thread); the ``IndexClient`` counters at the end are
+    bumped by the client's caller (the engine thread). Readers read ints, never write. (The
+    in-process backend is shared by a process's nodes: one ``IndexStats`` for all of them.)
+    """
 
     lookups: int = 0
     lookup_hits: int = 0
@@ -225,6 +231,13 @@ class IndexStats:
     garbage_entries: int = 0  # malformed entries/node records skipped by lookups
     reconnects: int = 0
     errors_by_kind: dict[str, int] = field(default_factory=dict)
+    # IndexClient (its caller's thread): lookups answered "timed_out" (no answer within its
+    # lookup_timeout_s), lookups refused "overloaded" (too many in flight), publish batches and
+    # their ops dropped because the publish queue was full.
+    lookups_timed_out: int = 0
+    lookups_refused: int = 0
+    publish_batches_dropped_full: int = 0
+    publish_ops_dropped_full: int = 0
 
 
 def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -> None:
@@ -285,10 +298,24 @@ class BlockIndex(Protocol):
       Does not change live entries (stale ones it meets may be deleted).
     - ``get_block_ids``: the holder's block ids ``[group][block]`` for ``block_hashes`` (in
       ``group_ids`` order), or None if any is not held (anymore) or the backend is unavailable.
+    - ``available``: False from a call that met backend trouble until a later call succeeds (a
+      ``NO_HIT`` or None answer read with it says "unavailable", not "not held").
+    - ``interrupt``: make calls in flight on other threads return at once as backend trouble
+      (sockets closed); later calls reconnect. Safe from any thread; for prompt shutdown.
+
+    Thread safety: ``RedisBlockIndex`` may be called from any thread (the Redis client's pool
+    gives each call its own connection); ``InMemoryBlockIndex`` is not thread-safe by itself
+    (``open_index`` serialises it behind a lock). ``IndexClient`` makes every call from its one
+    worker thread, so each counter has one writer.
     """
 
     namespace: IndexNamespace
     stats: IndexStats
+
+    @property
+    def available(self) -> bool: ...
+
+    def interrupt(self) -> None: ...
 
     def register_node(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus: ...
 

@@ -262,6 +262,16 @@ class RedisBlockIndex:
         count = len(block_hashes)
         return [list(struct.unpack(f">{count}I", packed)) for packed in reply]
 
+    @property
+    def available(self) -> bool:
+        """False from a call that met Redis trouble until a later call succeeds."""
+        return self._down_until_s is None
+
+    def interrupt(self) -> None:
+        """Close every connection of the client, those in use by other threads included: their
+        calls fail at once as Redis trouble (counted, back-off started); later calls reconnect."""
+        self._client.connection_pool.disconnect()
+
     def close(self) -> None:
         self._client.close()
 

@@ -1,0 +1,107 @@
+"""One remote-prefix lookup, from block hashes to a pullable answer (DESIGN.md, "Block index").
+
+``resolve_remote_prefix`` asks the index for the longest prefix held on another node, checks that
+it beats the local hit, resolves the holder's address in the node directory and fetches its block
+ids: one to three round trips, so it runs on ``IndexWorker``'s thread, never on the engine thread.
+``LookupResult`` is what the engine thread polls: pending, a hit with its ``RemotePrefix``, or a
+miss with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
+
+from .node_directory import NodeAddress, NodeDirectory
+from .protocol import BlockIndex, Holder
+
+__all__ = [
+    "LOOKUP_PENDING",
+    "LookupResult",
+    "LookupStatus",
+    "RemotePrefix",
+    "resolve_remote_prefix",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class RemotePrefix(NamedTuple):
+    """A pullable prefix: ``num_blocks`` blocks from block 0, held by ``holder`` at ``address``
+    in blocks ``block_ids[group][i]``."""
+
+    holder: Holder
+    address: NodeAddress
+    num_blocks: int
+    block_ids: list[list[int]]
+
+
+LookupStatus = Literal["pending", "hit", "no_hit", "unavailable", "timed_out", "overloaded"]
+
+
+class LookupResult(NamedTuple):
+    """The state of one lookup.
+
+    ``status``:
+
+    - ``"pending"``: not answered yet; ask again next step.
+    - ``"hit"``: ``prefix`` is a remote prefix that beats the local hit by ``min_gain_blocks``.
+    - ``"no_hit"``: nobody else holds enough (or the holder's address or block ids are gone).
+    - ``"unavailable"``: the index backend is down or erroring (counted in its stats).
+    - ``"timed_out"``: no answer within the client's ``lookup_timeout_s``.
+    - ``"overloaded"``: refused at start, too many lookups in flight.
+
+    Every status but ``"pending"`` is final, and all but ``"hit"`` mean: go on with local APC.
+    """
+
+    status: LookupStatus
+    prefix: RemotePrefix | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status != "pending"
+
+
+LOOKUP_PENDING = LookupResult("pending")
+_NO_HIT = LookupResult("no_hit")
+_UNAVAILABLE = LookupResult("unavailable")
+
+
+def resolve_remote_prefix(
+    index: BlockIndex,
+    directory: NodeDirectory,
+    *,
+    node_id: str,
+    group_ids: Sequence[int],
+    block_hashes: Sequence[bytes],
+    num_local_blocks: int,
+    min_gain_blocks: int,
+    choose: Callable[[Sequence[Holder]], Sequence[Holder]] = lambda holders: holders,
+) -> LookupResult:
+    """The longest prefix of ``block_hashes`` held on a node other than ``node_id``, if it beats
+    ``num_local_blocks`` by at least ``min_gain_blocks`` and its holder is reachable.
+
+    Blocking: one index round trip, plus one directory and one block-id round trip per holder
+    tried on a hit. Never raises for backend trouble (answers ``"unavailable"``); raises
+    ValueError for bad arguments (hashes of different lengths, no group ids).
+    """
+    if len(block_hashes) < num_local_blocks + min_gain_blocks:
+        return _NO_HIT
+    hit = index.longest_prefix(block_hashes, group_ids, exclude_node_ids=(node_id,))
+    if hit.num_blocks == 0 and not index.available:
+        return _UNAVAILABLE
+    if hit.num_blocks - num_local_blocks < min_gain_blocks:
+        return _NO_HIT
+    for holder in choose(hit.holders):
+        address = directory.lookup(holder.node_id)
+        if address is None or address.incarnation != holder.incarnation:
+            continue  # gone, or restarted since it published these entries
+        block_ids = index.get_block_ids(
+            holder.node_id, holder.incarnation, block_hashes[: holder.num_blocks], group_ids
+        )
+        if block_ids is not None:
+            return LookupResult("hit", RemotePrefix(holder, address, holder.num_blocks, block_ids))
+        if not index.available:
+            return _UNAVAILABLE
+    return _NO_HIT
