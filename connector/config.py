@@ -48,6 +48,7 @@ from typing import Any
 from kvbridge.kvmanager.connector_interface import KVRole
 
 from .errors import KVTransferConfigError
+from .store.url import parse_store_url
 
 __all__ = ["KVTransferConfig"]
 
@@ -134,8 +135,6 @@ class KVTransferConfig:
                 "pool events that name each block's parent, and the index restores go through)"
             )
         if self.store_url is not None:
-            from .store.offload import parse_store_url
-
             try:
                 parse_store_url(self.store_url)
             except ValueError as exc:

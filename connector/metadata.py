@@ -142,8 +142,9 @@ class KVBridgeConnectorMetadata(msgspec.Struct, kw_only=True):
         tickets_to_watch: admitted requests' handoff leases to heart-beat while they wait for
             their pull; ``tickets_to_forget`` stop (the pull took over, or the request ended).
         block_hashes: this step's prefix-cache identity changes (only with a block index).
-        offload_items: cold blocks to write to the store tier, msgpack-ready records
-            (``store.offload``); snapshotted before this step's forward.
+        offload_items: cold blocks to write to the store tier
+            (``store.offload_items.OffloadItem`` records: block id, group id, hash, parent
+            hash); snapshotted before this step's forward.
     """
 
     version: int = METADATA_SCHEMA_VERSION
@@ -166,10 +167,12 @@ class StatsDelta(msgspec.Struct, kw_only=True):
 
 class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     """What the worker half reports each step besides finished ids and load errors: its
-    statistics since its last report."""
+    statistics since its last report, and what became of the offload items it was given
+    (``store.offload_items.OffloadOutcome`` records)."""
 
     version: int = METADATA_SCHEMA_VERSION
     stats: StatsDelta = msgspec.field(default_factory=StatsDelta)
+    offload_outcomes: list[tuple[int, bytes, bool]] = msgspec.field(default_factory=list)
 
 
 class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):

@@ -48,7 +48,8 @@ from .metadata import (
 )
 from .pull_plan import lease_token, plan_group_pulls
 from .stats import KVTransferStats
-from .store.offload import OffloadPlanner
+from .store.offload_items import OffloadOutcome
+from .store.planner import OffloadPlanner
 from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
 
 if TYPE_CHECKING:
@@ -113,7 +114,13 @@ class KVBridgeScheduler:
         self._unpublished: list[Any] = []  # this step's block events, published after forward
         self._events: list[Any] = []  # for take_events
         self._store_engine_ids: set[str] = set()
-        self._offload = OffloadPlanner.from_config(config)
+        self._offload: OffloadPlanner | None = None
+        if config.offload != "off":
+            self._offload = OffloadPlanner(
+                policy=config.offload,
+                blocks_per_step=config.offload_blocks_per_step,
+                scan_blocks=config.offload_scan_blocks,
+            )
 
     # ------------------------------------------------------------------ wiring
     def bind_block_pool(self, block_pool: BlockPool, take_events: Any) -> None:
@@ -220,7 +227,7 @@ class KVBridgeScheduler:
             )
             self._lookups.add(request_id)
         result = client.poll_lookup(request_id)
-        if result.pending:
+        if not result.done:
             return MatchedTokens(None, False)
         self._lookups.discard(request_id)
         found: RemotePrefix | None = result.prefix
@@ -301,9 +308,8 @@ class KVBridgeScheduler:
             if self.config.index_url:
                 self._unpublished.extend(events)
                 self._meta.block_hashes = _hash_delta(events)
-        if self._offload is not None and self._block_pool is not None:
+        if self._offload is not None:
             self._offload.observe(events)
-            self._meta.offload_items = self._offload.plan(self._block_pool)
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
         return meta
 
@@ -321,6 +327,14 @@ class KVBridgeScheduler:
         if self._unpublished and self.index_client is not None:
             events, self._unpublished = self._unpublished, []
             self.index_client.publish(events)
+        if self._offload is not None and self._block_pool is not None:
+            # After this step's frees and before the next schedule can reuse a cold block: the
+            # worker snapshots the picks at the next step's start, before its forward writes.
+            if worker_meta is not None:
+                self._offload.apply_outcomes(
+                    OffloadOutcome(*outcome) for outcome in worker_meta.offload_outcomes
+                )
+            self._meta.offload_items.extend(self._offload.plan(self._block_pool))
 
     def set_xfer_handshake_metadata(self, handshake: WorkerHandshake) -> None:
         """Learn the worker half's transport (once, before the first step); with an index

@@ -50,7 +50,9 @@ from .metadata import (
 )
 from .puller import Puller, send_notice
 from .stats import KVTransferStats
-from .store.offload import OffloadSender
+from .store.offload_items import OffloadItem
+from .store.sender import OffloadSender
+from .store.url import parse_store_url
 
 __all__ = ["KVBridgeWorker"]
 
@@ -99,7 +101,13 @@ class KVBridgeWorker:
         self.transport: Transport | None = None
         self._loopback_network = loopback_network
         self._loopback_faults = loopback_faults
-        self._offload = OffloadSender.from_config(config, self.stats)
+        self.offload_sender: OffloadSender | None = None
+        if config.offload != "off" and config.store_url is not None:
+            self.offload_sender = OffloadSender(
+                store_address=parse_store_url(config.store_url),
+                max_inflight_bytes=config.offload_max_inflight_bytes,
+                stats=self.stats,
+            )
         self._meta: KVBridgeConnectorMetadata | None = None
         self._stores_after_forward: BlockHashDelta | None = None
         self._load_errors: set[int] = set()
@@ -124,8 +132,8 @@ class KVBridgeWorker:
             hash_fn_name=self.hash_fn_name,
         )
         metadata = replace(metadata, incarnation=str(self.incarnation))
-        if self._offload is not None:
-            self._offload.bind(by_group, metadata.compat_hash)
+        if self.offload_sender is not None:
+            self.offload_sender.bind(by_group, metadata.compat_hash)
         transport = self._make_transport(metadata, by_group)
         checks = HolderChecks(
             leases=self.leases,
@@ -200,8 +208,8 @@ class KVBridgeWorker:
             loop.submit(send_notice(transport, notice))
         for plan in meta.pulls:
             self.puller.submit(transport, plan)
-        if self._offload is not None and meta.offload_items:
-            self._offload.submit(meta.offload_items)
+        if self.offload_sender is not None and meta.offload_items:
+            self.offload_sender.submit([OffloadItem(*item) for item in meta.offload_items])
 
     def wait_for_save(self) -> None:
         """End of the forward: the blocks this step cached now hold their KV."""
@@ -229,9 +237,11 @@ class KVBridgeWorker:
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMeta:
         """The statistics since the last call."""
+        outcomes = [] if self.offload_sender is None else self.offload_sender.take_outcomes()
         counters, transfer_s, queue_s = self.stats.take_report()
         return KVBridgeWorkerMeta(
-            stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s)
+            stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s),
+            offload_outcomes=[tuple(outcome) for outcome in outcomes],
         )
 
     def get_handshake_metadata(self) -> WorkerHandshake | None:
@@ -244,8 +254,8 @@ class KVBridgeWorker:
         )
 
     def shutdown(self) -> None:
-        if self._offload is not None:
-            self._offload.close()
+        if self.offload_sender is not None:
+            self.offload_sender.close()
         transport, self.transport = self.transport, None
         if transport is None:
             return

@@ -75,8 +75,8 @@ class _OverTheWire(KVConnectorBase):
         return self.inner.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata):
-        from kvbridge.connector.metadata import WorkerHandshake
         import msgspec
+        from kvbridge.connector.metadata import WorkerHandshake
 
         self.inner.set_xfer_handshake_metadata(
             {rank: msgspec.msgpack.decode(raw, type=WorkerHandshake) for rank, raw in metadata.items()}

@@ -153,7 +153,10 @@ def test_stale_index_entry_costs_a_recompute_not_wrong_output(nodes):
     # (1) B drops the blocks' hashes but the removal never reaches the index (lost publish).
     pool = b.kv_cache_manager.block_pool
     pool.evict_blocks({blk.block_id for blk in pool.blocks if blk.block_hash is not None})
-    b.kv_cache_manager.take_events()
+    client = index_client(b)
+    client.publish = lambda events: None  # the step's removals are lost on the way
+    b.step()  # B's worker half learns of the evictions (its hash mirror drops them)
+    del client.publish
     # (2) C follows the stale entry; B's hash check refuses the blocks; C recomputes.
     assert serve(c, "req-0", prompt) == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     s = stats(c)
@@ -205,8 +208,13 @@ def test_blocks_are_published_only_after_the_forward_that_computes_them(nodes):
     a, c = nodes("node-a"), nodes("node-c")
     prompt = long_prompt(6 * BLOCK_SIZE + 4)
     a.add_request("warm", prompt, SamplingParams(max_tokens=1))
-    # (1) A schedules the prompt: its blocks are hashed now, before the forward writes their KV.
+    # (1) A schedules the prompt (once its asynchronous index lookup has answered: until then
+    # a step skips it): its blocks are hashed now, before the forward writes their KV.
     scheduler_output = a.scheduler.schedule()
+    while not scheduler_output.num_scheduled_tokens:
+        a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
+        time.sleep(0.001)
+        scheduler_output = a.scheduler.schedule()
     probe = Request(
         "probe",
         prompt,
@@ -226,3 +234,38 @@ def test_blocks_are_published_only_after_the_forward_that_computes_them(nodes):
     assert stats(c)["num_index_hits"] == 1
     assert_node_empty(a)  # "warm" (max_tokens=1) finished in the step applied above
     assert_node_empty(c)
+
+
+def test_a_paused_redis_never_stalls_a_step_and_the_lookup_lands_later(nodes, pause_redis):
+    b = nodes("node-b", index_ttl_s=10.0)
+    c = nodes("node-c", index_ttl_s=10.0, index_lookup_timeout_s=8.0)
+    prompt = long_prompt(20 * BLOCK_SIZE + 5)
+    serve(b, "warm", prompt)
+    # (1) C runs a local request (its own lookup answered before the pause) ...
+    c.add_request("other", long_prompt(40, salt="other"), SamplingParams(max_tokens=400))
+    while c.scheduler.requests["other"].num_output_tokens == 0:
+        c.step()
+    # (2) ... Redis stops answering (for less than the client's socket timeout, after which a
+    # lookup counts Redis as unavailable and falls back); a request B holds arrives at C.
+    ends_at = pause_redis(120)
+    c.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    step_s: list[float] = []
+    other_tokens = 0
+    while time.monotonic() < ends_at - 0.02:
+        started = time.monotonic()
+        outputs = c.step()
+        step_s.append(time.monotonic() - started)
+        other_tokens += sum(len(o.new_token_ids) for o in outputs if o.request_id == "other")
+    # Every step returned at once (a lookup waiting on Redis would have taken the whole
+    # pause), the other request kept decoding, and req-0 still waits for its answer.
+    assert max(step_s) < 0.1, f"slowest step {max(step_s):.3f} s while Redis was paused"
+    assert other_tokens >= 2
+    assert c.scheduler.requests["req-0"].num_computed_tokens == 0
+    # (3) Once Redis answers, the lookup lands on a later step: C pulls B's prefix.
+    tokens = run_to_completion(c, "req-0").token_ids
+    assert tokens == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    s = stats(c)
+    assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0)
+    c.abort_request("other")
+    assert_node_empty(c)
+    assert_node_empty(b)

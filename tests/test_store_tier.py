@@ -122,9 +122,10 @@ def serve(engine: Engine, request_id: str, prompt: list[int]):
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS))
     output = run_to_completion(engine, request_id)
     engine.step()  # the step after the finish: its blocks are free and get offloaded now
-    offloader = engine.scheduler.connector.ctx.offloader
+    offloader = engine.runner.connector.worker_half.offload_sender
     if offloader is not None:
         offloader.wait_idle()
+        engine.step()  # the worker's counters and outcomes reach the scheduler half
     return output
 
 
