@@ -56,7 +56,13 @@ _TRANSPORTS = ("ucxx", "loopback")
 _POLICIES = ("recompute", "fail")
 _OFFLOAD = ("off", "evict", "write_through")
 _OUTER_KEYS = frozenset(
-    {"kv_connector", "kv_connector_module_path", "kv_role", "engine_id", "kv_connector_extra_config"}
+    {
+        "kv_connector",
+        "kv_connector_module_path",
+        "kv_role",
+        "engine_id",
+        "kv_connector_extra_config",
+    }
 )
 
 
@@ -157,7 +163,8 @@ class KVTransferConfig:
         unknown = set(extra) - known
         if unknown:
             raise KVTransferConfigError(
-                f"unknown kv_connector_extra_config keys: {sorted(unknown)} (known: {sorted(known)})"
+                f"unknown kv_connector_extra_config keys: {sorted(unknown)} "
+                f"(known: {sorted(known)})"
             )
         kwargs: dict[str, Any] = dict(extra)
         try:

@@ -103,7 +103,11 @@ class LeaseTable:
         partial last block, and must have none under the lease either)."""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None or lease.expires_at <= self._clock() or group_id >= len(lease.positions):
+            if (
+                lease is None
+                or lease.expires_at <= self._clock()
+                or group_id >= len(lease.positions)
+            ):
                 return False
             pos = lease.positions[group_id].get(block_id)
             if pos is None:

@@ -194,8 +194,9 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 def _check_version(version: int, what: str) -> None:
     if version != METADATA_SCHEMA_VERSION:
-        raise ValueError(f"{what}: schema version {version}, this node speaks "
-                         f"{METADATA_SCHEMA_VERSION}")
+        raise ValueError(
+            f"{what}: schema version {version}, this node speaks {METADATA_SCHEMA_VERSION}"
+        )
 
 
 def encode_metadata(metadata: KVBridgeConnectorMetadata) -> bytes:

@@ -27,16 +27,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishedResult
-from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvbridge.kvmanager.request import RequestStatus
 
+from .block_events import hash_delta_of
 from .config import KVTransferConfig
 from .errors import KVTransferParamsError
 from .index import IndexClient, IndexNamespace, RemotePrefix, open_index
 from .metadata import (
-    BlockHashDelta,
     HolderRef,
     KVBridgeConnectorMetadata,
     KVBridgeWorkerMeta,
@@ -162,7 +160,9 @@ class KVBridgeScheduler:
         """A request with remote-prefill params was refused before admission: ask its prefill
         node to release the blocks now (best effort; unusable addresses are left to the
         lease)."""
-        if not (isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)):
+        if not (
+            isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)
+        ):
             return
         host = kv_transfer_params.get("remote_host")
         port = kv_transfer_params.get("remote_port")
@@ -172,7 +172,9 @@ class KVBridgeScheduler:
         if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
             return
         notice = ReleaseNotice(
-            ticket=Ticket(host, port, remote_request_id), success=False, reason=f"rejected: {reason}"
+            ticket=Ticket(host, port, remote_request_id),
+            success=False,
+            reason=f"rejected: {reason}",
         )
         self._meta.notices.append(notice)
 
@@ -276,7 +278,9 @@ class KVBridgeScheduler:
         if match.ticket is None:  # a remote hit counts once, when its blocks are allocated
             self.stats.add("num_index_hits")
             is_store = match.holder.tier == "store"
-            self.stats.add("store_hit_tokens" if is_store else "remote_hit_tokens", num_external_tokens)
+            self.stats.add(
+                "store_hit_tokens" if is_store else "remote_hit_tokens", num_external_tokens
+            )
         start_block = match.num_local_tokens // self.block_size
         end_block = _cdiv(match.num_local_tokens + num_external_tokens, self.block_size)
         groups, unloadable = plan_group_pulls(
@@ -285,7 +289,9 @@ class KVBridgeScheduler:
             start_block=start_block,
             end_block=end_block,
             block_hashes=request.block_hashes,
-            unhashed_token=b"" if match.ticket is None else lease_token(match.ticket.remote_request_id),
+            unhashed_token=b""
+            if match.ticket is None
+            else lease_token(match.ticket.remote_request_id),
         )
         self._meta.pulls.append(
             PullPlan(
@@ -307,7 +313,7 @@ class KVBridgeScheduler:
             self._events.extend(events)
             if self.config.index_url:
                 self._unpublished.extend(events)
-                self._meta.block_hashes = _hash_delta(events)
+                self._meta.block_hashes = hash_delta_of(events)
         if self._offload is not None:
             self._offload.observe(events)
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
@@ -425,36 +431,15 @@ class KVBridgeScheduler:
     def has_pending_orders(self) -> bool:
         """True when the next ``build_connector_meta`` carries orders for the worker half."""
         meta = self._meta
-        return bool(meta.pulls or meta.notices or meta.lease_grants or meta.tickets_to_watch
-                    or meta.tickets_to_forget)
+        return bool(
+            meta.pulls
+            or meta.notices
+            or meta.lease_grants
+            or meta.tickets_to_watch
+            or meta.tickets_to_forget
+        )
 
     def shutdown(self) -> None:
         client, self.index_client = self.index_client, None
         if client is not None:
             client.close()
-
-
-def _hash_delta(events: Iterable[Any]) -> BlockHashDelta:
-    """The prefix-cache identity changes a step's block events describe. Every block that lost
-    a hash this step is in ``removed`` (applied before the forward); a block whose last event is
-    a store is in ``stored`` with that hash (applied after the forward), its group kept: the
-    holder compares ``BlockHashWithGroupId`` values."""
-    cleared = False
-    removed: list[int] = []
-    stored: dict[int, bytes] = {}
-    for event in events:
-        if isinstance(event, AllBlocksCleared):
-            cleared, removed, stored = True, [], {}
-        elif isinstance(event, BlockRemoved):
-            removed.extend(event.block_ids)
-            for block_id in event.block_ids:
-                stored.pop(block_id, None)
-        elif isinstance(event, BlockStored):
-            for block_id, block_hash in zip(event.block_ids, event.block_hashes, strict=True):
-                stored[block_id] = make_block_hash_with_group_id(block_hash, event.group_id)
-    return BlockHashDelta(
-        cleared=cleared,
-        removed_block_ids=removed,
-        stored_block_ids=list(stored),
-        stored_hashes=list(stored.values()),
-    )

@@ -30,7 +30,8 @@ Worker side, called by ``ModelRunner.execute_model`` in this order within a step
 
 ``register_kv_caches`` is called once after the KV tensors are allocated, then the worker's
 ``get_handshake_metadata`` goes to the scheduler's ``set_xfer_handshake_metadata``; ``shutdown``
-once at the end. A request id reported in ``finished_sending`` / ``finished_recving`` is reported once.
+once at the end. A request id reported in ``finished_sending`` / ``finished_recving`` is
+reported once.
 
 Lifetime rules the scheduler relies on (DESIGN.md, "Reliability rules"):
 
@@ -291,9 +292,7 @@ class KVConnectorBase(ABC):
     def wait_for_save(self) -> None:
         """Block until the saves started this step are done (before the KV tensors change)."""
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(finished_sending, finished_recving)`` since the last call; ``finished_req_ids`` are
         the requests the scheduler finished since the last step (default: nothing finishes)."""
         return None, None

