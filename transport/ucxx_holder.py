@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import ucxx
 
-from .base import HolderCallbacks, TransferDoneNotice
+from .base import HolderCallbacks
 from .cma import CmaHost
 from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
@@ -62,7 +62,7 @@ from .wire import (
     ReadCopied,
     ReadDone,
     ReadOk,
-    TransferDone,
+    TransferDoneNotice,
     decode_message,
 )
 
@@ -191,9 +191,13 @@ class UcxxHolder:
             await write_message(writer, ErrorMsg(transfer_id=0, code=code, message=str(exc)))
             return None
         offer = self.cma_host.offer if self.cma_host is not None else None
-        await write_message(
-            writer, HelloOk(metadata=self.metadata, worker_address=self.worker_address, cma=offer)
+        hello_ok = HelloOk(
+            metadata=self.metadata,
+            compat_hash=self.metadata.compat_hash,
+            worker_address=self.worker_address,
+            cma=offer,
         )
+        await write_message(writer, hello_ok)
         return _Conn(peer_engine_id=message.metadata.engine_id, endpoint=endpoint, writer=writer)
 
     async def _serve_connection(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
@@ -249,16 +253,17 @@ class UcxxHolder:
         elif isinstance(message, Heartbeat):
             if self.callbacks.on_heartbeat is not None:
                 self.callbacks.on_heartbeat(conn.peer_engine_id, message.request_ids)
-        elif isinstance(message, TransferDone):
-            if self.callbacks.on_transfer_done is not None:
-                self.callbacks.on_transfer_done(
-                    TransferDoneNotice(
-                        peer_engine_id=conn.peer_engine_id,
-                        request_id=message.request_id,
-                        success=message.success,
-                        reason=message.reason,
-                    )
+        elif isinstance(message, TransferDoneNotice):
+            if message.peer_engine_id != conn.peer_engine_id:
+                await _send_error(
+                    conn.writer,
+                    0,
+                    "bad_message",
+                    f"TransferDone.peer_engine_id {message.peer_engine_id!r} is not this "
+                    f"connection's peer {conn.peer_engine_id!r}",
                 )
+            elif self.callbacks.on_transfer_done is not None:
+                self.callbacks.on_transfer_done(message)
         else:
             await _send_error(
                 conn.writer,

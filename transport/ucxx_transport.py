@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import ucxx
 
@@ -86,7 +86,7 @@ from .wire import (
     ReadCopied,
     ReadDone,
     ReadOk,
-    TransferDone,
+    TransferDoneNotice,
 )
 
 logger = logging.getLogger(__name__)
@@ -270,9 +270,12 @@ class UcxxTransport(Transport):
         except (TimeoutError, OSError) as exc:
             raise TransportError(f"peer {tuple(peer)} unreachable: {exc}") from None
         try:
-            await write_message(
-                writer, Hello(metadata=self.metadata, worker_address=self._holder.worker_address)
+            hello = Hello(
+                metadata=self.metadata,
+                compat_hash=self.metadata.compat_hash,
+                worker_address=self._holder.worker_address,
             )
+            await write_message(writer, hello)
             try:
                 from .wire import decode_message
 
@@ -323,9 +326,10 @@ class UcxxTransport(Transport):
         reason: str = "",
     ) -> None:
         await self.connect(peer)
-        await self._conns[PeerAddress(*peer)].send(
-            TransferDone(request_id=request_id, success=success, reason=reason)
+        notice = TransferDoneNotice(
+            peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason
         )
+        await self._conns[PeerAddress(*peer)].send(notice)
 
     async def cancel(self, request_id: str) -> int:
         states = [s for s in self._reads.values() if s.request_id == request_id]
@@ -361,7 +365,7 @@ class UcxxTransport(Transport):
                     raise state.error(TransferError, f"cannot reach holder: {exc!r}") from None
             conn = self._conns[PeerAddress(*peer)]
             if conn.cma is not None:
-                read = dataclasses.replace(read, cma=True)
+                read = msgspec.structs.replace(read, cma=True)
             # a UCX read progresses UCX on every turn of the loop until it ends
             # (``ucx_progress``); a same-host read moves no UCX message, so the loop may sleep
             with contextlib.nullcontext() if read.cma else self._booster.hold():
