@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("ucxx")
 
 import kvbridge.transport.cma as cma
-import kvbridge.transport.ucxx_holder as ucxx_holder
+import kvbridge.transport.serve as serve
 from _transport_helpers import NUM_BLOCKS, make_kv_caches, make_metadata
 from kvbridge.transport import (
     GroupRead,
@@ -401,7 +401,7 @@ def _cma_read(transfer_id: int, hashes: bool, deadline_ms: int = 20_000) -> Read
 async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
     from _transport_helpers import make_hash_validator
 
-    monkeypatch.setattr(ucxx_holder, "DEADLINE_GRACE_S", 0.05)
+    monkeypatch.setattr(serve, "DEADLINE_GRACE_S", 0.05)
     caches = make_kv_caches(seed=SEED)
     holder = UcxxTransport(make_metadata("raw-holder", caches), caches)
     holder.set_callbacks(block_validator=make_hash_validator(set()))
@@ -526,13 +526,13 @@ async def test_hash_checked_blocks_without_read_done_are_named_not_landed(monkey
     (the puller must not count them as loaded)."""
     from _transport_helpers import make_hash_validator
 
-    real_write = ucxx_holder.write_message
+    real_write = serve.write_message  # the serves send every ReadDone
 
     async def drop_read_done(writer, message):
         if not isinstance(message, ReadDone):
             await real_write(writer, message)
 
-    monkeypatch.setattr(ucxx_holder, "write_message", drop_read_done)
+    monkeypatch.setattr(serve, "write_message", drop_read_done)
     source = make_kv_caches(seed=SEED)
     holder = UcxxTransport(make_metadata(f"silent-{path}", source), source)
     holder.set_callbacks(block_validator=make_hash_validator(set()))

@@ -512,7 +512,7 @@ async def test_a_holder_failing_mid_read_fails_it_at_once(path, monkeypatch):
     ends the read with the holder's error at once, not at the deadline, on both data paths."""
     import time
 
-    import kvbridge.transport.ucxx_holder as ucxx_holder
+    import kvbridge.transport.ucx_serve as ucx_serve
     from _transport_helpers import make_hash_validator
 
     def broken_rechecker(group_id, block_ids, hashes):
@@ -548,7 +548,7 @@ async def test_a_holder_failing_mid_read_fails_it_at_once(path, monkeypatch):
             def failing_copy_out(*args):
                 raise RuntimeError("gather bug")
 
-            monkeypatch.setattr(ucxx_holder, "copy_out", failing_copy_out)
+            monkeypatch.setattr(ucx_serve, "copy_out", failing_copy_out)
             plain = [GroupRead(group_id=1, remote_block_ids=ids, local_block_ids=ids)]
             with pytest.raises(TransferError, match="gather bug"):
                 await requester.read_blocks(holder.address, "bad-copy", plain, deadline_s=20)
