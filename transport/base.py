@@ -149,7 +149,8 @@ class Transport(abc.ABC):
         block_rechecker: BlockValidator | None = None,
     ) -> None:
         """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset.
-        Replaces every hook registered before."""
+        Replaces every hook registered before; a read already being served keeps the
+        re-check it arrived with (``UcxxTransport``)."""
         self.callbacks = HolderCallbacks(
             block_validator=block_validator,
             on_heartbeat=on_heartbeat,
