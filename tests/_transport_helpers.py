@@ -79,11 +79,11 @@ def make_hash_validator(evict_after_check: set[tuple[int, int]]) -> BlockValidat
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    import kvbridge.transport.ucxx_holder as holder_module
+    import kvbridge.transport.ucx_serve as ucx_serve
     from kvbridge.transport import UcxxTransport
 
     if args.chunk_delay_s > 0:  # a slow holder, so a test can kill it mid-transfer
-        real_copy_out = holder_module.copy_out
+        real_copy_out = ucx_serve.copy_out
 
         def slow_copy_out(*a, **kw):  # type: ignore[no-untyped-def]
             import time
@@ -91,7 +91,7 @@ async def _serve(args: argparse.Namespace) -> None:
             time.sleep(args.chunk_delay_s)
             return real_copy_out(*a, **kw)
 
-        holder_module.copy_out = slow_copy_out
+        ucx_serve.copy_out = slow_copy_out
     layers_per_group = tuple(int(n) for n in args.layers_per_group.split(","))
     caches = make_kv_caches(
         seed=args.seed, block_size=args.block_size, layers_per_group=layers_per_group

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import random
 import subprocess
@@ -18,6 +17,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("ucxx")
 
 import kvbridge.transport.cma as cma
-import kvbridge.transport.ucxx_holder as ucxx_holder
+import kvbridge.transport.serve as serve
 from _transport_helpers import NUM_BLOCKS, make_kv_caches, make_metadata
 from kvbridge.transport import (
     GroupRead,
@@ -47,6 +47,7 @@ from kvbridge.transport.wire import (
     ReadCopied,
     ReadDone,
     ReadOk,
+    TransferDoneNotice,
     decode_message,
     encode_message,
 )
@@ -160,7 +161,7 @@ async def test_a_gone_process_is_a_read_error_naming_esrch():
         capture_output=True,
         text=True,
     )
-    dead = cma.CmaPeer(dataclasses.replace(peer.offer, pid=int(gone.stdout)), peer.remote)
+    dead = cma.CmaPeer(msgspec.structs.replace(peer.offer, pid=int(gone.stdout)), peer.remote)
     with pytest.raises(cma.CmaReadError, match="ESRCH") as info:
         dead.read_probe()
     assert info.value.errno_name == "ESRCH"
@@ -171,13 +172,14 @@ def test_accept_refuses_offers_it_cannot_use():
     metadata = make_metadata("self", caches)
     host = cma.CmaHost(caches)
     offer = host.offer
+    replace = msgspec.structs.replace
     cases = {
         "offers no same-host reads": None,
-        "another host": dataclasses.replace(offer, host_id="another-boot"),
-        "different bytes": dataclasses.replace(offer, probe=bytes(cma.PROBE_BYTES)),
-        "regions": dataclasses.replace(offer, regions=[*offer.regions[:1], []]),
+        "another host": replace(offer, host_id="another-boot"),
+        "different bytes": replace(offer, probe=bytes(cma.PROBE_BYTES)),
+        "regions": replace(offer, regions=[*offer.regions[:1], []]),
         # the kernel refuses the read (here EFAULT; EPERM under ptrace rules or seccomp)
-        "probe read failed": dataclasses.replace(offer, probe_address=8),
+        "probe read failed": replace(offer, probe_address=8),
     }
     for reason, bad in cases.items():
         peer, why = cma.CmaPeer.accept(bad, metadata, caches)
@@ -358,7 +360,11 @@ async def _raw_peer(holder: UcxxTransport, requester_metadata):
     import ucxx
 
     reader, writer = await asyncio.open_connection(*holder.address)
-    hello = Hello(metadata=requester_metadata, worker_address=ucxx.get_worker_address().tobytes())
+    hello = Hello(
+        metadata=requester_metadata,
+        compat_hash=requester_metadata.compat_hash,
+        worker_address=ucxx.get_worker_address().tobytes(),
+    )
     writer.write(encode_message(hello))
     decode_message(await read_frame(reader))
 
@@ -395,7 +401,7 @@ def _cma_read(transfer_id: int, hashes: bool, deadline_ms: int = 20_000) -> Read
 async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
     from _transport_helpers import make_hash_validator
 
-    monkeypatch.setattr(ucxx_holder, "DEADLINE_GRACE_S", 0.05)
+    monkeypatch.setattr(serve, "DEADLINE_GRACE_S", 0.05)
     caches = make_kv_caches(seed=SEED)
     holder = UcxxTransport(make_metadata("raw-holder", caches), caches)
     holder.set_callbacks(block_validator=make_hash_validator(set()))
@@ -455,6 +461,32 @@ async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
     assert os.getpid() == holder._holder.cma_host.offer.pid
 
 
+@in_module_loop
+async def test_holder_delivers_a_transfer_done_only_from_the_peer_it_names():
+    """The release notice is one type from wire to callback; a peer naming another engine
+    cannot end that engine's lease."""
+    caches = make_kv_caches(seed=SEED)
+    holder = UcxxTransport(make_metadata("notice-holder", caches), caches)
+    notices = []
+    holder.set_callbacks(on_transfer_done=notices.append)
+    await holder.start()
+    requester_metadata = make_metadata("notice-peer", make_kv_caches(seed=0))
+    try:
+        async with _raw_peer(holder, requester_metadata) as (writer, ask):
+            forged = TransferDoneNotice(
+                peer_engine_id="someone-else", request_id="r", success=True, reason=""
+            )
+            refused = await ask(forged)
+            assert isinstance(refused, ErrorMsg) and refused.code == "bad_message"
+            assert "peer_engine_id 'someone-else'" in refused.message
+            own = msgspec.structs.replace(forged, peer_engine_id="notice-peer")
+            writer.write(encode_message(own))
+            assert isinstance(await ask(_cma_read(1, hashes=False)), ReadOk)  # still serving
+        assert notices == [own]
+    finally:
+        await holder.close()
+
+
 # ----------------------------------------------------------------------------- review findings
 
 
@@ -494,13 +526,13 @@ async def test_hash_checked_blocks_without_read_done_are_named_not_landed(monkey
     (the puller must not count them as loaded)."""
     from _transport_helpers import make_hash_validator
 
-    real_write = ucxx_holder.write_message
+    real_write = serve.write_message  # the serves send every ReadDone
 
     async def drop_read_done(writer, message):
         if not isinstance(message, ReadDone):
             await real_write(writer, message)
 
-    monkeypatch.setattr(ucxx_holder, "write_message", drop_read_done)
+    monkeypatch.setattr(serve, "write_message", drop_read_done)
     source = make_kv_caches(seed=SEED)
     holder = UcxxTransport(make_metadata(f"silent-{path}", source), source)
     holder.set_callbacks(block_validator=make_hash_validator(set()))

@@ -34,6 +34,7 @@ from kvbridge.transport import (
     TransferTimeoutError,
     UcxxTransport,
 )
+from kvbridge.transport.wire import WIRE_VERSION
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -198,8 +199,11 @@ def _raw_frame(obj: object) -> bytes:
 
 
 def _raw_reply(sock: socket.socket) -> dict:
+    """The message of one reply frame (``{"v": WIRE_VERSION, "msg": {...}}``)."""
     (length,) = struct.unpack(">I", sock.recv(4, socket.MSG_WAITALL))
-    return msgpack.unpackb(sock.recv(length, socket.MSG_WAITALL))
+    frame = msgpack.unpackb(sock.recv(length, socket.MSG_WAITALL))
+    assert frame["v"] == WIRE_VERSION
+    return frame["msg"]
 
 
 async def test_malformed_and_out_of_range_get_errors_while_another_is_served(holder, requester):
@@ -345,7 +349,8 @@ async def test_holder_drops_sends_when_requester_connection_closes(requester):
         # a requester that handshakes and asks, but never posts a receive: 60 blocks of 3 KiB
         # in 16 KiB chunks are rendezvous sends that stay issued until someone ends them
         address = ucxx.get_worker_address().tobytes()
-        hello = Hello(metadata=requester.metadata, worker_address=address)
+        metadata = requester.metadata
+        hello = Hello(metadata=metadata, compat_hash=metadata.compat_hash, worker_address=address)
         writer.write(encode_message(hello))
         decode_message(await read_frame(reader))
         writer.write(
@@ -507,7 +512,7 @@ async def test_a_holder_failing_mid_read_fails_it_at_once(path, monkeypatch):
     ends the read with the holder's error at once, not at the deadline, on both data paths."""
     import time
 
-    import kvbridge.transport.ucxx_holder as ucxx_holder
+    import kvbridge.transport.ucx_serve as ucx_serve
     from _transport_helpers import make_hash_validator
 
     def broken_rechecker(group_id, block_ids, hashes):
@@ -543,7 +548,7 @@ async def test_a_holder_failing_mid_read_fails_it_at_once(path, monkeypatch):
             def failing_copy_out(*args):
                 raise RuntimeError("gather bug")
 
-            monkeypatch.setattr(ucxx_holder, "copy_out", failing_copy_out)
+            monkeypatch.setattr(ucx_serve, "copy_out", failing_copy_out)
             plain = [GroupRead(group_id=1, remote_block_ids=ids, local_block_ids=ids)]
             with pytest.raises(TransferError, match="gather bug"):
                 await requester.read_blocks(holder.address, "bad-copy", plain, deadline_s=20)

@@ -3,7 +3,8 @@
 ``Transport`` (``base``) is the protocol. ``UcxxTransport`` moves bytes over UCX, or between
 processes on one host by cross-memory attach (``cma``); it is imported lazily, so loading this
 package does not load UCX. ``LoopbackTransport`` is its in-process twin for unit tests. ``wire``
-is the msgpack control schema, ``metadata`` the handshake metadata and compatibility check.
+is the control schema (msgspec structs over msgpack, bounded by ``limits``), ``metadata`` the
+handshake metadata and compatibility check.
 """
 
 from typing import Any

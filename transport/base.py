@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from .metadata import NodeMetadata
+from .wire import TransferDoneNotice
 
 
 class PeerAddress(NamedTuple):
@@ -86,16 +87,6 @@ class ReadResult(NamedTuple):
     @property
     def ok(self) -> bool:
         return not self.failed_local_block_ids
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TransferDoneNotice:
-    """A requester's completion notice for one request (success or failure)."""
-
-    peer_engine_id: str
-    request_id: str
-    success: bool
-    reason: str
 
 
 BlockValidator = Callable[[int, list[int], list[bytes]], Sequence[int]]
@@ -158,7 +149,8 @@ class Transport(abc.ABC):
         block_rechecker: BlockValidator | None = None,
     ) -> None:
         """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset.
-        Replaces every hook registered before."""
+        Replaces every hook registered before; a read already being served keeps the
+        re-check it arrived with (``UcxxTransport``)."""
         self.callbacks = HolderCallbacks(
             block_validator=block_validator,
             on_heartbeat=on_heartbeat,

@@ -32,7 +32,6 @@ says where the KV tensors are.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import errno
 import itertools
 import os
@@ -40,6 +39,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -140,7 +140,7 @@ class CmaHost:
         would copy the parent's tensors."""
         pid = os.getpid()
         if pid != self._offer.pid:
-            self._offer = dataclasses.replace(self._offer, pid=pid)
+            self._offer = msgspec.structs.replace(self._offer, pid=pid)
         return self._offer
 
     @classmethod

@@ -23,7 +23,6 @@ from .base import (
     HolderCallbacks,
     PeerAddress,
     ReadResult,
-    TransferDoneNotice,
     Transport,
     check_kv_caches_match,
 )
@@ -49,7 +48,7 @@ from .wire import (
     Heartbeat,
     Read,
     ReadDone,
-    TransferDone,
+    TransferDoneNotice,
     decode_message,
     encode_message,
 )
@@ -267,17 +266,14 @@ class LoopbackTransport(Transport):
         reason: str = "",
     ) -> None:
         holder = self._holder(peer)
-        message = _roundtrip(TransferDone(request_id=request_id, success=success, reason=reason))
+        notice = _roundtrip(
+            TransferDoneNotice(
+                peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason
+            )
+        )
         await asyncio.sleep(0)
         if holder.callbacks.on_transfer_done is not None:
-            holder.callbacks.on_transfer_done(
-                TransferDoneNotice(
-                    peer_engine_id=self.engine_id,
-                    request_id=message.request_id,
-                    success=message.success,
-                    reason=message.reason,
-                )
-            )
+            holder.callbacks.on_transfer_done(notice)
 
     # ------------------------------------------------------------------ holder side
 

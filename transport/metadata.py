@@ -4,6 +4,11 @@ DESIGN.md, "Transport": the handshake exchanges engine id, incarnation (new on e
 compatibility hash over (model, dtype, block size, KV layout per group, number of layers per
 group, hash function) and the KV region layout. Different block sizes or layouts on P and D are
 refused with a message naming the differing field (DESIGN.md, "Reliability rules").
+
+Both types travel in the handshake as they are (``wire.Hello``): their field annotations carry
+the bounds a peer's metadata must respect (``limits``), checked when a peer's metadata is decoded.
+A field with a default (``incarnation``, ``kv_layout``) may be left out by a peer, which is the
+same as sending that value; ``compat_hash`` travels beside the metadata and covers ``kv_layout``.
 """
 
 from __future__ import annotations
@@ -12,11 +17,23 @@ import hashlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgpack
 import torch
+from msgspec import Meta
 
 from .errors import HandshakeError
+from .limits import (
+    MAX_GROUPS,
+    BlockShape,
+    BlockSize,
+    DtypeName,
+    NumBlocks,
+    NumLayers,
+    ShortText,
+    Text,
+)
 
 KV_LAYOUT_NAME = "blocks_first:[num_blocks,2,block_size,num_kv_heads,head_size]"
 """Name of the per-layer KV tensor layout (kvbridge.kernels.layout); part of the compat hash."""
@@ -33,10 +50,10 @@ class KVGroupLayout:
         dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
     """
 
-    num_layers: int
-    num_blocks: int
-    block_shape: tuple[int, ...]
-    dtype: str
+    num_layers: NumLayers
+    num_blocks: NumBlocks
+    block_shape: BlockShape
+    dtype: DtypeName
 
     @classmethod
     def from_kv_caches(cls, kv_caches: Sequence[torch.Tensor]) -> KVGroupLayout:
@@ -78,14 +95,14 @@ class NodeMetadata:
     ``model_name``, ``dtype``, ``block_size`` and ``hash_fn_name``.
     """
 
-    engine_id: str
-    model_name: str
-    dtype: str
-    block_size: int
-    hash_fn_name: str
-    groups: tuple[KVGroupLayout, ...]
-    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
-    kv_layout: str = KV_LAYOUT_NAME
+    engine_id: Text
+    model_name: Text
+    dtype: DtypeName
+    block_size: BlockSize
+    hash_fn_name: ShortText
+    groups: Annotated[tuple[KVGroupLayout, ...], Meta(min_length=1, max_length=MAX_GROUPS)]
+    incarnation: Text = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_layout: Text = KV_LAYOUT_NAME
 
     @classmethod
     def from_kv_caches(

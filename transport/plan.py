@@ -32,8 +32,9 @@ from typing import NamedTuple
 
 from .base import BlockValidator, GroupRead
 from .errors import WireError
+from .limits import MAX_BLOCKS_PER_READ
 from .metadata import NodeMetadata
-from .wire import MAX_BLOCKS_PER_READ, GroupReadMsg, Read
+from .wire import GroupReadMsg, Read
 
 
 class Chunk(NamedTuple):

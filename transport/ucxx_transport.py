@@ -14,33 +14,19 @@ UCX state is per process: every ``UcxxTransport`` in a process shares one worker
 Endpoints: one per control connection on each side, created right after the handshake (never
 per read); a dropped connection aborts it, which cancels every UCX request still posted on it.
 
-Requester side of a read (holder side: ``ucxx_holder``)::
-
-    send Read ──> ReadOk(mismatched) ──> for chunk k: recv(tag_base + k), ``window`` posted ahead,
-                                         into the KV tensor itself (one layer, a run of local
-                                         ids) or into reused staging, then copied in off the
-                                         event loop thread (``staging.copy_in``)
-              ──> ReadDone(mismatched)   only for a read with expected hashes: blocks that failed
-                                         the holder's re-check after their bytes left (landed
-                                         here, but counted as failed)
-
-A cancelled, timed-out or task-cancelled read never cancels a receive while the holder lives (a
-receive cancelled after it matched a rendezvous leaves the holder's send waiting forever): it
-sends ``Cancel(num_chunks_posted)``, the holder completes the posted chunks it never sent with
-empty messages and answers how many it issued, and the requester receives and drops the issued
-chunks it had not posted. Only when the holder is dead or does not answer is the connection torn
-down (endpoint aborted).
+Roles of the modules behind this class: the holder side is ``ucxx_holder`` (connections,
+checks, ``ReadOk``) with one serve class per data path (``ucx_serve``, ``cma_serve``); a read
+here is one ``read_path.ReadPath`` (the control exchange), chosen once per read from its
+connection: ``ucx_read.UcxReadPath`` or ``cma_read.CmaReadPath``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import ucxx
@@ -54,46 +40,31 @@ from .base import (
     Transport,
     check_kv_caches_match,
 )
-from .cma import CmaHost, CmaPeer, CmaPlan, CmaReadError
+from .cma import CmaHost, CmaPeer
+from .cma_read import CmaReadPath
 from .control import HolderConnection, read_frame, write_message
 from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
-from .plan import (
-    block_nbytes_by_entry,
-    check_read_done,
-    expects_read_done,
-    good_positions,
-    pick,
-    plan_chunks,
-)
-from .staging import StagingPool, chunk_view, copy_in, run_copy, run_start, wire_buffer
-from .transfer import (
-    ReadState,
-    begin_read,
-    drive_read,
-)
+from .read_path import ReadPath
+from .staging import StagingPool
+from .transfer import ReadState, begin_read, drive_read
 from .ucx_progress import ProgressBooster, booster_for_running_loop
+from .ucx_read import UcxReadPath
 from .ucxx_holder import UcxxHolder
 from .wire import (
-    Cancel,
-    CancelOk,
     ErrorMsg,
     Heartbeat,
     Hello,
     HelloOk,
-    Message,
     Read,
-    ReadCopied,
-    ReadDone,
-    ReadOk,
-    TransferDone,
+    TransferDoneNotice,
+    decode_message,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROGRESS_MODE = "blocking"
 HANDSHAKE_TIMEOUT_S = 10.0
-CANCEL_REPLY_TIMEOUT_S = 2.0
 
 
 UCX_OPTIONS: dict[str, str] = {}
@@ -212,7 +183,7 @@ class UcxxTransport(Transport):
         conn = self._conns.get(PeerAddress(*peer))
         if conn is None:
             return None
-        return "cma" if conn.cma is not None else "ucx"
+        return (CmaReadPath if conn.cma is not None else UcxReadPath).name
 
     @property
     def num_active_serves(self) -> int:
@@ -270,12 +241,13 @@ class UcxxTransport(Transport):
         except (TimeoutError, OSError) as exc:
             raise TransportError(f"peer {tuple(peer)} unreachable: {exc}") from None
         try:
-            await write_message(
-                writer, Hello(metadata=self.metadata, worker_address=self._holder.worker_address)
+            hello = Hello(
+                metadata=self.metadata,
+                compat_hash=self.metadata.compat_hash,
+                worker_address=self._holder.worker_address,
             )
+            await write_message(writer, hello)
             try:
-                from .wire import decode_message
-
                 reply = decode_message(
                     await asyncio.wait_for(read_frame(reader), HANDSHAKE_TIMEOUT_S)
                 )
@@ -323,9 +295,10 @@ class UcxxTransport(Transport):
         reason: str = "",
     ) -> None:
         await self.connect(peer)
-        await self._conns[PeerAddress(*peer)].send(
-            TransferDone(request_id=request_id, success=success, reason=reason)
+        notice = TransferDoneNotice(
+            peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason
         )
+        await self._conns[PeerAddress(*peer)].send(notice)
 
     async def cancel(self, request_id: str) -> int:
         states = [s for s in self._reads.values() if s.request_id == request_id]
@@ -349,7 +322,6 @@ class UcxxTransport(Transport):
         )
         transfer_id = read.transfer_id
         self._reads[transfer_id] = state
-        io = _ReadIO()
         try:
             with self._booster.hold():  # a first connection creates a UCX endpoint
                 try:
@@ -359,326 +331,43 @@ class UcxxTransport(Transport):
                     raise
                 except (TransportError, TimeoutError) as exc:
                     raise state.error(TransferError, f"cannot reach holder: {exc!r}") from None
-            conn = self._conns[PeerAddress(*peer)]
-            if conn.cma is not None:
-                read = dataclasses.replace(read, cma=True)
+            path = self._read_path(self._conns[PeerAddress(*peer)], read, state)
             # a UCX read progresses UCX on every turn of the loop until it ends
             # (``ucx_progress``); a same-host read moves no UCX message, so the loop may sleep
-            with contextlib.nullcontext() if read.cma else self._booster.hold():
-                return await drive_read(
-                    state,
-                    self._run_read(conn, read, state, io),
-                    lambda reason: self._abort_read(conn, read, io),
-                    deadline_s,
-                )
+            with self._booster.hold() if path.progresses_ucx else contextlib.nullcontext():
+                return await drive_read(state, path.run(), lambda _: path.abort(), deadline_s)
         finally:
             del self._reads[transfer_id]
 
-    async def _run_read(
-        self, conn: HolderConnection, read: Read, state: ReadState, io: _ReadIO
-    ) -> ReadResult:
-        reply_future = conn.expect(read.transfer_id, ReadOk)
-        # registered before the Read goes out: ReadDone may arrive before the last chunk lands
-        done_future = conn.expect(read.transfer_id, ReadDone) if expects_read_done(read) else None
-        # after ReadOk, a holder that fails mid-read says so with an ErrorMsg: to the ReadDone
-        # waiter when there is one, else to this one (``HolderConnection`` routes by transfer)
-        error_future = conn.expect(read.transfer_id, ErrorMsg) if done_future is None else None
-        io.holder_word = done_future or error_future
-        try:
-            return await self._run_read_replies(conn, read, state, io, reply_future, done_future)
-        finally:
-            for kind, future in (
-                (ReadOk, reply_future),
-                (ReadDone, done_future),
-                (ErrorMsg, error_future),
-            ):
-                conn.forget(read.transfer_id, kind)
-                if future is not None and future.done() and not future.cancelled():
-                    future.exception()  # retrieved: a lost connection fails it unawaited
-
-    async def _run_read_replies(
-        self,
-        conn: HolderConnection,
-        read: Read,
-        state: ReadState,
-        io: _ReadIO,
-        reply_future: asyncio.Future[Message],
-        done_future: asyncio.Future[Message] | None,
-    ) -> ReadResult:
-        try:
-            await conn.send(read)
-            # a same-host read plans its copy while the holder checks the read
-            cma_plan = self._cma_plan(conn, read, state, None) if read.cma else None
-            reply = await reply_future
-        except TransportError as exc:
-            raise state.error(TransferError, str(exc)) from None
-        if isinstance(reply, ErrorMsg):
-            raise state.error(TransferError, f"holder refused the read: {reply.message}")
-        assert isinstance(reply, ReadOk)
-        if len(reply.mismatched) != len(read.groups) or any(
-            p >= len(g.block_ids)
-            for g, ps in zip(read.groups, reply.mismatched, strict=False)
-            for p in ps
-        ):
-            raise state.error(TransferError, "holder sent a ReadOk that does not fit the read")
-        state.mismatched = reply.mismatched
-        good = [
-            good_positions(len(g.block_ids), reply.mismatched[i]) for i, g in enumerate(read.groups)
-        ]
-        group_ids = [g.group_id for g in read.groups]
-        if read.cma:
-            if cma_plan is None or any(reply.mismatched):
-                cma_plan = self._cma_plan(conn, read, state, good)
-            try:
-                await self._copy_cma(conn, state, good, cma_plan)
-                if done_future is not None:
-                    await conn.send(ReadCopied(transfer_id=read.transfer_id))
-                    await self._apply_read_done(read, state, done_future)
-            except TransportError as exc:
-                if not isinstance(exc, TransferError):
-                    exc = state.error(TransferError, str(exc))
-                await self._drop_connection(conn)
-                raise exc from None
-            return state.result()
-        chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
-
-        def local_ids(chunk_idx: int) -> list[int]:
-            chunk = chunks[chunk_idx]
-            local = state.local_block_ids[chunk.entry]
-            return pick(local, good[chunk.entry], chunk.start, chunk.stop)
-
-        def post(chunk_idx: int) -> None:
-            chunk = chunks[chunk_idx]
-            group_id = read.groups[chunk.entry].group_id
-            caches = self.kv_caches_by_group[group_id]
-            ids = local_ids(chunk_idx)
-            start = run_start(ids) if len(caches) == 1 else None
-            buffer: torch.Tensor | None = None
-            if start is not None:  # one layer, a run of ids: receive into the KV tensor itself
-                target = caches[0][start : start + len(ids)]
-            else:
-                layout = self.metadata.groups[group_id]
-                buffer = self.staging.acquire()
-                target = chunk_view(
-                    buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
-                )
-            recv = asyncio.ensure_future(
-                conn.endpoint.recv(  # type: ignore[attr-defined]
-                    wire_buffer(target), tag=read.tag_base + chunk_idx, force_tag=True
-                )
+    def _read_path(self, conn: HolderConnection, read: Read, state: ReadState) -> ReadPath:
+        """The data path of one read from ``conn``: a same-host copy when the holder's offer
+        was accepted at handshake, else UCX tag messages."""
+        if conn.cma is not None:
+            return CmaReadPath(
+                conn,
+                read,
+                state,
+                metadata=self.metadata,
+                drop_connection=self._drop_connection,
+                kv_caches_by_group=self.kv_caches_by_group,
+                unreadable_incarnations=self._cma_failed,
+                on_batch=self._cma_on_batch,
             )
-            io.posted[chunk_idx] = _Posted(recv=recv, buffer=buffer, target=target)
-            io.num_posted = chunk_idx + 1
-
-        try:
-            await self._land_chunks(conn, read, state, io, chunks, good, post, local_ids)
-            if done_future is not None:
-                await self._apply_read_done(read, state, done_future)
-            return state.result()
-        except asyncio.CancelledError:
-            raise  # drive_read runs _abort_read, which settles the posted receives
-        except BaseException:
-            await self._drop_connection(conn)  # the holder is gone: cancel what is posted
-            await self._settle(io, [], 1.0)
-            raise
-
-    async def _land_chunks(  # type: ignore[no-untyped-def]
-        self, conn, read, state, io, chunks, good, post, local_ids
-    ) -> ReadResult:
-        for chunk_idx in range(min(self.window, len(chunks))):
-            post(chunk_idx)
-        for chunk_idx, chunk in enumerate(chunks):
-            posted = io.posted[chunk_idx]
-            if not posted.recv.done():
-                waits = {posted.recv, conn.lost}
-                if io.holder_word is not None and not io.holder_word.done():
-                    waits.add(io.holder_word)  # an early ReadDone is fine; an ErrorMsg is not
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            failure = _holder_failure(io.holder_word)
-            if failure is not None:
-                raise state.error(TransferError, f"holder failed the read: {failure}")
-            if not posted.recv.done() or posted.recv.exception() is not None:
-                raise state.error(TransferError, f"holder connection lost: {conn.lost.result()}")
-            del io.posted[chunk_idx]
-            if chunk_idx + self.window < len(chunks):
-                post(chunk_idx + self.window)  # keep the window full while this chunk lands
-            if posted.buffer is not None:
-                group_id = read.groups[chunk.entry].group_id
-                try:
-                    await run_copy(
-                        copy_in,
-                        posted.target,
-                        self.kv_caches_by_group[group_id],
-                        local_ids(chunk_idx),
-                        nbytes=posted.target.nbytes,
-                    )
-                finally:
-                    self.staging.release(posted.buffer)
-            state.landed[chunk.entry].update(good[chunk.entry][chunk.start : chunk.stop])
-            state.num_bytes_landed += posted.target.numel() * posted.target.element_size()
-
-    def _cma_plan(
-        self,
-        conn: HolderConnection,
-        read: Read,
-        state: ReadState,
-        good: list[list[int]] | None,
-    ) -> CmaPlan:
-        """The copy plan of a same-host read: the ``good`` positions of each group entry, or
-        every position (``None``: planned before ``ReadOk``, used when nothing mismatched)."""
-        assert isinstance(conn.cma, CmaPeer)
-        entries = []
-        for entry, group in enumerate(read.groups):
-            positions = range(len(group.block_ids)) if good is None else good[entry]
-            remote = pick(group.block_ids, positions, 0, len(positions))
-            local = pick(state.local_block_ids[entry], positions, 0, len(positions))
-            entries.append((group.group_id, remote, local))
-        return conn.cma.plan(self.kv_caches_by_group, entries)
-
-    async def _copy_cma(
-        self, conn: HolderConnection, state: ReadState, good: list[list[int]], plan: CmaPlan
-    ) -> None:
-        """Run a same-host read's copy ``plan`` (``cma``), then re-read the holder's probe (the
-        process is still the one checked at handshake). Mutates ``state`` (landed, bytes) only
-        once every block of ``good`` is in.
-
-        Raises:
-            TransferError: a copy call failed or the probe changed; every block is named.
-        """
-        peer = conn.cma
-        assert isinstance(peer, CmaPeer)
-        try:
-            await peer.copy(plan, self._cma_on_batch)
-            if peer.read_probe() != peer.offer.probe:
-                raise CmaReadError("the holder's probe changed: another process has its pid")
-        except CmaReadError as exc:
-            if exc.errno_name != "ESRCH":  # not "the holder is gone": its memory is unreadable
-                logger.warning(
-                    "same-host copy from %s failed (%s); its reads go over UCX from now on",
-                    conn.remote.engine_id,
-                    exc,
-                )
-                self._cma_failed.add(conn.remote.incarnation)
-            raise state.error(
-                TransferError, f"same-host copy from {conn.remote.engine_id!r} failed: {exc}"
-            ) from None
-        for entry, positions in enumerate(good):
-            state.landed[entry].update(positions)
-        state.num_bytes_landed += plan.nbytes
-
-    async def _apply_read_done(
-        self, read: Read, state: ReadState, done_future: asyncio.Future[Message]
-    ) -> None:
-        """Wait for the holder's ``ReadDone`` and fail the blocks it names. Without it the
-        hash-checked blocks are unconfirmed and the read fails naming them."""
-        try:
-            done = await done_future
-            if isinstance(done, ErrorMsg):
-                raise TransportError(f"holder failed the read: {done.message}")
-            assert isinstance(done, ReadDone)
-            check_read_done(read, state.mismatched, done.mismatched)
-        except TransportError as exc:  # WireError too: a ReadDone that does not fit the read
-            raise state.error(TransferError, f"no valid ReadDone from the holder: {exc}") from None
-        state.fail_late(done.mismatched, block_nbytes_by_entry(self.metadata, read))
-
-    async def _abort_read(self, conn: HolderConnection, read: Read, io: _ReadIO) -> None:
-        """Stop a read whose core was cancelled, leaving no UCX request posted or issued.
-
-        The holder is told how many receives are posted; it completes the ones it never sent
-        with empty messages and answers how many it issued, and the chunks issued beyond the
-        posted ones are received into scratch staging. If the holder does not answer or the
-        connection is gone, the connection is torn down, which aborts its endpoint and with it
-        every receive still posted (staging whose receive does not end is forgotten, not reused).
-        """
-        drains: list[tuple[asyncio.Future[object], torch.Tensor]] = []
-        torn_down = not conn.alive
-        if not torn_down:
-            reply_future = conn.expect(read.transfer_id, CancelOk)
-            try:
-                # bounded: a frozen holder that stopped reading leaves a full socket behind,
-                # and this path outlasts the caller's cancellations (``transfer.drive_read``)
-                async with asyncio.timeout(CANCEL_REPLY_TIMEOUT_S):
-                    await conn.send(
-                        Cancel(transfer_id=read.transfer_id, num_chunks_posted=io.num_posted)
-                    )
-                    reply = await reply_future
-            except (TransportError, TimeoutError):
-                conn.forget(read.transfer_id, CancelOk)
-                reply = None
-            if isinstance(reply, CancelOk):
-                for chunk_idx in range(io.num_posted, reply.num_chunks_issued):
-                    buffer = self.staging.acquire()
-                    recv = asyncio.ensure_future(
-                        conn.endpoint.recv(  # type: ignore[attr-defined]
-                            wire_buffer(buffer), tag=read.tag_base + chunk_idx, force_tag=True
-                        )
-                    )
-                    drains.append((recv, buffer))
-            else:
-                torn_down = True
-        pending = [p.recv for p in io.posted.values()] + [recv for recv, _ in drains]
-        if pending and not torn_down:
-            await asyncio.wait([*pending, conn.lost], timeout=CANCEL_REPLY_TIMEOUT_S)
-            torn_down = not all(f.done() for f in pending)
-        if torn_down:
-            await self._drop_connection(conn)
-        await self._settle(io, drains, 1.0)
-
-    async def _settle(
-        self,
-        io: _ReadIO,
-        drains: list[tuple[asyncio.Future[object], torch.Tensor]],
-        timeout_s: float,
-    ) -> None:
-        """Wait up to ``timeout_s`` for the read's receives to end (completed, or cancelled by an
-        endpoint abort), then release their staging; a buffer UCX may still write is forgotten."""
-        pending = [p.recv for p in io.posted.values()] + [recv for recv, _ in drains]
-        if pending and not all(f.done() for f in pending):
-            await asyncio.wait(pending, timeout=timeout_s)
-        for recv in pending:
-            if recv.done() and not recv.cancelled():
-                recv.exception()  # retrieved: a cancelled receive is expected here
-        owned = [(p.recv, p.buffer) for p in io.posted.values()] + list(drains)
-        io.posted.clear()
-        for recv, buffer in owned:
-            if buffer is None:
-                continue
-            if recv.done():
-                self.staging.release(buffer)
-            else:
-                self.staging.forget(buffer)
+        return UcxReadPath(
+            conn,
+            read,
+            state,
+            metadata=self.metadata,
+            drop_connection=self._drop_connection,
+            kv_caches_by_group=self.kv_caches_by_group,
+            staging=self.staging,
+            window=self.window,
+        )
 
     async def _drop_connection(self, conn: HolderConnection) -> None:
+        """Forget ``conn`` (the next read from its peer reconnects) and close it, which aborts
+        its endpoint: every receive still posted on it ends."""
         for peer, known in list(self._conns.items()):
             if known is conn:
                 del self._conns[peer]
         await conn.close()
-
-
-@dataclass(slots=True)
-class _Posted:
-    """A receive posted for one chunk: into ``buffer`` (staging) or straight into the KV tensor
-    (``buffer`` None); ``target`` is the typed view the bytes land in."""
-
-    recv: asyncio.Future[object]
-    buffer: torch.Tensor | None
-    target: torch.Tensor
-
-
-@dataclass(slots=True)
-class _ReadIO:
-    """UCX receives of one read, shared by its core and its abort path; ``holder_word`` is
-    the reply future through which the holder's ``ErrorMsg`` about the read arrives."""
-
-    posted: dict[int, _Posted] = field(default_factory=dict)
-    num_posted: int = 0
-    holder_word: asyncio.Future[Message] | None = None
-
-
-def _holder_failure(word: asyncio.Future[Message] | None) -> str | None:
-    """The holder's error message about a read, once one arrived (None otherwise, also for an
-    early ``ReadDone`` or a lost connection, which the caller handles)."""
-    if word is None or not word.done() or word.cancelled() or word.exception() is not None:
-        return None
-    message = word.result()
-    return message.message if isinstance(message, ErrorMsg) else None

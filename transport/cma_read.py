@@ -1,0 +1,121 @@
+"""The same-host data path of a read, requester side: ``CmaReadPath`` copies the blocks straight
+out of the holder's KV tensors (``cma``: ``process_vm_readv``, one copy, no staging, no UCX
+message; holder side: ``cma_serve``).
+
+The read is a ``Read`` with ``cma`` set. The copy plan is made while the holder checks the read
+(every position), and made again only when ``ReadOk`` names mismatched blocks; after the copy the
+holder's probe is read again (the process is still the one checked at handshake), and a read
+with expected hashes sends ``ReadCopied`` and waits for the holder's ``ReadDone``::
+
+    send Read(cma) ──> plan ──> ReadOk(mismatched) ──> copy good blocks ──> probe
+                   ──> ReadCopied ──> ReadDone(mismatched)      only with expected hashes
+
+A copy that fails on memory the kernel will not read (not a holder that is gone) adds the
+holder's incarnation to ``unreadable_incarnations``: its later connections go over UCX.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import msgspec
+import torch
+
+from .cma import CmaPeer, CmaPlan, CmaReadError
+from .control import HolderConnection
+from .errors import TransferError
+from .metadata import NodeMetadata
+from .plan import pick
+from .read_path import DropConnection, ReadPath
+from .transfer import ReadState
+from .wire import Read, ReadCopied
+
+logger = logging.getLogger(__name__)
+
+
+class CmaReadPath(ReadPath):
+    """One read by a same-host copy (see the module docstring); ``conn.cma`` is the accepted
+    offer.
+
+    Args:
+        kv_caches_by_group: this node's ``[group][layer]`` KV tensors (the local blocks of the
+            read are written).
+        unreadable_incarnations: incarnations of holders whose memory could not be read; this
+            read adds its holder's when that happens (mutated).
+        on_batch: runs before every copy call (tests interleave failures with it).
+    """
+
+    name = "cma"
+    progresses_ucx = False
+
+    def __init__(
+        self,
+        conn: HolderConnection,
+        read: Read,
+        state: ReadState,
+        *,
+        metadata: NodeMetadata,
+        drop_connection: DropConnection,
+        kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+        unreadable_incarnations: set[str],
+        on_batch: Callable[[], None] | None = None,
+    ):
+        assert isinstance(conn.cma, CmaPeer)
+        read = msgspec.structs.replace(read, cma=True)
+        super().__init__(conn, read, state, metadata=metadata, drop_connection=drop_connection)
+        self._peer: CmaPeer = conn.cma
+        self._caches = kv_caches_by_group
+        self._unreadable = unreadable_incarnations
+        self._on_batch = on_batch
+        self._plan: CmaPlan | None = None
+
+    def _before_reply(self) -> None:
+        self._plan = self._make_plan(None)  # while the holder checks the read
+
+    async def _land(self, good: list[list[int]]) -> None:
+        """Copy the ``good`` blocks, then re-read the holder's probe. Mutates ``state`` (landed,
+        bytes) only once every block of ``good`` is in.
+
+        Raises:
+            TransferError: a copy call failed or the probe changed; every block is named.
+        """
+        plan = self._plan
+        if plan is None or any(self.state.mismatched):
+            plan = self._make_plan(good)
+        peer, remote = self._peer, self.conn.remote
+        try:
+            await peer.copy(plan, self._on_batch)
+            if peer.read_probe() != peer.offer.probe:
+                raise CmaReadError("the holder's probe changed: another process has its pid")
+        except CmaReadError as exc:
+            if exc.errno_name != "ESRCH":  # not "the holder is gone": its memory is unreadable
+                logger.warning(
+                    "same-host copy from %s failed (%s); its reads go over UCX from now on",
+                    remote.engine_id,
+                    exc,
+                )
+                self._unreadable.add(remote.incarnation)
+            raise self.state.error(
+                TransferError, f"same-host copy from {remote.engine_id!r} failed: {exc}"
+            ) from None
+        for entry, positions in enumerate(good):
+            self.state.landed[entry].update(positions)
+        self.state.num_bytes_landed += plan.nbytes
+
+    def _make_plan(self, good: list[list[int]] | None) -> CmaPlan:
+        """The copy plan of the ``good`` positions of each group entry, or of every position
+        (``None``: planned before ``ReadOk``, used when nothing mismatched)."""
+        entries = []
+        for entry, group in enumerate(self.read.groups):
+            positions = range(len(group.block_ids)) if good is None else good[entry]
+            remote = pick(group.block_ids, positions, 0, len(positions))
+            local = pick(self.state.local_block_ids[entry], positions, 0, len(positions))
+            entries.append((group.group_id, remote, local))
+        return self._peer.plan(self._caches, entries)
+
+    async def _before_read_done(self) -> None:
+        await self.conn.send(ReadCopied(transfer_id=self.read.transfer_id))
+
+    async def _fail(self) -> None:
+        await self._drop_connection(self.conn)
