@@ -381,10 +381,6 @@ _KNOWN_CYCLES = {
     frozenset({"kvbridge.kvmanager.integrity", "kvbridge.kvmanager.kv_cache_manager"}),
 }
 _KNOWN_LONG_MODULES = {
-    # one class per data path (UCX, same-host copy) and msgspec wire schemas: issue 12, not landed
-    "transport/ucxx_transport.py",
-    "transport/wire.py",
-    "transport/ucxx_holder.py",
     # BlockHashToBlockMap should move to its own module (issue 12 leftover)
     "kvmanager/block_pool.py",
 }
