@@ -206,7 +206,8 @@ class KVBridgeScheduler:
             num_local_tokens=num_computed_tokens,
             num_remote_tokens=num_remote,
         )
-        return MatchedTokens(max(num_remote - num_computed_tokens, 0), True)
+        num_new = max(num_remote - num_computed_tokens, 0)
+        return MatchedTokens(num_new, num_new > 0)  # vLLM: no async load of zero tokens
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """DESIGN step 6: a request without a ticket asks the index for its longest prefix held

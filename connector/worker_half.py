@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
 from kvbridge.transport import (
+    KV_LAYOUT_NAME,
     LoopbackFaults,
     LoopbackNetwork,
     LoopbackTransport,
@@ -113,8 +114,16 @@ class KVBridgeWorker:
         self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ start
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], *, kv_layout: str = KV_LAYOUT_NAME
+    ) -> None:
         """Start this node's transport over the KV tensors (group order from the config).
+
+        Args:
+            kv_caches: layer name -> ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
+                tensor (or a view of that shape over another engine's block-major cache).
+            kv_layout: the name of the bytes' real layout inside a block (the handshake refuses
+                a peer whose layout differs).
 
         Raises:
             RuntimeError: when called twice.
@@ -130,6 +139,7 @@ class KVBridgeWorker:
             kv_caches_by_group=by_group,
             model_name=self.config.model_name,
             hash_fn_name=self.hash_fn_name,
+            kv_layout=kv_layout,
         )
         metadata = replace(metadata, incarnation=str(self.incarnation))
         if self.offload_sender is not None:

@@ -30,7 +30,7 @@ from .errors import (
     WireError,
 )
 from .loopback import LoopbackFaults, LoopbackNetwork, LoopbackTransport
-from .metadata import KVGroupLayout, NodeMetadata, check_compatible
+from .metadata import KV_LAYOUT_NAME, KVGroupLayout, NodeMetadata, check_compatible
 from .wire import WIRE_VERSION
 
 
@@ -47,6 +47,7 @@ __all__ = [
     "WIRE_VERSION",
     "BlockValidator",
     "GroupRead",
+    "KV_LAYOUT_NAME",
     "HandshakeError",
     "HeartbeatCallback",
     "HolderCallbacks",

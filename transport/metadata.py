@@ -112,9 +112,12 @@ class NodeMetadata:
         kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
         model_name: str,
         hash_fn_name: str,
+        kv_layout: str = KV_LAYOUT_NAME,
     ) -> NodeMetadata:
         """Metadata of a node whose KV tensors are ``kv_caches_by_group[g][layer]``; ``dtype`` and
-        ``block_size`` are read from group 0 (axis 2 of the tensor is the block size)."""
+        ``block_size`` are read from group 0 (axis 2 of the tensor is the block size).
+        ``kv_layout`` names the bytes' real arrangement inside a block when the tensors are a
+        blocks-first view of another engine's cache (two nodes must name the same layout)."""
         groups = tuple(KVGroupLayout.from_kv_caches(caches) for caches in kv_caches_by_group)
         if not groups:
             raise ValueError("kv_caches_by_group is empty: a node has at least one KV cache group")
@@ -125,6 +128,7 @@ class NodeMetadata:
             block_size=groups[0].block_shape[1],
             hash_fn_name=hash_fn_name,
             groups=groups,
+            kv_layout=kv_layout,
         )
 
     @property

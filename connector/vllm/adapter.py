@@ -1,0 +1,233 @@
+"""``KVBridgeConnector`` for vLLM: ``KVConnectorBase_V1`` over kvbridge's two halves.
+
+vLLM builds one instance per role (vllm/distributed/kv_transfer/kv_connector/v1/base.py): the
+scheduler half in the EngineCore process, the worker half in the Worker process (with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` both in one). Each instance wraps one kvbridge half
+(``KVBridgeScheduler`` / ``KVBridgeWorker``, the same ones kvbridge's own engine runs), so the
+transport, tickets, leases, deadlines, hash checks and failure reports are the same; vLLM's own
+KV cache manager does the block management and vLLM's ``kv_load_failure_policy`` applies to
+the blocks the worker reports in ``get_block_ids_with_load_errors``.
+
+Everything the halves say to each other travels as msgpack bytes inside vLLM's metadata types
+(``_StepOrders``, ``_WorkerReport``, ``_Handshake``): vLLM pickles those between processes,
+and bytes pickle as themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from ..metadata import (
+    WorkerHandshake,
+    decode_metadata,
+    decode_worker_meta,
+    encode_metadata,
+    encode_worker_meta,
+)
+from ..scheduler_half import KVBridgeScheduler
+from ..stats import KVTransferStats
+from ..worker_half import KVBridgeWorker
+from .translate import (
+    RequestView,
+    blocks_first_views,
+    config_from_vllm,
+    kv_cache_config_from_vllm,
+    kv_layout_name,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVBridgeConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+class _StepOrders(KVConnectorMetadata):
+    """One step's ``KVBridgeConnectorMetadata`` as msgpack bytes."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
+class _WorkerReport(KVConnectorWorkerMetadata):
+    """The workers' ``KVBridgeWorkerMeta`` reports of one step, as msgpack bytes."""
+
+    def __init__(self, payloads: list[bytes]) -> None:
+        self.payloads = payloads
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, _WorkerReport)
+        return _WorkerReport(self.payloads + other.payloads)
+
+
+class _Handshake(KVConnectorHandshakeMetadata):
+    """The worker half's ``WorkerHandshake`` as msgpack bytes."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """kvbridge as a vLLM KV connector (one half per instance, chosen by ``role``).
+
+    Args:
+        vllm_config: the engine's config; ``kv_transfer_config`` carries kvbridge's settings.
+        role: ``KVConnectorRole.SCHEDULER`` or ``WORKER``.
+        kv_cache_config: vLLM's KV cache config (groups, layer names, block count).
+
+    Raises:
+        KVTransferConfigError: bad ``kv_connector_extra_config`` (naming the key), or a KV
+            cache group kvbridge cannot move.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        model_name = str(vllm_config.model_config.served_model_name or "vllm")
+        self.config = config_from_vllm(vllm_config.kv_transfer_config, model_name=model_name)
+        self._ours = kv_cache_config_from_vllm(kv_cache_config)
+        hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        self._scheduler: KVBridgeScheduler | None = None
+        self._worker: KVBridgeWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KVBridgeScheduler(
+                self.config,
+                block_size=self._ours.kv_cache_groups[0].kv_cache_spec.block_size,
+                num_groups=len(self._ours.kv_cache_groups),
+                hash_fn_name=hash_fn_name,
+            )
+        else:
+            self._worker = KVBridgeWorker(self.config, self._ours, hash_fn_name=hash_fn_name)
+
+    @property
+    def stats(self) -> KVTransferStats:
+        """This half's statistics (the scheduler half's include the worker's reports)."""
+        half = self._scheduler if self._scheduler is not None else self._worker
+        assert half is not None
+        return half.stats
+
+    def _sched(self) -> KVBridgeScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on the worker half")
+        return self._scheduler
+
+    def _work(self) -> KVBridgeWorker:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on the scheduler half")
+        return self._worker
+
+    # ================================================================== scheduler half
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        matched = self._sched().get_num_new_matched_tokens(
+            RequestView.of(request), num_computed_tokens
+        )
+        return matched.num_external_tokens, matched.load_kv_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(
+            RequestView.of(request), blocks, num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return _StepOrders(encode_metadata(self._sched().build_connector_meta(scheduler_output)))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        payloads = report.payloads if isinstance(report, _WorkerReport) else []
+        if not payloads:
+            self._sched().update_connector_output(None)
+        for payload in payloads:
+            self._sched().update_connector_output(decode_worker_meta(payload))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        result = self._sched().request_finished(RequestView.of(request), (list(block_ids),))
+        return result.delay_free, result.kv_transfer_params
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        handshake = metadata.get(0)
+        if isinstance(handshake, _Handshake):
+            self._sched().set_xfer_handshake_metadata(
+                msgspec.msgpack.decode(handshake.payload, type=WorkerHandshake)
+            )
+
+    # ================================================================== worker half
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        layout = kv_layout_name(f"{first.device.type}-attn", first)
+        self._work().register_kv_caches(
+            blocks_first_views(kv_caches, self._ours), kv_layout=layout
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        handshake = self._work().get_handshake_metadata()
+        return None if handshake is None else _Handshake(msgspec.msgpack.encode(handshake))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, _StepOrders):
+            self._work().bind_connector_metadata(decode_metadata(connector_metadata.payload))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._work().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # whole-request pulls: a request runs only after its load settled
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # the holder serves reads from its KV tensors; nothing to push
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta = self._work().build_connector_worker_meta()
+        stats = meta.stats
+        if not (stats.counters or stats.transfer_s or meta.offload_outcomes):
+            return None  # nothing to report (vLLM may skip empty outputs)
+        return _WorkerReport([encode_worker_meta(meta)])
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,181 @@
+"""The edge between vLLM's objects and kvbridge's: settings, KV cache config, requests, KV tensors.
+
+Everything vLLM hands the adapter is translated here and nowhere else (DESIGN.md, "Inside
+vLLM"). Facts about vLLM 0.32.0 this relies on are measured in ``tests/vllm_probe``
+(``VLLM_API_NOTES.md``): the CPU attention backend's per-layer cache is block-major
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K stored transposed in the first half
+of each head's run), a request's ``kv_transfer_params`` is its ``SamplingParams.extra_args``
+dict (the same object), and ``request.block_hashes`` lists one hash per full block.
+
+This module imports nothing of vLLM: it reads vLLM's objects by attribute, so its functions are
+tested without a vLLM install.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kvbridge.kvmanager.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from kvbridge.kvmanager.request import RequestStatus
+
+from ..config import KVTransferConfig
+from ..errors import KVTransferConfigError
+
+__all__ = [
+    "RequestView",
+    "blocks_first_views",
+    "config_from_vllm",
+    "kv_cache_config_from_vllm",
+    "kv_layout_name",
+]
+
+
+def config_from_vllm(kv_transfer_config: Any, *, model_name: str) -> KVTransferConfig:
+    """kvbridge's settings from vLLM's ``KVTransferConfig`` (``kv_role``, ``engine_id``,
+    ``kv_connector_extra_config``); ``model_name`` (vLLM's served model) is the default of the
+    extra key of that name.
+
+    Raises:
+        KVTransferConfigError: an unknown or bad key, or a ``load_failure_policy`` in the extra
+            config that contradicts vLLM's own ``kv_load_failure_policy`` (vLLM applies its
+            own; two answers to one question are refused).
+    """
+    extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+    vllm_policy = getattr(kv_transfer_config, "kv_load_failure_policy", None)
+    ours = extra.get("load_failure_policy")
+    if ours is not None and vllm_policy is not None and ours != vllm_policy:
+        raise KVTransferConfigError(
+            f"kv_connector_extra_config.load_failure_policy={ours!r} contradicts "
+            f"kv_load_failure_policy={vllm_policy!r}: vLLM applies its own; set that one"
+        )
+    if vllm_policy is not None:
+        extra["load_failure_policy"] = vllm_policy
+    extra.setdefault("model_name", model_name)
+    role = kv_transfer_config.kv_role
+    return KVTransferConfig.from_dict(
+        {
+            "kv_connector": kv_transfer_config.kv_connector or "KVBridgeConnector",
+            "kv_role": getattr(role, "value", role) or "kv_both",
+            "engine_id": kv_transfer_config.engine_id or "vllm",
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, str(dtype).removeprefix("torch."))
+
+
+def kv_cache_config_from_vllm(kv_cache_config: Any) -> KVCacheConfig:
+    """kvbridge's ``KVCacheConfig`` for vLLM's: the same block count, groups, layer names and
+    per-layer block geometry (``page_size_bytes`` agrees with vLLM's for attention specs).
+
+    Raises:
+        KVTransferConfigError: a group whose spec is not (sliding-window) attention (Mamba,
+            cross-attention and others are not transferred yet).
+    """
+    groups = []
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if not hasattr(spec, "num_kv_heads") or "Mamba" in kind or "Cross" in kind:
+            raise KVTransferConfigError(
+                f"KV cache group {group_id} is {kind}: kvbridge moves attention KV only"
+            )
+        geometry = {
+            "block_size": int(spec.block_size),
+            "num_kv_heads": int(spec.num_kv_heads),
+            "head_size": int(spec.head_size),
+            "dtype": _torch_dtype(spec.dtype),
+        }
+        window = getattr(spec, "sliding_window", None)
+        ours = (
+            SlidingWindowSpec(**geometry, sliding_window=int(window))
+            if "SlidingWindow" in kind
+            else FullAttentionSpec(**geometry)
+        )
+        groups.append(KVCacheGroupSpec(list(group.layer_names), ours))
+    return KVCacheConfig(num_blocks=int(kv_cache_config.num_blocks), kv_cache_groups=groups)
+
+
+def kv_layout_name(backend: str, tensor: torch.Tensor) -> str:
+    """The handshake's name of a vLLM cache layout: the attention backend and the per-block
+    shape, so two engines whose bytes are arranged differently refuse each other."""
+    block_shape = ",".join(str(s) for s in tensor.shape[1:])
+    return f"vllm:{backend}:blocks_first[{block_shape}]:{str(tensor.dtype).removeprefix('torch.')}"
+
+
+def blocks_first_views(
+    kv_caches: Mapping[str, torch.Tensor], config: KVCacheConfig
+) -> dict[str, torch.Tensor]:
+    """Each layer's cache as the ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` view
+    kvbridge's transport moves (the same memory: a block's bytes are copied whole, never
+    interpreted, so the view only has to agree on a block's size).
+
+    Raises:
+        KVTransferConfigError: a layer that is not block-major and contiguous (e.g. a
+            FlashAttention-style ``[2, num_blocks, ...]`` cache with K and V in separate
+            regions), or whose block holds another number of elements than its spec says.
+    """
+    views: dict[str, torch.Tensor] = {}
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            tensor = kv_caches[name]
+            if tensor.shape[0] != config.num_blocks or not tensor.is_contiguous():
+                raise KVTransferConfigError(
+                    f"layer {name}: cache of shape {tuple(tensor.shape)} is not block-major and "
+                    f"contiguous over {config.num_blocks} blocks; this layout is not supported"
+                )
+            shape = (config.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+            if tensor[0].numel() != 2 * spec.block_size * spec.num_kv_heads * spec.head_size:
+                raise KVTransferConfigError(
+                    f"layer {name}: a block of {tuple(tensor.shape[1:])} is not "
+                    f"{shape[1:]} worth of elements"
+                )
+            views[name] = tensor.view(shape)
+    return views
+
+
+_STATUS_BY_NAME = {status.name: status for status in RequestStatus}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What kvbridge's scheduler half reads of a vLLM ``Request`` (vllm/v1/request.py).
+
+    ``kv_transfer_params`` is vLLM's dict itself (the half marks a used ticket in it, as vLLM's
+    NIXL connector does); ``status`` maps vLLM's status by name (an unknown one counts as an
+    error: nothing is handed over for it).
+    """
+
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    num_prompt_tokens: int
+    num_tokens: int
+    block_hashes: Sequence[bytes]
+    skip_reading_prefix_cache: bool
+    status: RequestStatus
+
+    @classmethod
+    def of(cls, request: Any) -> RequestView:
+        status = getattr(request.status, "name", str(request.status))
+        return cls(
+            request_id=request.request_id,
+            kv_transfer_params=request.kv_transfer_params,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_tokens=request.num_tokens,
+            block_hashes=request.block_hashes,
+            skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
+            status=_STATUS_BY_NAME.get(status, RequestStatus.FINISHED_ERROR),
+        )
