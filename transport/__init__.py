@@ -44,10 +44,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "KV_LAYOUT_NAME",
     "WIRE_VERSION",
     "BlockValidator",
     "GroupRead",
-    "KV_LAYOUT_NAME",
     "HandshakeError",
     "HeartbeatCallback",
     "HolderCallbacks",
