@@ -1,0 +1,160 @@
+"""The vLLM edge without vLLM: settings, KV cache config, cache views and request views built
+from stand-ins shaped like vLLM 0.32.0's objects (tests/vllm_probe/VLLM_API_NOTES.md)."""
+
+from __future__ import annotations
+
+import enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kvbridge.connector import KVTransferConfigError
+from kvbridge.connector.vllm.translate import (
+    RequestView,
+    blocks_first_views,
+    config_from_vllm,
+    kv_cache_config_from_vllm,
+    kv_layout_name,
+)
+from kvbridge.kvmanager.request import RequestStatus
+from kvbridge.transport import HandshakeError, NodeMetadata, check_compatible
+
+BLOCK_SIZE, HEADS, HEAD_SIZE, NUM_BLOCKS = 32, 2, 32, 8
+
+
+def _vllm_transfer_config(**extra):
+    return SimpleNamespace(
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_consumer",
+        engine_id="decode-0",
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy="fail",
+    )
+
+
+class FullAttentionSpec(SimpleNamespace):
+    """Stands in for vLLM's spec of that name (the translation reads the class name)."""
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def _vllm_cache_config(spec=None):
+    spec = spec or FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    group = SimpleNamespace(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec)
+    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[group])
+
+
+def _cpu_cache(num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """vLLM's CPU attention cache of one layer: ``[blocks, heads, block_size, 2 * head_size]``."""
+    return torch.randn(num_blocks, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+
+
+def test_settings_take_vllm_role_engine_id_and_failure_policy():
+    config = config_from_vllm(_vllm_transfer_config(cma=False), model_name="tiny")
+    # vLLM applies its own kv_load_failure_policy ("fail" by default): kvbridge reports the same.
+    assert (config.kv_role.value, config.engine_id, config.cma) == (
+        "kv_consumer",
+        "decode-0",
+        False,
+    )
+    assert (config.load_failure_policy, config.model_name) == ("fail", "tiny")
+
+
+def test_a_contradicting_failure_policy_and_unknown_keys_are_refused_by_name():
+    with pytest.raises(KVTransferConfigError, match="load_failure_policy='recompute'"):
+        config_from_vllm(_vllm_transfer_config(load_failure_policy="recompute"), model_name="m")
+    with pytest.raises(KVTransferConfigError, match="lease_sec"):
+        config_from_vllm(_vllm_transfer_config(lease_sec=3), model_name="m")
+
+
+def test_kv_cache_config_keeps_blocks_layers_and_page_size():
+    ours = kv_cache_config_from_vllm(_vllm_cache_config())
+    spec = ours.kv_cache_groups[0].kv_cache_spec
+    assert ours.num_blocks == NUM_BLOCKS
+    assert ours.kv_cache_groups[0].layer_names == ["model.layers.0.self_attn.attn"]
+    # 2 (K, V) x 32 tokens x 2 heads x 32 dims x 4 bytes: vLLM's page_size_bytes for this spec.
+    assert spec.page_size_bytes == 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 4 == 16384
+
+
+def test_a_group_kvbridge_cannot_move_is_refused_naming_it():
+    with pytest.raises(KVTransferConfigError, match="group 0 is MambaSpec"):
+        kv_cache_config_from_vllm(_vllm_cache_config(MambaSpec(block_size=32)))
+
+
+def test_views_share_memory_and_block_bytes():
+    config = kv_cache_config_from_vllm(_vllm_cache_config())
+    cache = _cpu_cache()
+    view = blocks_first_views({"model.layers.0.self_attn.attn": cache}, config)[
+        "model.layers.0.self_attn.attn"
+    ]
+    assert view.shape == (NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_SIZE)
+    assert view.data_ptr() == cache.data_ptr()
+    # Block 5 of the view is block 5 of vLLM's cache, byte for byte.
+    assert torch.equal(view[5].reshape(-1), cache[5].reshape(-1))
+
+
+@pytest.mark.parametrize(
+    ("cache", "fragment"),
+    [
+        (torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE), "not block-major"),  # K|V split
+        (_cpu_cache().transpose(1, 2), "not block-major"),  # not contiguous
+        (torch.randn(NUM_BLOCKS, HEADS, BLOCK_SIZE, HEAD_SIZE), "worth of elements"),
+    ],
+    ids=["kv-first", "strided", "half-a-block"],
+)
+def test_layouts_that_are_not_block_major_are_refused(cache, fragment):
+    config = kv_cache_config_from_vllm(_vllm_cache_config())
+    with pytest.raises(KVTransferConfigError, match=fragment):
+        blocks_first_views({"model.layers.0.self_attn.attn": cache}, config)
+
+
+def _metadata(kv_layout: str) -> NodeMetadata:
+    config = kv_cache_config_from_vllm(_vllm_cache_config())
+    views = blocks_first_views({"model.layers.0.self_attn.attn": _cpu_cache()}, config)
+    return NodeMetadata.from_kv_caches(
+        engine_id="e",
+        kv_caches_by_group=[list(views.values())],
+        model_name="m",
+        hash_fn_name="sha256",
+        kv_layout=kv_layout,
+    )
+
+
+def test_peers_whose_cache_layouts_differ_are_refused_naming_the_layout():
+    cache = _cpu_cache()
+    cpu = _metadata(kv_layout_name("cpu-attn", cache))
+    other = _metadata(kv_layout_name("flash-attn", cache))
+    check_compatible(cpu, _metadata(kv_layout_name("cpu-attn", cache)))  # same: accepted
+    with pytest.raises(HandshakeError, match="kv_layout"):
+        check_compatible(cpu, other)
+
+
+class _VllmStatus(enum.Enum):
+    FINISHED_LENGTH_CAPPED = 1
+    FINISHED_REPETITION = 2  # a vLLM status kvbridge does not have
+
+
+def test_request_view_reads_vllm_fields_and_maps_status_by_name():
+    params = {"do_remote_decode": True}
+    request = SimpleNamespace(
+        request_id="0-abc",
+        kv_transfer_params=params,
+        num_prompt_tokens=70,
+        num_tokens=71,
+        block_hashes=[b"h0", b"h1"],
+        status=_VllmStatus.FINISHED_LENGTH_CAPPED,
+    )
+    view = RequestView.of(request)
+    assert view.kv_transfer_params is params  # the same dict: a used ticket is marked in it
+    assert (view.num_prompt_tokens, view.num_tokens, view.skip_reading_prefix_cache) == (
+        70,
+        71,
+        False,
+    )
+    assert view.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    request.status = _VllmStatus.FINISHED_REPETITION
+    assert RequestView.of(request).status is RequestStatus.FINISHED_ERROR  # nothing handed over
