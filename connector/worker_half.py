@@ -21,6 +21,7 @@ nothing to wait for, since a request only runs after its load settled.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -130,6 +131,10 @@ class KVBridgeWorker:
         """
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice for one node's connector")
+        if self.config.gil_switch_interval_s is not None:
+            # Pulls hop between the engine thread and the connector loop several times; at
+            # Python's default 5 ms a busy engine thread makes each hop wait (config.py).
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
         by_group = [
             [kv_caches[name] for name in group.layer_names]
             for group in self.kv_cache_config.kv_cache_groups

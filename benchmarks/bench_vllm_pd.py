@@ -1,0 +1,254 @@
+"""D's KV load in real vLLM: kvbridge against vLLM's own connectors and against recomputing.
+
+    $VENV/bin/python benchmarks/bench_vllm_pd.py [--prompts 5] [--tokens 2048] [--cases ...]
+
+Run it with the vLLM venv (``make test-vllm`` builds it; NixlConnector needs ``pip install
+--no-deps nixl==1.5.1 nixl-cu12==1.5.1`` there). For each case a prefill engine P (vLLM's
+multiprocess engine, which keeps stepping while it holds blocks) and a decode engine D (in
+process) run as two processes at once; P prefills every prompt with ``do_remote_decode`` and
+``max_tokens=1``, D then serves them one at a time with P's ticket, and the figure is D's
+first-token latency (``RequestOutput.metrics.first_token_latency``), median over the prompts.
+Every D answer is checked token for token against a plain engine's.
+
+Cases (same prompts, same run):
+- ``kvbridge`` / ``nixl`` / ``example``: the tiny Llama with kvbridge's connector, vLLM's
+  ``NixlConnector`` and vLLM's ``ExampleConnector`` (shared-storage files);
+- ``kvbridge_small`` / ``recompute_small``: a Llama shaped like kvbridge's ``small`` model (six
+  layers, hidden 384, 6 heads over 2 KV heads of 64), whose prefill costs as much per KV byte
+  as the main job's, with kvbridge and with D computing the prompt itself;
+- the CPU an idle kvbridge P engine uses (all its processes, over ``--idle-s`` seconds).
+
+Prints a table and, last, one JSON object with the ratios and their targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SMALL = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+             num_key_value_heads=2, head_dim=64, intermediate_size=1024)
+TARGETS = {"kvbridge_over_nixl": 0.5, "kvbridge_over_example": 1.0,
+           "kvbridge_over_recompute_small": 0.2, "idle_cores": 0.05}
+
+
+def _model(kind: str) -> str:
+    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    sys.path.insert(0, str(REPO / "tests" / "vllm_probe"))
+    import _model as tiny  # the tests' tiny Llama writer
+
+    if kind == "tiny":
+        return str(tiny.tiny_llama())
+    cache = Path(os.environ.get("KVBRIDGE_CACHE", Path.home() / ".cache" / "kvbridge-vllm"))
+    path = cache / "models" / "small-llama-bench"
+    if not (path / "config.json").exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=512, initializer_range=0.5, tie_word_embeddings=False,
+                             torch_dtype="float32", max_position_embeddings=8192, **SMALL)
+        LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(path)
+    return str(path)
+
+
+def _transfer_config(connector: str, role: str, storage: str) -> dict | None:
+    if connector == "kvbridge":
+        return {"kv_connector": "KVBridgeConnector",
+                "kv_connector_module_path": "kvbridge.connector.vllm",
+                "kv_role": role, "engine_id": role}
+    if connector == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+                "engine_id": role}
+    if connector == "example":
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": storage}}
+    return None
+
+
+def _prompts(num: int, num_tokens: int) -> list[list[int]]:
+    import random
+
+    return [[random.Random(1000 + i).randrange(1, 512) for _ in range(num_tokens)]
+            for i in range(num + 1)]  # prompt 0 warms D up
+
+
+def child(args: argparse.Namespace) -> None:
+    """One engine: ``p`` prefills and waits; ``d`` decodes with P's tickets (or recomputes)."""
+    out = Path(args.out)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=_model(args.model), skip_tokenizer_init=True, enforce_eager=True,
+              dtype="float32", block_size=32, kv_cache_memory_bytes=args.kv_bytes,
+              max_model_len=args.tokens + 64, max_num_seqs=2, seed=0, disable_log_stats=False,
+              kv_transfer_config=_transfer_config(args.connector, f"kv_{args.role}",
+                                                  str(out / "storage")))
+    prompts = _prompts(args.prompts, args.tokens)
+
+    def greedy(max_tokens: int, params: dict | None = None) -> SamplingParams:
+        extra = {"kv_transfer_params": params} if params is not None else None
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              extra_args=extra)
+
+    if args.role == "producer":
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               greedy(1, {"do_remote_decode": True}))
+        (out / "tickets.json").write_text(json.dumps([o.kv_transfer_params for o in outputs]))
+        while not (out / "done").exists():
+            time.sleep(0.05)
+        return
+    if args.connector == "none":
+        tickets = [None] * len(prompts)
+    else:
+        while not (out / "tickets.json").exists():
+            time.sleep(0.05)
+        tickets = json.loads((out / "tickets.json").read_text())
+    results = []
+    for prompt, ticket in zip(prompts, tickets, strict=True):
+        (output,) = llm.generate([{"prompt_token_ids": prompt}],
+                                 greedy(args.max_tokens, ticket))
+        results.append({"token_ids": list(output.outputs[0].token_ids),
+                        "ttft_s": output.metrics.first_token_latency})
+    (out / "results.json").write_text(json.dumps(results))
+    (out / "done").write_text("1")
+
+
+def _spawn(args: argparse.Namespace, role: str, connector: str, model: str, out: Path,
+           env: dict[str, str]) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--child", "--role", role, "--connector", connector,
+           "--model", model, "--out", str(out), "--prompts", str(args.prompts),
+           "--tokens", str(args.tokens), "--max-tokens", str(args.max_tokens),
+           "--kv-bytes", str(args.kv_bytes)]
+    log = open(out / f"{role}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of ``pid`` and each of its descendants, by pid."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    seconds: dict[int, float] = {}
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+            seconds[p.pid] = times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return seconds
+
+
+def _idle_cores(pid: int, idle_s: float) -> float:
+    """Cores a process tree used over ``idle_s`` seconds (processes alive at both ends)."""
+    before = _cpu_seconds(pid)
+    time.sleep(idle_s)
+    after = _cpu_seconds(pid)
+    return sum(after[p] - before[p] for p in before.keys() & after.keys()) / idle_s
+
+
+def run_case(args: argparse.Namespace, name: str, connector: str, model: str) -> dict:
+    """One P/D pair (or D alone for ``none``); returns D's results and, for kvbridge on the
+    tiny model, P's idle CPU."""
+    out = Path(tempfile.mkdtemp(prefix=f"bench-vllm-{name}-"))
+    base = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    procs = []
+    idle_cores = None
+    try:
+        if connector != "none":
+            procs.append(_spawn(args, "producer", connector, model, out,
+                                {**base, "VLLM_NIXL_SIDE_CHANNEL_PORT": "5611"}))
+        procs.append(_spawn(args, "consumer", connector, model, out,
+                            {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                             "VLLM_NIXL_SIDE_CHANNEL_PORT": "5621"}))
+        deadline = time.monotonic() + args.case_timeout_s
+        while not (out / "results.json").exists():
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                raise RuntimeError(f"case {name} failed; logs in {out}")
+            time.sleep(0.2)
+        if name == "kvbridge" and args.idle_s > 0:
+            time.sleep(1.0)  # the last lease released, P idle
+            idle_cores = _idle_cores(procs[0].pid, args.idle_s)
+        return {"results": json.loads((out / "results.json").read_text()),
+                "idle_cores": idle_cores}
+    finally:
+        (out / "done").write_text("1")
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+CASES = {  # name -> (connector, model)
+    "reference": ("none", "tiny"),
+    "kvbridge": ("kvbridge", "tiny"),
+    "nixl": ("nixl", "tiny"),
+    "example": ("example", "tiny"),
+    "recompute_small": ("none", "small"),
+    "kvbridge_small": ("kvbridge", "small"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--kv-bytes", type=int, default=256 << 20)
+    parser.add_argument("--idle-s", type=float, default=5.0)
+    parser.add_argument("--case-timeout-s", type=float, default=300.0)
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--role", help=argparse.SUPPRESS)
+    parser.add_argument("--connector", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    runs = {}
+    for name in args.cases:
+        connector, model = CASES[name]
+        started = time.monotonic()
+        runs[name] = run_case(args, name, connector, model)
+        print(f"{name:16s} done in {time.monotonic() - started:5.1f} s", flush=True)
+    expected = {m: runs[r]["results"] for r, m in (("reference", "tiny"),
+                                                   ("recompute_small", "small")) if r in runs}
+    mismatches = 0
+    medians: dict[str, float] = {}
+    print(f"\n{'case':16s} {'D TTFT p50 ms':>14s} {'min':>8s} {'max':>8s}  tokens")
+    for name, run in runs.items():
+        ttfts = [r["ttft_s"] for r in run["results"][1:]]  # prompt 0 warmed D up
+        medians[name] = statistics.median(ttfts)
+        ref = expected.get(CASES[name][1])
+        equal = ref is not None and all(
+            a["token_ids"] == b["token_ids"] for a, b in zip(run["results"], ref, strict=True))
+        mismatches += 0 if equal or ref is None else 1
+        print(f"{name:16s} {medians[name] * 1e3:14.1f} {min(ttfts) * 1e3:8.1f} "
+              f"{max(ttfts) * 1e3:8.1f}  {'equal' if equal else 'DIFFER'}")
+    report: dict = {"benchmark": "vllm_pd", "prompts": args.prompts, "tokens": args.tokens,
+                    "ttft_p50_s": medians, "mismatches": mismatches, "targets": TARGETS}
+    for key, (a, b) in {"kvbridge_over_nixl": ("kvbridge", "nixl"),
+                        "kvbridge_over_example": ("kvbridge", "example"),
+                        "kvbridge_over_recompute_small": ("kvbridge_small",
+                                                          "recompute_small")}.items():
+        if a in medians and b in medians:
+            report[key] = round(medians[a] / medians[b], 3)
+    if runs.get("kvbridge", {}).get("idle_cores") is not None:
+        report["idle_cores"] = round(runs["kvbridge"]["idle_cores"], 3)
+    print(json.dumps(report))
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
