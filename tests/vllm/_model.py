@@ -2,7 +2,7 @@
 
 Run from the vLLM venv (it needs ``transformers``; ``tokenizers`` for the optional tokenizer)::
 
-    python tests/vllm_probe/_model.py [DIR] [--tokenizer] [--check]
+    python tests/vllm/_model.py [DIR] [--tokenizer] [--check]
 
 ``write_tiny_llama(path)`` writes a seeded, float32 ``LlamaForCausalLM`` (hidden 64, 2 layers,
 4 heads, 2 KV heads, head_dim 32: the CPU attention backend needs head_dim in {32, 64, ...})
@@ -32,7 +32,7 @@ GEOMETRY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,
-    max_position_embeddings=1024,
+    max_position_embeddings=4096,  # the suite's longest prompt is about 2,000 tokens
 )
 TOKENIZER_VOCAB = 1024
 # A wide initialisation makes the logits peaked, so greedy decoding does not hinge on
