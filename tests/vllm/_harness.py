@@ -1,0 +1,317 @@
+"""The test side of the vLLM suite: ``Node`` (one engine subprocess), connector configs, prompts.
+
+Imports nothing of vLLM: the tests drive ``_node.py`` subprocesses, each running one
+``vllm.LLM`` with the venv's python (``sys.executable`` here, since ``make test-vllm`` runs
+pytest with it). vLLM's worker-side connector is a process-wide global, so P and D are separate
+processes by construction. Every node gets ``PYTHONHASHSEED=0`` (vLLM's block hashes, which
+kvbridge's pull check compares, must be equal on P and D), ``VLLM_CPU_OMP_THREADS_BIND=nobind``
+and its executor mode's environment. Each node runs in its own session (process group), so
+``kill()`` and ``pause()`` reach vLLM's EngineCore and Worker children too; its log (everything
+vLLM prints) is a file whose tail goes into every failure message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+NODE = HERE / "_node.py"
+BLOCK = 32  # the suite's vLLM block_size (the CPU attention backend needs a multiple of 32)
+START_TIMEOUT_S = 240.0  # engines start in 10-60 s on 2 cores; two at once, slower
+
+
+class NodeError(RuntimeError):
+    """A node died, timed out or answered ``ok: false``; the message ends with its log tail."""
+
+
+class Node:
+    """One ``vllm.LLM`` in a subprocess, served over JSON lines (see ``_node.py``).
+
+    Args:
+        name: for logs and messages.
+        model: checkpoint directory.
+        log_dir: where ``<name>.log`` goes.
+        kv_transfer_config: vLLM's ``kv_transfer_config`` mapping, or None (no connector).
+        mode: ``"inproc"`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or ``"mp"``.
+        llm: more ``vllm.LLM`` keyword arguments.
+        env: more environment variables.
+    """
+
+    def __init__(self, name: str, *, model: str | os.PathLike, log_dir: Path,
+                 kv_transfer_config: dict[str, Any] | None = None, mode: str = "inproc",
+                 llm: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+        if mode not in ("inproc", "mp"):
+            raise ValueError(f"mode must be 'inproc' or 'mp', got {mode!r}")
+        self.name, self.mode = name, mode
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.ready: dict[str, Any] = {}
+        self._paused = False
+        settings = {"model": str(model), "kv_transfer_config": kv_transfer_config,
+                    "mode": mode, "llm": llm or {}}
+        full_env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
+        if mode == "inproc":
+            full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:
+            full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
+        self._proc = subprocess.Popen(
+            [sys.executable, str(NODE), json.dumps(settings)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._log, env=full_env, text=True,
+            start_new_session=True)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def _fail(self, what: str) -> NodeError:
+        return NodeError(f"node {self.name} (pid {self.pid}): {what}\n--- {self.log_path} "
+                         f"(tail) ---\n{self.log_tail()}")
+
+    def _recv(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise self._fail(f"no answer within {timeout_s:.0f} s") from None
+        if line is None:
+            self._lines.put(None)  # later calls see the exit too
+            raise self._fail(f"exited (rc={self._proc.wait()})")
+        return json.loads(line)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> Node:
+        """Wait for the engine to be up; returns self."""
+        if not self.ready:
+            msg = self._recv(timeout_s)
+            if not msg.get("ready"):
+                raise self._fail(f"did not start: {msg.get('error')}\n{msg.get('traceback')}")
+            self.ready = msg
+        return self
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        """Send one command without waiting (pair with ``result``)."""
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps(cmd) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise self._fail(f"cannot send {cmd.get('cmd')!r}: {e!r}") from None
+
+    def result(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """The answer to the command sent last; raises ``NodeError`` on ``ok: false``."""
+        msg = self._recv(timeout_s)
+        if not msg.get("ok"):
+            raise self._fail(f"command failed: {msg.get('error')}\n{msg.get('traceback')}")
+        return msg
+
+    def call(self, cmd: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        self.send(cmd)
+        return self.result(timeout_s)
+
+    def submit(self, requests: list[dict[str, Any]]) -> None:
+        """Start a ``generate`` (its answer comes from ``result()``)."""
+        self.send({"cmd": "generate", "requests": requests})
+
+    def generate(self, requests: list[dict[str, Any]],
+                 timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        """Greedy outputs, one dict per request (see ``_node.py``)."""
+        self.submit(requests)
+        return self.result(timeout_s)["outputs"]
+
+    def stats(self) -> dict[str, Any] | None:
+        """The scheduler-side connector's ``stats.snapshot()`` (in-process nodes only)."""
+        return self.call({"cmd": "stats"}, 60)["stats"]
+
+    def state(self) -> dict[str, Any] | None:
+        """``{"requests", "free_blocks", "num_blocks"}`` of the scheduler (in-process only)."""
+        return self.call({"cmd": "state"}, 60)["state"]
+
+    def wait_drained(self, timeout_s: float = 20.0) -> dict[str, Any] | None:
+        """Poll ``state()`` until the scheduler holds no request and every block is free
+        (vLLM's null block is never free); returns the last state (None in mp mode)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.state()
+            if st is None or (st["requests"] == 0
+                              and st["free_blocks"] == st["num_blocks"] - 1):
+                return st
+            if time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
+
+    def connected_to(self, port: int) -> bool:
+        """True while a process of the node's group has an established TCP connection to
+        ``port`` on this host (how a test sees that D's pull has reached P)."""
+        return port in _established_remote_ports(self.pid)
+
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP the node's whole process group (its transport stops answering); returns once
+        every thread of the group is stopped (``killpg`` returns before that, and a request
+        that lands in between is still served)."""
+        os.killpg(self.pid, signal.SIGSTOP)
+        self._paused = True
+        deadline = time.monotonic() + timeout_s
+        while not _group_stopped(self.pid):
+            if time.monotonic() > deadline:
+                raise self._fail(f"not stopped {timeout_s:.0f} s after SIGSTOP")
+            time.sleep(0.01)
+
+    def resume(self) -> None:
+        os.killpg(self.pid, signal.SIGCONT)
+        self._paused = False
+
+    def kill(self) -> None:
+        """SIGKILL the node's whole process group, at once (the "P killed" tests)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self._reap(10)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Ask the node to shut its engine down and exit; kill it if that takes too long (or
+        at once when it is paused)."""
+        if self.alive() and not self._paused:
+            with contextlib.suppress(NodeError, subprocess.TimeoutExpired):
+                self.call({"cmd": "stop"}, timeout_s)
+                self._proc.wait(timeout=timeout_s)
+        self.kill()
+
+    def _reap(self, timeout_s: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=timeout_s)
+        # vLLM's children sit in the same group: leave nothing behind
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        if self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        self._log.close()
+
+
+def _group_stopped(pgid: int) -> bool:
+    """True when every thread of every process in process group ``pgid`` is stopped."""
+    for pid in _group_pids(pgid):
+        try:
+            for task in os.scandir(f"/proc/{pid}/task"):
+                state = Path(task.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state not in ("T", "t", "Z", "X"):
+                    return False
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return True
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                    pids.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return pids
+
+
+def _established_remote_ports(pgid: int) -> set[int]:
+    """Remote ports of the ESTABLISHED TCP sockets that processes of group ``pgid`` hold."""
+    inodes: set[str] = set()
+    for pid in _group_pids(pgid):
+        try:
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                target = os.readlink(fd.path)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    ports: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pgid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "01" and cols[9] in inodes:  # 01: ESTABLISHED
+                ports.add(int(cols[2].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def start_nodes(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> tuple[Node, ...]:
+    """Wait for nodes started together; stops them all if one fails to come up."""
+    try:
+        for node in nodes:
+            node.wait_ready(timeout_s)
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    return nodes
+
+
+# ----------------------------------------------------------------------------- configs
+def kvbridge_config(role: str, engine_id: str, *, policy: str = "recompute",
+                    **extra: Any) -> dict[str, Any]:
+    """The contract of issue 13: ``role`` is ``"producer"`` or ``"consumer"``; ``extra`` goes to
+    ``kv_connector_extra_config`` (``cma``, ``load_timeout_s``, ``lease_s``, ...)."""
+    return {"kv_connector": "KVBridgeConnector",
+            "kv_connector_module_path": "kvbridge.connector.vllm",
+            "kv_role": f"kv_{role}", "engine_id": engine_id,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": extra}
+
+
+def nixl_config(role: str, engine_id: str) -> dict[str, Any]:
+    """vLLM's own NixlConnector on this CPU (the harness self-check)."""
+    return {"kv_connector": "NixlConnector", "kv_role": f"kv_{role}",
+            "kv_buffer_device": "cpu", "engine_id": engine_id}
+
+
+# ----------------------------------------------------------------------------- prompts
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` deterministic token ids in [1, 512) (the tiny Llama's vocabulary)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 512) for _ in range(n)]
+
+
+def request(prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
+    return {"prompt_token_ids": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}
+
+
+def prefill_requests(prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """P's side of a handover: one token each, asking for a ticket."""
+    return [request(p, 1, {"do_remote_decode": True}) for p in prompts]
+
+
+def full_blocks(n_tokens: int) -> int:
+    return n_tokens // BLOCK

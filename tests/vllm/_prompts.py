@@ -1,0 +1,51 @@
+"""The vLLM suite's prompts (token ids for the tiny Llama), by name, and how many tokens D decodes.
+
+Every test module draws from ``PROMPTS``; the session's reference node (a plain vLLM, no
+connector) decodes all of them once, so at most two engines are ever alive. Lengths are chosen
+around vLLM's 32-token block: one short of a block, exactly one, one over, exactly two, about
+2,000, and prompts sharing a long prefix (a multiple of the block size, with suffixes that are
+not). Prompts of different groups share nothing, so a test's prefix-cache state does not
+depend on which tests ran before it on the same D.
+"""
+
+from __future__ import annotations
+
+from _harness import BLOCK, tokens
+
+N_NEW = 8  # greedy tokens D decodes per request
+
+_SHARED = tokens(100, 20 * BLOCK)  # 640 tokens, the handover group's common prefix
+_PARTIAL = tokens(200, 10 * BLOCK)  # 320 tokens: D computes it first, then pulls the rest
+
+PROMPTS: dict[str, list[int]] = {
+    # the handover group (>= 8 prompts, issue 13)
+    "t5": tokens(1, 5),
+    "t31": tokens(2, 31),
+    "t32": tokens(3, 32),
+    "t33": tokens(4, 33),
+    "t64": tokens(5, 64),
+    "t2000": tokens(6, 2000),
+    "shared_a": _SHARED + tokens(7, 7),
+    "shared_b": _SHARED + tokens(8, 45),
+    "shared_c": _SHARED + tokens(9, 100),
+    # a partial local hit on D
+    "partial_local": _PARTIAL + tokens(10, 50),
+    "partial_remote": _PARTIAL + tokens(11, 77),
+    # another prompt's ticket
+    "wrong_x": tokens(20, 100),
+    "wrong_y": tokens(21, 150),
+    # P killed mid-pull, restarted, then stalled
+    "stalled": tokens(30, 200),
+    "killed": tokens(31, 250),
+    "after": tokens(32, 90),
+    "after_stall": tokens(35, 95),
+    "old_ticket": tokens(33, 120),
+    "reborn": tokens(34, 130),
+    # the harness self-check (NixlConnector)
+    "nixl_a": tokens(40, 70),
+    "nixl_b": tokens(41, 100),
+    "nixl_c": _SHARED + tokens(42, 20),
+}
+
+HANDOVER = ["t5", "t31", "t32", "t33", "t64", "t2000", "shared_a", "shared_b", "shared_c"]
+PARTIAL_PREFIX_BLOCKS = len(_PARTIAL) // BLOCK

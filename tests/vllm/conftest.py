@@ -1,0 +1,67 @@
+"""Fixtures of the vLLM suite (``make test-vllm``, run with the vLLM venv's python).
+
+- ``tiny_llama``: the seeded tiny Llama checkpoint with its tokenizer (``_model.py``), written
+  once under ``$KVBRIDGE_CACHE/models`` and reused by later runs.
+- ``log_dir``: where every node's log goes (a pytest temporary folder, printed on failure).
+- ``reference``: each prompt of ``_prompts.PROMPTS`` -> the greedy tokens of a single plain vLLM
+  instance (no connector), decoded once per session by a node that is stopped before anything
+  else starts, so at most two engines (a P and a D) are alive at any time.
+
+``make test`` never collects this folder (``addopts = "--ignore=tests/vllm"`` in pyproject.toml);
+run from a Python without vLLM (``pytest tests/vllm``), every test here is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+from _harness import Node
+from _prompts import N_NEW, PROMPTS
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_VLLM:
+        return
+    skip = pytest.mark.skip(reason="needs vLLM: run `make test-vllm` (it builds the venv)")
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    path = Path(os.environ.get("KVBRIDGE_CACHE", Path.home() / ".cache" / "kvbridge-vllm"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(cache_dir: Path) -> Path:
+    import _model
+
+    return _model.tiny_llama(cache_dir / "models", tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-nodes")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama: Path, log_dir: Path) -> dict[str, list[int]]:
+    node = Node("reference", model=tiny_llama, log_dir=log_dir)
+    try:
+        node.wait_ready()
+        names = list(PROMPTS)
+        outs = node.generate([{"prompt_token_ids": PROMPTS[n], "max_tokens": N_NEW,
+                               "kv_transfer_params": None} for n in names])
+    finally:
+        node.stop()
+    assert all(len(o["token_ids"]) == N_NEW for o in outs)
+    return {n: o["token_ids"] for n, o in zip(names, outs, strict=True)}
