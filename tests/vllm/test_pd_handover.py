@@ -1,0 +1,139 @@
+"""P/D between two stock vLLM engines with kvbridge's connector (issue 13, "What must hold").
+
+P (``kv_producer``) and D (``kv_consumer``) are two vLLM processes alive at once, built from the
+contract users write (``kv_connector: KVBridgeConnector``, ``kv_connector_module_path:
+kvbridge.connector.vllm``). P prefills with ``{"do_remote_decode": true}`` and one token; D
+decodes with P's ticket. One P/D pair per variant (module-scoped, shared by the tests below):
+
+- ``cma``: the same-host copy path, both engines in-process;
+- ``ucx``: ``cma: false`` (every read over UCX), P on vLLM's multiprocess executor (its worker
+  half in another process than its scheduler half), D in-process;
+- ``cma-mp-d``: the same-host copy path, D on the multiprocess executor.
+
+What D's connector counted (``stats``) and what P's scheduler still holds (``state``) are read
+only from in-process nodes; on an mp node those checks are left out and the tokens decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from _harness import BLOCK, Node, kvbridge_config, prefill_requests, request, start_nodes
+from _prompts import HANDOVER, N_NEW, PARTIAL_PREFIX_BLOCKS, PROMPTS
+
+VARIANTS = {
+    "cma": dict(cma=True, p_mode="inproc", d_mode="inproc"),
+    "ucx": dict(cma=False, p_mode="mp", d_mode="inproc"),
+    "cma-mp-d": dict(cma=True, p_mode="inproc", d_mode="mp"),
+}
+
+
+@dataclass
+class Pair:
+    p: Node
+    d: Node
+    cma: bool
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def pair(request, tiny_llama, log_dir, reference):  # reference first: its engine is gone
+    v = VARIANTS[request.param]
+    tag = request.param
+    p = Node(f"{tag}-p", model=tiny_llama, log_dir=log_dir, mode=v["p_mode"],
+             kv_transfer_config=kvbridge_config("producer", "prefill-0", cma=v["cma"]))
+    d = Node(f"{tag}-d", model=tiny_llama, log_dir=log_dir, mode=v["d_mode"],
+             kv_transfer_config=kvbridge_config("consumer", "decode-0", cma=v["cma"],
+                                                load_timeout_s=30.0))
+    start_nodes(p, d)
+    yield Pair(p, d, v["cma"])
+    d.stop()
+    p.stop()
+
+
+def _delta(after: dict, before: dict, key: str) -> int:
+    return after[key] - before[key]
+
+
+def _handover(pair: Pair, names: list[str], tickets_for: list[str] | None = None):
+    """P prefills ``tickets_for`` (default ``names``); D decodes ``names`` with those tickets.
+    Returns (P's outputs, D's outputs, D's stats before, D's stats after)."""
+    tickets_for = tickets_for or names
+    p_out = pair.p.generate(prefill_requests([PROMPTS[n] for n in tickets_for]))
+    for o in p_out:
+        assert o["kv_transfer_params"] and o["kv_transfer_params"]["do_remote_prefill"], o
+    before = pair.d.stats()
+    d_out = pair.d.generate([request(PROMPTS[n], N_NEW, o["kv_transfer_params"])
+                             for n, o in zip(names, p_out, strict=True)])
+    return p_out, d_out, before, pair.d.stats()
+
+
+def test_d_decodes_single_instance_tokens(pair, reference):
+    """>= 8 prompts (5, 31, 32, 33, 64, 2000 tokens, three sharing a 640-token prefix) in one
+    batch: P's first token and D's 8 greedy tokens equal a plain engine's; the KV came over
+    the configured path, and P ends up holding nothing (D's completion notices arrived)."""
+    assert len(HANDOVER) >= 8
+    p_out, d_out, before, after = _handover(pair, HANDOVER)
+    for name, o in zip(HANDOVER, p_out, strict=True):
+        assert o["token_ids"] == reference[name][:1], name
+        assert o["kv_transfer_params"]["remote_num_tokens"] == len(PROMPTS[name])
+    got = {n: o["token_ids"] for n, o in zip(HANDOVER, d_out, strict=True)}
+    assert got == {n: reference[n] for n in HANDOVER}
+    assert all(o["finish_reason"] == "length" for o in d_out)
+    if after is not None:
+        lengths = [len(PROMPTS[n]) for n in HANDOVER]
+        assert _delta(after, before, "num_failed_loads") == 0
+        assert _delta(after, before, "num_load_errors_blocks") == 0
+        assert _delta(after, before, "num_loads") >= sum(n >= BLOCK for n in lengths)
+        blocks = _delta(after, before, "num_blocks_received")
+        # every full block but a block-aligned prompt's last (vLLM recomputes the last token)
+        # at least; at most every block, partial ones included
+        assert sum((n - 1) // BLOCK for n in lengths) <= blocks
+        assert blocks <= sum(-(-n // BLOCK) for n in lengths)
+        received = _delta(after, before, "bytes_received")
+        same_host = _delta(after, before, "bytes_received_same_host")
+        assert received > 0
+        assert same_host == (received if pair.cma else 0)
+    p_state = pair.p.wait_drained()
+    if p_state is not None:
+        assert p_state["requests"] == 0, p_state
+        assert p_state["free_blocks"] == p_state["num_blocks"] - 1, p_state
+        p_stats = pair.p.stats()
+        assert p_stats["num_expired_leases"] == 0, p_stats
+    d_state = pair.d.wait_drained()
+    if d_state is not None:
+        assert d_state["requests"] == 0 and d_state["free_blocks"] == d_state["num_blocks"] - 1
+
+
+def test_partial_local_hit_pulls_only_the_rest(pair, reference):
+    """D first serves a prompt on its own (its 320-token prefix lands in D's prefix cache),
+    then gets P's ticket for another prompt with that prefix: the tokens equal a plain
+    engine's, and D pulls no block of the prefix it already had."""
+    (local,) = pair.d.generate([request(PROMPTS["partial_local"], N_NEW)])
+    assert local["token_ids"] == reference["partial_local"]
+    _, (out,), before, after = _handover(pair, ["partial_remote"])
+    assert out["token_ids"] == reference["partial_remote"]
+    if after is not None:
+        n_blocks = -(-len(PROMPTS["partial_remote"]) // BLOCK)
+        pulled = _delta(after, before, "num_blocks_received")
+        assert 0 < pulled <= n_blocks - PARTIAL_PREFIX_BLOCKS, (pulled, n_blocks)
+        assert _delta(after, before, "num_failed_loads") == 0
+
+
+def test_wrong_ticket_is_recomputed(pair, reference):
+    """D gets prompt x with the ticket P gave for prompt y: D's pull names x's block hashes,
+    P holds y's, so nothing of y's KV lands in x: the tokens are x's (recomputed) and the
+    failure is counted. y with its own ticket afterwards still decodes y's tokens."""
+    p_out = pair.p.generate(prefill_requests([PROMPTS["wrong_x"], PROMPTS["wrong_y"]]))
+    ticket_y = p_out[1]["kv_transfer_params"]
+    before = pair.d.stats()
+    (out,) = pair.d.generate([request(PROMPTS["wrong_x"], N_NEW, ticket_y)])
+    after = pair.d.stats()
+    assert out["token_ids"] == reference["wrong_x"]
+    assert out["finish_reason"] == "length"
+    if after is not None:
+        failures = sum(_delta(after, before, k) for k in
+                       ("num_failed_loads", "num_load_errors_blocks", "num_rejected_params"))
+        assert failures > 0, after
+    (out,) = pair.d.generate([request(PROMPTS["wrong_y"], N_NEW, ticket_y)])
+    assert out["token_ids"] == reference["wrong_y"]
