@@ -18,6 +18,7 @@ import os
 import queue
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -279,6 +280,13 @@ def start_nodes(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> tuple[Node,
 
 
 # ----------------------------------------------------------------------------- configs
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a node that must listen on a known port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def kvbridge_config(role: str, engine_id: str, *, policy: str = "recompute",
                     **extra: Any) -> dict[str, Any]:
     """The contract of issue 13: ``role`` is ``"producer"`` or ``"consumer"``; ``extra`` goes to

@@ -10,11 +10,10 @@ by tickets of the dead incarnation too.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
-from _harness import Node, kvbridge_config, prefill_requests, request, start_nodes
+from _harness import Node, free_port, kvbridge_config, prefill_requests, request, start_nodes
 from _prompts import N_NEW, PROMPTS
 
 LOAD_TIMEOUT_S = 5.0
@@ -24,16 +23,10 @@ LOAD_TIMEOUT_S = 5.0
 SLACK_S = 5.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Scenario:
     def __init__(self, tiny_llama, log_dir) -> None:
         self.model, self.log_dir = tiny_llama, log_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.p = self.new_p("p1")
         self.d = Node("fail-d", model=tiny_llama, log_dir=log_dir, kv_transfer_config=(
             kvbridge_config("consumer", "decode-0", policy="fail",

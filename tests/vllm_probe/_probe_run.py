@@ -25,6 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent / "vllm"))  # _model, the suite's tiny Llama
 os.environ["PYTHONPATH"] = f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
