@@ -193,6 +193,9 @@ def test_p_lease_grant_then_expiry_frees_blocks(n):
     assert out.finish_reason == FinishReason.LENGTH
     num_blocks = -(-n // BLOCK_SIZE)
     held = _blocks(scheduler, request)[:num_blocks]
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert request.request_id in scheduler.requests  # delay_free: kept for the puller
+    assert len(held) == num_blocks and num_free_blocks(scheduler) < USABLE
 
     params = RemotePrefillParams.parse(out.kv_transfer_params, num_groups=1, block_size=BLOCK_SIZE)
     assert out.kv_transfer_params["do_remote_prefill"] is True
