@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ..errors import KVTransferParamsError
 from ..metadata import (
     WorkerHandshake,
     decode_metadata,
@@ -135,6 +136,20 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._worker
 
     # ================================================================== scheduler half
+    def on_new_request(self, request: Request) -> None:
+        """Admission, as in kvbridge's own engine: a ticket is parsed once (and heart-beaten
+        while the request queues, released if it ends before its pull). A malformed one is
+        counted, its prefill node told to release (when its address is usable) and the
+        request computed locally: vLLM offers no way to refuse it here."""
+        params = request.kv_transfer_params
+        try:
+            self._sched().validate_kv_transfer_params(request.request_id, params)  # type: ignore[arg-type]
+        except KVTransferParamsError as exc:
+            logger.warning("request %s: %s; computing it locally", request.request_id, exc)
+            self._sched().on_request_rejected(params, str(exc))
+            if isinstance(params, dict):
+                params["do_remote_prefill"] = False  # never parsed (or counted) again
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
