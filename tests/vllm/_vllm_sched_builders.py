@@ -14,20 +14,19 @@ the same for ``KVBridgeConnector`` (``kv_connector_module_path="kvbridge.connect
                                    KVBridgeConnectorMetadata kept for assertions
     assert_scheduler_empty(...)    no request left, every block free (vLLM's own check)
 
-The model config reads the tiny Llama of ``tests/vllm_probe/_model.py`` (written once, no
+The model config reads the tiny Llama of ``tests/vllm/_model.py`` (written once, no
 download); nothing here loads weights.
 """
 
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+import _model  # tests/vllm/_model.py, beside this file
 import msgspec
 import torch
 from kvbridge.connector.metadata import (
@@ -57,9 +56,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_probe"))
-import _model
 
 __all__ = [
     "BLOCK_SIZE",
