@@ -244,8 +244,9 @@ def main() -> int:
         equal = ref is not None and all(
             a["token_ids"] == b["token_ids"] for a, b in zip(run["results"], ref, strict=True))
         mismatches += 0 if equal or ref is None else 1
+        verdict = "n/a" if ref is None else ("equal" if equal else "DIFFER")
         print(f"{name:16s} {medians[name] * 1e3:14.1f} {min(ttfts) * 1e3:8.1f} "
-              f"{max(ttfts) * 1e3:8.1f}  {'n/a' if ref is None else 'equal' if equal else 'DIFFER'}")
+              f"{max(ttfts) * 1e3:8.1f}  {verdict}")
     report: dict = {"benchmark": "vllm_pd", "prompts": args.prompts, "tokens": args.tokens,
                     "ttft_p50_s": medians, "mismatches": mismatches, "targets": TARGETS}
     for key, (a, b) in {"kvbridge_over_nixl": ("kvbridge", "nixl"),

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["LeaseTable"]
+
+_MAX_EARLY_RELEASES = 4096
 
 
 @dataclass(slots=True)
@@ -45,6 +48,7 @@ class LeaseTable:
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
         self._block_to_leases: dict[tuple[int, int], set[str]] = {}  # (group, block) -> ids
+        self._released_early: OrderedDict[str, None] = OrderedDict()  # released, not granted
         self._released: list[str] = []
         self._num_expired = 0
         self._num_released = 0
@@ -65,6 +69,12 @@ class LeaseTable:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             expires_at = self._clock() + self.lease_s
+            if request_id in self._released_early:
+                del self._released_early[request_id]
+                # The puller's notice came before the grant: the lease ends as it starts.
+                self._released.append(request_id)
+                self._num_released += 1
+                return expires_at
             self._leases[request_id] = _Lease(expires_at, held, positions, tuple(block_hashes))
             for group_id, group_positions in enumerate(positions):
                 for block_id in group_positions:
@@ -129,9 +139,14 @@ class LeaseTable:
             return n
 
     def release(self, request_id: str) -> bool:
-        """The puller is done (or gave up): end the lease now. False if it was not held."""
+        """The puller is done (or gave up): end the lease now. False if it was not held; such
+        an id is remembered (a bounded number), so a grant that arrives after its release
+        notice ends at once instead of waiting out the lease."""
         with self._lock:
             if self._drop(request_id) is None:
+                self._released_early[request_id] = None
+                while len(self._released_early) > _MAX_EARLY_RELEASES:
+                    self._released_early.popitem(last=False)
                 return False
             self._released.append(request_id)
             self._num_released += 1

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 from typing import NamedTuple
 
-from kvbridge.transport import PeerAddress, TransferError, Transport
+from kvbridge.transport import GroupRead, PeerAddress, TransferError, Transport
 
 from .errors import KVConnectorError
 from .loop_thread import get_loop_thread
@@ -34,6 +34,10 @@ __all__ = ["PullOutcome", "Puller", "WaitingTickets", "send_notice"]
 logger = logging.getLogger(__name__)
 
 NOTIFY_TIMEOUT_S = 5.0
+LEASE_GRANT_RETRY_S = (0.01, 0.02, 0.05, 0.1, 0.2)
+"""Waits before reading refused blocks again under a lease the holder may not have been
+granted yet (its next step hands the grant over; vLLM's engine steps every millisecond while
+it holds blocks)."""
 TICKET_MAX_WAIT_S = 300.0
 """A ticket heart-beaten this long without its request's pull starting is dropped, so a request
 lost between admission and the queue cannot pin a prefill node's blocks forever."""
@@ -189,17 +193,12 @@ class Puller:
                     f"{holder.incarnation} (restarted or replaced)"
                 )
             reads = [g for g in plan.groups if g.local_block_ids]
-            if reads:
-                result = await transport.read_blocks(
-                    peer,
-                    plan.request_id,
-                    reads,
-                    deadline_s=max(deadline_at - time.monotonic(), 1e-3),
-                )
-                failed.update(result.failed_local_block_ids)
-                num_bytes = result.num_bytes_landed
-                if result.failed_local_block_ids:
-                    error = f"{len(result.failed_local_block_ids)} block(s) changed on the holder"
+            refused, num_bytes = await self._read_under_lease(
+                transport, peer, plan, reads, deadline_at
+            )
+            failed.update(refused)
+            if refused:
+                error = f"{len(refused)} block(s) changed on the holder"
         except TransferError as exc:
             failed.update(exc.local_block_ids)
             error = str(exc)
@@ -218,6 +217,41 @@ class Puller:
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
         return PullOutcome(plan.request_id, tuple(sorted(failed)), num_bytes, error)
+
+    async def _read_under_lease(
+        self,
+        transport: Transport,
+        peer: PeerAddress,
+        plan: PullPlan,
+        reads: list[GroupRead],
+        deadline_at: float,
+    ) -> tuple[set[int], int]:
+        """Read ``reads``; returns the local blocks refused and the bytes landed.
+
+        A handoff's lease reaches the holder's worker half only at the holder's next step
+        after it answered the ticket, so a fast puller can arrive first and see its blocks
+        refused. Under a lease, refused blocks are read again after short waits (at most
+        ``LEASE_GRANT_WAIT_S`` in all, never past the deadline); what is still refused then
+        (another prompt's ticket, a lease already ended) fails as before.
+        """
+        num_bytes = 0
+        refused: set[int] = set()
+        waits = iter(LEASE_GRANT_RETRY_S if plan.lease is not None else ())
+        while reads:
+            result = await transport.read_blocks(
+                peer,
+                plan.request_id,
+                reads,
+                deadline_s=max(deadline_at - time.monotonic(), 1e-3),
+            )
+            num_bytes += result.num_bytes_landed
+            refused = set(result.failed_local_block_ids)
+            wait_s = next(waits, None)
+            if not refused or wait_s is None or time.monotonic() + wait_s >= deadline_at:
+                break
+            await asyncio.sleep(wait_s)
+            reads = _only(reads, refused)
+        return refused, num_bytes
 
     def _record(
         self, plan: PullPlan, started: float, failed: set[int], num_bytes: int, error: str | None
@@ -260,3 +294,22 @@ class Puller:
                     )
                 except Exception as exc:  # the pull's own deadline handles a dead holder
                     logger.debug("heartbeat to %s failed: %s", peer, exc)
+
+
+def _only(reads: list[GroupRead], local_block_ids: set[int]) -> list[GroupRead]:
+    """The parts of ``reads`` whose local block is in ``local_block_ids``."""
+    out = []
+    for g in reads:
+        keep = [i for i, b in enumerate(g.local_block_ids) if b in local_block_ids]
+        if keep:
+            out.append(
+                GroupRead(
+                    group_id=g.group_id,
+                    remote_block_ids=[g.remote_block_ids[i] for i in keep],
+                    local_block_ids=[g.local_block_ids[i] for i in keep],
+                    expected_hashes=None
+                    if g.expected_hashes is None
+                    else [g.expected_hashes[i] for i in keep],
+                )
+            )
+    return out

@@ -110,9 +110,12 @@ def run_to_completion(engine: Engine, request_id: str, *, timeout_s: float = 30.
     raise AssertionError(f"request {request_id} did not finish within {timeout_s} s")
 
 
-def prefill(pair: PDPair, request_id: str, prompt: list[int]) -> dict[str, Any]:
+def prefill(
+    pair: PDPair, request_id: str, prompt: list[int], *, step_after: bool = True
+) -> dict[str, Any]:
     """(P) Run the prompt with ``do_remote_decode`` and max_tokens=1; returns the
-    ``kv_transfer_params`` for D."""
+    ``kv_transfer_params`` for D (``step_after``: P steps once more, as its serving loop would,
+    which hands the lease to its worker half)."""
     pair.p.add_request(
         request_id,
         prompt,
@@ -124,7 +127,8 @@ def prefill(pair: PDPair, request_id: str, prompt: list[int]) -> dict[str, Any]:
     assert output.kv_transfer_params is not None
     # P's serving loop steps again at once (its blocks are held); that step's metadata hands
     # the lease grant to P's worker half, which serves D's pull only from then on.
-    pair.p.step()
+    if step_after:
+        pair.p.step()
     return output.kv_transfer_params
 
 

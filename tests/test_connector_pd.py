@@ -385,3 +385,29 @@ def test_a_request_aborted_before_its_pull_releases_the_lease_at_once(pair_facto
     assert_node_empty(pair.p)
     assert _stats(pair.p)["num_released_leases"] == 1
     assert_node_empty(pair.d)
+
+
+def test_a_pull_that_arrives_before_the_lease_grant_retries_and_lands_whole(pair_factory):
+    pair = pair_factory()
+    prompt = long_prompt(100)
+    # (1) P answers the ticket but has not stepped since: its worker half holds no lease yet.
+    params = prefill(pair, "req-0", prompt, step_after=False)
+    pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+    pair.d.step()  # (2) D's pull goes out now and is refused (no lease on P) ...
+    time.sleep(0.03)
+    pair.p.step()  # (3) ... P's next step grants the lease; D's retry finds it.
+    output = run_to_completion(pair.d, "req-0")
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (1, 0)
+    assert_pair_empty(pair)
+
+
+def test_a_lease_never_granted_ends_in_a_recompute_after_the_retries(pair_factory):
+    pair = pair_factory()
+    prompt = long_prompt(100)
+    params = prefill(pair, "req-0", prompt, step_after=False)
+    # P never steps while D pulls: every retry is refused, D recomputes with the right tokens.
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (0, 1)
+    assert_pair_empty(pair)
