@@ -13,7 +13,7 @@ setup:
 test: setup
 	$(PYTHON) -m pytest -q
 
-# tests/vllm in the vLLM venv (tests/vllm/make_venv.sh: fresh about 4 min, then instant).
+# tests/vllm in the vLLM venv (tests/vllm/make_venv.sh: fresh about 5 min, then instant).
 test-vllm:
 	VENV_PY=$$(tests/vllm/make_venv.sh) && $$VENV_PY -m pytest -q -p no:cacheprovider tests/vllm
 
