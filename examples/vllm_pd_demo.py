@@ -59,7 +59,14 @@ from vllm_pd_client import (
     load_tokenizer,
     scrape,
 )
-from vllm_pd_report import BLOCK_SIZE, KV_CACHE_USAGE, Turn, build_report, print_summary
+from vllm_pd_report import (
+    BLOCK_SIZE,
+    KV_CACHE_USAGE,
+    Turn,
+    build_report,
+    print_summary,
+    request_rows,
+)
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -240,6 +247,25 @@ def pd_phase(turns: list[Turn], urls: dict[str, str], args: argparse.Namespace,
     return mismatches, checks
 
 
+def log_counts(logs: dict[str, Path]) -> dict[str, int]:
+    """kvbridge's own warnings in the servers' logs (vLLM shows nothing of them elsewhere):
+    D's failed pulls and P's leases that expired without a completion notice."""
+
+    def lines(name: str) -> list[str]:
+        try:
+            return logs[name].read_text(errors="replace").splitlines()
+        except (KeyError, OSError):
+            return []
+
+    failed = sum("pull of " in line and " failed: " in line for line in lines("decode"))
+    expired = 0
+    for line in lines("prefill"):
+        head, found, _ = line.partition(" lease(s) expired without a completion notice")
+        if found and head.split() and head.split()[-1].isdigit():
+            expired += int(head.split()[-1])
+    return {"failed_loads": failed, "expired_leases": expired}
+
+
 def _block_bytes(model: Path) -> int:
     config = json.loads((model / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -289,13 +315,19 @@ def run(args: argparse.Namespace) -> int:
         mismatches, checks = pd_phase(turns, urls, args, tokenizer)
         timings["pd_run_s"] = time.perf_counter() - t0
         died = [c.name for c in group.children if not c.running]
+        logs = {c.name: c.log_path for c in group.children}
         stop(group.children)
+        checks.update(log_counts(logs))
         timings["total_s"] = time.perf_counter() - t_start
         report = build_report(turns, len(mismatches), checks, timings, _block_bytes(model))
         (workdir / "metrics_totals.json").write_text(json.dumps(
             {"prefill": checks["p_totals"], "decode": checks["d_totals"]}, indent=1))
+        (workdir / "requests.jsonl").write_text(
+            "".join(json.dumps(row) + "\n" for row in request_rows(turns)))
         errors = [f"{t.conversation}/{t.turn}: {t.error}" for t in turns if t.error]
         errors += [f"{name} exited before the end" for name in died]
+        if report["failed_loads"]:
+            errors.append(f"D's pulls failed {report['failed_loads']} time(s) (see decode.log)")
         if report["kv_tokens_pulled"] == 0:
             errors.append("D pulled no KV at all (every request was recomputed)")
         if report["p_kv_cache_usage_after"]:

@@ -18,7 +18,7 @@ from typing import Any
 from pd_report import percentile
 from vllm_pd_client import Answer
 
-__all__ = ["BLOCK_SIZE", "KV_CACHE_USAGE", "Turn", "build_report", "print_summary"]
+__all__ = ["BLOCK_SIZE", "KV_CACHE_USAGE", "Turn", "build_report", "print_summary", "request_rows"]
 
 BLOCK_SIZE = 32
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
@@ -93,6 +93,8 @@ def build_report(turns: list[Turn], mismatches: int, checks: dict[str, Any], tim
         "fetch_vs_recompute_ratio_p50": percentile(ratios, 0.5),
         "fetch_vs_recompute_ratio_total": sum(fetch) / sum(recompute) if sum(recompute) else None,
         "p_kv_cache_usage_after": checks.get("p_kv_cache_usage_after"),
+        "failed_loads": checks.get("failed_loads"),
+        "expired_leases": checks.get("expired_leases"),
         **timings,
     }
     return report
@@ -128,4 +130,27 @@ def print_summary(r: dict[str, Any]) -> None:
     p50, total = r["fetch_vs_recompute_ratio_p50"], r["fetch_vs_recompute_ratio_total"]
     print(f"fetch vs recompute (D's wait for KV / the reference's prefill of the same prompt): "
           f"p50 {_ratio(p50)}, total {_ratio(total)}; P's KV cache in use after the run: "
-          f"{r['p_kv_cache_usage_after']}")
+          f"{r['p_kv_cache_usage_after']}; failed pulls {r['failed_loads']}, leases expired "
+          f"{r['expired_leases']}")
+
+
+def request_rows(turns: list[Turn]) -> list[dict[str, Any]]:
+    """One flat row per request (seconds, tokens) for ``requests.jsonl`` in the work directory."""
+    rows = []
+    for t in turns:
+        p, d, got = t.p or {}, t.d or {}, t.got
+        rows.append({
+            "conversation": t.conversation, "turn": t.turn, "stream": t.stream,
+            "prompt_tokens": len(t.expected.prompt_token_ids),
+            "equal": got is not None and got.prompt_token_ids == t.expected.prompt_token_ids
+            and got.token_ids == t.expected.token_ids,
+            "error": t.error,
+            "p_prefill_s": p.get(_TTFT), "p_local_hit_tokens": p.get(_LOCAL),
+            "d_kv_wait_s": d.get(_QUEUE), "d_first_token_s": d.get(_PREFILL),
+            "d_ttft_s": d.get(_TTFT), "d_pulled_tokens": d.get(_EXTERNAL),
+            "d_local_hit_tokens": d.get(_LOCAL),
+            "reference_prefill_s": t.ref.get(_PREFILL), "reference_ttft_s": t.ref.get(_TTFT),
+            "client_latency_s": got.latency_s if got else None,
+            "client_first_token_s": got.first_token_s if got else None,
+        })
+    return rows
