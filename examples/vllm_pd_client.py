@@ -19,7 +19,7 @@ import json
 import random
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,6 @@ class Answer:
     first_token_s: float | None  # streamed only: time to the first chunk carrying tokens
     kv_transfer_params: Any = None
     chunks: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _body(prompt: str | list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
