@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 KVBRIDGE_CACHE ?= $(HOME)/.cache/kvbridge-vllm
 export KVBRIDGE_CACHE
 
-.PHONY: setup test test-vllm lint bench demo
+.PHONY: setup test test-vllm lint bench demo demo-vllm
 
 setup:
 	$(PIP) install -q -e '.[test]'
@@ -23,6 +23,16 @@ lint:
 demo:
 	$(PIP) install -q -e '.[serve,ucx]'
 	$(PYTHON) examples/pd_pair.py
+
+# The main job on vLLM: P and D as two `vllm serve` with the kvbridge connector, the proxy in front,
+# checked token for token against a single vLLM (examples/vllm_pd_demo.py). It runs in the vLLM
+# venv, made once under ${KVBRIDGE_CACHE:-~/.cache/kvbridge-vllm} by the vLLM suite's script
+# (the one `make test-vllm` uses); KVBRIDGE_VLLM_PYTHON=/path/to/python uses that python instead.
+VLLM_VENV_SCRIPT := $(firstword $(wildcard tests/vllm/make_venv.sh tests/vllm_probe/make_venv.sh))
+
+demo-vllm:
+	@py="$(KVBRIDGE_VLLM_PYTHON)"; if [ -z "$$py" ]; then py=$$($(VLLM_VENV_SCRIPT)) || exit 1; fi; \
+	"$$py" examples/vllm_pd_demo.py $(DEMO_ARGS)
 
 bench: setup
 	$(PYTHON) benchmarks/bench_kvmanager.py
