@@ -39,6 +39,9 @@ __all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "s
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
+# How long a put waits for its index events to reach the index before replying anyway (the index
+# down: the put still succeeds, its blocks are found once the queued batch lands).
+_PUBLISH_WAIT_S = 2.0
 
 
 @dataclass
@@ -339,8 +342,18 @@ class StoreNode:
         client = self.index_client
         if events and client is not None:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._publisher, client.publish, events)
+            await loop.run_in_executor(self._publisher, self._publish_and_wait, client, events)
         return PutReply(num_stored, num_present, len(refused), tuple(refused))
+
+    def _publish_and_wait(self, client: IndexClient, events: list[Any]) -> None:
+        """On the publisher thread: queue ``events`` and wait (at most ``_PUBLISH_WAIT_S``)
+        until the index client has applied them, so that a ``put_ok`` means "indexed"."""
+        client.publish(events)
+        if not client.flush(timeout_s=_PUBLISH_WAIT_S):
+            logger.warning(
+                "store %s: index events of a put not applied within %.1f s; replying anyway",
+                self.engine_id, _PUBLISH_WAIT_S,
+            )
 
     # ------------------------------------------------------------------ reads
     def _validate_blocks(
