@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,7 @@ from kvbridge.connector.pull_plan import lease_token
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.transfer_params import RemotePrefillParams
 
-pytestmark = [
-    pytest.mark.timeout(240),
-    # fastapi.testclient warns that it will move to httpx2; the in-process client is what matters
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
+pytestmark = pytest.mark.timeout(240)
 
 _KEYS = [
     "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_incarnation",
@@ -153,7 +150,9 @@ _PROMPT = long_prompt(40)
 def http_pair():
     """P and D (loopback transport) behind their engine loops and HTTP apps, and the tokens a
     single node computes for ``_PROMPT``."""
-    from fastapi.testclient import TestClient
+    with warnings.catch_warnings():  # starlette: "install httpx2"; the client works as it is
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from fastapi.testclient import TestClient
     from node_loop import EngineLoop
     from node_server import build_app
 

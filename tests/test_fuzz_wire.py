@@ -5,6 +5,10 @@ Properties, each over hypothesis-generated input:
 - ``decode_message`` of any bytes raises only ``WireError``; what it accepts is in range.
 - ``plan.check_read`` accepts a decoded ``Read`` only when every group id and block id it names
   lies inside this node's KV regions (``[1, num_blocks)`` of an existing group).
+- A holder process fed ``Hello`` messages whose UCX worker address is mutated, cut or random
+  answers each (``HelloOk`` or ``ErrorMsg``) and stays alive: before the fix, UCX stopped the
+  whole process on an assertion for a malformed address, and raised out of the connection
+  handler for one it could not reach.
 - A real ``UcxxTransport`` holder fed frames of random bytes, mutated valid messages and
   messages of random field values over one control connection answers each with a reply or
   nothing, never closes on a well-framed message, never starts reading a block outside its
@@ -39,6 +43,7 @@ from kvbridge.transport.wire import (
     GroupReadMsg,
     Heartbeat,
     Hello,
+    HelloOk,
     Read,
     ReadDone,
     ReadOk,
@@ -325,6 +330,76 @@ async def test_holder_serves_a_good_read_after_the_fuzzing(fuzz_holder, _ucxx):
         await asyncio.sleep(0.05)
     assert fuzz_holder.num_active_serves == 0
     assert fuzz_holder.num_holder_staging_outstanding == 0
+
+
+# ----------------------------------------------------------------------------- a holder process
+
+
+@pytest.fixture(scope="module")
+def holder_process(_ucxx):
+    from test_transport_ucxx import HolderProcess
+
+    holder = HolderProcess("--seed", "5")
+    yield holder
+    holder.stop()
+
+
+@st.composite
+def _worker_addresses(draw, real: bytes) -> bytes:
+    """A UCX worker address as a stranger may send it: the real one mutated, cut, or random
+    bytes behind the right header byte (UCX itself asserts on malformed ones)."""
+    kind = draw(st.sampled_from(["flip", "cut", "random", "header"]))
+    address = bytearray(real)
+    if kind == "flip":
+        for at in draw(st.lists(st.integers(1, len(real) - 1), min_size=1, max_size=4)):
+            address[at] ^= draw(st.integers(1, 255))
+    elif kind == "cut":
+        del address[draw(st.integers(0, len(real) - 1)) :]
+    elif kind == "random":
+        address = bytearray(real[:1] + draw(st.binary(min_size=0, max_size=300)))
+    else:
+        address[0] ^= draw(st.integers(1, 255))
+    return bytes(address)
+
+
+@in_module_loop
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+async def test_a_holder_process_survives_hellos_with_malformed_worker_addresses(
+    holder_process, data
+):
+    import ucxx
+
+    real = ucxx.get_worker_address().tobytes()
+    address = data.draw(_worker_addresses(real))
+    metadata = make_metadata("fuzz-peer", make_kv_caches(seed=0))
+    reader, writer = await asyncio.open_connection(*holder_process.address)
+    try:
+        hello = Hello(metadata=metadata, compat_hash=metadata.compat_hash, worker_address=address)
+        writer.write(encode_message(hello))
+        reply = decode_message(await asyncio.wait_for(read_frame(reader), 10))
+        assert isinstance(reply, ErrorMsg | HelloOk), reply  # an answer, whatever the address
+    finally:
+        writer.close()
+    assert holder_process.proc.poll() is None  # the process is alive
+
+
+@in_module_loop
+async def test_the_holder_process_serves_a_good_read_after(holder_process):
+    from kvbridge.transport import UcxxTransport
+
+    caches = make_kv_caches(seed=0)
+    requester = UcxxTransport(make_metadata("fuzz-after", caches), caches, cma=False)
+    await requester.start()
+    try:
+        reads = [GroupRead(group_id=1, remote_block_ids=[9, 8], local_block_ids=[1, 2])]
+        result = await requester.read_blocks(holder_process.address, "ok", reads, deadline_s=20)
+        assert result.ok and result.num_blocks_landed == 2
+        source = make_kv_caches(seed=5)
+        for layer, dst in enumerate(caches[1]):
+            assert dst[[1, 2]].view(-1).equal(source[1][layer][[9, 8]].view(-1))
+    finally:
+        await requester.close()
 
 
 def test_a_transfer_done_built_locally_still_round_trips():
