@@ -13,6 +13,7 @@ while a decode node with the wrong key recomputes (right tokens) and P counts th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -210,3 +211,32 @@ def test_pd_pair_with_the_key_pulls_and_a_decode_node_with_another_recomputes():
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_a_store_node_with_the_key_serves_only_keyed_peers():
+    from kvbridge.connector.store.node import StoreNode
+    from kvbridge.transport import LoopbackTransport
+
+    network = LoopbackNetwork()
+    model = ModelConfig.tiny()
+    store = StoreNode(model, block_size=16, capacity_bytes=1 << 20, transport="loopback",
+                      loopback_network=network, auth_key=KEY)
+
+    async def scenario() -> None:
+        await store.start()
+        try:
+            caches = store.kv_caches_by_group
+            for key, ok in ((KEY, True), (None, False)):
+                metadata = dataclasses.replace(store.metadata, engine_id=f"peer-{ok}")
+                peer = LoopbackTransport(metadata, caches, network=network, auth_key=key)
+                await peer.start()
+                if ok:
+                    assert (await peer.connect(store.address)).engine_id == "store-0"
+                else:
+                    with pytest.raises(HandshakeError, match="cluster key"):
+                        await peer.connect(store.address)
+            assert store.transport.num_refused_peers == 1
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
