@@ -151,7 +151,7 @@ def http_pair():
     """P and D (loopback transport) behind their engine loops and HTTP apps, and the tokens a
     single node computes for ``_PROMPT``."""
     with warnings.catch_warnings():  # starlette: "install httpx2"; the client works as it is
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore")
         from fastapi.testclient import TestClient
     from node_loop import EngineLoop
     from node_server import build_app
