@@ -22,6 +22,7 @@ that share nothing"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,9 +66,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def ticket_of(params: RemotePrefillParams) -> Ticket:
-    """The lease a handoff's params name on their prefill node."""
-    return Ticket(params.remote_host, params.remote_port, params.remote_request_id)
+def ticket_of(p: RemotePrefillParams) -> Ticket:
+    """The lease a handoff's params name on their prefill node, with its capability token."""
+    return Ticket(p.remote_host, p.remote_port, p.remote_request_id, p.remote_lease_token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +172,9 @@ class KVBridgeScheduler:
             return
         if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
             return
+        token = kv_transfer_params.get("remote_lease_token")
         notice = ReleaseNotice(
-            ticket=Ticket(host, port, remote_request_id),
+            ticket=Ticket(host, port, remote_request_id, token if isinstance(token, str) else ""),
             success=False,
             reason=f"rejected: {reason}",
         )
@@ -292,7 +294,7 @@ class KVBridgeScheduler:
             block_hashes=request.block_hashes,
             unhashed_token=b""
             if match.ticket is None
-            else lease_token(match.ticket.remote_request_id),
+            else lease_token(match.ticket.remote_request_id, match.ticket.token),
         )
         self._meta.pulls.append(
             PullPlan(
@@ -402,14 +404,14 @@ class KVBridgeScheduler:
         num_tokens = request.num_prompt_tokens
         num_blocks = _cdiv(num_tokens, self.block_size)
         held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
-        self._meta.lease_grants.append(
-            LeaseGrant(
-                request_id=request_id,
-                block_ids=[list(ids) for ids in held],
-                block_hashes=list(request.block_hashes[: num_tokens // self.block_size]),
-                lease_s=self.config.lease_s,
-            )
+        grant = LeaseGrant(
+            request_id=request_id,
+            block_ids=[list(ids) for ids in held],
+            block_hashes=list(request.block_hashes[: num_tokens // self.block_size]),
+            lease_s=self.config.lease_s,
+            token=secrets.token_urlsafe(16),  # the ticket's capability: 128 random bits
         )
+        self._meta.lease_grants.append(grant)
         out = RemotePrefillParams(
             remote_engine_id=self.config.engine_id,
             remote_incarnation=self.worker.incarnation,
@@ -420,6 +422,7 @@ class KVBridgeScheduler:
             remote_num_tokens=num_tokens,
             remote_block_size=self.block_size,
             lease_expires_at=time.time() + self.config.lease_s,
+            remote_lease_token=grant.token,
         )
         return RequestFinishedResult(True, out.to_dict())
 

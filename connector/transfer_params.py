@@ -10,6 +10,7 @@ field's type and range and raises ``KVTransferParamsError`` naming the field.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from .errors import KVTransferParamsError
 __all__ = ["RemotePrefillParams", "wants_remote_decode", "wants_remote_prefill"]
 
 _MAX_BLOCK_ID = 2**31 - 1
+_LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]{0,64}")
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -60,6 +62,10 @@ class RemotePrefillParams:
             refused with an error naming both, never transferred blindly).
         lease_expires_at: P's wall clock (seconds since the epoch) when P stops holding the
             blocks unless D's heartbeats extend the lease.
+        remote_lease_token: the ticket's capability (URL-safe base64, ``secrets``): P extends,
+            releases and serves the lease's unhashed block only to a peer presenting it.
+            Optional when parsing (``""``: a ticket without one, which P refuses when its lease
+            has a token).
     """
 
     remote_engine_id: str
@@ -71,6 +77,7 @@ class RemotePrefillParams:
     remote_num_tokens: int
     remote_block_size: int
     lease_expires_at: float
+    remote_lease_token: str = ""
 
     @classmethod
     def parse(
@@ -100,6 +107,11 @@ class RemotePrefillParams:
         remote_block_size = _require(params, "remote_block_size", int)
         expires = _require(params, "lease_expires_at", (int, float))
         raw_ids = _require(params, "remote_block_ids", (list, tuple))
+        token = params.get("remote_lease_token", "")
+        if not isinstance(token, str) or not _LEASE_TOKEN.fullmatch(token):
+            raise KVTransferParamsError(
+                "remote_lease_token", "expected at most 64 URL-safe base64 characters"
+            )
         for key, value in (
             ("remote_engine_id", engine_id),
             ("remote_request_id", request_id),
@@ -135,6 +147,7 @@ class RemotePrefillParams:
             remote_num_tokens=num_tokens,
             remote_block_size=remote_block_size,
             lease_expires_at=float(expires),
+            remote_lease_token=token,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,6 +164,7 @@ class RemotePrefillParams:
             "remote_num_tokens": self.remote_num_tokens,
             "remote_block_size": self.remote_block_size,
             "lease_expires_at": self.lease_expires_at,
+            "remote_lease_token": self.remote_lease_token,
         }
 
 

@@ -131,6 +131,8 @@ class StoreNode:
         read_guard_s: a block validated for a pull this recently is never overwritten.
         index_ttl_s: the store's index entries expire this long after its last heartbeat.
         max_put_bytes: largest payload one put may carry.
+        auth_key: the cluster key its transport proves and demands (``transport.auth``), as
+            every node's ``auth_key``; None: none. The write server is not authenticated.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class StoreNode:
         read_guard_s: float = 30.0,
         index_ttl_s: float = 10.0,
         max_put_bytes: int = 256 << 20,
+        auth_key: bytes | None = None,
     ) -> None:
         if transport == "loopback" and loopback_network is None:
             raise ValueError("transport 'loopback' needs a loopback_network")
@@ -179,6 +182,7 @@ class StoreNode:
         self._transport_kind = transport
         self._loopback_network = loopback_network
         self._host, self._port = host, port
+        self._auth_key = auth_key
         self._write_host, self._write_port = write_host, write_port
         self.transport: Transport | None = None
         self.index_client: IndexClient | None = None
@@ -212,12 +216,17 @@ class StoreNode:
                 network=self._loopback_network,  # type: ignore[arg-type]
                 host=self._host,
                 port=self._port,
+                auth_key=self._auth_key,
             )
         else:
             from kvbridge.transport import UcxxTransport
 
             self.transport = UcxxTransport(
-                self.metadata, self.kv_caches_by_group, host=self._host, port=self._port
+                self.metadata,
+                self.kv_caches_by_group,
+                host=self._host,
+                port=self._port,
+                auth_key=self._auth_key,
             )
         # The transport re-checks served blocks after copying them; the re-check must not count
         # requests and hits a second time.
