@@ -5,6 +5,7 @@ with the engines empty (no request held, integrity true, every block free)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from kvbridge.connector.store.node import StoreNode, close_store_node, start_sto
 from kvbridge.kvmanager import Request, SamplingParams
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.kvmanager.engine import Engine, EngineConfig
-from kvbridge.transport import LoopbackNetwork
+from kvbridge.transport import LoopbackFaults, LoopbackNetwork
 
 BLOCK_SIZE = 16
 
@@ -190,3 +191,122 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
     assert num_held >= 1  # A's blocks that were not reused did reach the store
     assert_node_empty(n)
     assert_node_empty(p)
+
+
+def _offload_node(network, model_name, store, **extra) -> Engine:
+    """Node N: 7 usable blocks, offloading cold blocks to ``store`` (policy evict)."""
+    host, port = store.write_address
+    return make_engine(
+        "node-n", "kv_both", network, model_name, num_blocks=8,
+        store_url=f"{host}:{port}", offload="evict", **extra,
+    )
+
+
+def _serve_and_offload(engine: Engine, request_id: str, prompt: list[int]) -> list[int]:
+    """Run ``prompt`` (max_tokens=1) on ``engine`` and let its freed blocks reach the store."""
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
+    output = run_to_completion(engine, request_id)
+    engine.step()  # the step after the finish: its cold blocks are snapshotted and sent
+    engine.runner.connector.worker_half.offload_sender.wait_idle()
+    engine.step()  # the outcomes reach the scheduler half
+    return output.token_ids
+
+
+def store_depth(store: StoreNode, hashes: list[bytes]) -> int:
+    """Blocks of ``hashes`` the index lists for the store, from block 0."""
+    hit = store.index_client.index.longest_prefix(hashes, (0,), all_holders=True)
+    return max((h.num_blocks for h in hit.holders if h.node_id == store.engine_id), default=0)
+
+
+def test_case4_a_block_whose_store_write_fails_cuts_the_chain_there(network, model_name, cleanup):
+    """Issue 15, case 4, first half (an LMCache report: store writes that fail).
+
+    N offloads the 4 full blocks of a 65-token prompt in one put; the store's write of block 2
+    fails (refused, as when no block can be taken for it). Blocks 0-1 are stored and published;
+    block 3 is stored but never published, since its parent is missing; so a later lookup finds
+    at most blocks 0-1 on the store, and the store serves no block under block 2's key.
+    """
+    engines, stores = cleanup
+    store = make_store(network, model_name, capacity_blocks=32)
+    stores.append(store)
+    n = _offload_node(network, model_name, store)
+    engines.append(n)
+    prompt = long_prompt(65)
+    hashes = hashes_of(n, prompt)
+    assert len(hashes) == 4
+    put = store.cache.put
+
+    def put_failing_block_2(group_id, block_hashes, parent_hashes, staging):
+        keep = [i for i, h in enumerate(block_hashes) if h != hashes[2]]
+        result = put(
+            group_id,
+            [block_hashes[i] for i in keep],
+            [parent_hashes[i] for i in keep],
+            staging.index_select(1, torch.tensor(keep, dtype=torch.int64)),
+        )
+        lost = (hashes[2],) if len(keep) < len(block_hashes) else ()
+        return result._replace(refused=result.refused + lost)
+
+    store.cache.put = put_failing_block_2
+
+    _serve_and_offload(n, "A", prompt)
+    assert store.cache.block_id_of(0, hashes[2]) is None
+    assert store.cache.block_id_of(0, hashes[1]) is not None
+    assert store_depth(store, hashes) == 2  # blocks 0-1; block 3 is held but unreachable
+    # A read under block 2's key is refused whatever block id it names.
+    num_rows = store.cache.num_store_blocks + 1
+    assert store.cache.validate(0, list(range(1, num_rows)), [hashes[2]] * (num_rows - 1)) == (
+        list(range(num_rows - 1))
+    )
+    planner = n.scheduler.connector.scheduler_half._offload
+    assert not planner.is_offloaded(0, hashes[2])  # N may offer it again later
+    assert planner.is_offloaded(0, hashes[1])
+    assert_node_empty(n)
+
+
+def test_case4_a_restore_that_lands_partly_is_a_hit_of_what_landed_only(
+    network, model_name, cleanup, caplog
+):
+    """Issue 15, case 4, second half (an LMCache report: a restore whose staging had room for
+    part of the blocks, yet reported the whole hit).
+
+    The store holds the 4 full blocks of A's prompt and N no longer does. N asks for A again: it
+    finds the 4 blocks on the store and pulls them in reads of 2 blocks per chunk; the store
+    sends the first chunk (2 blocks) and then nothing. N's deadline ends the pull; the hit it
+    keeps is what landed and was confirmed (2 blocks, or 0: the store's ``ReadDone`` never came),
+    never 4 with stale bytes; its tokens equal a single-node run.
+    """
+    engines, stores = cleanup
+    store = make_store(network, model_name, capacity_blocks=32)
+    stores.append(store)
+    n = _offload_node(network, model_name, store, load_timeout_s=0.5)
+    engines.append(n)
+    prompt_a = long_prompt(65)
+    hashes = hashes_of(n, prompt_a)
+
+    # (1) A's 4 full blocks reach the store; another prompt then takes N's blocks back.
+    _serve_and_offload(n, "A", prompt_a)
+    assert store_depth(store, hashes) == 4
+    _serve_and_offload(n, "B", long_prompt(100, salt="Another document. "))
+    pool = n.kv_cache_manager.block_pool
+    assert all(pool.get_cached_block(h, [0]) is None for h in hashes)
+
+    # (2) N restores A from the store, 2 blocks per chunk; the store stalls after one chunk.
+    block_nbytes = sum(c[0].numel() * c.element_size() for c in n.runner.kv_caches.values())
+    n.runner.connector.worker_half.transport.chunk_bytes = 2 * block_nbytes
+    store.transport.faults = LoopbackFaults(stall_after_chunks=1)
+    with caplog.at_level("WARNING", logger="kvbridge"):
+        n.add_request("A2", prompt_a, SamplingParams(max_tokens=4))
+        output = run_to_completion(n, "A2")
+    stats = n.scheduler.connector.stats.snapshot()
+    assert stats["store_hit_tokens"] == 64  # planned: the 4 blocks the store listed
+    assert stats["num_failed_loads"] == 1
+    cut = [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r"KV load failed from token (\d+)", r.getMessage()))
+    ]
+    assert len(cut) == 1 and cut[0] in (0, 32), cut  # what landed: 2 blocks, or none
+    assert output.token_ids == reference_greedy(prompt_a, 4, hybrid=False)
+    store.transport.faults = LoopbackFaults()
+    assert_node_empty(n)
