@@ -130,7 +130,8 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
     stores.append(store)
     host, port = store.write_address
     n = make_engine(
-        "node-n", "kv_both", network, model_name, num_blocks=8, store_url=f"{host}:{port}", offload=policy
+        "node-n", "kv_both", network, model_name, num_blocks=8,
+        store_url=f"{host}:{port}", offload=policy,
     )
     p = make_engine("prefill-0", "kv_producer", network, model_name, num_blocks=32, lease_s=30.0)
     engines.extend([n, p])

@@ -57,11 +57,12 @@ def test_case6_a_lease_that_runs_out_during_a_slow_read_never_gives_wrong_bytes(
 
     Lease 0.5 s, D's heartbeats stopped (its transport drops them), and P's holder waits 2 s
     (the report's 1 s, doubled so that P's reuse below surely comes first on a busy machine)
-    before it copies the first chunk of the read it already validated. The lease expires under the read;
-    P frees the blocks and a new 140-token request on P (9 of P's 9 usable blocks) overwrites
-    every one of them before the copy. The copy then reads the new request's bytes; the holder's
-    re-check after the copy refuses them (the lease is gone, the hashes were removed), so the
-    read fails cleanly for those blocks and D recomputes: D's tokens equal a single-node run.
+    before it copies the first chunk of the read it already validated. The lease expires under
+    the read; P frees the blocks and a new 140-token request on P (9 of P's 9 usable blocks)
+    overwrites every one of them before the copy. The copy then reads the new request's bytes;
+    the holder's re-check after the copy refuses them (the lease is gone, the hashes were
+    removed), so the read fails cleanly for those blocks and D recomputes: D's tokens equal a
+    single-node run.
     """
     pair = pair_factory(
         num_blocks=10, max_model_len=144, lease_s=0.5, heartbeat_interval_s=0.1,
