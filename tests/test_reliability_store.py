@@ -214,7 +214,9 @@ def _serve_and_offload(engine: Engine, request_id: str, prompt: list[int]) -> li
 
 
 def store_depth(store: StoreNode, hashes: list[bytes]) -> int:
-    """Blocks of ``hashes`` the index lists for the store, from block 0."""
+    """Blocks of ``hashes`` the index lists for the store, from block 0 (after the store's
+    queued publishes reached the index: ``IndexClient.publish`` returns at once)."""
+    assert store.index_client.flush()
     hit = store.index_client.index.longest_prefix(hashes, (0,), all_holders=True)
     return max((h.num_blocks for h in hit.holders if h.node_id == store.engine_id), default=0)
 
@@ -291,6 +293,8 @@ def test_case4_a_restore_that_lands_partly_is_a_hit_of_what_landed_only(
     _serve_and_offload(n, "B", long_prompt(100, salt="Another document. "))
     pool = n.kv_cache_manager.block_pool
     assert all(pool.get_cached_block(h, [0]) is None for h in hashes)
+    # N's removals reach the index before its lookup: the store is the only holder of A.
+    assert n.scheduler.connector.scheduler_half.index_client.flush()
 
     # (2) N restores A from the store, 2 blocks per chunk; the store stalls after one chunk.
     block_nbytes = sum(c[0].numel() * c.element_size() for c in n.runner.kv_caches.values())
