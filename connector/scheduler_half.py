@@ -319,6 +319,9 @@ class KVBridgeScheduler:
                 self._meta.block_hashes = hash_delta_of(events)
         if self._offload is not None:
             self._offload.observe(events)
+            if self._block_pool is not None:  # this step's schedule may have reused a pick
+                items = self._meta.offload_items
+                self._meta.offload_items = self._offload.drop_reused(items, self._block_pool)
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
         return meta
 

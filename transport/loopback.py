@@ -100,6 +100,9 @@ class LoopbackFaults:
         drop_after_chunks: after sending this many chunks of a read, the holder drops off the
             network (as ``drop()``), so the read fails naming the blocks not landed.
         stall: accept reads and never send (the requester's deadline must fire).
+        stall_after_chunks: after sending this many chunks of a read, send nothing more and
+            keep the read open (no completion, no error, still on the network): the
+            requester's deadline must fire with part of the data landed.
     """
 
     serve_delay_s: float = 0.0
@@ -109,6 +112,7 @@ class LoopbackFaults:
     refuse_block_ids: set[int] = field(default_factory=set)
     drop_after_chunks: int | None = None
     stall: bool = False
+    stall_after_chunks: int | None = None
 
 
 class LoopbackTransport(Transport):
@@ -357,6 +361,9 @@ class LoopbackTransport(Transport):
         for chunk_idx, chunk in enumerate(chunks):
             if faults.drop_after_chunks is not None and chunk_idx >= faults.drop_after_chunks:
                 self.drop()
+            if faults.stall_after_chunks is not None and chunk_idx >= faults.stall_after_chunks:
+                await self._dropped.wait()
+                raise state.error(TransferError, f"holder {self.engine_id!r} went away")
             await self._wait_or_drop(faults.chunk_delay_s, state)
             group = read.groups[chunk.entry]
             positions = good[chunk.entry][chunk.start : chunk.stop]
