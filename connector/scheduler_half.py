@@ -49,7 +49,13 @@ from .pull_plan import lease_token, plan_group_pulls
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
-from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
+from .transfer_params import (
+    RemotePrefillParams,
+    release_notice_for_rejected,
+    ticket_of,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager.block_pool import BlockPool
@@ -64,11 +70,6 @@ _PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_S
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def ticket_of(p: RemotePrefillParams) -> Ticket:
-    """The lease a handoff's params name on their prefill node, with its capability token."""
-    return Ticket(p.remote_host, p.remote_port, p.remote_request_id, p.remote_lease_token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,24 +162,9 @@ class KVBridgeScheduler:
         """A request with remote-prefill params was refused before admission: ask its prefill
         node to release the blocks now (best effort; unusable addresses are left to the
         lease)."""
-        if not (
-            isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)
-        ):
-            return
-        host = kv_transfer_params.get("remote_host")
-        port = kv_transfer_params.get("remote_port")
-        remote_request_id = kv_transfer_params.get("remote_request_id")
-        if not (isinstance(host, str) and host and isinstance(port, int)):
-            return
-        if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
-            return
-        token = kv_transfer_params.get("remote_lease_token")
-        notice = ReleaseNotice(
-            ticket=Ticket(host, port, remote_request_id, token if isinstance(token, str) else ""),
-            success=False,
-            reason=f"rejected: {reason}",
-        )
-        self._meta.notices.append(notice)
+        notice = release_notice_for_rejected(kv_transfer_params, reason)
+        if notice is not None:
+            self._meta.notices.append(notice)
 
     # ------------------------------------------------------------------ schedule()
     def get_num_new_matched_tokens(

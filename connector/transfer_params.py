@@ -16,8 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import KVTransferParamsError
+from .metadata import ReleaseNotice, Ticket
 
-__all__ = ["RemotePrefillParams", "wants_remote_decode", "wants_remote_prefill"]
+__all__ = [
+    "RemotePrefillParams",
+    "release_notice_for_rejected",
+    "ticket_of",
+    "wants_remote_decode",
+    "wants_remote_prefill",
+]
 
 _MAX_BLOCK_ID = 2**31 - 1
 _LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]{0,64}")
@@ -185,3 +192,31 @@ def _check_group_ids(group_id: int, ids: Any, num_blocks: int) -> tuple[int, ...
     if len(set(real)) != len(real):
         raise KVTransferParamsError(field, "block ids repeat")
     return tuple(ids)
+
+
+def ticket_of(params: RemotePrefillParams) -> Ticket:
+    """The lease a handoff's params name on their prefill node, with its capability token."""
+    return Ticket(
+        params.remote_host, params.remote_port, params.remote_request_id, params.remote_lease_token
+    )
+
+
+def release_notice_for_rejected(kv_transfer_params: Any, reason: str) -> ReleaseNotice | None:
+    """The release notice for a prefill node whose handoff a decode node refused before
+    admission (best effort: params too broken to name a usable address give None, and the
+    lease ends the hold). ``kv_transfer_params`` may be anything a client sent."""
+    if not (isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)):
+        return None
+    host = kv_transfer_params.get("remote_host")
+    port = kv_transfer_params.get("remote_port")
+    remote_request_id = kv_transfer_params.get("remote_request_id")
+    if not (isinstance(host, str) and host and isinstance(port, int)):
+        return None
+    if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
+        return None
+    token = kv_transfer_params.get("remote_lease_token")
+    return ReleaseNotice(
+        ticket=Ticket(host, port, remote_request_id, token if isinstance(token, str) else ""),
+        success=False,
+        reason=f"rejected: {reason}",
+    )
