@@ -4,10 +4,16 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 KVBRIDGE_CACHE ?= $(HOME)/.cache/kvbridge-vllm
 export KVBRIDGE_CACHE
+# Installed first when the Python has no torch: pyproject's range alone would let pip pick the
+# newest torch, a multi-GB CUDA build; 2.13.0 is the CPU build these machines have on disk.
+TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test test-vllm lint bench demo demo-vllm
+.PHONY: torch setup test test-vllm lint bench demo demo-vllm
 
-setup:
+torch:
+	@$(PYTHON) -c 'import torch' 2>/dev/null || $(PIP) install -q '$(TORCH_SPEC)'
+
+setup: torch
 	$(PIP) install -q -e '.[test]'
 
 test: setup
@@ -20,7 +26,7 @@ test-vllm:
 lint:
 	$(PYTHON) -m ruff check .
 
-demo:
+demo: torch
 	$(PIP) install -q -e '.[serve,ucx]'
 	$(PYTHON) examples/pd_pair.py
 

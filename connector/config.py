@@ -38,6 +38,14 @@ key                          default   meaning
 ``offload_blocks_per_step``  32        most blocks snapshotted for the store per engine step
 ``offload_scan_blocks``      4096      most free-queue entries looked at per step
 ``offload_max_inflight_bytes`` 256 MiB snapshot bytes allowed to wait for the store
+``auth_key``                 None      the cluster secret (at least 16 bytes of UTF-8): every
+                                       transport handshake proves it both ways by HMAC
+                                       challenge-response (kvbridge.transport.auth); a peer
+                                       without it reads no block and touches no lease. Prefer:
+``auth_key_env``             None      the name of an environment variable holding the secret
+``auth_key_file``            None      a file holding the secret (trailing newline ignored); at
+                                       most one of the three is set; None of them: no
+                                       authentication
 ===========================  ========  ==========================================================
 
 Any other key under ``kv_connector_extra_config`` is refused, naming it.
@@ -45,8 +53,10 @@ Any other key under ``kv_connector_extra_config`` is refused, naming it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvbridge.kvmanager.connector_interface import KVRole
@@ -96,6 +106,9 @@ class KVTransferConfig:
     offload_blocks_per_step: int = 32
     offload_scan_blocks: int = 4096
     offload_max_inflight_bytes: int = 256 << 20
+    auth_key: str | None = field(default=None, repr=False)  # never printed in a log line
+    auth_key_env: str | None = None
+    auth_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in _TRANSPORTS:
@@ -133,6 +146,7 @@ class KVTransferConfig:
                 f"min_remote_hit_blocks must be >= 1, got {self.min_remote_hit_blocks}"
             )
         self._check_offload()
+        self.auth_key_bytes()  # a missing variable or file, or a short key: refused now
         if not self.engine_id:
             raise KVTransferConfigError("engine_id must be a non-empty string")
 
@@ -154,6 +168,43 @@ class KVTransferConfig:
                 parse_store_url(self.store_url)
             except ValueError as exc:
                 raise KVTransferConfigError(str(exc)) from None
+
+    def auth_key_bytes(self) -> bytes | None:
+        """The cluster secret from ``auth_key``, ``auth_key_env`` or ``auth_key_file`` (read
+        now), or None when none is set.
+
+        Raises:
+            KVTransferConfigError: more than one is set, the variable or file is missing or
+                unreadable, or the secret is shorter than 16 bytes.
+        """
+        names = ("auth_key", "auth_key_env", "auth_key_file")
+        for name in names:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise KVTransferConfigError(f"{name} must be a string or null")
+        sources = [name for name in names if getattr(self, name)]
+        if not sources:
+            return None
+        if len(sources) > 1:
+            raise KVTransferConfigError(f"set at most one of {sources}")
+        if self.auth_key:
+            key = self.auth_key.encode()
+        elif self.auth_key_env:
+            value = os.environ.get(self.auth_key_env)
+            if value is None:
+                raise KVTransferConfigError(
+                    f"auth_key_env: environment variable {self.auth_key_env!r} is not set"
+                )
+            key = value.encode()
+        else:
+            try:
+                key = Path(str(self.auth_key_file)).read_bytes().rstrip(b"\r\n")
+            except OSError as exc:
+                raise KVTransferConfigError(f"auth_key_file: {exc}") from None
+        if len(key) < 16:
+            raise KVTransferConfigError(
+                f"{sources[0]}: the cluster secret must be at least 16 bytes, got {len(key)}"
+            )
+        return key
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> KVTransferConfig:

@@ -11,7 +11,10 @@ decides, through the transport's callbacks, whether a block may be served:
   it holds the expected hash, so a block evicted and reused meanwhile is refused (DESIGN.md,
   "Block index": a hit is advisory).
 
-``on_heartbeat`` extends the leases a puller depends on; ``on_transfer_done`` ends one.
+``on_heartbeat`` extends the leases a puller depends on; ``on_transfer_done`` ends one. Tickets
+are capabilities (``lease``): a heartbeat, a release or a lease-token read that does not present
+the lease's token is refused, counted (``num_refused_lease_tokens``) and leaves the lease as it
+was.
 Callbacks run on the connector's event-loop thread and never block; nothing here reads the
 scheduler half's block pool.
 """
@@ -122,9 +125,10 @@ class HolderChecks:
             if not 0 < block_id < self.num_blocks:
                 bad.append(pos)  # an id from the network out of range
                 continue
-            lease_id = parse_lease_token(expected)
-            if lease_id is not None:
-                ok = self.leases.covers(lease_id, group_id, block_id, None)
+            lease_ref = parse_lease_token(expected)
+            if lease_ref is not None:
+                lease_id, token = lease_ref
+                ok = self.leases.covers(lease_id, group_id, block_id, None, token)
             else:
                 ok = self.hashes.holds(
                     block_id, make_block_hash_with_group_id(expected, group_id)
@@ -133,13 +137,24 @@ class HolderChecks:
                 bad.append(pos)
         return bad
 
-    def on_heartbeat(self, peer_engine_id: str, request_ids: list[str]) -> None:
-        self.leases.extend(request_ids)
+    def on_heartbeat(self, peer_engine_id: str, request_ids: list[str], tokens: list[str]) -> None:
+        """Extend the leases named with their right token (``tokens[i]`` for
+        ``request_ids[i]``; an empty list presents none); count the refused ones."""
+        tokens = tokens or [""] * len(request_ids)
+        pairs = zip(request_ids, tokens, strict=True)
+        refused = sum(1 for rid, token in pairs if not self.leases.token_ok(rid, token))
+        if refused:
+            self.stats.add("num_refused_lease_tokens", refused)
+        self.leases.extend(request_ids, tokens)
 
     def on_transfer_done(self, notice: TransferDoneNotice) -> None:
-        """The puller is done with a request (or gave up): end its lease now."""
+        """The puller is done with a request (or gave up): end its lease now, if the notice
+        presents the lease's token."""
+        if not self.leases.token_ok(notice.request_id, notice.token):
+            self.stats.add("num_refused_lease_tokens")
+            return
         held = self.leases.block_ids(notice.request_id)
-        if self.leases.release(notice.request_id) and held is not None:
+        if self.leases.release(notice.request_id, notice.token) and held is not None:
             self.stats.add("num_released_leases")
             if notice.success:
                 self.stats.add("bytes_sent", self._held_nbytes(held))

@@ -6,6 +6,11 @@ heartbeat from the puller extends it (DESIGN.md, "Reliability rules": a prefill 
 blocks forever). Expiry and release both hand the request id back once, as ``finished_sending``,
 so the scheduler frees the blocks exactly once whichever comes first.
 
+Tickets are capabilities (issue 15, "Security"): a lease is granted with the unguessable token
+its ticket carries (``secrets.token_urlsafe``, made by the scheduler half); a heartbeat, a
+release or a read of a block the lease alone guards must present it (``token_ok``, ``covers``).
+A lease granted with the token ``""`` (tests, old tickets) accepts only ``""``.
+
 Thread-safety: the worker half grants (from the step's ``LeaseGrant`` orders) and runs
 ``pop_finished`` on the worker thread; heartbeats, completion notices and the holder's checks
 arrive on the connector's event-loop thread; one lock guards the table.
@@ -13,6 +18,7 @@ arrive on the connector's event-loop thread; one lock guards the table.
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +37,12 @@ class _Lease:
     # per group: block id -> position in the request's block table
     positions: tuple[dict[int, int], ...]
     block_hashes: tuple[bytes, ...]  # the request's full-block hashes, position order
+    token: str = ""  # the ticket's capability (module docstring)
+
+
+def _same_token(granted: str, presented: str) -> bool:
+    """Constant-time comparison (a timing difference must not reveal a token's prefix)."""
+    return hmac.compare_digest(granted.encode(), presented.encode())
 
 
 class LeaseTable:
@@ -48,7 +60,8 @@ class LeaseTable:
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
         self._block_to_leases: dict[tuple[int, int], set[str]] = {}  # (group, block) -> ids
-        self._released_early: OrderedDict[str, None] = OrderedDict()  # released, not granted
+        # released before granted -> the token the release presented
+        self._released_early: OrderedDict[str, str] = OrderedDict()
         self._released: list[str] = []
         self._num_expired = 0
         self._num_released = 0
@@ -59,23 +72,25 @@ class LeaseTable:
         request_id: str,
         block_ids: Sequence[Sequence[int]],
         block_hashes: Sequence[bytes] = (),
+        token: str = "",
     ) -> float:
         """Start a lease on ``block_ids`` (per group, position order) of a request whose
-        full-block hashes are ``block_hashes``; returns its expiry. Raises ValueError if one is
-        already held."""
+        full-block hashes are ``block_hashes``, guarded by its ticket's ``token``; returns its
+        expiry. Raises ValueError if one is already held."""
         held = tuple(tuple(ids) for ids in block_ids)
         positions = tuple({b: pos for pos, b in enumerate(ids) if b != 0} for ids in held)
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             expires_at = self._clock() + self.lease_s
-            if request_id in self._released_early:
-                del self._released_early[request_id]
+            early_token = self._released_early.pop(request_id, None)
+            if early_token is not None and _same_token(token, early_token):
                 # The puller's notice came before the grant: the lease ends as it starts.
                 self._released.append(request_id)
                 self._num_released += 1
                 return expires_at
-            self._leases[request_id] = _Lease(expires_at, held, positions, tuple(block_hashes))
+            lease = _Lease(expires_at, held, positions, tuple(block_hashes), token)
+            self._leases[request_id] = lease
             for group_id, group_positions in enumerate(positions):
                 for block_id in group_positions:
                     self._block_to_leases.setdefault((group_id, block_id), set()).add(request_id)
@@ -107,14 +122,23 @@ class LeaseTable:
                     return True
             return False
 
-    def covers(self, request_id: str, group_id: int, block_id: int, expected: bytes | None) -> bool:
-        """True while ``request_id``'s lease is held and protects ``block_id`` of ``group_id``
-        at a position whose hash is ``expected`` (``None``: the position has no hash, the
-        partial last block, and must have none under the lease either)."""
+    def covers(
+        self,
+        request_id: str,
+        group_id: int,
+        block_id: int,
+        expected: bytes | None,
+        token: str = "",
+    ) -> bool:
+        """True while ``request_id``'s lease is held, ``token`` is its token, and it protects
+        ``block_id`` of ``group_id`` at a position whose hash is ``expected`` (``None``: the
+        position has no hash, the partial last block, and must have none under the lease
+        either)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if (
                 lease is None
+                or not _same_token(lease.token, token)
                 or lease.expires_at <= self._clock()
                 or group_id >= len(lease.positions)
             ):
@@ -125,26 +149,40 @@ class LeaseTable:
             actual = lease.block_hashes[pos] if pos < len(lease.block_hashes) else None
             return actual == expected
 
-    def extend(self, request_ids: Iterable[str]) -> int:
-        """A heartbeat: push the expiry of each named lease to ``now + lease_s``. Unknown ids
-        (already released or expired) are ignored. Returns how many were extended."""
+    def extend(self, request_ids: Iterable[str], tokens: Sequence[str] | None = None) -> int:
+        """A heartbeat: push the expiry of each named lease to ``now + lease_s``, when
+        ``tokens[i]`` (None: ``""`` for every id) is its token. Unknown ids (already released or
+        expired) and wrong tokens are ignored. Returns how many were extended."""
         with self._lock:
             expires_at = self._clock() + self.lease_s
             n = 0
-            for request_id in request_ids:
+            for i, request_id in enumerate(request_ids):
                 lease = self._leases.get(request_id)
-                if lease is not None:
+                token = "" if tokens is None else tokens[i]
+                if lease is not None and _same_token(lease.token, token):
                     lease.expires_at = max(lease.expires_at, expires_at)
                     n += 1
             return n
 
-    def release(self, request_id: str) -> bool:
-        """The puller is done (or gave up): end the lease now. False if it was not held; such
-        an id is remembered (a bounded number), so a grant that arrives after its release
-        notice ends at once instead of waiting out the lease."""
+    def token_ok(self, request_id: str, token: str) -> bool:
+        """False when ``request_id`` holds a lease whose token is not ``token`` (a heartbeat or
+        release from someone without the ticket: refuse it); True otherwise, an unknown id
+        included (there is nothing of it to protect)."""
         with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is None or _same_token(lease.token, token)
+
+    def release(self, request_id: str, token: str = "") -> bool:
+        """The puller is done (or gave up): end the lease now, if ``token`` is its token. False
+        if it was not held, or the token is wrong (the lease is untouched); an id not held yet
+        is remembered with the token (a bounded number), so a grant with that token that
+        arrives after its release notice ends at once instead of waiting out the lease."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None and not _same_token(lease.token, token):
+                return False
             if self._drop(request_id) is None:
-                self._released_early[request_id] = None
+                self._released_early[request_id] = token
                 while len(self._released_early) > _MAX_EARLY_RELEASES:
                     self._released_early.popitem(last=False)
                 return False

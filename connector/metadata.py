@@ -51,11 +51,14 @@ class HolderRef(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Ticket(msgspec.Struct, frozen=True):
-    """A P/D handoff's lease on its prefill node: ``remote_request_id`` names it there."""
+    """A P/D handoff's lease on its prefill node: ``remote_request_id`` names it there and
+    ``token`` (``remote_lease_token``) is the capability its heartbeats, release notice and
+    reads present (``lease``)."""
 
     host: str
     port: int
     remote_request_id: str
+    token: str = ""
 
 
 class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,12 +108,14 @@ class LeaseGrant(msgspec.Struct, frozen=True, kw_only=True):
             a position at or past ``len(block_hashes)`` (the partial last block) has none and
             is served only under this lease.
         lease_s: how long the lease lasts without a heartbeat.
+        token: the ticket's capability (``RemotePrefillParams.remote_lease_token``).
     """
 
     request_id: str
     block_ids: list[list[int]]
     block_hashes: list[bytes]
     lease_s: float
+    token: str = ""
 
 
 class BlockHashDelta(msgspec.Struct, frozen=True, kw_only=True):

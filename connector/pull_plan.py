@@ -28,21 +28,26 @@ UNCHECKED_HASH = b""
 """Expected value of a position nobody can vouch for (only used without a lease)."""
 LEASE_TOKEN_PREFIX = b"\x00lease\x00"
 """Expected value of a position without a hash (the partial last block) under a lease: the holder
-serves it only while ``lease_token(remote_request_id)``'s lease is held and covers that block, so
-a late puller never reads a block the holder has reused. Never a real hash: those are fixed-length
-digests, checked by length and prefix."""
+serves it only while ``lease_token(remote_request_id, token)``'s lease is held, has that ticket
+token, and covers that block, so a late puller never reads a block the holder has reused and a
+peer without the ticket never reads it at all. Never a real hash: those are fixed-length digests,
+checked by length and prefix. Layout: prefix, the ticket's token (URL-safe base64, no NUL), NUL,
+the request id."""
 
 
-def lease_token(remote_request_id: str) -> bytes:
-    """The expected value standing for "this block, under this lease"."""
-    return LEASE_TOKEN_PREFIX + remote_request_id.encode()
+def lease_token(remote_request_id: str, token: str = "") -> bytes:
+    """The expected value standing for "this block, under this lease, with this ticket"."""
+    return LEASE_TOKEN_PREFIX + token.encode() + b"\x00" + remote_request_id.encode()
 
 
-def parse_lease_token(expected: bytes) -> str | None:
-    """The lease's request id if ``expected`` is a lease token, else None."""
+def parse_lease_token(expected: bytes) -> tuple[str, str] | None:
+    """``(request id, ticket token)`` if ``expected`` is a lease token, else None."""
     if not expected.startswith(LEASE_TOKEN_PREFIX):
         return None
-    return expected[len(LEASE_TOKEN_PREFIX) :].decode(errors="replace")
+    token, sep, request_id = expected[len(LEASE_TOKEN_PREFIX) :].partition(b"\x00")
+    if not sep:
+        return None
+    return request_id.decode(errors="replace"), token.decode(errors="replace")
 
 
 def plan_group_pulls(

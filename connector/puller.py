@@ -62,6 +62,7 @@ async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
                 ticket.remote_request_id,
                 success=notice.success,
                 reason=notice.reason,
+                token=ticket.token,
             ),
             NOTIFY_TIMEOUT_S,
         )
@@ -125,7 +126,7 @@ class Puller:
         self.waiting_tickets = WaitingTickets()
         self._inflight: dict[str, Future[PullOutcome]] = {}
         # local request id -> (holder, request id on the holder), for heartbeats
-        self._heartbeat_targets: dict[str, tuple[PeerAddress, str]] = {}
+        self._heartbeat_targets: dict[str, Ticket] = {}  # request id here -> its lease
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._notices: set[asyncio.Task[None]] = set()
 
@@ -180,7 +181,7 @@ class Puller:
         num_bytes = 0
         error: str | None = None
         if plan.lease is not None:  # a handoff under a lease (index pulls have none)
-            self._heartbeat_targets[plan.request_id] = (peer, plan.lease.remote_request_id)
+            self._heartbeat_targets[plan.request_id] = plan.lease
         try:
             peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
             if (peer_meta.engine_id, peer_meta.incarnation) != (
@@ -280,17 +281,15 @@ class Puller:
         waiting for its pull, one message per holder."""
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            by_peer: dict[PeerAddress, list[str]] = {}
-            for peer, remote_request_id in list(self._heartbeat_targets.values()):
-                by_peer.setdefault(peer, []).append(remote_request_id)
-            for ticket in self.waiting_tickets.snapshot():
-                by_peer.setdefault(PeerAddress(ticket.host, ticket.port), []).append(
-                    ticket.remote_request_id
-                )
-            for peer, request_ids in by_peer.items():
+            by_peer: dict[PeerAddress, list[Ticket]] = {}
+            for ticket in [*self._heartbeat_targets.values(), *self.waiting_tickets.snapshot()]:
+                by_peer.setdefault(PeerAddress(ticket.host, ticket.port), []).append(ticket)
+            for peer, tickets in by_peer.items():
+                request_ids = [t.remote_request_id for t in tickets]
+                tokens = [t.token for t in tickets]  # each lease's capability (``lease``)
                 try:
                     await asyncio.wait_for(
-                        transport.send_heartbeat(peer, request_ids), NOTIFY_TIMEOUT_S
+                        transport.send_heartbeat(peer, request_ids, tokens), NOTIFY_TIMEOUT_S
                     )
                 except Exception as exc:  # the pull's own deadline handles a dead holder
                     logger.debug("heartbeat to %s failed: %s", peer, exc)

@@ -22,6 +22,7 @@ that share nothing"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -48,7 +49,13 @@ from .pull_plan import lease_token, plan_group_pulls
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
-from .transfer_params import RemotePrefillParams, wants_remote_decode, wants_remote_prefill
+from .transfer_params import (
+    RemotePrefillParams,
+    release_notice_for_rejected,
+    ticket_of,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager.block_pool import BlockPool
@@ -63,11 +70,6 @@ _PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_S
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def ticket_of(params: RemotePrefillParams) -> Ticket:
-    """The lease a handoff's params name on their prefill node."""
-    return Ticket(params.remote_host, params.remote_port, params.remote_request_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,23 +166,9 @@ class KVBridgeScheduler:
         """A request with remote-prefill params was refused before admission: ask its prefill
         node to release the blocks now (best effort; unusable addresses are left to the
         lease)."""
-        if not (
-            isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)
-        ):
-            return
-        host = kv_transfer_params.get("remote_host")
-        port = kv_transfer_params.get("remote_port")
-        remote_request_id = kv_transfer_params.get("remote_request_id")
-        if not (isinstance(host, str) and host and isinstance(port, int)):
-            return
-        if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
-            return
-        notice = ReleaseNotice(
-            ticket=Ticket(host, port, remote_request_id),
-            success=False,
-            reason=f"rejected: {reason}",
-        )
-        self._meta.notices.append(notice)
+        notice = release_notice_for_rejected(kv_transfer_params, reason)
+        if notice is not None:
+            self._meta.notices.append(notice)
 
     # ------------------------------------------------------------------ schedule()
     def get_num_new_matched_tokens(
@@ -296,7 +284,7 @@ class KVBridgeScheduler:
             block_hashes=request.block_hashes,
             unhashed_token=b""
             if match.ticket is None
-            else lease_token(match.ticket.remote_request_id),
+            else lease_token(match.ticket.remote_request_id, match.ticket.token),
         )
         self._meta.pulls.append(
             PullPlan(
@@ -321,6 +309,9 @@ class KVBridgeScheduler:
                 self._meta.block_hashes = hash_delta_of(events)
         if self._offload is not None:
             self._offload.observe(events)
+            if self._block_pool is not None:  # this step's schedule may have reused a pick
+                items = self._meta.offload_items
+                self._meta.offload_items = self._offload.drop_reused(items, self._block_pool)
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
         return meta
 
@@ -406,14 +397,14 @@ class KVBridgeScheduler:
         num_tokens = request.num_prompt_tokens
         num_blocks = _cdiv(num_tokens, self.block_size)
         held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
-        self._meta.lease_grants.append(
-            LeaseGrant(
-                request_id=request_id,
-                block_ids=[list(ids) for ids in held],
-                block_hashes=list(request.block_hashes[: num_tokens // self.block_size]),
-                lease_s=self.config.lease_s,
-            )
+        grant = LeaseGrant(
+            request_id=request_id,
+            block_ids=[list(ids) for ids in held],
+            block_hashes=list(request.block_hashes[: num_tokens // self.block_size]),
+            lease_s=self.config.lease_s,
+            token=secrets.token_urlsafe(16),  # the ticket's capability: 128 random bits
         )
+        self._meta.lease_grants.append(grant)
         out = RemotePrefillParams(
             remote_engine_id=self.config.engine_id,
             remote_incarnation=self.worker.incarnation,
@@ -424,6 +415,7 @@ class KVBridgeScheduler:
             remote_num_tokens=num_tokens,
             remote_block_size=self.block_size,
             lease_expires_at=time.time() + self.config.lease_s,
+            remote_lease_token=grant.token,
         )
         return RequestFinishedResult(True, out.to_dict())
 

@@ -10,15 +10,24 @@ field's type and range and raises ``KVTransferParamsError`` naming the field.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import KVTransferParamsError
+from .metadata import ReleaseNotice, Ticket
 
-__all__ = ["RemotePrefillParams", "wants_remote_decode", "wants_remote_prefill"]
+__all__ = [
+    "RemotePrefillParams",
+    "release_notice_for_rejected",
+    "ticket_of",
+    "wants_remote_decode",
+    "wants_remote_prefill",
+]
 
 _MAX_BLOCK_ID = 2**31 - 1
+_LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]{0,64}")
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -60,6 +69,10 @@ class RemotePrefillParams:
             refused with an error naming both, never transferred blindly).
         lease_expires_at: P's wall clock (seconds since the epoch) when P stops holding the
             blocks unless D's heartbeats extend the lease.
+        remote_lease_token: the ticket's capability (URL-safe base64, ``secrets``): P extends,
+            releases and serves the lease's unhashed block only to a peer presenting it.
+            Optional when parsing (``""``: a ticket without one, which P refuses when its lease
+            has a token).
     """
 
     remote_engine_id: str
@@ -71,6 +84,7 @@ class RemotePrefillParams:
     remote_num_tokens: int
     remote_block_size: int
     lease_expires_at: float
+    remote_lease_token: str = ""
 
     @classmethod
     def parse(
@@ -105,6 +119,11 @@ class RemotePrefillParams:
         remote_block_size = _require(params, "remote_block_size", int)
         expires = _require(params, "lease_expires_at", (int, float))
         raw_ids = _require(params, "remote_block_ids", (list, tuple))
+        token = params.get("remote_lease_token", "")
+        if not isinstance(token, str) or not _LEASE_TOKEN.fullmatch(token):
+            raise KVTransferParamsError(
+                "remote_lease_token", "expected at most 64 URL-safe base64 characters"
+            )
         for key, value in (
             ("remote_engine_id", engine_id),
             ("remote_request_id", request_id),
@@ -145,6 +164,7 @@ class RemotePrefillParams:
             remote_num_tokens=num_tokens,
             remote_block_size=remote_block_size,
             lease_expires_at=float(expires),
+            remote_lease_token=token,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,6 +181,7 @@ class RemotePrefillParams:
             "remote_num_tokens": self.remote_num_tokens,
             "remote_block_size": self.remote_block_size,
             "lease_expires_at": self.lease_expires_at,
+            "remote_lease_token": self.remote_lease_token,
         }
 
 
@@ -181,3 +202,31 @@ def _check_group_ids(group_id: int, ids: Any, num_blocks: int) -> tuple[int, ...
     if len(set(real)) != len(real):
         raise KVTransferParamsError(field, "block ids repeat")
     return tuple(ids)
+
+
+def ticket_of(params: RemotePrefillParams) -> Ticket:
+    """The lease a handoff's params name on their prefill node, with its capability token."""
+    return Ticket(
+        params.remote_host, params.remote_port, params.remote_request_id, params.remote_lease_token
+    )
+
+
+def release_notice_for_rejected(kv_transfer_params: Any, reason: str) -> ReleaseNotice | None:
+    """The release notice for a prefill node whose handoff a decode node refused before
+    admission (best effort: params too broken to name a usable address give None, and the
+    lease ends the hold). ``kv_transfer_params`` may be anything a client sent."""
+    if not (isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)):
+        return None
+    host = kv_transfer_params.get("remote_host")
+    port = kv_transfer_params.get("remote_port")
+    remote_request_id = kv_transfer_params.get("remote_request_id")
+    if not (isinstance(host, str) and host and isinstance(port, int)):
+        return None
+    if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
+        return None
+    token = kv_transfer_params.get("remote_lease_token")
+    return ReleaseNotice(
+        ticket=Ticket(host, port, remote_request_id, token if isinstance(token, str) else ""),
+        success=False,
+        reason=f"rejected: {reason}",
+    )

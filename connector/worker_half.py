@@ -185,10 +185,18 @@ class KVBridgeWorker:
                 host=config.host,
                 port=config.port,
                 faults=self._loopback_faults,
+                auth_key=config.auth_key_bytes(),
             )
         from kvbridge.transport import UcxxTransport  # ucxx is imported only when used
 
-        return UcxxTransport(metadata, by_group, host=config.host, port=config.port, cma=config.cma)
+        return UcxxTransport(
+            metadata,
+            by_group,
+            host=config.host,
+            port=config.port,
+            cma=config.cma,
+            auth_key=config.auth_key_bytes(),
+        )
 
     # ------------------------------------------------------------------ one step
     def bind_connector_metadata(self, metadata: Any) -> None:
@@ -213,7 +221,7 @@ class KVBridgeWorker:
         self.hashes.apply_removals(meta.block_hashes)
         self._stores_after_forward = meta.block_hashes
         for grant in meta.lease_grants:
-            self.leases.grant(grant.request_id, grant.block_ids, grant.block_hashes)
+            self.leases.grant(grant.request_id, grant.block_ids, grant.block_hashes, grant.token)
         for ticket in meta.tickets_to_watch:
             self.puller.waiting_tickets.add(ticket)
         for ticket in meta.tickets_to_forget:

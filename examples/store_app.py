@@ -31,6 +31,7 @@ _GAUGES = ("capacity_blocks", "hit_ratio")
 
 def build_store_node(args: argparse.Namespace, model_config: Any, config: dict[str, Any]) -> Any:
     """A started ``StoreNode`` for the CLI arguments and the node's ``kv_transfer_config``."""
+    from kvbridge.connector.config import KVTransferConfig
     from kvbridge.connector.store.node import StoreNode, start_store_node
 
     extra = config.get("kv_connector_extra_config") or {}
@@ -46,6 +47,11 @@ def build_store_node(args: argparse.Namespace, model_config: Any, config: dict[s
         write_host=str(extra.get("host", "127.0.0.1")),
         write_port=args.store_write_port,
         transport=extra.get("transport", "ucxx"),
+        auth_key=KVTransferConfig(  # the cluster key, from the same keys as every node's
+            auth_key=extra.get("auth_key"),
+            auth_key_env=extra.get("auth_key_env"),
+            auth_key_file=extra.get("auth_key_file"),
+        ).auth_key_bytes(),
     )
     return start_store_node(node)
 

@@ -20,7 +20,8 @@ from .block_hash import (
     make_block_hash_with_group_id,
     pack_token_ids,
 )
-from .block_pool import BlockHashToBlockMap, BlockPool
+from .block_hash_map import BlockHashToBlockMap
+from .block_pool import BlockPool
 from .coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,

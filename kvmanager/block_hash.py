@@ -25,14 +25,11 @@ import array
 import hashlib
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import cbor2
 import msgpack
 import xxhash
-
-if TYPE_CHECKING:
-    from .request import Request
 
 __all__ = [
     "HASH_FN_NAMES",
@@ -40,6 +37,8 @@ __all__ = [
     "BlockHashListWithBlockSize",
     "BlockHashWithGroupId",
     "HashFn",
+    "HashableRequest",
+    "MultiModalSpan",
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",
@@ -59,6 +58,42 @@ BlockHashWithGroupId: TypeAlias = bytes
 
 HashFn: TypeAlias = Callable[[Any], bytes]
 """Maps a tuple of plain values (ints, str, bytes, None, tuples) to a digest."""
+
+
+class MultiModalSpan(Protocol):
+    """One multimodal item's place in the prompt, as the hasher reads it."""
+
+    @property
+    def identifier(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
+class HashableRequest(Protocol):
+    """What the block hasher reads of a request (``kvmanager.request.Request`` is one).
+
+    Attributes read, never written: ``all_token_ids`` (prompt then output tokens),
+    ``block_hashes`` (hashes made so far; the hasher returns only new ones), ``lora_name``,
+    ``cache_salt``, ``mm_features`` and ``prompt_embeds`` (the inputs that enter extra keys).
+    A protocol, so that this module needs nothing of the request module.
+    """
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+    @property
+    def lora_name(self) -> str | None: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def mm_features(self) -> Sequence[MultiModalSpan]: ...
+    @property
+    def prompt_embeds(self) -> Any: ...
+
+    def prompt_embeds_digest(self, start_token_idx: int, end_token_idx: int) -> bytes | None: ...
 
 _GROUP_ID_BYTES = 4
 _ROOT_SEED = "kvbridge-root-v1"
@@ -200,7 +235,7 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
 
 
 def generate_block_hash_extra_keys(
-    request: Request, start_token_idx: int, end_token_idx: int
+    request: HashableRequest, start_token_idx: int, end_token_idx: int
 ) -> tuple[Any, ...] | None:
     """Tagged extra keys for the block covering tokens ``[start_token_idx, end_token_idx)``.
 
@@ -227,7 +262,7 @@ def generate_block_hash_extra_keys(
 
 def get_request_block_hasher(
     block_size: int, hash_fn: str | HashFn = "sha256_cbor"
-) -> Callable[[Request], list[BlockHash]]:
+) -> Callable[[HashableRequest], list[BlockHash]]:
     """Return ``hasher(request) -> new hashes`` for full blocks not yet in
     ``request.block_hashes`` (the caller, ``Request``, extends its list with them).
 
@@ -245,7 +280,7 @@ def get_request_block_hasher(
     block_bytes = block_size * _TOKEN_BYTES
     tokens_head = _cbor_head(2, block_bytes)
 
-    def request_block_hasher(request: Request) -> list[BlockHash]:
+    def request_block_hasher(request: HashableRequest) -> list[BlockHash]:
         token_ids = request.all_token_ids
         num_hashed = len(request.block_hashes)
         start = num_hashed * block_size

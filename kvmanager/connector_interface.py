@@ -48,14 +48,16 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
+# The two per-step connector messages live with the step's other messages; re-exported here.
+from .scheduler_output import KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
+
 if TYPE_CHECKING:
     from .request import Request
-    from .scheduler_output import SchedulerOutput
 
 __all__ = [
     "ForwardContext",
@@ -97,41 +99,6 @@ class KVRole(str, enum.Enum):  # noqa: UP042 (StrEnum changes str() of members)
     @property
     def is_consumer(self) -> bool:
         return self in (KVRole.CONSUMER, KVRole.BOTH)
-
-
-@dataclass
-class KVConnectorMetadata:
-    """What the scheduler half tells the worker half for one step; connectors subclass it."""
-
-
-@dataclass(slots=True)
-class KVConnectorOutput:
-    """What the worker half reports back for one step (vLLM ``KVConnectorOutput``).
-
-    Attributes:
-        finished_sending: ids of requests whose blocks were fully read by a peer (their
-            ``delay_free`` blocks may now be freed), or None.
-        finished_recving: ids of requests whose async load settled (landed, failed or cancelled),
-            or None.
-        invalid_block_ids: local block ids whose load failed; the scheduler applies the load
-            failure policy to every request that was loading into them.
-        kv_connector_worker_meta: the worker half's own per-step report to its scheduler half
-            (``build_connector_worker_meta``; vLLM's ``KVConnectorWorkerMetadata``), or None.
-    """
-
-    finished_sending: set[str] | None = None
-    finished_recving: set[str] | None = None
-    invalid_block_ids: set[int] = field(default_factory=set)
-    kv_connector_worker_meta: Any = None
-
-    def is_empty(self) -> bool:
-        """True when nothing finished and no block failed (the runner may skip reporting)."""
-        return not (
-            self.finished_sending
-            or self.finished_recving
-            or self.invalid_block_ids
-            or self.kv_connector_worker_meta is not None
-        )
 
 
 class MatchedTokens(NamedTuple):

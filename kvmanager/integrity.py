@@ -8,13 +8,14 @@ seed 000's "六条必须一直成立的不变量" (1, 2 and the ownership rules)
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .block_hash import get_group_id
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
-    from .kv_cache_manager import KVCacheManager
+    from .single_type_managers import SingleTypeKVCacheManager
 
 __all__ = ["check_manager_integrity", "check_pool_integrity"]
 
@@ -105,14 +106,16 @@ def check_pool_integrity(pool: BlockPool) -> None:
         raise RuntimeError(f"caching is off but {num_hashed} blocks are hashed")
 
 
-def check_manager_integrity(manager: KVCacheManager) -> None:
+def check_manager_integrity(
+    pool: BlockPool, single_type_managers: Sequence[SingleTypeKVCacheManager]
+) -> None:
     """``check_pool_integrity`` plus: every block's ref_cnt equals the number of request tables
-    (over all groups) that hold it, and each request's cached-block count fits its table.
+    (over all of a manager's groups, ``single_type_managers``) that hold it, and each request's
+    cached-block count fits its table. ``KVCacheManager.check_integrity`` is the usual caller.
     Reads only; RuntimeError at the first violation, with the numbers that disagree."""
-    pool = manager.block_pool
     check_pool_integrity(pool)
     holders: Counter[int] = Counter()
-    for single in manager.coordinator.single_type_managers:
+    for single in single_type_managers:
         for request_id, req_blocks in single.req_to_blocks.items():
             num_cached = single.num_cached_block.get(request_id, 0)
             if num_cached > len(req_blocks):

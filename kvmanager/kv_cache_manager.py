@@ -298,4 +298,4 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Verify pool and table invariants; RuntimeError naming the block on any violation."""
-        check_manager_integrity(self)
+        check_manager_integrity(self.block_pool, self.coordinator.single_type_managers)

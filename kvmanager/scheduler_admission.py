@@ -59,15 +59,23 @@ class SchedulerAdmission(SchedulerQueues):
         """Admit waiting requests, FCFS, while the budget, ``max_num_seqs`` and the free blocks
         allow (mutates queues, request status and progress, allocations; adds each admitted
         request's tokens to ``num_scheduled_tokens``). A request skipped for now (its load not
-        landed, the connector asking again) keeps its place at the front; the first request
-        that does not fit stops admission. RuntimeError if a waiting request has nothing left
-        to compute (corrupt progress)."""
+        landed, the connector asking again) keeps its place at the front. The first request
+        that does not fit stops the admission of requests that hold no blocks; behind it, a
+        request that already holds its blocks (a parked load, landed or not, or progress kept
+        after a load error) is still settled and admitted when it fits: it frees its blocks when
+        it finishes, and the head may be waiting for exactly those (issue 15, case 1: a vLLM
+        deadlock report). Queue order is kept either way. RuntimeError if a waiting request has
+        nothing left to compute (corrupt progress)."""
         admitted = ScheduledWaiting(token_budget)
         skipped: deque[Request] = deque()
+        blocked = False  # a request did not fit: only requests holding blocks may pass it
         while self.waiting and admitted.token_budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            if blocked and not self._holds_blocks(request):
+                skipped.append(self.waiting.popleft())
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and (
                 not self._update_waiting_for_remote_kv(request)
             ):
@@ -114,7 +122,11 @@ class SchedulerAdmission(SchedulerQueues):
                 delay_cache_blocks=load_kv_async,
             )
             if new_blocks is None:
-                break  # no room: keep FCFS order, try again next step
+                # No room: it keeps its place and tries again next step; requests behind it
+                # that hold no blocks wait too (FCFS).
+                blocked = True
+                skipped.append(self.waiting.popleft())
+                continue
             if looked_up:
                 self.connector.update_state_after_alloc(
                     request, self.kv_cache_manager.get_blocks(request.request_id), num_external
@@ -141,6 +153,14 @@ class SchedulerAdmission(SchedulerQueues):
             admitted.token_budget -= num_new_tokens
         self.waiting.extendleft(reversed(skipped))
         return admitted
+
+    def _holds_blocks(self, request: Request) -> bool:
+        """Whether a waiting request already holds blocks: its async load is parked (in flight
+        or landed), or it kept progress (a settled load, a truncation after a load error)."""
+        return (
+            request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            or not self.kv_transfer.needs_lookup(request)
+        )
 
     def _update_waiting_for_remote_kv(self, request: Request) -> bool:
         """If ``request``'s async load landed: publish its blocks' hashes and set its progress

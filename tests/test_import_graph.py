@@ -372,20 +372,6 @@ def test_connector_imports_only_the_layers_below():
     _assert_imports_only({"connector"}, ALLOWED_IMPORTS)
 
 
-# Known offenders, each with why it is still here. These lists may only shrink: an entry that no
-# longer offends fails its test, so it is removed the moment it is fixed.
-_KNOWN_CYCLES = {
-    # type-only imports (under TYPE_CHECKING) between kvmanager modules; issue 12 leftovers
-    frozenset({"kvbridge.kvmanager.block_hash", "kvbridge.kvmanager.request"}),
-    frozenset({"kvbridge.kvmanager.connector_interface", "kvbridge.kvmanager.scheduler_output"}),
-    frozenset({"kvbridge.kvmanager.integrity", "kvbridge.kvmanager.kv_cache_manager"}),
-}
-_KNOWN_LONG_MODULES = {
-    # BlockHashToBlockMap should move to its own module (issue 12 leftover)
-    "kvmanager/block_pool.py",
-}
-
-
 def test_no_import_cycles():
     modules = {**package_modules(), **example_modules()}
     graph = import_graph(modules)
@@ -394,11 +380,8 @@ def test_no_import_cycles():
         format_cycle(graph, shortest_cycle(graph, component))
         + f"  (circle of {len(component)}: {', '.join(component)})"
         for component in components
-        if frozenset(component) not in _KNOWN_CYCLES
     ]
     _assert_none(cycles, "import cycles (shortest cycle shown with import lines)")
-    gone = _KNOWN_CYCLES - {frozenset(component) for component in components}
-    _assert_none(sorted(map(sorted, gone)), "known cycles now broken: drop them from the list")
 
 
 def test_no_module_over_the_line_limit():
@@ -410,11 +393,8 @@ def test_no_module_over_the_line_limit():
     offenders = [
         f"{path}: {num_lines} lines"
         for path, num_lines in sorted(long_modules.items(), key=lambda item: -item[1])
-        if path not in _KNOWN_LONG_MODULES
     ]
     _assert_none(offenders, f"modules over {MAX_MODULE_LINES} lines")
-    fixed = sorted(_KNOWN_LONG_MODULES - set(long_modules))
-    _assert_none(fixed, "known long modules now within the limit: drop them from the list")
 
 
 def test_every_module_opens_with_a_docstring():

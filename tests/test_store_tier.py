@@ -162,7 +162,9 @@ def hashes_of(engine: Engine, prompt: list[int]) -> list[bytes]:
 
 
 def store_depth(store: StoreNode, hashes: list[bytes]) -> int:
-    """Blocks of ``hashes`` the index lists for the store, from block 0."""
+    """Blocks of ``hashes`` the index lists for the store, from block 0 (after the store's
+    queued publishes reached the index: ``IndexClient.publish`` returns at once)."""
+    assert store.index_client.flush()
     index = store.index_client.index
     hit = index.longest_prefix(hashes, (0,), all_holders=True)
     return max((h.num_blocks for h in hit.holders if h.node_id == store.engine_id), default=0)

@@ -175,7 +175,7 @@ async def test_heartbeat_and_transfer_done_reach_holder_callbacks():
     holder, requester = await _pair()
     heartbeats, notices = [], []
     holder.set_callbacks(
-        on_heartbeat=lambda peer, ids: heartbeats.append((peer, ids)),
+        on_heartbeat=lambda peer, ids, tokens: heartbeats.append((peer, ids)),
         on_transfer_done=notices.append,
     )
     await requester.send_heartbeat(holder.address, ["a", "b"])

@@ -7,11 +7,17 @@ position (DESIGN.md, "Reliability rules").
 
 Lease support. The transport carries the messages; the policy lives in the connector:
 
-- requester side: ``send_heartbeat(peer, request_ids)`` periodically while a request's blocks are
-  needed; ``notify_transfer_done(peer, request_id, success=..., reason=...)`` once per request
-  when the pull finished, failed, or was abandoned (a decode node that rejects a request).
-- holder side: ``on_heartbeat(peer_engine_id, request_ids)`` extends leases;
+- requester side: ``send_heartbeat(peer, request_ids, tokens)`` periodically while a request's
+  blocks are needed; ``notify_transfer_done(peer, request_id, success=..., reason=...,
+  token=...)`` once per request when the pull finished, failed, or was abandoned (a decode node
+  that rejects a request). ``tokens`` / ``token``: the lease tokens of the tickets (opaque here;
+  the connector's leases check them).
+- holder side: ``on_heartbeat(peer_engine_id, request_ids, tokens)`` extends leases;
   ``on_transfer_done(TransferDoneNotice)`` releases the request's blocks.
+
+Peer authentication (``auth``): a transport built with a cluster key (``auth_key``) proves it to
+every peer and demands the proof back in the handshake; a peer that fails is refused before it
+can send a read, a heartbeat or a notice, and before it learns this node's layout or addresses.
 - holder side, per read that sends expected hashes: ``block_validator(group_id, block_ids,
   expected_hashes)`` returns the positions (into ``block_ids``) whose block no longer carries the
   expected hash. It runs when the read arrives (over all blocks of a group: those blocks are not
@@ -91,8 +97,9 @@ class ReadResult(NamedTuple):
 
 BlockValidator = Callable[[int, list[int], list[bytes]], Sequence[int]]
 """``(group_id, block_ids, expected_hashes) -> positions that do not match``."""
-HeartbeatCallback = Callable[[str, list[str]], None]
-"""``(peer_engine_id, request_ids) -> None``."""
+HeartbeatCallback = Callable[[str, list[str], list[str]], None]
+"""``(peer_engine_id, request_ids, tokens) -> None``; ``tokens`` is empty when the peer presented
+none, else one per request id."""
 TransferDoneCallback = Callable[[TransferDoneNotice], None]
 
 
@@ -225,9 +232,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def send_heartbeat(
-        self, peer: PeerAddress | tuple[str, int], request_ids: Sequence[str]
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_ids: Sequence[str],
+        tokens: Sequence[str] = (),
     ) -> None:
-        """Tell ``peer`` that these request ids are still wanted (its ``on_heartbeat``).
+        """Tell ``peer`` that these request ids are still wanted (its ``on_heartbeat``);
+        ``tokens``: one lease token per id, or none.
 
         Raises:
             TransportError: peer unreachable.
@@ -241,8 +252,10 @@ class Transport(abc.ABC):
         *,
         success: bool,
         reason: str = "",
+        token: str = "",
     ) -> None:
-        """Completion notice for ``request_id`` (its ``on_transfer_done``).
+        """Completion notice for ``request_id`` (its ``on_transfer_done``), presenting the
+        lease ``token`` of its ticket.
 
         Raises:
             TransportError: peer unreachable.

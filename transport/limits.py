@@ -34,6 +34,7 @@ Text = Annotated[str, Meta(max_length=MAX_STR_LEN)]
 ShortText = Annotated[str, Meta(max_length=64)]
 LongText = Annotated[str, Meta(max_length=MAX_TEXT_LEN)]
 WorkerAddress = Annotated[bytes, Meta(max_length=1 << 16)]
+AuthBytes = Annotated[bytes, Meta(max_length=64)]  # a nonce or an HMAC-SHA256 proof
 CompatHash = Annotated[str, Meta(min_length=64, max_length=64)]  # sha256, hex
 
 TransferId = Annotated[int, Meta(ge=1)]

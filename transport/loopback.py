@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from kvbridge.kernels import gather_blocks, scatter_blocks
 
+from .auth import check_auth_key, holder_proof, new_nonce, proof_matches, requester_proof
 from .base import (
     DEFAULT_CHUNK_BYTES,
     GroupRead,
@@ -99,6 +100,9 @@ class LoopbackFaults:
         drop_after_chunks: after sending this many chunks of a read, the holder drops off the
             network (as ``drop()``), so the read fails naming the blocks not landed.
         stall: accept reads and never send (the requester's deadline must fire).
+        stall_after_chunks: after sending this many chunks of a read, send nothing more and
+            keep the read open (no completion, no error, still on the network): the
+            requester's deadline must fire with part of the data landed.
     """
 
     serve_delay_s: float = 0.0
@@ -108,6 +112,7 @@ class LoopbackFaults:
     refuse_block_ids: set[int] = field(default_factory=set)
     drop_after_chunks: int | None = None
     stall: bool = False
+    stall_after_chunks: int | None = None
 
 
 class LoopbackTransport(Transport):
@@ -120,6 +125,7 @@ class LoopbackTransport(Transport):
         host, port: the address to register (port 0: next free one).
         faults: holder-side faults (``LoopbackFaults``); mutable at any time.
         chunk_bytes: staging chunk size of reads this node makes.
+        auth_key: the cluster key (``auth``): both sides run the same proofs as over the wire.
     """
 
     def __init__(
@@ -132,8 +138,12 @@ class LoopbackTransport(Transport):
         port: int = 0,
         faults: LoopbackFaults | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        auth_key: bytes | None = None,
     ):
         check_kv_caches_match(metadata, kv_caches_by_group)
+        check_auth_key(auth_key)
+        self.auth_key = auth_key
+        self.num_refused_peers = 0  # peers refused for want of the cluster key
         self.metadata = metadata
         self.kv_caches_by_group = [list(g) for g in kv_caches_by_group]
         self.network = network
@@ -182,8 +192,35 @@ class LoopbackTransport(Transport):
             raise TransportError(f"peer {tuple(peer)} unreachable")
         return holder
 
+    def _authenticate(self, holder: LoopbackTransport) -> None:
+        """The handshake's challenge-response (``auth``), both sides in one call.
+
+        Raises:
+            HandshakeError: as ``UcxxTransport`` raises it (the holder counts a refusal).
+        """
+        if holder.auth_key is None and self.auth_key is None:
+            return
+        if holder.auth_key is None:
+            raise HandshakeError("peer did not prove the cluster key (a holder without auth_key?)")
+        hello = b"loopback hello " + self.engine_id.encode()
+        requester_nonce = new_nonce() if self.auth_key is not None else b""
+        holder_nonce = new_nonce()
+        if self.auth_key is not None:
+            expected = holder_proof(self.auth_key, requester_nonce, holder_nonce, hello)
+            if not proof_matches(expected, holder_proof(holder.auth_key, requester_nonce,
+                                                        holder_nonce, hello)):
+                raise HandshakeError("peer failed the cluster key check")
+            proof = requester_proof(self.auth_key, requester_nonce, holder_nonce, hello)
+        else:
+            proof = b""
+        wanted = requester_proof(holder.auth_key, requester_nonce, holder_nonce, hello)
+        if not requester_nonce or not proof_matches(wanted, proof):
+            holder.num_refused_peers += 1
+            raise HandshakeError("refused by peer: this node requires the cluster key (auth_key)")
+
     async def connect(self, peer: PeerAddress | tuple[str, int]) -> NodeMetadata:
         holder = self._holder(peer)
+        self._authenticate(holder)
         remote = holder.metadata
         # Both sides check, as over the wire; the holder's refusal names the field too.
         try:
@@ -249,13 +286,17 @@ class LoopbackTransport(Transport):
         return len(states)
 
     async def send_heartbeat(
-        self, peer: PeerAddress | tuple[str, int], request_ids: Sequence[str]
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_ids: Sequence[str],
+        tokens: Sequence[str] = (),
     ) -> None:
         holder = self._holder(peer)
-        message = _roundtrip(Heartbeat(request_ids=list(request_ids)))
+        self._authenticate(holder)  # as the control connection's handshake would
+        message = _roundtrip(Heartbeat(request_ids=list(request_ids), tokens=list(tokens)))
         await asyncio.sleep(0)
         if holder.callbacks.on_heartbeat is not None:
-            holder.callbacks.on_heartbeat(self.engine_id, message.request_ids)
+            holder.callbacks.on_heartbeat(self.engine_id, message.request_ids, message.tokens)
 
     async def notify_transfer_done(
         self,
@@ -264,11 +305,17 @@ class LoopbackTransport(Transport):
         *,
         success: bool,
         reason: str = "",
+        token: str = "",
     ) -> None:
         holder = self._holder(peer)
+        self._authenticate(holder)  # as the control connection's handshake would
         notice = _roundtrip(
             TransferDoneNotice(
-                peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason
+                peer_engine_id=self.engine_id,
+                request_id=request_id,
+                success=success,
+                reason=reason,
+                token=token,
             )
         )
         await asyncio.sleep(0)
@@ -314,6 +361,9 @@ class LoopbackTransport(Transport):
         for chunk_idx, chunk in enumerate(chunks):
             if faults.drop_after_chunks is not None and chunk_idx >= faults.drop_after_chunks:
                 self.drop()
+            if faults.stall_after_chunks is not None and chunk_idx >= faults.stall_after_chunks:
+                await self._dropped.wait()
+                raise state.error(TransferError, f"holder {self.engine_id!r} went away")
             await self._wait_or_drop(faults.chunk_delay_s, state)
             group = read.groups[chunk.entry]
             positions = good[chunk.entry][chunk.start : chunk.stop]

@@ -1,5 +1,7 @@
 """Holder side of ``UcxxTransport``: accepts control connections, checks every message, answers
 each ``Read`` with ``ReadOk``, and hands the rest of the read to a serve of its data path.
+With a cluster key the handshake first runs ``auth``'s challenge-response: a peer that fails it
+gets one ``ErrorMsg`` (code ``"unauthenticated"``) and nothing else.
 
 Per read: check ids (``plan.check_read``), ask the connector's ``block_validator``, answer
 ``ReadOk`` (positions whose block failed the hash check are never served), then start one
@@ -20,7 +22,9 @@ from collections.abc import Sequence
 
 import torch
 import ucxx
+from ucxx.exceptions import UCXError
 
+from .auth import NONCE_BYTES, holder_proof, new_nonce, proof_matches, requester_proof
 from .base import HolderCallbacks
 from .cma import CmaHost
 from .cma_serve import CmaServe
@@ -33,6 +37,8 @@ from .staging import StagingPool
 from .ucx_progress import ProgressBooster
 from .ucx_serve import UcxServe
 from .wire import (
+    AuthChallenge,
+    AuthProof,
     Cancel,
     CancelOk,
     ErrorMsg,
@@ -47,6 +53,45 @@ from .wire import (
 )
 
 _MAX_FINISHED_KEPT = 1024
+HANDSHAKE_TIMEOUT_S = 10.0
+"""A peer that has not finished its handshake this long after connecting is dropped."""
+
+
+def check_worker_address(address: bytes, own_address: bytes) -> None:
+    """Refuse a peer's UCX worker address that this UCX build would not parse.
+
+    UCX does not validate a packed worker address: a malformed one stops the whole process on
+    an assertion (``address.c``: "addr version 14", found by ``tests/test_fuzz_wire.py``). Every
+    node of a cluster runs the same UCX, so a peer's address starts with the header byte ours
+    starts with (version and flags). This stops random bytes, not a crafted address: only a
+    cluster key (``auth``, checked before any address is parsed) keeps strangers out of UCX.
+
+    Raises:
+        WireError: naming the field.
+    """
+    if len(address) < 16 or address[:1] != own_address[:1]:
+        raise WireError(
+            "field 'worker_address' is not a UCX worker address of this UCX version "
+            f"({len(address)} bytes, header {address[:1].hex() or 'none'})"
+        )
+
+
+async def endpoint_from_worker_address(address: bytes) -> object:
+    """A UCX endpoint to a peer's worker (no peer-failure handling, ``ucxx_transport``).
+
+    Raises:
+        WireError: UCX refused the address (invalid, unreachable), naming the field.
+    """
+    try:
+        return await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False
+        )
+    except UCXError as exc:
+        raise WireError(f"field 'worker_address': UCX cannot use it: {exc!r}") from None
+
+
+class _Unauthenticated(HandshakeError):
+    """A peer that did not prove the cluster key."""
 
 
 class UcxxHolder:
@@ -58,8 +103,11 @@ class UcxxHolder:
         kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
         callbacks: HolderCallbacks,
         window: int,
+        auth_key: bytes | None = None,
     ):
         self.metadata = metadata
+        self.auth_key = auth_key
+        self.num_refused_peers = 0  # handshakes refused for want of the cluster key
         self.kv_caches_by_group = kv_caches_by_group
         self.callbacks = callbacks
         self.window = window
@@ -127,17 +175,24 @@ class UcxxHolder:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> RequesterConnection | None:
         try:
-            message = decode_message(await read_frame(reader))
-            if not isinstance(message, Hello):
-                raise WireError(f"expected Hello first, got {type(message).__name__}")
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):  # a silent stranger holds nothing
+                payload = await read_frame(reader)
+                message = decode_message(payload)
+                if not isinstance(message, Hello):
+                    raise WireError(f"expected Hello first, got {type(message).__name__}")
+                if self.auth_key is not None:  # before anything about this node is told
+                    await self._authenticate(reader, writer, message, payload)
             check_compatible(self.metadata, message.metadata)
-            address = ucxx.get_ucx_address_from_buffer(message.worker_address)
-            endpoint = await ucxx.create_endpoint_from_worker_address(
-                address, endpoint_error_handling=False
-            )
-        except (WireError, HandshakeError) as exc:
-            code = "incompatible" if isinstance(exc, HandshakeError) else "bad_message"
-            await write_message(writer, ErrorMsg(transfer_id=0, code=code, message=str(exc)))
+            check_worker_address(message.worker_address, self.worker_address)
+            endpoint = await endpoint_from_worker_address(message.worker_address)
+        except (WireError, HandshakeError, TimeoutError) as exc:
+            if isinstance(exc, _Unauthenticated):
+                self.num_refused_peers += 1
+                code = "unauthenticated"
+            else:
+                code = "incompatible" if isinstance(exc, HandshakeError) else "bad_message"
+            message_text = str(exc) or "handshake timed out"
+            await write_message(writer, ErrorMsg(transfer_id=0, code=code, message=message_text))
             return None
         offer = self.cma_host.offer if self.cma_host is not None else None
         hello_ok = HelloOk(
@@ -150,6 +205,32 @@ class UcxxHolder:
         return RequesterConnection(
             peer_engine_id=message.metadata.engine_id, endpoint=endpoint, writer=writer
         )
+
+    async def _authenticate(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        hello: Hello,
+        hello_payload: bytes,
+    ) -> None:
+        """The holder's half of the challenge-response (``auth``).
+
+        Raises:
+            _Unauthenticated: no nonce, or a reply that is not the right ``AuthProof``.
+        """
+        assert self.auth_key is not None
+        if len(hello.auth_nonce) != NONCE_BYTES:
+            raise _Unauthenticated("this node requires the cluster key (auth_key)")
+        nonce = new_nonce()
+        proof = holder_proof(self.auth_key, hello.auth_nonce, nonce, hello_payload)
+        await write_message(writer, AuthChallenge(nonce=nonce, proof=proof))
+        try:
+            reply = decode_message(await read_frame(reader))
+        except WireError as exc:
+            raise _Unauthenticated(f"no valid AuthProof: {exc}") from None
+        expected = requester_proof(self.auth_key, hello.auth_nonce, nonce, hello_payload)
+        if not isinstance(reply, AuthProof) or not proof_matches(expected, reply.proof):
+            raise _Unauthenticated("cluster key check failed")
 
     async def _serve_connection(
         self, conn: RequesterConnection, reader: asyncio.StreamReader
@@ -188,7 +269,9 @@ class UcxxHolder:
                 )
         elif isinstance(message, Heartbeat):
             if self.callbacks.on_heartbeat is not None:
-                self.callbacks.on_heartbeat(conn.peer_engine_id, message.request_ids)
+                self.callbacks.on_heartbeat(
+                    conn.peer_engine_id, message.request_ids, message.tokens
+                )
         elif isinstance(message, TransferDoneNotice):
             if message.peer_engine_id != conn.peer_engine_id:
                 await send_error(

@@ -31,6 +31,14 @@ from collections.abc import Callable, Sequence
 import torch
 import ucxx
 
+from .auth import (
+    NONCE_BYTES,
+    check_auth_key,
+    holder_proof,
+    new_nonce,
+    proof_matches,
+    requester_proof,
+)
 from .base import (
     DEFAULT_CHUNK_BYTES,
     GroupRead,
@@ -50,8 +58,10 @@ from .staging import StagingPool
 from .transfer import ReadState, begin_read, drive_read
 from .ucx_progress import ProgressBooster, booster_for_running_loop
 from .ucx_read import UcxReadPath
-from .ucxx_holder import UcxxHolder
+from .ucxx_holder import UcxxHolder, check_worker_address, endpoint_from_worker_address
 from .wire import (
+    AuthChallenge,
+    AuthProof,
     ErrorMsg,
     Heartbeat,
     Hello,
@@ -59,6 +69,7 @@ from .wire import (
     Read,
     TransferDoneNotice,
     decode_message,
+    encode_message,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,6 +133,9 @@ class UcxxTransport(Transport):
         cma: same-host reads by cross-memory attach (``cma``): offered to peers and used with
             peers that offer them. None (default): on unless the environment variable
             ``KVBRIDGE_CMA`` is ``0``. Off, every read goes over UCX.
+        auth_key: the cluster key (``auth``; at least ``MIN_KEY_BYTES``): peers must prove it
+            at handshake and this node proves it to the holders it reads from. None: no
+            authentication (anyone who reaches the port is served).
     """
 
     def __init__(
@@ -135,8 +149,11 @@ class UcxxTransport(Transport):
         window: int = 4,
         progress_mode: str | None = None,
         cma: bool | None = None,
+        auth_key: bytes | None = None,
     ):
         check_kv_caches_match(metadata, kv_caches_by_group)
+        check_auth_key(auth_key)
+        self.auth_key = auth_key
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.metadata = metadata
@@ -148,7 +165,9 @@ class UcxxTransport(Transport):
         self._host, self._port = host, port
         self._server: asyncio.base_events.Server | None = None
         self._address: PeerAddress | None = None
-        self._holder = UcxxHolder(metadata, self.kv_caches_by_group, self.callbacks, window)
+        self._holder = UcxxHolder(
+            metadata, self.kv_caches_by_group, self.callbacks, window, auth_key=auth_key
+        )
         self.cma_enabled = cma_from_environment() if cma is None else cma
         if self.cma_enabled:
             self._holder.cma_host = CmaHost.for_caches(self.kv_caches_by_group)
@@ -184,6 +203,11 @@ class UcxxTransport(Transport):
         if conn is None:
             return None
         return (CmaReadPath if conn.cma is not None else UcxReadPath).name
+
+    @property
+    def num_refused_peers(self) -> int:
+        """Handshakes this holder refused because the peer did not prove the cluster key."""
+        return self._holder.num_refused_peers
 
     @property
     def num_active_serves(self) -> int:
@@ -241,20 +265,24 @@ class UcxxTransport(Transport):
         except (TimeoutError, OSError) as exc:
             raise TransportError(f"peer {tuple(peer)} unreachable: {exc}") from None
         try:
+            nonce = new_nonce() if self.auth_key is not None else b""
             hello = Hello(
                 metadata=self.metadata,
                 compat_hash=self.metadata.compat_hash,
                 worker_address=self._holder.worker_address,
+                auth_nonce=nonce,
             )
             await write_message(writer, hello)
-            try:
-                reply = decode_message(
-                    await asyncio.wait_for(read_frame(reader), HANDSHAKE_TIMEOUT_S)
+            reply = await self._handshake_reply(reader, peer)
+            if self.auth_key is not None:  # the proofs cover the Hello as sent (deterministic)
+                hello_payload = bytes(encode_message(hello)[4:])
+                proof = self._check_holder_proof(reply, peer, nonce, hello_payload)
+                await write_message(writer, AuthProof(proof=proof))
+                reply = await self._handshake_reply(reader, peer)
+            elif isinstance(reply, AuthChallenge):
+                raise HandshakeError(
+                    f"peer {tuple(peer)} requires the cluster key (auth_key); this node has none"
                 )
-            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-                raise HandshakeError(f"no handshake answer from {tuple(peer)}: {exc!r}") from None
-            except WireError as exc:
-                raise HandshakeError(f"bad handshake answer from {tuple(peer)}: {exc}") from None
             if isinstance(reply, ErrorMsg):
                 raise HandshakeError(f"refused by peer {tuple(peer)}: {reply.message}")
             if not isinstance(reply, HelloOk):
@@ -262,10 +290,11 @@ class UcxxTransport(Transport):
                     f"expected HelloOk from {tuple(peer)}, got {type(reply).__name__}"
                 )
             check_compatible(self.metadata, reply.metadata)
-            endpoint = await ucxx.create_endpoint_from_worker_address(
-                ucxx.get_ucx_address_from_buffer(reply.worker_address),
-                endpoint_error_handling=False,
-            )
+            try:
+                check_worker_address(reply.worker_address, self._holder.worker_address)
+                endpoint = await endpoint_from_worker_address(reply.worker_address)
+            except WireError as exc:
+                raise HandshakeError(f"bad handshake answer from {tuple(peer)}: {exc}") from None
         except BaseException:
             writer.close()
             raise
@@ -280,11 +309,44 @@ class UcxxTransport(Transport):
             reader, writer, reply.metadata, reply.worker_address, endpoint, cma=cma_peer
         )
 
+    async def _handshake_reply(self, reader: asyncio.StreamReader, peer: PeerAddress) -> object:
+        """The holder's next handshake message (``HandshakeError`` if none comes in time)."""
+        try:
+            return decode_message(await asyncio.wait_for(read_frame(reader), HANDSHAKE_TIMEOUT_S))
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise HandshakeError(f"no handshake answer from {tuple(peer)}: {exc!r}") from None
+        except WireError as exc:
+            raise HandshakeError(f"bad handshake answer from {tuple(peer)}: {exc}") from None
+
+    def _check_holder_proof(
+        self, reply: object, peer: PeerAddress, nonce: bytes, hello_payload: bytes
+    ) -> bytes:
+        """Our ``AuthProof`` once ``reply`` proved the holder holds the cluster key (``auth``).
+
+        Raises:
+            HandshakeError: the holder refused us, or did not prove the key.
+        """
+        assert self.auth_key is not None
+        if isinstance(reply, ErrorMsg):
+            raise HandshakeError(f"refused by peer {tuple(peer)}: {reply.message}")
+        if not isinstance(reply, AuthChallenge) or len(reply.nonce) != NONCE_BYTES:
+            raise HandshakeError(
+                f"peer {tuple(peer)} did not prove the cluster key (a holder without auth_key?)"
+            )
+        if not proof_matches(holder_proof(self.auth_key, nonce, reply.nonce, hello_payload),
+                             reply.proof):
+            raise HandshakeError(f"peer {tuple(peer)} failed the cluster key check")
+        return requester_proof(self.auth_key, nonce, reply.nonce, hello_payload)
+
     async def send_heartbeat(
-        self, peer: PeerAddress | tuple[str, int], request_ids: Sequence[str]
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_ids: Sequence[str],
+        tokens: Sequence[str] = (),
     ) -> None:
         await self.connect(peer)
-        await self._conns[PeerAddress(*peer)].send(Heartbeat(request_ids=list(request_ids)))
+        heartbeat = Heartbeat(request_ids=list(request_ids), tokens=list(tokens))
+        await self._conns[PeerAddress(*peer)].send(heartbeat)
 
     async def notify_transfer_done(
         self,
@@ -293,10 +355,15 @@ class UcxxTransport(Transport):
         *,
         success: bool,
         reason: str = "",
+        token: str = "",
     ) -> None:
         await self.connect(peer)
         notice = TransferDoneNotice(
-            peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason
+            peer_engine_id=self.engine_id,
+            request_id=request_id,
+            success=success,
+            reason=reason,
+            token=token,
         )
         await self._conns[PeerAddress(*peer)].send(notice)
 

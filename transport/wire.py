@@ -12,9 +12,10 @@ Checks across fields (a hash per block id, a region per layer, a consistent ``co
 in ``__post_init__``, which msgspec also runs when decoding; a local caller that builds such a
 message wrongly gets ``ValueError``.
 
-Requester -> holder: ``Hello``, ``Read``, ``ReadCopied``, ``Cancel``, ``Heartbeat``,
-``TransferDoneNotice`` (tag ``TransferDone``).
-Holder -> requester: ``HelloOk``, ``ReadOk``, ``ReadDone``, ``CancelOk``, ``ErrorMsg``.
+Requester -> holder: ``Hello``, ``AuthProof``, ``Read``, ``ReadCopied``, ``Cancel``,
+``Heartbeat``, ``TransferDoneNotice`` (tag ``TransferDone``).
+Holder -> requester: ``AuthChallenge``, ``HelloOk``, ``ReadOk``, ``ReadDone``, ``CancelOk``,
+``ErrorMsg``.
 
 One type per concept: ``TransferDoneNotice`` is both the wire message and what the holder's
 ``on_transfer_done`` receives (the holder refuses one whose ``peer_engine_id`` is not the peer of
@@ -44,6 +45,7 @@ from .limits import (
     MIN_CHUNK_BYTES,
     Address,
     AddressesByGroup,
+    AuthBytes,
     BlockHashes,
     BlockIds,
     ChunkBytes,
@@ -75,6 +77,8 @@ __all__ = [
     "MAX_STR_LEN",
     "MIN_CHUNK_BYTES",
     "WIRE_VERSION",
+    "AuthChallenge",
+    "AuthProof",
     "Cancel",
     "CancelOk",
     "CmaOffer",
@@ -94,12 +98,14 @@ __all__ = [
     "frame_length",
 ]
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 # 2: Cancel carries num_chunks_posted (filler sends, see ucx_serve)
 # 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
 # 4: same-host reads: HelloOk.cma, Read.cma, ReadCopied (see ``cma``)
 # 5: msgspec schema: {"v", "msg"} frames; compat_hash beside Hello's metadata; TransferDone
 #    carries the sender's peer_engine_id
+# 6: tickets as capabilities: Heartbeat.tokens, TransferDone.token; peer authentication:
+#    Hello.auth_nonce, AuthChallenge, AuthProof (see ``auth``)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
@@ -147,15 +153,31 @@ def _check_compat_hash(metadata: NodeMetadata, compat_hash: str) -> None:
 
 class Hello(_Message):
     """The requester's handshake: its metadata, that metadata's ``compat_hash`` as the sender
-    computed it (a peer hashing the same fields differently is refused), and its UCX worker
-    address."""
+    computed it (a peer hashing the same fields differently is refused), its UCX worker
+    address, and, when it holds a cluster key, a fresh ``auth_nonce`` (``auth``; empty: none)."""
 
     metadata: NodeMetadata
     compat_hash: CompatHash
     worker_address: WorkerAddress
+    auth_nonce: AuthBytes = b""
 
     def __post_init__(self) -> None:
         _check_compat_hash(self.metadata, self.compat_hash)
+
+
+class AuthChallenge(_Message):
+    """A holder with a cluster key answers a ``Hello`` with this before anything else: its own
+    nonce and its proof over both nonces and the ``Hello`` (``auth.holder_proof``)."""
+
+    nonce: AuthBytes
+    proof: AuthBytes
+
+
+class AuthProof(_Message):
+    """The requester's answer to ``AuthChallenge`` (``auth.requester_proof``); the holder
+    sends ``HelloOk`` only when it checks."""
+
+    proof: AuthBytes
 
 
 class HelloOk(_Message):
@@ -248,19 +270,34 @@ class CancelOk(_Message):
 
 
 class Heartbeat(_Message):
-    """These request ids are still wanted (the holder's ``on_heartbeat``)."""
+    """These request ids are still wanted (the holder's ``on_heartbeat``); ``tokens[i]`` is the
+    lease token of ``request_ids[i]``'s ticket (tickets are capabilities: a lease is extended
+    only by who presents its token). Empty ``tokens``: none presented."""
 
     request_ids: RequestIds
+    tokens: RequestIds = []
+
+    def __post_init__(self) -> None:
+        if self.tokens and len(self.tokens) != len(self.request_ids):
+            raise ValueError(
+                f"{len(self.tokens)} tokens for {len(self.request_ids)} request_ids"
+            )
+
+    def token_of(self, index: int) -> str:
+        """The token presented for ``request_ids[index]`` ("" when none)."""
+        return self.tokens[index] if self.tokens else ""
 
 
 class TransferDoneNotice(_Message, tag="TransferDone"):
     """A requester's completion notice for one request (success or failure), as sent and as the
-    holder's ``on_transfer_done`` receives it; ``peer_engine_id`` is the requester's engine id."""
+    holder's ``on_transfer_done`` receives it; ``peer_engine_id`` is the requester's engine id,
+    ``token`` the lease token of the request's ticket (a lease ends only for its token)."""
 
     peer_engine_id: Text
     request_id: Text
     success: bool
     reason: LongText
+    token: Text = ""
 
 
 class ErrorMsg(_Message):
@@ -273,6 +310,8 @@ class ErrorMsg(_Message):
 
 Message = (
     Hello
+    | AuthChallenge
+    | AuthProof
     | HelloOk
     | Read
     | ReadOk

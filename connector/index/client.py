@@ -73,8 +73,10 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
     """The index and node directory behind ``url``.
 
     ``"memory"``: the embedded in-process backend, shared by every node of this process in the
-    same namespace. ``"redis://host:port/db"``: a Redis server. Raises ValueError for another
-    scheme.
+    same namespace. ``"redis://host:port/db"``: a Redis server; ``redis://:PASSWORD@host...``
+    (or ``USER:PASSWORD@``) for one started with ``requirepass`` / ACLs, ``rediss://`` for TLS
+    (redis-py's URL options, e.g. ``?ssl_ca_certs=/path/ca.crt&ssl_cert_reqs=required``).
+    Raises ValueError for another scheme (the message never repeats the password).
     """
     if url == "memory":
         with _memory_lock:
@@ -95,7 +97,16 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
         )
         index = RedisBlockIndex(namespace, url)
         return index, RedisNodeDirectory(client, namespace.key_prefix)
-    raise ValueError(f"index_url must be 'memory' or a redis:// URL, got {url!r}")
+    raise ValueError(f"index_url must be 'memory' or a redis:// URL, got {redact_url(url)!r}")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its userinfo replaced by ``***`` (for messages and logs)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not (sep and at and ":" in userinfo):
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
 
 
 class IndexClient:

@@ -39,6 +39,9 @@ __all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "s
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
+# How long a put waits for its index events to reach the index before replying anyway (the index
+# down: the put still succeeds, its blocks are found once the queued batch lands).
+_PUBLISH_WAIT_S = 2.0
 
 
 @dataclass
@@ -128,6 +131,8 @@ class StoreNode:
         read_guard_s: a block validated for a pull this recently is never overwritten.
         index_ttl_s: the store's index entries expire this long after its last heartbeat.
         max_put_bytes: largest payload one put may carry.
+        auth_key: the cluster key its transport proves and demands (``transport.auth``), as
+            every node's ``auth_key``; None: none. The write server is not authenticated.
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class StoreNode:
         read_guard_s: float = 30.0,
         index_ttl_s: float = 10.0,
         max_put_bytes: int = 256 << 20,
+        auth_key: bytes | None = None,
     ) -> None:
         if transport == "loopback" and loopback_network is None:
             raise ValueError("transport 'loopback' needs a loopback_network")
@@ -176,6 +182,7 @@ class StoreNode:
         self._transport_kind = transport
         self._loopback_network = loopback_network
         self._host, self._port = host, port
+        self._auth_key = auth_key
         self._write_host, self._write_port = write_host, write_port
         self.transport: Transport | None = None
         self.index_client: IndexClient | None = None
@@ -209,12 +216,17 @@ class StoreNode:
                 network=self._loopback_network,  # type: ignore[arg-type]
                 host=self._host,
                 port=self._port,
+                auth_key=self._auth_key,
             )
         else:
             from kvbridge.transport import UcxxTransport
 
             self.transport = UcxxTransport(
-                self.metadata, self.kv_caches_by_group, host=self._host, port=self._port
+                self.metadata,
+                self.kv_caches_by_group,
+                host=self._host,
+                port=self._port,
+                auth_key=self._auth_key,
             )
         # The transport re-checks served blocks after copying them; the re-check must not count
         # requests and hits a second time.
@@ -339,8 +351,18 @@ class StoreNode:
         client = self.index_client
         if events and client is not None:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._publisher, client.publish, events)
+            await loop.run_in_executor(self._publisher, self._publish_and_wait, client, events)
         return PutReply(num_stored, num_present, len(refused), tuple(refused))
+
+    def _publish_and_wait(self, client: IndexClient, events: list[Any]) -> None:
+        """On the publisher thread: queue ``events`` and wait (at most ``_PUBLISH_WAIT_S``)
+        until the index client has applied them, so that a ``put_ok`` means "indexed"."""
+        client.publish(events)
+        if not client.flush(timeout_s=_PUBLISH_WAIT_S):
+            logger.warning(
+                "store %s: index events of a put not applied within %.1f s; replying anyway",
+                self.engine_id, _PUBLISH_WAIT_S,
+            )
 
     # ------------------------------------------------------------------ reads
     def _validate_blocks(

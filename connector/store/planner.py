@@ -6,9 +6,12 @@ findable by its hash, until ``get_new_blocks`` pops it and drops the hash (seed 
 queue is the LRU eviction order, its head goes first). ``OffloadPlanner.plan`` runs once per
 step after the step's schedule (``build_connector_meta``) and names up to ``blocks_per_step``
 such blocks, read through ``BlockPool.iter_cold_cached_blocks`` from the head (at most
-``scan_blocks`` queue entries). The worker half snapshots their bytes before the step's forward
-(``sender.py``); nothing can overwrite them in between: the next ``get_new_blocks`` is the next
-step's schedule, and a cached block is never written while it holds its hash.
+``scan_blocks`` queue entries). The worker half snapshots their bytes at the next step's
+``start_load_kv``, before its forward (``sender.py``). That step's schedule runs in between and
+may pop a planned block for another request, whose pull may land in it before the snapshot, so
+``drop_reused`` (called after that schedule, in ``build_connector_meta``) withdraws every item
+whose block no longer holds the planned hash; a block that still holds it is never written (a
+cached block is never written while it holds its hash).
 
 Policies: ``"evict"`` plans cold blocks only; ``"write_through"`` first plans every block that
 became cached (a ``BlockStored`` event), if it still holds that hash, then cold blocks.
@@ -160,6 +163,28 @@ class OffloadPlanner:
         for key in picked_keys:
             _remember(in_flight, key, self.max_remembered)
         return picked
+
+    def drop_reused(
+        self, items: list[tuple[int, int, bytes, bytes]], block_pool: BlockPool
+    ) -> list[tuple[int, int, bytes, bytes]]:
+        """The fence between plan and snapshot. ``plan`` runs at the end of a step, the worker
+        snapshots the items at the next step's ``start_load_kv``, and that step's schedule runs
+        in between: it may pop a planned block and hand it to another request, whose pull may
+        land in it before the snapshot. Call this after that schedule (``build_connector_meta``):
+        it keeps the ``OffloadItem`` records (``(block_id, group_id, block_hash,
+        parent_hash)``) whose block still holds the planned hash and reports the others not held
+        (so a later ``plan`` may pick the block again wherever its hash lives then). Issue 15,
+        case 5 (a vLLM report: a store recorded a reused block's new bytes under the old hash).
+        Reads ``block_pool``, mutates only the planner."""
+        kept: list[tuple[int, int, bytes, bytes]] = []
+        for item in items:
+            block_id, group_id, block_hash = item[0], item[1], item[2]
+            key = make_block_hash_with_group_id(block_hash, group_id)
+            if block_pool.get_block(block_id).block_hash == key:
+                kept.append(item)
+            else:
+                self.apply_outcomes([OffloadOutcome(group_id, block_hash, False)])
+        return kept
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -213,6 +213,7 @@ def test_p_lease_grant_then_expiry_frees_blocks(n):
             block_ids=[held],
             block_hashes=[bytes(h) for h in request.block_hashes[: n // BLOCK_SIZE]],
             lease_s=12.0,
+            token=params.remote_lease_token,  # the ticket's capability, fresh per request
         )
     ]
     for _ in range(3):  # the lease holds the blocks across empty steps

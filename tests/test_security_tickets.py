@@ -1,0 +1,165 @@
+"""Tickets as capabilities (issue 15, "Security"): a pull ticket carries an unguessable token,
+and a heartbeat, a release notice or a read of a block only the lease guards must present it.
+
+Before this, any peer that could reach P's transport could extend or end a lease by request id
+alone. Now a wrong or missing token is refused, counted (``num_refused_lease_tokens``) and leaves
+the lease exactly as it was; the real puller, holding the ticket, is served as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+
+from _pd_builders import assert_pair_empty, decode, long_prompt, make_pd_pair, prefill
+from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
+from kvbridge.connector.lease import LeaseTable
+from kvbridge.connector.pull_plan import lease_token, parse_lease_token
+from kvbridge.connector.stats import KVTransferStats
+from kvbridge.connector.transfer_params import RemotePrefillParams
+from kvbridge.transport import LoopbackTransport, TransferDoneNotice
+
+TOKEN = "tok-right-0123456789ab"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _table() -> tuple[LeaseTable, _Clock]:
+    clock = _Clock()
+    leases = LeaseTable(10.0, clock=clock)
+    leases.grant("r1", [[3, 4]], [b"h3"], TOKEN)
+    return leases, clock
+
+
+# ----------------------------------------------------------------------------- the lease table
+
+
+def test_heartbeat_extends_only_with_the_right_token():
+    leases, clock = _table()
+    clock.now += 8
+    assert leases.extend(["r1"]) == 0  # no token presented
+    assert leases.extend(["r1"], ["tok-wrong"]) == 0
+    clock.now += 3  # past the granted expiry (1000 + 10): the refused heartbeats changed nothing
+    assert not leases.is_held("r1")
+
+    leases, clock = _table()
+    clock.now += 8
+    assert leases.extend(["r1"], [TOKEN]) == 1
+    clock.now += 3
+    assert leases.is_held("r1")  # extended to 1008 + 10
+
+
+def test_release_with_a_wrong_token_leaves_the_lease_untouched():
+    leases, _ = _table()
+    assert leases.release("r1") is False
+    assert leases.release("r1", "tok-wrong") is False
+    assert leases.is_held("r1") and leases.block_ids("r1") == ((3, 4),)
+    assert leases.pop_finished() == (set(), 0)  # nothing handed back to the scheduler
+    assert leases.release("r1", TOKEN) is True
+    assert leases.pop_finished() == ({"r1"}, 0)
+
+
+def test_an_early_release_ends_a_later_grant_only_with_its_token():
+    leases = LeaseTable(10.0)
+    leases.release("early-forged", "tok-wrong")  # a stranger, before P granted the lease
+    leases.grant("early-forged", [[5]], [], TOKEN)
+    assert leases.is_held("early-forged")
+    leases.release("early-real", TOKEN)  # the real puller's notice overtook the grant
+    leases.grant("early-real", [[6]], [], TOKEN)
+    assert not leases.is_held("early-real")
+    assert leases.pop_finished()[0] == {"early-real"}
+
+
+def test_the_unhashed_block_is_served_only_under_the_tickets_token():
+    leases, _ = _table()
+    assert leases.covers("r1", 0, 4, None, TOKEN)  # position 1 has no hash: lease only
+    assert not leases.covers("r1", 0, 4, None, "tok-wrong")
+    assert not leases.covers("r1", 0, 4, None)
+    assert parse_lease_token(lease_token("r1", TOKEN)) == ("r1", TOKEN)
+    assert parse_lease_token(lease_token("a\x00b", "")) == ("a\x00b", "")  # NUL in the id
+    assert parse_lease_token(b"\x00lease\x00no-separator") is None
+
+
+# ----------------------------------------------------------------------------- the holder checks
+
+
+def _checks() -> tuple[HolderChecks, LeaseTable, KVTransferStats]:
+    leases, _ = _table()
+    stats = KVTransferStats()
+    checks = HolderChecks(
+        leases=leases, hashes=HeldBlockHashes(), stats=stats, num_blocks=16, bytes_per_block=[64]
+    )
+    return checks, leases, stats
+
+
+def test_holder_counts_and_refuses_forged_heartbeats_and_notices():
+    checks, leases, stats = _checks()
+    checks.on_heartbeat("stranger", ["r1", "unknown"], ["tok-wrong", "x"])
+    checks.on_heartbeat("stranger", ["r1"], [])  # no tokens at all
+    forged = TransferDoneNotice(peer_engine_id="s", request_id="r1", success=True, reason="")
+    checks.on_transfer_done(forged)
+    assert stats.num_refused_lease_tokens == 3  # r1 twice by heartbeat, once by notice
+    assert leases.is_held("r1") and stats.num_released_leases == 0
+    hashes = [lease_token("r1", "tok-wrong"), lease_token("r1", TOKEN)]
+    assert checks.validate_blocks(0, [4, 4], hashes) == [0]  # the wrong token's read refused
+    real = TransferDoneNotice(peer_engine_id="d", request_id="r1", success=True, reason="",
+                              token=TOKEN)
+    checks.on_transfer_done(real)
+    assert not leases.is_held("r1") and stats.num_released_leases == 1
+    assert stats.bytes_sent == 2 * 64
+
+
+# ----------------------------------------------------------------------------- P and D
+
+
+def test_tickets_carry_fresh_unguessable_tokens_and_a_stranger_cannot_end_the_lease():
+    pair = make_pd_pair(lease_s=30.0)
+    try:
+        prompt = long_prompt(50)
+        params = prefill(pair, "req-a", prompt)
+        other = prefill(pair, "req-b", long_prompt(40, salt="b"))
+        token = params["remote_lease_token"]
+        assert re.fullmatch(r"[A-Za-z0-9_-]{22}", token)  # 16 random bytes, URL-safe base64
+        assert token != other["remote_lease_token"]
+        parsed = RemotePrefillParams.parse(params, num_groups=1, block_size=16)
+        assert parsed.remote_lease_token == token
+
+        # (1) a stranger on the network, knowing the request ids but not the tokens
+        d_transport = pair.d.runner.connector.worker_half.transport
+        stranger = LoopbackTransport(
+            dataclasses.replace(d_transport.metadata, engine_id="stranger"),
+            d_transport.kv_caches_by_group,
+            network=pair.network,
+        )
+        p_address = pair.p.runner.connector.worker_half.transport.address
+
+        async def forge() -> None:
+            await stranger.start()
+            await stranger.send_heartbeat(p_address, ["req-a", "req-b"])
+            for rid in ("req-a", "req-b"):
+                await stranger.notify_transfer_done(p_address, rid, success=True, token="guess")
+
+        asyncio.run(forge())
+        p_worker = pair.p.runner.connector.worker_half
+        assert p_worker.leases.is_held("req-a") and p_worker.leases.is_held("req-b")
+        assert p_worker.stats.num_refused_lease_tokens == 4
+        assert p_worker.stats.num_released_leases == 0
+
+        # (2) D, holding the ticket, pulls and releases as before
+        out = decode(pair, "d-a", prompt, params, max_tokens=3)
+        assert out.finish_reason == "length"
+        pair.d.step()
+        assert pair.d.scheduler.connector.stats.snapshot()["num_loads"] == 1
+        decode(pair, "d-b", long_prompt(40, salt="b"), other, max_tokens=2)
+        assert_pair_empty(pair)
+        assert p_worker.stats.num_released_leases == 2
+        assert p_worker.stats.num_refused_lease_tokens == 4  # the real puller was never refused
+    finally:
+        pair.close()
