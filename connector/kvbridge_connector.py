@@ -151,9 +151,12 @@ class KVBridgeConnector(KVConnectorBase):
         return self.scheduler_half.request_finished(request, block_ids)
 
     def validate_kv_transfer_params(
-        self, request_id: str, kv_transfer_params: Mapping[str, Any]
+        self, request_id: str, kv_transfer_params: Mapping[str, Any],
+        num_prompt_tokens: int | None = None,
     ) -> None:
-        self.scheduler_half.validate_kv_transfer_params(request_id, kv_transfer_params)
+        self.scheduler_half.validate_kv_transfer_params(
+            request_id, kv_transfer_params, num_prompt_tokens
+        )
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         self.scheduler_half.on_request_rejected(kv_transfer_params, reason)

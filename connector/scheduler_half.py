@@ -130,7 +130,9 @@ class KVBridgeScheduler:
         self._take_pool_events = take_events
 
     # ------------------------------------------------------------------ admission
-    def ticket_for(self, request_id: str, params: Mapping[str, Any]) -> RemotePrefillParams:
+    def ticket_for(
+        self, request_id: str, params: Mapping[str, Any], num_prompt_tokens: int | None = None
+    ) -> RemotePrefillParams:
         """The parsed handoff ticket of ``request_id`` (parsed on first use, then kept).
 
         Raises:
@@ -140,7 +142,8 @@ class KVBridgeScheduler:
         if ticket is None:
             try:
                 ticket = RemotePrefillParams.parse(
-                    params, num_groups=self.num_groups, block_size=self.block_size
+                    params, num_groups=self.num_groups, block_size=self.block_size,
+                    num_prompt_tokens=num_prompt_tokens,
                 )
             except KVTransferParamsError:
                 self.stats.add("num_rejected_params")
@@ -151,12 +154,13 @@ class KVBridgeScheduler:
         return ticket
 
     def validate_kv_transfer_params(
-        self, request_id: str, kv_transfer_params: Mapping[str, Any]
+        self, request_id: str, kv_transfer_params: Mapping[str, Any],
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``);
         an admitted ticket's lease is heart-beaten while the request waits in the queue."""
         if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
-            self.ticket_for(request_id, kv_transfer_params)
+            self.ticket_for(request_id, kv_transfer_params, num_prompt_tokens)
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: ask its prefill

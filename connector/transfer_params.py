@@ -88,7 +88,8 @@ class RemotePrefillParams:
 
     @classmethod
     def parse(
-        cls, params: Mapping[str, Any], *, num_groups: int, block_size: int
+        cls, params: Mapping[str, Any], *, num_groups: int, block_size: int,
+        num_prompt_tokens: int | None = None,
     ) -> RemotePrefillParams:
         """Validate D-side params.
 
@@ -97,6 +98,10 @@ class RemotePrefillParams:
             num_groups: KV cache groups on this node; ``remote_block_ids`` must have as many.
             block_size: tokens per block (same on both nodes, checked again at handshake); every
                 group lists exactly ``cdiv(remote_num_tokens, block_size)`` ids.
+            num_prompt_tokens: the prompt length of the request the params came with, when
+                known; ``remote_num_tokens`` may not exceed it (P computed KV for positions this
+                request does not have; clamping it would hide a proxy pairing the wrong
+                params with a prompt). None skips this check.
 
         Raises:
             KVTransferParamsError: a field is missing, of the wrong type or out of range.
@@ -132,6 +137,11 @@ class RemotePrefillParams:
             raise KVTransferParamsError("lease_expires_at", f"must be finite, got {expires}")
         if num_tokens < 1:
             raise KVTransferParamsError("remote_num_tokens", f"must be >= 1, got {num_tokens}")
+        if num_prompt_tokens is not None and num_tokens > num_prompt_tokens:
+            raise KVTransferParamsError(
+                "remote_num_tokens",
+                f"{num_tokens} exceeds the request's prompt of {num_prompt_tokens} tokens",
+            )
         if remote_block_size != block_size:
             raise KVTransferParamsError(
                 "remote_block_size",

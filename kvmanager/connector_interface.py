@@ -204,10 +204,13 @@ class KVConnectorBase(ABC):
         return ()
 
     def validate_kv_transfer_params(  # noqa: B027 - optional hook, default accepts
-        self, request_id: str, kv_transfer_params: Mapping[str, Any]
+        self, request_id: str, kv_transfer_params: Mapping[str, Any],
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Check request ``request_id``'s ``kv_transfer_params`` at admission
         (``Engine.add_request``), before anything is queued; they came over the network.
+        ``num_prompt_tokens`` is the request's prompt length (None where the caller does not
+        know it), for checks of token counts against the prompt.
 
         Raises:
             ValueError: (a subclass naming the field) for params this connector cannot honour.

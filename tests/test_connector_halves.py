@@ -88,8 +88,8 @@ class _OverTheWire(KVConnectorBase):
     def has_pending_orders(self) -> bool:
         return self.inner.has_pending_orders()
 
-    def validate_kv_transfer_params(self, request_id, kv_transfer_params):
-        self.inner.validate_kv_transfer_params(request_id, kv_transfer_params)
+    def validate_kv_transfer_params(self, request_id, kv_transfer_params, num_prompt_tokens=None):
+        self.inner.validate_kv_transfer_params(request_id, kv_transfer_params, num_prompt_tokens)
 
     def on_request_rejected(self, kv_transfer_params, reason):
         self.inner.on_request_rejected(kv_transfer_params, reason)

@@ -24,6 +24,7 @@ from _pd_builders import (
     run_to_completion,
 )
 from kvbridge.connector.errors import KVTransferParamsError
+from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.kvmanager import SamplingParams
 
 MAX_TOKENS = 4
@@ -279,6 +280,68 @@ def test_malformed_params_fail_that_request_and_the_node_keeps_serving(pair_fact
     output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     assert_pair_empty(pair)
+
+
+@pytest.mark.parametrize(
+    "num_d_prompt_tokens, remote_num_tokens",
+    [
+        # P's ticket for 40 tokens (3 blocks of 16) with D's prompt cut to 34 (still 3 blocks).
+        (34, 40),
+        # One token over a 40-token prompt; cdiv(41, 16) = 3 ids, as P sent.
+        (40, 41),
+        # The whole third block claimed (48 tokens, 3 ids) for a 40-token prompt.
+        (40, 48),
+    ],
+)
+def test_remote_num_tokens_over_the_prompt_is_refused_at_admission(
+    pair_factory, num_d_prompt_tokens, remote_num_tokens
+):
+    pair = pair_factory()
+    prompt = long_prompt(40)
+    params = prefill(pair, "req-0", prompt)
+    bad = _malformed(params, lambda p: p.update(remote_num_tokens=remote_num_tokens))
+    # Block ids match remote_num_tokens (3 per group), so only the prompt length is wrong.
+    assert all(len(ids) == 3 for ids in bad["remote_block_ids"])
+    expected = (
+        f"remote_num_tokens: {remote_num_tokens} exceeds the request's prompt of "
+        f"{num_d_prompt_tokens} tokens"
+    )
+    with pytest.raises(KVTransferParamsError, match=expected):
+        pair.d.add_request(
+            "bad", prompt[:num_d_prompt_tokens], SamplingParams(max_tokens=2), bad
+        )
+    assert _stats(pair.d)["num_rejected_params"] == 1
+    assert "bad" not in pair.d.scheduler.requests
+    # The refusal told P to release its blocks (D steps to deliver the notice) ...
+    drain(pair.d)
+    assert_node_empty(pair.p)
+    assert _stats(pair.p)["num_released_leases"] == 1
+    # ... and D serves the next well-formed request: a fresh prefill of the same prompt whose
+    # remote_num_tokens equals D's prompt (the boundary: accepted).
+    params = prefill(pair, "req-1", prompt)
+    assert params["remote_num_tokens"] == len(prompt)
+    output = decode(pair, "req-1", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert _stats(pair.d)["num_loads"] == 1  # the refused request never pulled
+    assert_pair_empty(pair)
+
+
+def test_remote_num_tokens_over_the_prompt_is_refused_without_a_prompt_length_too():
+    """``RemotePrefillParams.parse`` itself: the check runs only where the prompt length is
+    given (the vLLM adapter's ``on_new_request`` passes ``request.num_prompt_tokens`` to the
+    same ``validate_kv_transfer_params``)."""
+    params = {
+        "remote_engine_id": "P", "remote_incarnation": "1", "remote_request_id": "r",
+        "remote_host": "127.0.0.1", "remote_port": 5000, "remote_block_ids": [[1, 2, 3]],
+        "remote_num_tokens": 40, "remote_block_size": 16, "lease_expires_at": 1.0,
+    }
+    parsed = RemotePrefillParams.parse(params, num_groups=1, block_size=16)
+    assert parsed.remote_num_tokens == 40
+    assert RemotePrefillParams.parse(
+        params, num_groups=1, block_size=16, num_prompt_tokens=40
+    ).remote_num_tokens == 40
+    with pytest.raises(KVTransferParamsError, match=r"remote_num_tokens: 40 exceeds .* of 39"):
+        RemotePrefillParams.parse(params, num_groups=1, block_size=16, num_prompt_tokens=39)
 
 
 def test_block_ids_out_of_the_holders_range_become_a_load_error(pair_factory):

@@ -274,7 +274,9 @@ class _PickyConnector(NoOpConnector):
         super().__init__(role)
         self.rejected: list[str] = []
 
-    def validate_kv_transfer_params(self, request_id, kv_transfer_params) -> None:
+    def validate_kv_transfer_params(
+        self, request_id, kv_transfer_params, num_prompt_tokens=None
+    ) -> None:
         if not kv_transfer_params.get("ok"):
             raise ValueError("kv_transfer_params lacks 'ok'")
 

@@ -103,3 +103,91 @@ def test_a_bad_trace_line_is_named(tmp_path: Path) -> None:
                     '{"timestamp": 5}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         replay.read_trace(path)
+
+
+def _write_records(path: Path, records: list[tuple[float, int, list[int]]]) -> Path:
+    """(arrival s, output_length, hash_ids) per request; ``input_length`` whole 512-token
+    blocks."""
+    path.write_text("".join(
+        json.dumps({"timestamp": int(t * 1000), "input_length": 512 * len(ids),
+                    "output_length": out, "hash_ids": ids}) + "\n"
+        for t, out, ids in records
+    ))
+    return path
+
+
+def test_pull_takes_the_prefix_from_its_holder_and_caches_it_on_the_puller(
+    tmp_path: Path,
+) -> None:
+    # (1) t=0: A0 = [0, 1] runs on node 0 (all idle; ties go to node 0) for 1000 x 0.02 = 20 s.
+    # (2) t=30: F = [900, 901], unrelated, takes node 0 (idle again) until t=50.
+    # (3) t=31: A1 = [0, 1, 2, 3] goes to the least-loaded node, node 1, whose own cache has
+    #     nothing; the index names node 0 with blocks 0..1, so node 1 pulls 2 blocks.
+    trace = _write_records(tmp_path / "pull.jsonl", [
+        (0.0, 1000, [0, 1]), (30.0, 1000, [900, 901]), (31.0, 1000, [0, 1, 2, 3]),
+    ])
+    args = replay.parse_args([str(trace), "--blocks-per-node", "64", "--policies", "pull"])
+    requests = replay.read_trace(trace)
+    expander = replay.TokenExpander(args.block_size)
+    args.max_model_len = 65
+    index = replay.InMemoryBlockIndex(replay.IndexNamespace(
+        model_name="replay", block_size=args.block_size, hash_fn_name=args.hash_fn
+    ))
+    run = replay.Replay(args, index, "pull")
+    result = run.run(requests, expander)
+    assert result.requests_per_node == [2, 1, 0, 0]
+    assert (result.num_pulls, result.num_pulled_blocks) == (1, 2)
+    assert result.pulls_per_holder == [1, 0, 0, 0]
+    assert result.num_stale_hits == 0
+    # Hits: A1's 2 pulled blocks of 2 + 2 + 4 prompt blocks; the unbounded cache has the same.
+    assert (result.hit_blocks, result.total_blocks) == (2, 8)
+    # The pulled blocks (and A1's own) are cached on node 1 after it finished, and published:
+    # the index now names node 1 with all 4 blocks and node 0 with the 2 it had.
+    a1 = replay.Request("probe", expander.prompt(requests[2]), block_hasher=run.hasher)
+    pool = run.nodes[1].manager.block_pool
+    assert len(pool.get_cached_prefix(a1.block_hashes, (0,), 4)[0]) == 4
+    hit = index.longest_prefix(a1.block_hashes, all_holders=True)
+    assert [(h.node_id, h.num_blocks) for h in hit.holders] == [
+        ("pull-node1", 4), ("pull-node0", 2),
+    ]
+    index.close()
+
+
+def test_pull_reports_its_counts_next_to_index_routing(tmp_path: Path) -> None:
+    trace = _write_records(tmp_path / "pull.jsonl", [
+        (0.0, 1000, [0, 1]), (30.0, 1000, [900, 901]), (31.0, 1000, [0, 1, 2, 3]),
+    ])
+    summary = replay.main([str(trace), "--blocks-per-node", "64"])
+    assert summary["unbounded_hit_ratio"] == 0.25  # 2 of 8 prompt blocks
+    # Index routing sends A1 to node 0 (2 blocks there beat the idle node 1 by 2): the same 2
+    # hits without a pull; round robin sends A1 to node 2: nothing.
+    assert summary["index"]["hit_ratio"] == summary["pull"]["hit_ratio"] == 0.25
+    assert summary["round_robin"]["hit_ratio"] == 0.0
+    pull = summary["pull"]
+    assert pull["fraction_of_unbounded"] == 1.0
+    assert pull["pulled_blocks_per_request"] == round(2 / 3, 3)
+    assert pull["pulls_per_holder"] == [1, 0, 0, 0]
+    # One lookup per request: each had a block its node lacked (the last block is never
+    # looked up: A0 and F look up 1 of their 2 blocks, A1 3 of its 4).
+    assert pull["lookups_per_request"] == 1.0
+
+
+_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(
+    not _TRACE.is_file(),
+    reason="the Mooncake conversation trace is not shipped with kvbridge; it is read from "
+    "shared/traces/ beside the repository (there on CI and the developers' machines)",
+)
+def test_pull_on_a_slice_of_the_conversation_trace() -> None:
+    # 300 requests; pools large enough that nothing is evicted: every prefix seen before is
+    # held by some node, so pulling from whichever holds it reaches the unbounded cache exactly,
+    # while index routing loses the prefixes it left for load.
+    summary = replay.main([str(_TRACE), "--limit", "300", "--blocks-per-node", "16384",
+                           "--policies", "index,pull"])
+    assert summary["pull"]["hit_ratio"] >= summary["index"]["hit_ratio"]
+    assert summary["pull"]["fraction_of_unbounded"] == 1.0
+    assert summary["pull"]["num_pulled_blocks"] > 0
+    assert summary["pull"]["num_stale_hits"] == 0
+    assert sum(summary["pull"]["pulls_per_holder"]) == summary["pull"]["num_pulls"]

@@ -143,7 +143,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         request computed locally: vLLM offers no way to refuse it here."""
         params = request.kv_transfer_params
         try:
-            self._sched().validate_kv_transfer_params(request.request_id, params)  # type: ignore[arg-type]
+            self._sched().validate_kv_transfer_params(
+                request.request_id, params, request.num_prompt_tokens  # type: ignore[arg-type]
+            )
         except KVTransferParamsError as exc:
             logger.warning("request %s: %s; computing it locally", request.request_id, exc)
             self._sched().on_request_rejected(params, str(exc))
