@@ -24,7 +24,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
@@ -47,11 +47,16 @@ from .protocol import (
     check_incarnation,
     check_lookup_args,
     check_node_id,
+    check_seq,
     check_ttl,
     events_to_ops,
     join_keys,
     sort_holders,
 )
+from .redis_held_lookup import LOOKUP_HELD_LUA, held_lookup_args, holders_of_held_reply
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager import PrefixHitRule
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,8 @@ _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 _PUBLISH = _script(scripts.PUBLISH_LUA)
 _LOOKUP = _script(scripts.LOOKUP_LUA)
 _GET_BLOCK_IDS = _script(scripts.GET_BLOCK_IDS_LUA)
+_LOOKUP_HELD = _script(LOOKUP_HELD_LUA)
+_PUBLISH_REPLY_TO_STATUS: dict[Any, str] = {1: "ok", 0: "fenced", 2: "gap", 3: "replayed"}
 
 
 class RedisBlockIndex:
@@ -180,10 +187,16 @@ class RedisBlockIndex:
         events: Iterable[Any],
         *,
         default_tier: Tier = "device",
+        seq: tuple[int, int] | None = None,
+        resync: bool = False,
     ) -> PublishResult:
         check_node_id(node_id)
+        check_seq(seq)
         ops = events_to_ops(events, default_tier)
-        args: list[Any] = [self._prefix, node_id, self._inc_str(incarnation)]
+        first, last = seq if seq is not None else (0, 0)
+        args: list[Any] = [
+            self._prefix, node_id, self._inc_str(incarnation), first, last, b"1" if resync else b"0"
+        ]
         key_len = self.namespace.key_hash_bytes
         for op in ops:
             code = TIER_TO_CODE[op.tier]
@@ -197,12 +210,18 @@ class RedisBlockIndex:
             self.stats.publishes_dropped += 1
             self.stats.publish_ops_dropped += len(ops)
             return PublishResult("unavailable", len(ops))
-        if reply != 1:
+        status = _PUBLISH_REPLY_TO_STATUS.get(reply, "fenced")
+        if status == "fenced":
             self.stats.publishes_fenced += 1
-            return PublishResult("fenced", len(ops))
-        self.stats.publishes += 1
-        self.stats.publish_ops += len(ops)
-        return PublishResult("ok", len(ops))
+        elif status == "gap":
+            self.stats.publishes_gap += 1
+        elif status == "replayed":
+            self.stats.publishes_replayed += 1
+        else:
+            self.stats.publishes += 1
+            self.stats.publish_ops += len(ops)
+            self.stats.resyncs += resync
+        return PublishResult(status, len(ops))  # type: ignore[arg-type]
 
     def longest_prefix(
         self,
@@ -211,6 +230,7 @@ class RedisBlockIndex:
         *,
         exclude_node_ids: Iterable[str] = (),
         all_holders: bool = False,
+        hit_rule: PrefixHitRule | None = None,
     ) -> PrefixHit:
         # Hot path (benchmarks/bench_index.py): one join and one strided copy for the keys, one
         # EVALSHA, a flat reply read without a second pass over it.
@@ -220,6 +240,11 @@ class RedisBlockIndex:
         if not block_hashes:
             return NO_HIT
         keys, key_len = join_keys(block_hashes, self._key_hash_bytes)
+        if hit_rule is not None and not hit_rule.only_full_attention:
+            return self._lookup_held(
+                block_hashes, keys, key_len, group_ids, hit_rule, tuple(exclude_node_ids),
+                all_holders,
+            )
         reply = self._call(
             "lookup", _LOOKUP, self._prefix, key_len, keys, b"1" if all_holders else b"0",
             len(group_ids), *group_ids, *exclude_node_ids,
@@ -240,6 +265,63 @@ class RedisBlockIndex:
             Holder(reply[i].decode(), int(reply[i + 1]), reply[i + 2], CODE_TO_TIER[reply[i + 3]])
             for i in range(1, len(reply), 4)
         ])
+
+    def _lookup_held(
+        self,
+        block_hashes: Sequence[bytes],
+        keys: bytes,
+        key_len: int,
+        group_ids: Sequence[int],
+        hit_rule: PrefixHitRule,
+        exclude_node_ids: Sequence[str],
+        all_holders: bool,
+    ) -> PrefixHit:
+        """``longest_prefix`` under a hit rule with a group that is not full attention."""
+        args = held_lookup_args(self._prefix, key_len, keys, group_ids, hit_rule, exclude_node_ids)
+        reply = self._call("lookup", _LOOKUP_HELD, *args)
+        try:
+            garbage, holders = (0, []) if reply is None else holders_of_held_reply(
+                reply, block_hashes, group_ids, hit_rule, key_len, self.namespace.block_size
+            )
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            self._on_trouble("lookup", exc)
+            reply = None
+        if reply is None:
+            self.stats.lookups_failed += 1
+            return NO_HIT
+        self.stats.garbage_entries += garbage
+        if holders and not all_holders:
+            best = max(holder.num_blocks for holder in holders)
+            holders = [holder for holder in holders if holder.num_blocks == best]
+        hit = sort_holders(holders)
+        if hit.num_blocks:
+            self.stats.lookup_hits += 1
+        return hit
+
+    def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None:
+        """The node's live entries, read with plain commands (not atomic; tests and tools)."""
+        check_node_id(node_id)
+        try:
+            inc = self._execute("GET", f"{self._prefix}:node:{node_id}")
+            if inc is None:
+                return None
+            ekeys = self._execute("SMEMBERS", f"{self._prefix}:keys:{node_id}")
+            pipe = self._client.pipeline(transaction=False)
+            ekeys = list(ekeys)
+            for ekey in ekeys:
+                pipe.hget(ekey, node_id)
+            values = pipe.execute()
+        except _TROUBLE as exc:
+            self._on_trouble("node_entries", exc)
+            return None
+        head = len(self._prefix.encode()) + len(":e:")
+        out: set[tuple[int, bytes, int]] = set()
+        for ekey, value in zip(ekeys, values, strict=True):
+            if value is None or len(value) < 30 or value[:20] != inc:
+                continue
+            group, _, key = ekey[head:].partition(b":")
+            out.add((int(group), key, struct.unpack(">I", value[20:24])[0]))
+        return out
 
     def get_block_ids(
         self,
