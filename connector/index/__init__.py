@@ -7,7 +7,7 @@ prefixes), its ``IndexWorker`` thread the one that makes the backend calls (``lo
 lookup). DESIGN.md, "Block index".
 """
 
-from .client import IndexClient, open_index
+from .client import IndexClient, block_index_for_url, open_index
 from .in_memory import InMemoryBlockIndex
 from .lookup import LookupResult, LookupStatus, RemotePrefix
 from .node_directory import NodeDirectory
@@ -21,6 +21,7 @@ from .protocol import (
     Tier,
     new_incarnation,
 )
+from .redis_cluster import RedisClusterBlockIndex
 from .redis_index import RedisBlockIndex
 
 __all__ = [
@@ -36,8 +37,10 @@ __all__ = [
     "NodeDirectory",
     "PrefixHit",
     "RedisBlockIndex",
+    "RedisClusterBlockIndex",
     "RemotePrefix",
     "Tier",
+    "block_index_for_url",
     "new_incarnation",
     "open_index",
 ]

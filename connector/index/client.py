@@ -33,6 +33,12 @@ from .node_directory import (
     RedisNodeDirectory,
 )
 from .protocol import BlockIndex, Holder, IndexNamespace, IndexStats, Tier, check_lookup_args
+from .redis_cluster import (
+    CLUSTER_SCHEME,
+    RedisClusterBlockIndex,
+    RedisClusterNodeDirectory,
+    cluster_client,
+)
 from .redis_index import RedisBlockIndex
 from .resync import ParentMirror
 from .worker import IndexWorker, LookupJob
@@ -40,7 +46,7 @@ from .worker import IndexWorker, LookupJob
 if TYPE_CHECKING:
     from kvbridge.kvmanager import CachedBlock, PrefixHitRule
 
-__all__ = ["IndexClient", "LookupResult", "RemotePrefix", "open_index"]
+__all__ = ["IndexClient", "LookupResult", "RemotePrefix", "block_index_for_url", "open_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +83,9 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
     """The index and node directory behind ``url``.
 
     ``"memory"``: the embedded in-process backend, shared by every node of this process in the
-    same namespace. ``"redis://host:port/db"``: a Redis server. Raises ValueError for another
-    scheme.
+    same namespace. ``"redis://host:port/db"``: a Redis server. ``"redis-cluster://HOST:PORT
+    [,HOST:PORT...]"``: a Redis or Valkey cluster from its seed nodes (``redis_cluster.py``).
+    Raises ValueError for another scheme or a malformed cluster URL.
     """
     if url == "memory":
         with _memory_lock:
@@ -99,7 +106,25 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
         )
         index = RedisBlockIndex(namespace, url)
         return index, RedisNodeDirectory(client, namespace.key_prefix)
-    raise ValueError(f"index_url must be 'memory' or a redis:// URL, got {url!r}")
+    if url.startswith(CLUSTER_SCHEME):
+        cluster = RedisClusterBlockIndex(namespace, url)
+        directory_client = cluster_client(
+            url, socket_timeout_s=_SOCKET_TIMEOUT_S, connect_timeout_s=_SOCKET_TIMEOUT_S
+        )
+        return cluster, RedisClusterNodeDirectory(directory_client, cluster.bucket_prefixes)
+    raise ValueError(
+        f"index_url must be 'memory', a redis:// or a redis-cluster:// URL, got {url!r}"
+    )
+
+
+def block_index_for_url(url: str, namespace: IndexNamespace) -> BlockIndex:
+    """A Redis or Redis Cluster ``BlockIndex`` of its own for ``url`` (tools such as the proxy
+    that only look up). Raises ValueError for another scheme."""
+    if url.startswith(CLUSTER_SCHEME):
+        return RedisClusterBlockIndex(namespace, url)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisBlockIndex(namespace, url)
+    raise ValueError(f"index_url must be a redis:// or redis-cluster:// URL, got {url!r}")
 
 
 class IndexClient:
