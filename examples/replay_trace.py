@@ -50,6 +50,7 @@ from kvbridge.connector.index import (
     IndexNamespace,
     InMemoryBlockIndex,
     RedisBlockIndex,
+    RedisClusterBlockIndex,
     new_incarnation,
 )
 from kvbridge.kvmanager import (
@@ -274,6 +275,8 @@ class Replay:
 def _open_index(url: str, namespace: IndexNamespace) -> BlockIndex:
     if url == "memory":
         return InMemoryBlockIndex(namespace)
+    if url.startswith("redis-cluster://"):
+        return RedisClusterBlockIndex(namespace, url, socket_timeout_s=2.0)
     return RedisBlockIndex(namespace, url, socket_timeout_s=2.0)
 
 
@@ -286,7 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-gain-blocks", type=int, default=2,
                         help="prefix advantage over the least-loaded node worth routing for")
     parser.add_argument("--hash-fn", default="sha256_cbor")
-    parser.add_argument("--index-url", default="memory", help="'memory' or redis://host:port/db")
+    parser.add_argument("--index-url", default="memory", help="'memory', redis://host:port/db or redis-cluster://HOST:PORT[,...]")
     parser.add_argument("--prefill-s-per-token", type=float, default=1e-4)
     parser.add_argument("--decode-s-per-token", type=float, default=0.02)
     args = parser.parse_args(argv)

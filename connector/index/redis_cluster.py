@@ -2,7 +2,8 @@
 
 Key layout. A cluster script may only touch keys of one hash slot, and a lookup must stay one
 round trip, so the namespace is cut into ``num_buckets`` buckets, each a complete single-server
-layout (``redis_scripts.py``) under its own hash tag, ``{<namespace prefix>:b<i>}``: every key a
+layout (``redis_scripts.py``) under its own hash tag, ``{<namespace prefix>:b<i>.<j>}`` (``j``
+spreads the buckets evenly over the slot space, ``bucket_prefixes``): every key a
 script touches (entries, node records, hole records, sequence numbers) carries its bucket's tag
 and lives in one slot. A chain of blocks lives in the bucket of its root, the prompt's block 0
 (``bucket_of``): prompts that share a first block share a bucket, so a lookup, and the holder's
@@ -39,6 +40,7 @@ import msgpack
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
 from redis.retry import Retry
 
 from . import redis_scripts as scripts
@@ -60,12 +62,15 @@ __all__ = [
     "RedisClusterBlockIndex",
     "RedisClusterNodeDirectory",
     "bucket_of",
+    "bucket_prefixes",
     "cluster_client",
     "parse_cluster_url",
 ]
 
 CLUSTER_SCHEME = "redis-cluster://"
 DEFAULT_NUM_BUCKETS = 32
+_MAX_BUCKETS = 1024
+_NUM_SLOTS = 16384
 _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 
@@ -86,8 +91,8 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], int]:
     num_buckets = DEFAULT_NUM_BUCKETS
     if "buckets" in query:
         value = query["buckets"][-1]
-        if not value.isdigit() or not 1 <= int(value) <= 16384:
-            raise ValueError(f"index_url buckets must be in [1, 16384], got {value!r}")
+        if not value.isdigit() or not 1 <= int(value) <= _MAX_BUCKETS:
+            raise ValueError(f"index_url buckets must be in [1, {_MAX_BUCKETS}], got {value!r}")
         num_buckets = int(value)
     return seeds, num_buckets
 
@@ -103,6 +108,21 @@ def cluster_client(url: str, *, socket_timeout_s: float, connect_timeout_s: floa
         retry=Retry(NoBackoff(), 0),
         require_full_coverage=False,
     )
+
+
+def bucket_prefixes(key_prefix: str, num_buckets: int) -> list[str]:
+    """Each bucket's hash-tagged key prefix, ``{<key_prefix>:b<i>.<j>}``, with the smallest
+    ``j`` whose slot falls in the bucket's even share of the 16,384 slots: the buckets spread
+    over the slot space as evenly as they can (so over shards that own even slot ranges),
+    whatever the cluster, and every client computes the same prefixes."""
+    out = []
+    for b in range(num_buckets):
+        low, high = b * _NUM_SLOTS // num_buckets, (b + 1) * _NUM_SLOTS // num_buckets
+        j = 0
+        while not low <= key_slot(f"{key_prefix}:b{b}.{j}".encode()) < high:
+            j += 1
+        out.append(f"{{{key_prefix}:b{b}.{j}}}")
+    return out
 
 
 def bucket_of(first_key: bytes, num_buckets: int) -> int:
@@ -149,16 +169,25 @@ class RedisClusterBlockIndex(RedisBlockIndex):
             namespace, client=client, retry_interval_s=retry_interval_s, clock=clock  # type: ignore[arg-type]
         )
         self._num_route_keys = 1
-        self.bucket_prefixes = [
-            f"{{{namespace.key_prefix}:b{b}}}" for b in range(self.num_buckets)
-        ]
+        self.bucket_prefixes = bucket_prefixes(namespace.key_prefix, self.num_buckets)
         self._publish_lock = threading.Lock()
         # node -> lookup key -> [root key, number of entries]: the bucket of every held block
         self._roots: dict[str, dict[bytes, list[Any]]] = {}
         self._seqs: dict[str, _NodeSeqs] = {}
 
+    @property
+    def client(self) -> RedisCluster:
+        """The ``RedisCluster`` client (for tools: shard of a bucket, key counts)."""
+        return self._client  # type: ignore[return-value]
+
     def _prompt_prefix(self, first_key: bytes) -> str:
         return self.bucket_prefixes[bucket_of(first_key, self.num_buckets)]
+
+    def shard_of_prompt(self, first_key: bytes) -> str:
+        """``host:port`` of the primary that holds the bucket of a prompt whose block 0 has
+        lookup key ``first_key`` (from the client's slot map; no round trip)."""
+        slot = self.client.keyslot(self._prompt_prefix(first_key))
+        return self.client.nodes_manager.get_node_from_slot(slot).name
 
     # -- life ------------------------------------------------------------------------------------
     def _every_bucket(self, what: str, script: Any, node_id: str, incarnation: int,
@@ -285,8 +314,8 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         return set().union(*(entries for entries in found if entries is not None))
 
     def keys_per_shard(self) -> dict[str, int]:
-        """Keys of this namespace on each primary (``host:port``), by ``DBSIZE``-like counts of
-        the buckets' slots (``CLUSTER COUNTKEYSINSLOT``). For benchmarks and tools."""
+        """Keys of this namespace on each primary (``host:port``): ``CLUSTER COUNTKEYSINSLOT`` of
+        each bucket's slot. For benchmarks and tools."""
         out: dict[str, int] = {}
         client: RedisCluster = self._client  # type: ignore[assignment]
         for prefix in self.bucket_prefixes:
