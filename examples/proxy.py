@@ -91,8 +91,8 @@ class PrefixLocator:
         from kvbridge.kvmanager import get_request_block_hasher
 
         self._index = block_index_for_url(
-            IndexNamespace(model_name=model_name, block_size=block_size, hash_fn_name=hash_fn),
             index_url,
+            IndexNamespace(model_name=model_name, block_size=block_size, hash_fn_name=hash_fn),
         )
         self._hasher = get_request_block_hasher(block_size, hash_fn)
 

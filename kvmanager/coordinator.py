@@ -124,8 +124,8 @@ class PrefixHitRule:
 
     Args:
         kv_cache_config: the node's groups (their specs decide each group's rule).
-        hash_block_size: granularity of the hashes passed in (default: the first group's
-            block size); divides every group's block size.
+        hash_block_size: granularity of the hashes passed in (default: the gcd of the groups'
+            block sizes); divides every group's block size (ValueError otherwise).
 
     Attributes: ``alignment_tokens`` (the lcm of the caching groups' block sizes; hit lengths
     are multiples of it), ``full_attention_group_ids`` (groups whose hit is every block from
@@ -137,7 +137,7 @@ class PrefixHitRule:
         groups = kv_cache_config.kv_cache_groups
         if not groups:
             raise ValueError("kv_cache_config has no KV cache group")
-        hash_block_size = hash_block_size or groups[0].kv_cache_spec.block_size
+        hash_block_size = hash_block_size or math.gcd(*(g.kv_cache_spec.block_size for g in groups))
         self.num_groups = len(groups)
         order: list[_GroupSearch] = []
         for group_id, group in enumerate(groups):

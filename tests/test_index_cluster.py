@@ -178,3 +178,30 @@ def test_cluster_servers_refuse_a_cross_slot_script(redis_cluster_url):
     with pytest.raises((redis.ResponseError, redis.exceptions.RedisClusterException)):
         client.eval("return redis.call('GET', KEYS[2])", 2, a + ":x", b + ":x")
     index.close()
+
+
+def test_open_index_the_proxy_and_pd_pair_take_a_cluster_url(redis_cluster_url):
+    import sys
+    from pathlib import Path
+
+    from kvbridge.connector.index import block_index_for_url, open_index
+    from kvbridge.connector.index.node_directory import NodeAddress
+    from kvbridge.connector.index.redis_cluster import RedisClusterNodeDirectory
+
+    index, directory = open_index(redis_cluster_url, NAMESPACE)
+    assert isinstance(index, RedisClusterBlockIndex)
+    assert isinstance(directory, RedisClusterNodeDirectory)
+    directory.announce("node-x", NodeAddress("10.0.0.9", 5555, 7), ttl_s=5.0)
+    assert directory.lookup("node-x") == NodeAddress("10.0.0.9", 5555, 7)
+    directory.withdraw("node-x")
+    assert directory.lookup("node-x") is None
+    tool = block_index_for_url(redis_cluster_url, NAMESPACE)
+    assert isinstance(tool, RedisClusterBlockIndex)
+    tool.close()
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        open_index("redis-cluster://no-port", NAMESPACE)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import pd_pair
+
+    pd_pair.check_redis(redis_cluster_url)  # the cluster answers PING: no UsageError
+    index.close()
