@@ -1,9 +1,9 @@
 """kvbridge.connector.index: which node holds which block hash, across nodes.
 
 ``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex``, ``RedisBlockIndex`` and
-``RedisClusterBlockIndex`` (``redis-cluster://``) implement it; ``NodeDirectory`` maps node ids to transport addresses; ``IndexClient`` is one
-node's non-blocking use of both (publishing its block events, heart-beating, looking up remote
-prefixes), its ``IndexWorker`` thread the one that makes the backend calls (``lookup.py``: one
+``RedisClusterBlockIndex`` (``redis-cluster://``) implement it; ``NodeDirectory`` maps node ids
+to transport addresses; ``IndexClient`` is one node's non-blocking use of both (publishing its
+block events, heart-beating, looking up remote prefixes), its ``IndexWorker`` thread the one that makes the backend calls (``lookup.py``: one
 lookup). DESIGN.md, "Block index".
 """
 
