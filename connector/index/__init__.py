@@ -3,8 +3,8 @@
 ``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex``, ``RedisBlockIndex`` and
 ``RedisClusterBlockIndex`` (``redis-cluster://``) implement it; ``NodeDirectory`` maps node ids
 to transport addresses; ``IndexClient`` is one node's non-blocking use of both (publishing its
-block events, heart-beating, looking up remote prefixes), its ``IndexWorker`` thread the one that makes the backend calls (``lookup.py``: one
-lookup). DESIGN.md, "Block index".
+block events, heart-beating, looking up remote prefixes), its ``IndexWorker`` thread the one
+that makes the backend calls (``lookup.py``: one lookup). DESIGN.md, "Block index".
 """
 
 from .client import IndexClient, block_index_for_url, open_index
