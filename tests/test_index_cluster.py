@@ -114,6 +114,14 @@ def test_a_lookup_touches_one_slot_and_prompts_spread_over_the_shards(redis_clus
     index.close()
 
 
+def hashes_of(engine, prompt: list[int]) -> list[bytes]:
+    probe = Request(
+        "probe", prompt, SamplingParams(max_tokens=1),
+        block_hasher=engine.kv_cache_manager.request_block_hasher,
+    )
+    return list(probe.block_hashes)
+
+
 def _prompt_on(index: RedisClusterBlockIndex, engine, shard: str, *, other: bool, salt: str):
     """A prompt whose bucket is (or, with ``other``, is not) on shard ``shard``."""
     client = index._client
@@ -132,13 +140,16 @@ def _prompt_on(index: RedisClusterBlockIndex, engine, shard: str, *, other: bool
 
 
 def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
-    b, c = nodes("node-b"), nodes("node-c")
+    # C's lookups may wait behind heartbeats that meet the dead shard (each failed call makes
+    # redis-py re-read the cluster's topology): a lookup deadline that a loaded host keeps.
+    b, c = nodes("node-b"), nodes("node-c", index_lookup_timeout_s=5.0)
     index = index_client(c).index
     down = f"127.0.0.1:{redis_cluster.ports[2]}"
     on_down = _prompt_on(index, b, down, other=False, salt="Down")
     on_live = _prompt_on(index, b, down, other=True, salt="Live")
     serve(b, "warm-down", on_down)
     serve(b, "warm-live", on_live)
+    assert index.longest_prefix(hashes_of(b, on_live)[:8]).num_blocks == 8
     # (1) Shard 2 dies. C asks for a prompt of its slots: the lookup fails (counted) and C
     # computes it with local APC; the answer is still right.
     redis_cluster.stop(2)
@@ -149,7 +160,8 @@ def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
     # (2) A prompt of a live shard's slots still hits: C pulls it from B.
     assert serve(c, "req-live", on_live) == reference_greedy(on_live, 3, hybrid=False)
     s = stats(c)
-    assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0)
+    assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0), (
+        index.stats)
     assert s["remote_hit_tokens"] == 8 * BLOCK_SIZE
     # (3) The shard comes back empty: B resyncs its whole cached set, the prompt hits again.
     redis_cluster.start(2)

@@ -227,8 +227,16 @@ def _block_redis(url: str, duration_s: float) -> threading.Thread:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    time.sleep(0.05)  # the script is running
-    return thread
+    probe = redis.Redis.from_url(url, socket_timeout=0.05)
+    try:
+        while True:  # until a PING goes unanswered: the script is running
+            try:
+                probe.ping()
+                time.sleep(0.005)
+            except redis.TimeoutError:
+                return thread
+    finally:
+        probe.close()
 
 
 def test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block(node, redis_url):

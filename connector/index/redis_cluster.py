@@ -15,10 +15,11 @@ and all their lookups, on one bucket's shard (a hot slot): with a trace whose pr
 roots the busiest shard holds far more than a third of the keys. More buckets never split one
 root; they only even out many roots.
 
-A node is registered, heart-beats and announces its address in every bucket (``num_buckets``
-small calls every ``ttl / 3``); a publish sends one call per bucket its ops touch, each with
-that bucket's own batch number (a bucket sees only the batches that touch it, so its numbers
-have no holes; a batch number this client sent before is not sent again: "replayed"). A
+A node is registered and heart-beats in every bucket (``num_buckets`` small calls every
+``ttl / 3``) and announces its address in three buckets on different shards; a publish sends
+one call per bucket its ops touch, each with that bucket's own batch number (a bucket sees
+only the batches that touch it, so its numbers have no holes; a batch number this client sent
+before is not sent again: "replayed"). A
 bucket whose shard is down is backed off on its own (``RedisBlockIndex``, per key prefix): its
 lookups answer "unavailable" and fall back to local APC, the other buckets keep answering.
 Publishing or heart-beating meets the down bucket and answers "unavailable", so the node stops
@@ -71,6 +72,7 @@ CLUSTER_SCHEME = "redis-cluster://"
 DEFAULT_NUM_BUCKETS = 32
 _MAX_BUCKETS = 1024
 _NUM_SLOTS = 16384
+_DIRECTORY_TROUBLE = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 
@@ -331,31 +333,32 @@ class RedisClusterBlockIndex(RedisBlockIndex):
 
 class RedisClusterNodeDirectory:
     """``NodeDirectory`` on a cluster: the address under ``<bucket prefix>:addr:<node_id>`` in
-    every bucket (announced with each heartbeat), read from the node's home bucket and, if its
-    shard does not answer, from the next two buckets."""
+    three buckets a third of the slot space apart (so, with even slot ranges, on three shards),
+    announced with each heartbeat and read from the first that answers."""
 
     def __init__(self, client: RedisCluster, bucket_prefixes: Sequence[str]) -> None:
         self._client = client
         self._prefixes = list(bucket_prefixes)
 
     def _keys(self, node_id: str) -> list[str]:
-        home = int.from_bytes(node_id.encode()[-4:].rjust(4, b"\0"), "big") % len(self._prefixes)
-        order = self._prefixes[home:] + self._prefixes[:home]
-        return [f"{prefix}:addr:{node_id}" for prefix in order]
+        num = len(self._prefixes)
+        home = int.from_bytes(node_id.encode()[-4:].rjust(4, b"\0"), "big") % num
+        buckets = dict.fromkeys((home + k * num // 3) % num for k in range(3))
+        return [f"{self._prefixes[b]}:addr:{node_id}" for b in buckets]
 
     def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
         value = msgpack.packb([address.host, address.port, address.incarnation])
         for key in self._keys(node_id):
             try:
                 self._client.set(key, value, px=max(int(ttl_s * 1000), 1))
-            except (redis.RedisError, OSError):
+            except _DIRECTORY_TROUBLE:
                 continue  # that bucket's shard is down; the others carry the address
 
     def lookup(self, node_id: str) -> NodeAddress | None:
-        for key in self._keys(node_id)[:3]:
+        for key in self._keys(node_id):
             try:
                 raw = self._client.get(key)
-            except (redis.RedisError, OSError):
+            except _DIRECTORY_TROUBLE:
                 continue
             if raw is None:
                 return None
@@ -372,7 +375,7 @@ class RedisClusterNodeDirectory:
         for key in self._keys(node_id):
             try:
                 self._client.delete(key)
-            except (redis.RedisError, OSError):
+            except _DIRECTORY_TROUBLE:
                 continue
 
     def interrupt(self) -> None:

@@ -113,6 +113,7 @@ class IndexWorker:
         self._thread: threading.Thread | None = None
         self._next_heartbeat_s = 0.0
         self._last_probe_s = 0.0
+        self._next_announce_s = 0.0
         self._num_dropped_in_run = 0
         self.num_reregistrations = 0
         self.hit_rule = hit_rule
@@ -120,8 +121,7 @@ class IndexWorker:
         self._next_seq = 1
         self._needs_resync = False  # a batch may be lost: send no delta until a resync lands
         self._resync_wanted = False  # the backend answers again: the caller should resync
-        self.num_resyncs_sent = 0  # worker thread; others read it
-        self.num_batches_skipped = 0  # deltas not sent in resync mode (worker thread)
+        self.num_resyncs_sent = self.num_batches_skipped = 0  # worker thread; others read them
 
     # ------------------------------------------------------------------ life (caller thread)
     def start(self, address: NodeAddress) -> None:
@@ -410,24 +410,24 @@ class IndexWorker:
         self._last_probe_s = now
         status = self.index.heartbeat(self.node_id, self.incarnation, ttl_s=self.ttl_s)
         if status == "fenced":
-            # Expired (a long pause, or Redis restarted): register again, entries empty, so
-            # the whole cached set is published again.
+            # Expired (a long pause, Redis restarted): register again, entries empty: resync.
             self.num_reregistrations += 1
             registered = self._register()
             with self._lock:
                 self._enter_resync_mode()
                 self._resync_wanted = registered
-        elif status == "ok":
-            if self._address is not None:
-                self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
-            with self._lock:
-                if self._needs_resync:
-                    self._resync_wanted = True
-        elif status == "unavailable":
-            with self._lock:
+            return
+        if self._address is not None and now >= self._next_announce_s:  # also when a shard
+            # is down (the live ones serve the address); not at every resync probe
+            self._next_announce_s = now + self._heartbeat_interval_s
+            self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
+        with self._lock:
+            if status == "ok" and self._needs_resync:
+                self._resync_wanted = True
+            elif status == "unavailable":
                 self._enter_resync_mode()  # publishes meanwhile may fail: resync when back
 
-    def _register(self) -> bool:
+    def _register(self) -> bool:  # True: registered
         status = self.index.register_node(self.node_id, self.incarnation, ttl_s=self.ttl_s)
         if status != "ok":
             logger.warning("index: register of %s answered %s", self.node_id, status)
