@@ -319,7 +319,8 @@ def test_a_remote_hit_is_counted_once_when_the_request_waited_many_steps_for_roo
         # so req-0 (17 blocks, 16 of them found on B through the index) waits for room.
         hog = long_prompt(24 * BLOCK_SIZE, salt="hog")
         c.add_request("hog", hog, SamplingParams(max_tokens=60))
-        c.step()
+        while not any(c.kv_cache_manager.get_block_ids("hog")):  # its own lookup answered
+            c.step()
         c.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS))
         num_waiting_steps = 0  # steps in which req-0 had no block yet
         tokens: list[int] = []

@@ -33,6 +33,7 @@ def hybrid_node(
             "index_url": index_url,
             "model_name": model_name,
             "index_ttl_s": 5.0,
+            "index_lookup_timeout_s": 5.0,  # a loaded host must not turn a hit into a miss
             "load_timeout_s": 5.0,
         },
     }
