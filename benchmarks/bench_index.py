@@ -31,6 +31,17 @@ directory), medians over ``--iters`` x ``--repeats`` calls, garbage collector on
 Target (DESIGN.md, "Performance targets"): ``lookup_us / ping_us <= 2.0``; also printed:
 ``lookup_us / naive_us``. Starts its own ``redis-server`` on a free port. The last line of output
 is one JSON object.
+
+``--cluster`` also runs the lookups on a local three-shard Redis Cluster (``_cluster.py``,
+``redis-cluster://``, ``RedisClusterBlockIndex``): ``cluster.lookup_over_ping`` against a PING of
+the shard that owns the prompt's bucket, through the same ``RedisCluster`` client (target
+<= 2.0). With ``--trace PATH`` (a Mooncake-format trace, e.g. the conversation trace) it also
+replays it through ``examples/replay_trace.py`` on the cluster and reports where the keys and
+the lookups land: ``busiest_shard_key_share`` (keys on the fullest shard / all the namespace's
+keys; 1/3 is an even spread) and ``busiest_shard_lookup_share`` (the trace's requests whose
+first block's bucket is on the busiest shard); then the same for the trace without the first
+block every conversation shares. The cost of keeping a prompt's chain in one slot: prompts that
+share a first block (a system prompt) all land on one shard.
 """
 
 from __future__ import annotations
@@ -43,14 +54,18 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
+from _cluster import start_cluster, stop_cluster
 from kvbridge.connector.index.client import IndexClient
 from kvbridge.connector.index.node_directory import NodeAddress, RedisNodeDirectory
 from kvbridge.connector.index.protocol import IndexNamespace
+from kvbridge.connector.index.redis_cluster import RedisClusterBlockIndex
 from kvbridge.connector.index.redis_index import RedisBlockIndex
 from kvbridge.kvmanager.kv_events import BlockStored
 
@@ -171,10 +186,121 @@ def _client_us(
     return {name: statistics.median(ns) / 1e3 for name, ns in times_ns.items()}
 
 
+def _populate(index: RedisBlockIndex) -> tuple[list[bytes], list[bytes]]:
+    """Nodes A, B, C, D holding 400, 625, 40 and 0 blocks; the full and the partial prompt."""
+    hashes = [hashlib.sha256(b"%d" % i).digest() for i in range(NUM_BLOCKS)]
+    for node_id, num_held in (("A", 400), ("B", NUM_BLOCKS), ("C", 40), ("D", 0)):
+        index.register_node(node_id, 1, ttl_s=600.0)
+        index.publish(node_id, 1, [_stored(hashes[:num_held])])
+    # The same first 400 blocks, then 225 that nobody holds: A's 400 is the deepest run.
+    partial = hashes[:400] + [hashlib.sha256(b"x%d" % i).digest() for i in range(225)]
+    hit = index.longest_prefix(hashes)
+    if hit.num_blocks != NUM_BLOCKS or hit.holders[0].node_id != "B":
+        raise SystemExit(f"unexpected lookup result {hit}")
+    hit = index.longest_prefix(partial)
+    if hit.num_blocks != 400 or hit.holders[0].node_id != "A":
+        raise SystemExit(f"unexpected partial lookup result {hit}")
+    return hashes, partial
+
+
+def _trace_shares(url: str, trace: Path, limit: int) -> dict:
+    """Replay ``trace`` on the cluster (both routing policies), then where its keys and lookups
+    landed (in the replay's namespace)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import replay_trace
+
+    replay_trace.main([str(trace), "--index-url", url, "--limit", str(limit)])
+    index = RedisClusterBlockIndex(
+        IndexNamespace(model_name="replay", block_size=16, hash_fn_name="sha256_cbor"), url,
+        socket_timeout_s=5.0, connect_timeout_s=5.0,
+    )
+    keys = index.keys_per_shard()
+    requests = replay_trace.read_trace(trace, limit)
+    expander = replay_trace.TokenExpander(16)
+    from kvbridge.kvmanager import Request, SamplingParams, get_request_block_hasher
+
+    hasher = get_request_block_hasher(16, "sha256_cbor")
+    lookups: dict[str, int] = {}
+    for i, req in enumerate(requests):
+        probe = Request(f"r{i}", expander.prompt(req)[:16], SamplingParams(max_tokens=1),
+                        block_hasher=hasher)
+        if probe.block_hashes:
+            shard = index.shard_of_prompt(probe.block_hashes[0][:8])
+            lookups[shard] = lookups.get(shard, 0) + 1
+    index.close()
+    num_keys, num_lookups = sum(keys.values()), sum(lookups.values())
+    return {
+        "distinct_first_blocks": len({tuple(r.hash_ids[:1]) for r in requests}),
+        "trace_requests": len(requests),
+        "keys_per_shard": keys,
+        "busiest_shard_key_share": round(max(keys.values()) / num_keys, 3) if num_keys else 0.0,
+        "lookups_per_shard": lookups,
+        "busiest_shard_lookup_share": round(max(lookups.values()) / num_lookups, 3)
+        if num_lookups else 0.0,
+        "even_share": round(1 / 3, 3),
+    }
+
+
+def _cluster_measures(args: argparse.Namespace) -> dict:
+    """Lookup / PING on a local three-shard cluster, and the trace's key spread."""
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-cluster-") as workdir:
+        procs, url = start_cluster(workdir)
+        try:
+            namespace = IndexNamespace(model_name="bench", block_size=16, hash_fn_name="sha256")
+            index = RedisClusterBlockIndex(
+                namespace, url, socket_timeout_s=5.0, connect_timeout_s=5.0
+            )
+            hashes, partial = _populate(index)
+            shard = index.client.get_node(node_name=index.shard_of_prompt(hashes[0][:8]))
+            loops: dict[str, Callable[[], object]] = {
+                "ping": lambda: index.client.ping(target_nodes=shard),
+                "lookup": lambda: index.longest_prefix(hashes),
+                "lookup_partial": lambda: index.longest_prefix(partial),
+            }
+            _rounds_us(loops, args.iters, 1)
+            rounds = _rounds_us(loops, args.iters, args.repeats)
+            out: dict = {
+                "ping_us": round(statistics.median(r["ping"] for r in rounds), 1),
+                "lookup_us": round(statistics.median(r["lookup"] for r in rounds), 1),
+                "lookup_over_ping": round(
+                    statistics.median(r["lookup"] / r["ping"] for r in rounds), 3
+                ),
+                "lookup_partial_over_ping": round(
+                    statistics.median(r["lookup_partial"] / r["ping"] for r in rounds), 3
+                ),
+                "num_buckets": index.num_buckets,
+            }
+            out["meets_target"] = out["lookup_over_ping"] <= 2.0
+            if args.trace is not None:
+                out["trace"] = _trace_shares(url, args.trace, args.trace_limit)
+                # The same conversations without the first block they all share (the trace's
+                # system prompt): what the layout does for prompts with many roots.
+                index.client.flushall(target_nodes=index.client.PRIMARIES)
+                with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+                    for line in args.trace.read_text().splitlines()[: args.trace_limit]:
+                        req = json.loads(line)
+                        if len(req["hash_ids"]) > 1:
+                            req["hash_ids"] = req["hash_ids"][1:]
+                            req["input_length"] = max(1, req["input_length"] - 512)
+                            f.write(json.dumps(req) + "\n")
+                out["trace_without_shared_root"] = _trace_shares(
+                    url, Path(f.name), args.trace_limit
+                )
+                Path(f.name).unlink()
+            index.close()
+        finally:
+            stop_cluster(procs)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50, help="calls of each per round")
     parser.add_argument("--repeats", type=int, default=41, help="rounds")
+    parser.add_argument("--cluster", action="store_true", help="also on a 3-shard cluster")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="with --cluster: replay this trace on the cluster (key spread)")
+    parser.add_argument("--trace-limit", type=int, default=2000)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-redis-") as workdir:
@@ -183,18 +309,7 @@ def main() -> None:
             client = redis.Redis(port=port, socket_timeout=5.0)
             namespace = IndexNamespace(model_name="bench", block_size=16, hash_fn_name="sha256")
             index = RedisBlockIndex(namespace, client=client)
-            hashes = [hashlib.sha256(b"%d" % i).digest() for i in range(NUM_BLOCKS)]
-            for node_id, num_held in (("A", 400), ("B", NUM_BLOCKS), ("C", 40), ("D", 0)):
-                index.register_node(node_id, 1, ttl_s=600.0)
-                index.publish(node_id, 1, [_stored(hashes[:num_held])])
-            # The same first 400 blocks, then 225 that nobody holds: A's 400 is the deepest run.
-            partial = hashes[:400] + [hashlib.sha256(b"x%d" % i).digest() for i in range(225)]
-            hit = index.longest_prefix(hashes)
-            if hit.num_blocks != NUM_BLOCKS or hit.holders[0].node_id != "B":
-                raise SystemExit(f"unexpected lookup result {hit}")
-            hit = index.longest_prefix(partial)
-            if hit.num_blocks != 400 or hit.holders[0].node_id != "A":
-                raise SystemExit(f"unexpected partial lookup result {hit}")
+            hashes, partial = _populate(index)
             client.mset({b"naive:" + h: b"1" for h in hashes})
 
             def naive_lookup() -> int:
@@ -273,6 +388,18 @@ def main() -> None:
         print(f"{label:<40}{us:>10.1f}{over:>10.2f}")
     print(f"longest_prefix(625) / PING = {ratio:.3f} (target <= 2.0); "
           f"/ naive GET loop = {ratio_naive:.5f}")
+    if args.cluster:
+        cluster = result["cluster"] = _cluster_measures(args)
+        print(f"3-shard cluster: longest_prefix(625) {cluster['lookup_us']:.1f} us / PING of its "
+              f"shard {cluster['ping_us']:.1f} us = {cluster['lookup_over_ping']:.3f} "
+              f"(target <= 2.0)")
+        for name in ("trace", "trace_without_shared_root"):
+            if name in cluster:
+                t = cluster[name]
+                print(f"{name} on the cluster ({t['distinct_first_blocks']} distinct first "
+                      f"blocks): busiest shard holds {t['busiest_shard_key_share']} of the keys "
+                      f"and gets {t['busiest_shard_lookup_share']} of the lookups (even: "
+                      f"{t['even_share']})")
     print(json.dumps(result))
 
 

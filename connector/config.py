@@ -19,7 +19,8 @@ key                          default   meaning
                                        a heartbeat
 ``heartbeat_interval_s``     2.0       how often a puller extends the leases it depends on
 ``load_failure_policy``      recompute ``"recompute"`` or ``"fail"``
-``index_url``                None      ``redis://host:port/db``, ``"memory"`` or None (no index)
+``index_url``                None      ``redis://host:port/db``, ``redis-cluster://H:P[,H:P]``
+                                       (seed nodes), ``"memory"`` or None (no index)
 ``min_remote_hit_blocks``    1         a remote hit must beat the local hit by this many blocks
 ``gil_switch_interval_s``    0.0005    the worker half sets ``sys.setswitchinterval`` to this when
                                        it starts (Python's 5 ms lets a busy engine thread keep the

@@ -84,6 +84,7 @@ class KVBridgeConnector(KVConnectorBase):
                 block_size=kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
                 num_groups=len(kv_cache_config.kv_cache_groups),
                 hash_fn_name=hash_fn_name,
+                kv_cache_config=kv_cache_config,
             )
         else:
             self._worker = KVBridgeWorker(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishedResult
+from kvbridge.kvmanager.coordinator import PrefixHitRule
 from kvbridge.kvmanager.request import RequestStatus
 
 from .block_events import hash_delta_of
@@ -59,6 +60,7 @@ from .transfer_params import (
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager.block_pool import BlockPool
+    from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
     from kvbridge.kvmanager.request import Request
 
 __all__ = ["KVBridgeScheduler"]
@@ -91,11 +93,12 @@ class KVBridgeScheduler:
         block_size: tokens per block (one block size for every group).
         num_groups: KV cache groups of the node.
         hash_fn_name: the block hash function (part of the index namespace).
+        kv_cache_config: the node's groups: index lookups find what the local coordinator's
+            rule restores (``kvmanager.PrefixHitRule``); None: all taken as full attention.
     """
 
-    def __init__(
-        self, config: KVTransferConfig, *, block_size: int, num_groups: int, hash_fn_name: str
-    ) -> None:
+    def __init__(self, config: KVTransferConfig, *, block_size: int, num_groups: int,
+                 hash_fn_name: str, kv_cache_config: KVCacheConfig | None = None) -> None:
         self.config = config
         self.kv_role = config.kv_role
         self.block_size = block_size
@@ -114,6 +117,7 @@ class KVBridgeScheduler:
         self._unpublished: list[Any] = []  # this step's block events, published after forward
         self._events: list[Any] = []  # for take_events
         self._store_engine_ids: set[str] = set()
+        self._hit_rule = kv_cache_config and PrefixHitRule(kv_cache_config)
         self._offload: OffloadPlanner | None = None
         if config.offload != "off":
             self._offload = OffloadPlanner(
@@ -124,10 +128,12 @@ class KVBridgeScheduler:
 
     # ------------------------------------------------------------------ wiring
     def bind_block_pool(self, block_pool: BlockPool, take_events: Any) -> None:
-        """Give the half the node's block pool (for offload's cold-block picks, read through
-        ``BlockPool``'s public API on this thread) and the manager's ``take_events``."""
+        """Give the half the node's block pool (offload's cold-block picks, the index's resyncs:
+        ``BlockPool``'s public API, this thread) and the manager's ``take_events``."""
         self._block_pool = block_pool
         self._take_pool_events = take_events
+        if self.index_client is not None:
+            self.index_client.set_resync_source(block_pool.snapshot_cached_blocks)
 
     # ------------------------------------------------------------------ admission
     def ticket_for(
@@ -326,7 +332,7 @@ class KVBridgeScheduler:
         if worker_meta is not None:
             delta = worker_meta.stats
             self.stats.apply_report(delta.counters, delta.transfer_s, delta.queue_s)
-        if self._unpublished and self.index_client is not None:
+        if self.index_client is not None:  # every step: a resync the index asked for is read here
             events, self._unpublished = self._unpublished, []
             self.index_client.publish(events)
         if self._offload is not None and self._block_pool is not None:
@@ -366,7 +372,10 @@ class KVBridgeScheduler:
             group_ids=range(self.num_groups),
             ttl_s=self.config.index_ttl_s,
             lookup_timeout_s=self.config.index_lookup_timeout_s,
+            hit_rule=self._hit_rule,
         )
+        if self._block_pool is not None:
+            client.set_resync_source(self._block_pool.snapshot_cached_blocks)
         client.start(worker.host, worker.port)
         self.index_client = client
 
@@ -428,13 +437,8 @@ class KVBridgeScheduler:
     def has_pending_orders(self) -> bool:
         """True when the next ``build_connector_meta`` carries orders for the worker half."""
         meta = self._meta
-        return bool(
-            meta.pulls
-            or meta.notices
-            or meta.lease_grants
-            or meta.tickets_to_watch
-            or meta.tickets_to_forget
-        )
+        return bool(meta.pulls or meta.notices or meta.lease_grants or meta.tickets_to_watch
+                    or meta.tickets_to_forget)
 
     def shutdown(self) -> None:
         client, self.index_client = self.index_client, None

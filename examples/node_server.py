@@ -299,7 +299,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-transfer-config", default=None, help="vLLM-shaped JSON")
-    parser.add_argument("--index-url", default=None, help="redis://host:port/db or memory")
+    parser.add_argument(
+        "--index-url", default=None,
+        help="redis://host:port/db, redis-cluster://HOST:PORT[,HOST:PORT...] or memory",
+    )
     parser.add_argument("--engine-id", default=None)
     parser.add_argument("--store-capacity-mb", type=int, default=256, help="store role only")
     parser.add_argument("--store-write-port", type=int, default=0, help="store role only")

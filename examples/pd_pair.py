@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     index = parser.add_mutually_exclusive_group()
     index.add_argument("--redis-url", default=None,
-                       help="use this Redis instead of starting one (must answer PING)")
+                       help="use this Redis (redis://...) or cluster (redis-cluster://HOST:PORT"
+                       "[,...]) instead of starting one (must answer PING)")
     index.add_argument("--no-redis", action="store_true",
                        help="start no Redis server: each node keeps an embedded in-memory index")
     parser.add_argument("--store", action="store_true", help="also start a store node")
@@ -181,9 +182,14 @@ def check_redis(url: str, timeout_s: float = _REDIS_PING_TIMEOUT_S) -> None:
     import redis
 
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                      socket_connect_timeout=timeout_s)
-    except ValueError as exc:
+        if url.startswith("redis-cluster://"):  # a cluster's seed nodes
+            from kvbridge.connector.index.redis_cluster import cluster_client
+
+            client = cluster_client(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
+        else:
+            client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                          socket_connect_timeout=timeout_s)
+    except (ValueError, redis.RedisError) as exc:
         raise UsageError(f"--redis-url {url}: {exc}") from exc
     try:
         client.ping()

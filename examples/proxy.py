@@ -81,18 +81,18 @@ class PrefixLocator:
     """Which prefill node holds the longest prefix of a prompt, from the block index.
 
     Args:
-        index_url: ``redis://...`` of the index the nodes publish to.
+        index_url: ``redis://...`` or ``redis-cluster://HOST:PORT[,...]`` of the index the
+            nodes publish to.
         model_name, block_size, hash_fn: the index namespace (must equal the nodes').
     """
 
     def __init__(self, index_url: str, *, model_name: str, block_size: int, hash_fn: str) -> None:
-        from kvbridge.connector.index.protocol import IndexNamespace
-        from kvbridge.connector.index.redis_index import RedisBlockIndex
+        from kvbridge.connector.index import IndexNamespace, block_index_for_url
         from kvbridge.kvmanager import get_request_block_hasher
 
-        self._index = RedisBlockIndex(
-            IndexNamespace(model_name=model_name, block_size=block_size, hash_fn_name=hash_fn),
+        self._index = block_index_for_url(
             index_url,
+            IndexNamespace(model_name=model_name, block_size=block_size, hash_fn_name=hash_fn),
         )
         self._hasher = get_request_block_hasher(block_size, hash_fn)
 
@@ -314,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", action="append", required=True, help="D base URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--index-url", default=None, help="redis://... for index-aware P choice")
+    parser.add_argument(
+        "--index-url", default=None,
+        help="redis://... or redis-cluster://HOST:PORT[,...] for index-aware P choice",
+    )
     parser.add_argument("--model-name", default="kvbridge-tiny", help="index namespace model")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hash-fn", default="sha256_cbor")

@@ -63,6 +63,7 @@ from kvbridge.connector.index import (
     InMemoryBlockIndex,
     PrefixHit,
     RedisBlockIndex,
+    RedisClusterBlockIndex,
     new_incarnation,
 )
 from kvbridge.kvmanager import (
@@ -303,6 +304,8 @@ class Replay:
 def _open_index(url: str, namespace: IndexNamespace) -> BlockIndex:
     if url == "memory":
         return InMemoryBlockIndex(namespace)
+    if url.startswith("redis-cluster://"):
+        return RedisClusterBlockIndex(namespace, url, socket_timeout_s=2.0)
     return RedisBlockIndex(namespace, url, socket_timeout_s=2.0)
 
 
@@ -321,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="pull: blocks a remote prefix must beat the local hit by "
                              "(the connector's min_remote_hit_blocks)")
     parser.add_argument("--hash-fn", default="sha256_cbor")
-    parser.add_argument("--index-url", default="memory", help="'memory' or redis://host:port/db")
+    parser.add_argument("--index-url", default="memory", help="'memory', redis://host:port/db or redis-cluster://HOST:PORT[,...]")
     parser.add_argument("--prefill-s-per-token", type=float, default=1e-4)
     parser.add_argument("--decode-s-per-token", type=float, default=0.02)
     args = parser.parse_args(argv)

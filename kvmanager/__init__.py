@@ -21,11 +21,12 @@ from .block_hash import (
     pack_token_ids,
 )
 from .block_hash_map import BlockHashToBlockMap
-from .block_pool import BlockPool
+from .block_pool import BlockPool, CachedBlock
 from .coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
+    PrefixHitRule,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "CachedBlock",
     "CrossAttentionManager",
     "CrossAttentionSpec",
     "FreeKVCacheBlockQueue",
@@ -86,6 +88,7 @@ __all__ = [
     "MambaSpec",
     "MultiModalFeature",
     "PrefixCacheStats",
+    "PrefixHitRule",
     "Request",
     "RequestStatus",
     "SamplingParams",

@@ -94,6 +94,19 @@ class BlockHashToBlockMap:
                 for block in entry.values():  # type: ignore[union-attr]
                     yield key, block
 
+    def snapshot_block_ids(self) -> list[tuple[BlockHashWithGroupId, int]]:
+        """Every (key, block id) pair at one moment, each block once. Safe from any thread:
+        the map and each shared entry are copied by single C-level calls (``list(d.items())``,
+        ``list(d)``) that no Python code interrupts (CPython's GIL; the free-threaded build
+        locks each dict for its copy). Does not mutate. O(n)."""
+        out: list[tuple[BlockHashWithGroupId, int]] = []
+        for key, entry in list(self._entries.items()):
+            if entry.__class__ is KVCacheBlock:
+                out.append((key, entry.block_id))  # type: ignore[union-attr]
+            else:
+                out.extend((key, block_id) for block_id in list(entry))  # type: ignore[arg-type]
+        return out
+
     def __len__(self) -> int:
         return len(self._entries)
 

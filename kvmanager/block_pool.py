@@ -29,7 +29,16 @@ from .kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .request import Request
 
-__all__ = ["BlockPool", "ColdCachedBlock"]
+__all__ = ["BlockPool", "CachedBlock", "ColdCachedBlock"]
+
+
+class CachedBlock(NamedTuple):
+    """One prefix-cache entry: ``block_hash`` (without the group id) cached in KV cache group
+    ``group_id`` by block ``block_id``."""
+
+    block_hash: BlockHash
+    group_id: int
+    block_id: int
 
 
 class ColdCachedBlock(NamedTuple):
@@ -379,6 +388,20 @@ class BlockPool:
         if total <= 0:
             return 0.0
         return 1.0 - self.get_num_free_blocks() / total
+
+    def snapshot_cached_blocks(self) -> list[CachedBlock]:
+        """Every prefix-cache entry (a key held by two blocks is listed once per block).
+
+        Thread-safe: callable from any thread while the owner thread changes the pool (the map
+        is read at one moment, ``BlockHashToBlockMap.snapshot_block_ids``). On the owner thread
+        between steps it is the state that the events taken so far describe; from another
+        thread it may include blocks hashed by a step whose forward has not run yet. Does not
+        mutate. O(cached blocks).
+        """
+        return [
+            CachedBlock(get_block_hash(key), get_group_id(key), block_id)
+            for key, block_id in self.cached_block_hash_to_block.snapshot_block_ids()
+        ]
 
     def take_events(self) -> list[KVCacheEvent]:
         """Return the recorded events, oldest first, and clear the record."""

@@ -11,6 +11,10 @@ section 3; vllm/v1/core/kv_cache_coordinator.py).
 * ``HybridKVCacheCoordinator``: several groups; the hit is the longest length every group can
   restore, found by shrinking the candidate until all groups agree (not a plain minimum: sliding
   window and Mamba hits are not downward closed).
+
+``PrefixHitRule`` is that rule on its own, over any source of cached blocks with
+``BlockPool``'s lookup methods: the cross-node block index applies it to what one holder
+publishes, so a remote hit obeys exactly the local coordinator's rule.
 """
 
 from __future__ import annotations
@@ -18,28 +22,164 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
-from .block_hash import BlockHash
+from .block_hash import BlockHash, BlockHashListWithBlockSize
 from .block_pool import BlockPool
 from .kv_cache_block import KVCacheBlock
-from .kv_cache_spec import KVCacheConfig
+from .kv_cache_spec import KVCacheConfig, KVCacheSpec
 from .request import Request
 from .single_type_managers import (
     CrossAttentionManager,
     FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
+    manager_class_for_spec,
 )
 
 __all__ = [
     "HybridKVCacheCoordinator",
     "KVCacheCoordinator",
     "KVCacheCoordinatorNoPrefixCache",
+    "PrefixHitRule",
     "UnitaryKVCacheCoordinator",
     "get_kv_cache_coordinator",
 ]
 
 BlocksPerGroup = tuple[list[KVCacheBlock], ...]
+
+
+class CachedBlockSource(Protocol):
+    """What a hit search reads of a ``BlockPool`` (the managers' ``find_longest_cache_hit``)."""
+
+    null_block: KVCacheBlock
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None: ...
+
+    def get_cached_prefix(
+        self, block_hashes: Sequence[BlockHash], kv_cache_group_ids: Sequence[int], max_blocks: int
+    ) -> tuple[list[KVCacheBlock], ...]: ...
+
+
+class _GroupSearch(NamedTuple):
+    """One caching group's part of a hit search: its manager class (whose classmethod
+    ``find_longest_cache_hit`` is the group's rule), spec, id, and a hashes view."""
+
+    manager_class: type[SingleTypeKVCacheManager]
+    kv_cache_spec: KVCacheSpec
+    kv_cache_group_id: int
+    hashes_for_group: object  # Callable[[Sequence[BlockHash]], Sequence[BlockHash]]
+
+
+def _find_longest_common_hit(
+    search_order: Sequence[_GroupSearch],
+    num_groups: int,
+    block_hashes: Sequence[BlockHash],
+    max_cache_hit_length: int,
+    block_pool: CachedBlockSource,
+    alignment_tokens: int,
+) -> tuple[BlocksPerGroup, int]:
+    """The longest length every group of ``search_order`` restores (shrink the candidate until
+    all agree), and each group's blocks for it; groups not searched get empty lists. Pure."""
+    result: BlocksPerGroup = tuple([] for _ in range(num_groups))
+    if not search_order:
+        return result, 0
+    hit_length = max_cache_hit_length // alignment_tokens * alignment_tokens
+    found: dict[int, list[KVCacheBlock]] = {}
+    while True:
+        candidate = hit_length
+        for group in search_order:
+            blocks = group.manager_class.find_longest_cache_hit(
+                group.hashes_for_group(block_hashes),  # type: ignore[operator]
+                candidate,
+                (group.kv_cache_group_id,),
+                block_pool,  # type: ignore[arg-type]
+                group.kv_cache_spec,
+                alignment_tokens,
+            )[0]
+            found[group.kv_cache_group_id] = blocks
+            candidate = min(candidate, len(blocks) * group.kv_cache_spec.block_size)
+        if candidate == hit_length:
+            break
+        hit_length = candidate  # some group cannot restore this far: ask everyone again
+    for group in search_order:
+        blocks = found[group.kv_cache_group_id]
+        del blocks[hit_length // group.kv_cache_spec.block_size :]
+        result[group.kv_cache_group_id].extend(blocks)
+    return result, hit_length
+
+
+def _search_order_of(groups: Sequence[_GroupSearch]) -> tuple[_GroupSearch, ...]:
+    """Caching groups, full attention first (downward-closed hits prune fastest)."""
+    searchable = [g for g in groups if g.manager_class.supports_prefix_caching]
+    searchable.sort(key=lambda g: not issubclass(g.manager_class, FullAttentionManager))
+    return tuple(searchable)
+
+
+class PrefixHitRule:
+    """The hybrid coordinator's hit rule for a KV cache configuration, over any
+    ``CachedBlockSource`` (a ``BlockPool``, or one holder's entries in a block index).
+
+    Args:
+        kv_cache_config: the node's groups (their specs decide each group's rule).
+        hash_block_size: granularity of the hashes passed in (default: the gcd of the groups'
+            block sizes); divides every group's block size (ValueError otherwise).
+
+    Attributes: ``alignment_tokens`` (the lcm of the caching groups' block sizes; hit lengths
+    are multiples of it), ``full_attention_group_ids`` (groups whose hit is every block from
+    block 0), ``only_full_attention`` (every caching group is full attention: the hit is the
+    longest run held from block 0 in every group). Immutable; safe from any thread.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, hash_block_size: int | None = None) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        if not groups:
+            raise ValueError("kv_cache_config has no KV cache group")
+        hash_block_size = hash_block_size or math.gcd(*(g.kv_cache_spec.block_size for g in groups))
+        self.num_groups = len(groups)
+        order: list[_GroupSearch] = []
+        for group_id, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            if spec.block_size % hash_block_size:
+                raise ValueError(
+                    f"group {group_id}: block size {spec.block_size} is not a multiple of the "
+                    f"hash block size {hash_block_size}"
+                )
+            order.append(_GroupSearch(
+                manager_class_for_spec(spec), spec, group_id,
+                _hashes_view(hash_block_size, spec.block_size),
+            ))
+        self._search_order = _search_order_of(order)
+        sizes = [g.kv_cache_spec.block_size for g in self._search_order]
+        self.alignment_tokens = math.lcm(*sizes) if sizes else 1
+        self.full_attention_group_ids = tuple(
+            g.kv_cache_group_id
+            for g in self._search_order
+            if issubclass(g.manager_class, FullAttentionManager)
+        )
+        self.only_full_attention = len(self.full_attention_group_ids) == len(self._search_order)
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        block_pool: CachedBlockSource,
+    ) -> tuple[BlocksPerGroup, int]:
+        """Hit blocks per group and the hit length in tokens, as
+        ``HybridKVCacheCoordinator.find_longest_cache_hit`` finds them in ``block_pool``
+        (null blocks where a group needs no block). Pure."""
+        return _find_longest_common_hit(
+            self._search_order, self.num_groups, block_hashes, max_cache_hit_length,
+            block_pool, self.alignment_tokens,
+        )
+
+
+def _hashes_view(hash_block_size: int, block_size: int) -> object:
+    if hash_block_size == block_size:
+        return lambda block_hashes: block_hashes
+    return lambda hashes: BlockHashListWithBlockSize(hashes, hash_block_size, block_size)
 
 
 class KVCacheCoordinator(ABC):
@@ -225,41 +365,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             enable_kv_cache_events,
             kv_event_medium,
         )
-        searchable = [m for m in self.single_type_managers if m.supports_prefix_caching]
-        searchable.sort(key=lambda m: not isinstance(m, FullAttentionManager))
-        self._search_order = tuple(searchable)
-        self.alignment_tokens = math.lcm(*(m.block_size for m in searchable)) if searchable else 1
+        self._search_order = _search_order_of([
+            _GroupSearch(type(m), m.kv_cache_spec, m.kv_cache_group_id, m.block_hashes_for_group)
+            for m in self.single_type_managers
+        ])
+        sizes = [g.kv_cache_spec.block_size for g in self._search_order]
+        self.alignment_tokens = math.lcm(*sizes) if sizes else 1
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, int]:
-        align = self.alignment_tokens
-        hit_length = max_cache_hit_length // align * align
-        found: dict[int, list[KVCacheBlock]] = {}
-        if not self._search_order:
-            return self.empty_blocks(), 0
-        while True:
-            candidate = hit_length
-            for manager in self._search_order:
-                blocks = type(manager).find_longest_cache_hit(
-                    manager.block_hashes_for_group(block_hashes),
-                    candidate,
-                    (manager.kv_cache_group_id,),
-                    self.block_pool,
-                    manager.kv_cache_spec,
-                    align,
-                )[0]
-                found[manager.kv_cache_group_id] = blocks
-                candidate = min(candidate, len(blocks) * manager.block_size)
-            if candidate == hit_length:
-                break
-            hit_length = candidate  # some group cannot restore this far: ask everyone again
-        result = self.empty_blocks()
-        for manager in self._search_order:
-            blocks = found[manager.kv_cache_group_id]
-            del blocks[hit_length // manager.block_size :]
-            result[manager.kv_cache_group_id].extend(blocks)
-        return result, hit_length
+        return _find_longest_common_hit(
+            self._search_order, len(self.single_type_managers), block_hashes,
+            max_cache_hit_length, self.block_pool, self.alignment_tokens,
+        )
 
 
 def get_kv_cache_coordinator(

@@ -12,4 +12,4 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["_redis_fixture"]
+pytest_plugins = ["_redis_fixture", "_redis_cluster_fixture"]

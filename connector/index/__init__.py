@@ -1,13 +1,13 @@
 """kvbridge.connector.index: which node holds which block hash, across nodes.
 
-``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex`` and ``RedisBlockIndex``
-implement it; ``NodeDirectory`` maps node ids to transport addresses; ``IndexClient`` is one
-node's non-blocking use of both (publishing its block events, heart-beating, looking up remote
-prefixes), its ``IndexWorker`` thread the one that makes the backend calls (``lookup.py``: one
-lookup). DESIGN.md, "Block index".
+``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex``, ``RedisBlockIndex`` and
+``RedisClusterBlockIndex`` (``redis-cluster://``) implement it; ``NodeDirectory`` maps node ids
+to transport addresses; ``IndexClient`` is one node's non-blocking use of both (publishing its
+block events, heart-beating, looking up remote prefixes), its ``IndexWorker`` thread the one
+that makes the backend calls (``lookup.py``: one lookup). DESIGN.md, "Block index".
 """
 
-from .client import IndexClient, open_index
+from .client import IndexClient, block_index_for_url, open_index
 from .in_memory import InMemoryBlockIndex
 from .lookup import LookupResult, LookupStatus, RemotePrefix
 from .node_directory import NodeDirectory
@@ -21,6 +21,7 @@ from .protocol import (
     Tier,
     new_incarnation,
 )
+from .redis_cluster import RedisClusterBlockIndex
 from .redis_index import RedisBlockIndex
 
 __all__ = [
@@ -36,8 +37,10 @@ __all__ = [
     "NodeDirectory",
     "PrefixHit",
     "RedisBlockIndex",
+    "RedisClusterBlockIndex",
     "RemotePrefix",
     "Tier",
+    "block_index_for_url",
     "new_incarnation",
     "open_index",
 ]

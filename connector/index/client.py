@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -33,10 +33,20 @@ from .node_directory import (
     RedisNodeDirectory,
 )
 from .protocol import BlockIndex, Holder, IndexNamespace, IndexStats, Tier, check_lookup_args
+from .redis_cluster import (
+    CLUSTER_SCHEME,
+    RedisClusterBlockIndex,
+    RedisClusterNodeDirectory,
+    cluster_client,
+)
 from .redis_index import RedisBlockIndex
+from .resync import ParentMirror
 from .worker import IndexWorker, LookupJob
 
-__all__ = ["IndexClient", "LookupResult", "RemotePrefix", "open_index"]
+if TYPE_CHECKING:
+    from kvbridge.kvmanager import CachedBlock, PrefixHitRule
+
+__all__ = ["IndexClient", "LookupResult", "RemotePrefix", "block_index_for_url", "open_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +86,9 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
     same namespace. ``"redis://host:port/db"``: a Redis server; ``redis://:PASSWORD@host...``
     (or ``USER:PASSWORD@``) for one started with ``requirepass`` / ACLs, ``rediss://`` for TLS
     (redis-py's URL options, e.g. ``?ssl_ca_certs=/path/ca.crt&ssl_cert_reqs=required``).
-    Raises ValueError for another scheme (the message never repeats the password).
+    ``"redis-cluster://HOST:PORT[,HOST:PORT...]"``: a Redis or Valkey cluster from its seed
+    nodes (``redis_cluster.py``). Raises ValueError for another scheme or a malformed cluster
+    URL (the message never repeats a password).
     """
     if url == "memory":
         with _memory_lock:
@@ -97,7 +109,27 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
         )
         index = RedisBlockIndex(namespace, url)
         return index, RedisNodeDirectory(client, namespace.key_prefix)
-    raise ValueError(f"index_url must be 'memory' or a redis:// URL, got {redact_url(url)!r}")
+    if url.startswith(CLUSTER_SCHEME):
+        cluster = RedisClusterBlockIndex(namespace, url)
+        directory_client = cluster_client(
+            url, socket_timeout_s=_SOCKET_TIMEOUT_S, connect_timeout_s=_SOCKET_TIMEOUT_S
+        )
+        return cluster, RedisClusterNodeDirectory(directory_client, cluster.bucket_prefixes)
+    raise ValueError(
+        f"index_url must be 'memory', a redis:// or a redis-cluster:// URL, got {redact_url(url)!r}"
+    )
+
+
+def block_index_for_url(url: str, namespace: IndexNamespace) -> BlockIndex:
+    """A Redis or Redis Cluster ``BlockIndex`` of its own for ``url`` (tools such as the proxy
+    that only look up). Raises ValueError for another scheme."""
+    if url.startswith(CLUSTER_SCHEME):
+        return RedisClusterBlockIndex(namespace, url)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisBlockIndex(namespace, url)
+    raise ValueError(
+        f"index_url must be a redis:// or redis-cluster:// URL, got {redact_url(url)!r}"
+    )
 
 
 def redact_url(url: str) -> str:
@@ -126,7 +158,9 @@ class IndexClient:
             resolves to ``"overloaded"``.
         max_queued_ops: publish ops (one per block hash of an event) waiting for the worker;
             a batch offered while the queue holds this many is dropped (counted in ``stats``,
-            logged).
+            logged; with a resync source the node then resyncs).
+        hit_rule: the node's ``kvmanager.PrefixHitRule`` (needed when a group is not full
+            attention: lookups then find what that rule restores from a holder).
 
     Threads:
 
@@ -156,6 +190,7 @@ class IndexClient:
         max_lookups_in_flight: int = 64,
         max_queued_ops: int = 65536,
         clock: Callable[[], float] = time.monotonic,
+        hit_rule: PrefixHitRule | None = None,
     ) -> None:
         if not lookup_timeout_s > 0:
             raise ValueError(f"lookup_timeout_s must be positive, got {lookup_timeout_s}")
@@ -180,8 +215,13 @@ class IndexClient:
             max_lookups_in_flight=max_lookups_in_flight,
             max_queued_ops=max_queued_ops,
             clock=clock,
+            hit_rule=hit_rule,
         )
+        self.hit_rule = hit_rule
         self._key_to_lookup: dict[str, LookupJob] = {}
+        self._snapshot: Callable[[], Sequence[CachedBlock]] | None = None
+        self._parents = ParentMirror()
+        self._block_size = index.namespace.block_size
 
     @property
     def stats(self) -> IndexStats:
@@ -209,14 +249,40 @@ class IndexClient:
         self._key_to_lookup.clear()
 
     # ------------------------------------------------------------------ publish
+    def set_resync_source(self, snapshot: Callable[[], Sequence[CachedBlock]]) -> None:
+        """Give the client the node's cached set (``BlockPool.snapshot_cached_blocks``), called
+        on the caller thread when a resync is due; from then on batches are numbered and a
+        possibly lost one is repaired by re-publishing the whole set. Call before ``start``
+        and before the first ``publish``."""
+        self._snapshot = snapshot
+        self._worker.can_resync = True
+
     def publish(self, events: Iterable[Any]) -> None:
         """Queue a batch of ``BlockPool`` events for the index and return at once; the worker
         applies batches in the order they were queued. A batch offered while the queue is full
         is dropped (counted in ``stats.publish_*_dropped_full``, logged). ``events`` must not
-        change afterwards."""
+        change afterwards. Call it every step, also with no events: when the worker asks for a
+        resync, the node's cached set is read here (the moment after a forward, when every
+        hashed block has its KV) and queued in place of the batch."""
         events = list(events)
+        if self._snapshot is not None:
+            self._parents.observe(events)
+            if self._worker.resync_wanted:
+                cached = self._snapshot()
+                self._worker.enqueue_resync(self._parents.resync_events(cached, self._block_size))
+                return
         if events:
             self._worker.enqueue_publish(events)
+
+    @property
+    def resync_pending(self) -> bool:
+        """True while a batch may be lost and no resync has been applied since."""
+        return self._worker.needs_resync
+
+    @property
+    def num_resyncs(self) -> int:
+        """Resyncs this node's worker has had applied."""
+        return self._worker.num_resyncs_sent
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every batch queued so far has been handed to the backend; False on
@@ -305,5 +371,6 @@ class IndexClient:
             num_local_blocks=num_local_blocks,
             min_gain_blocks=min_gain_blocks,
             choose=choose,
+            hit_rule=self.hit_rule,
         )
         return result.prefix

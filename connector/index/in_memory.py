@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .hit_rule import hit_of_holder
 from .protocol import (
     RANK_TO_TIER,
     TIER_RANK,
@@ -24,16 +25,22 @@ from .protocol import (
     check_incarnation,
     check_lookup_args,
     check_node_id,
+    check_seq,
     check_ttl,
     events_to_ops,
+    seq_verdict,
     sort_holders,
 )
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager import PrefixHitRule
 
 
 @dataclass(slots=True)
 class _NodeState:
     incarnation: int
     deadline_s: float
+    last_seq: int = 0  # the last publish batch applied (0: none, or unnumbered ones only)
     # group_id -> block_hash -> (block_id, tier)
     group_to_entries: dict[int, dict[bytes, tuple[int, Tier]]] = field(default_factory=dict)
 
@@ -92,12 +99,25 @@ class InMemoryBlockIndex:
         events: Iterable[Any],
         *,
         default_tier: Tier = "device",
+        seq: tuple[int, int] | None = None,
+        resync: bool = False,
     ) -> PublishResult:
+        check_seq(seq)
         ops = events_to_ops(events, default_tier)
         state = self._live_node(node_id)
         if state is None or state.incarnation != incarnation:
             self.stats.publishes_fenced += 1
             return PublishResult("fenced", len(ops))
+        verdict = seq_verdict(state.last_seq, seq, resync)
+        if verdict == "gap":
+            self.stats.publishes_gap += 1
+            return PublishResult("gap", len(ops))
+        if verdict == "replayed":
+            self.stats.publishes_replayed += 1
+            return PublishResult("replayed", len(ops))
+        if seq is not None:
+            state.last_seq = seq[1]
+        self.stats.resyncs += resync
         key_len = self.namespace.key_hash_bytes
         for op in ops:
             key = op.block_hash[:key_len]
@@ -122,6 +142,7 @@ class InMemoryBlockIndex:
         *,
         exclude_node_ids: Iterable[str] = (),
         all_holders: bool = False,
+        hit_rule: PrefixHitRule | None = None,
     ) -> PrefixHit:
         check_lookup_args(block_hashes, group_ids)
         self.stats.lookups += 1
@@ -132,6 +153,21 @@ class InMemoryBlockIndex:
         for node_id in sorted(self._nodes):
             state = self._live_node(node_id)
             if state is None or node_id in excluded:
+                continue
+            if hit_rule is not None:
+                held = {}
+                for g in group_ids:
+                    entries = state.group_to_entries.get(g, {})
+                    held[g] = {
+                        k: (entries[k][0], TIER_RANK[entries[k][1]]) for k in keys if k in entries
+                    }
+                found = hit_of_holder(
+                    hit_rule, block_hashes, held, key_len, self.namespace.block_size
+                )
+                if found.num_blocks:
+                    holders.append(Holder(
+                        node_id, state.incarnation, found.num_blocks, found.tier, found.block_ids
+                    ))
                 continue
             depth = len(block_hashes)
             worst_rank = 0
@@ -155,6 +191,16 @@ class InMemoryBlockIndex:
         if hit.num_blocks:
             self.stats.lookup_hits += 1
         return hit
+
+    def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None:
+        state = self._live_node(node_id)
+        if state is None:
+            return None
+        return {
+            (group_id, key, entry[0])
+            for group_id, entries in state.group_to_entries.items()
+            for key, entry in entries.items()
+        }
 
     def get_block_ids(
         self,

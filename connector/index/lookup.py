@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Holder
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager import PrefixHitRule
 
 __all__ = [
     "LOOKUP_PENDING",
@@ -78,9 +81,12 @@ def resolve_remote_prefix(
     num_local_blocks: int,
     min_gain_blocks: int,
     choose: Callable[[Sequence[Holder]], Sequence[Holder]] = lambda holders: holders,
+    hit_rule: PrefixHitRule | None = None,
 ) -> LookupResult:
     """The longest prefix of ``block_hashes`` held on a node other than ``node_id``, if it beats
     ``num_local_blocks`` by at least ``min_gain_blocks`` and its holder is reachable.
+    ``hit_rule``: the node's ``kvmanager.PrefixHitRule`` when a group is not full attention
+    (the prefix is then what that rule restores from the holder, block ids read with it).
 
     Blocking: one index round trip, plus one directory and one block-id round trip per holder
     tried on a hit. Never raises for backend trouble (answers ``"unavailable"``); raises
@@ -88,7 +94,11 @@ def resolve_remote_prefix(
     """
     if len(block_hashes) < num_local_blocks + min_gain_blocks:
         return _NO_HIT
-    hit = index.longest_prefix(block_hashes, group_ids, exclude_node_ids=(node_id,))
+    if hit_rule is not None and hit_rule.only_full_attention:
+        hit_rule = None  # the run from block 0 is the rule: the fast lookup answers it
+    hit = index.longest_prefix(
+        block_hashes, group_ids, exclude_node_ids=(node_id,), hit_rule=hit_rule
+    )
     if hit.num_blocks == 0 and not index.available:
         return _UNAVAILABLE
     if hit.num_blocks - num_local_blocks < min_gain_blocks:
@@ -97,9 +107,12 @@ def resolve_remote_prefix(
         address = directory.lookup(holder.node_id)
         if address is None or address.incarnation != holder.incarnation:
             continue  # gone, or restarted since it published these entries
-        block_ids = index.get_block_ids(
-            holder.node_id, holder.incarnation, block_hashes[: holder.num_blocks], group_ids
-        )
+        if holder.block_ids is not None:
+            block_ids: list[list[int]] | None = [list(ids) for ids in holder.block_ids]
+        else:
+            block_ids = index.get_block_ids(
+                holder.node_id, holder.incarnation, block_hashes[: holder.num_blocks], group_ids
+            )
         if block_ids is not None:
             return LookupResult("hit", RemotePrefix(holder, address, holder.num_blocks, block_ids))
         if not index.available:

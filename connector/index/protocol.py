@@ -18,6 +18,14 @@ Freshness and fencing:
 - A node that does not heartbeat within ``ttl_s`` expires: lookups ignore it and its entries go.
   Its next ``heartbeat`` or ``publish`` answers ``"fenced"``; it registers again (entries empty).
 
+Events that never leave the index wrong: a node numbers its publish batches ``1, 2, ...`` per
+incarnation (``seq``). The backend applies a batch only if it continues the last one applied;
+a batch already applied (a retry of a call that timed out on the client but landed) is ignored
+(``"replayed"``), so a late "stored" never resurrects what a later "removed" deleted; a batch
+after a gap (a batch dropped, Redis restarted empty) is refused (``"gap"``) and the node
+re-publishes its whole cached set (``resync=True``: drop the node's entries, store the set,
+continue from that batch's number), after which the index again says exactly what it holds.
+
 A hit is advisory (DESIGN.md): the holder re-checks each block's hash when serving it. A stale
 entry costs a recompute, never wrong output.
 """
@@ -27,14 +35,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 from urllib.parse import quote
 
 import numpy as np
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+if TYPE_CHECKING:
+    from kvbridge.kvmanager import PrefixHitRule
+
 Tier = Literal["device", "host", "store"]
 IndexStatus = Literal["ok", "fenced", "unavailable"]
+PublishStatus = Literal["ok", "fenced", "unavailable", "gap", "replayed"]
 
 TIER_TO_CODE: dict[str, bytes] = {"device": b"d", "host": b"h", "store": b"s"}
 CODE_TO_TIER: dict[bytes, Tier] = {b"d": "device", b"h": "host", b"s": "store"}
@@ -174,13 +186,16 @@ class Holder:
 
     ``num_blocks``: the run's length from block 0 (held in every requested group). ``tier``: the
     slowest tier in the run (device < host < store). The blocks' ids on the holder come from
-    ``BlockIndex.get_block_ids`` (a second call, for the chosen holder only).
+    ``BlockIndex.get_block_ids`` (a second call, for the chosen holder only), except for a
+    lookup with a ``hit_rule``: then ``block_ids[group][i]`` are read with the lookup (0, the
+    null block, where the rule needs no block, e.g. outside a sliding window).
     """
 
     node_id: str
     incarnation: int
     num_blocks: int
     tier: Tier
+    block_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 class PrefixHit(NamedTuple):
@@ -203,10 +218,35 @@ NO_HIT = PrefixHit(0, ())
 
 class PublishResult(NamedTuple):
     """``status``: ``"ok"`` applied, ``"fenced"`` refused (not the node's current incarnation, or
-    expired), ``"unavailable"`` dropped (backend unreachable). ``num_ops``: ops in the batch."""
+    expired), ``"unavailable"`` dropped (backend unreachable; it may still land), ``"gap"``
+    refused (``seq`` does not continue the last batch applied: resync), ``"replayed"`` ignored
+    (``seq`` applied already). ``num_ops``: ops in the batch."""
 
-    status: IndexStatus
+    status: PublishStatus
     num_ops: int
+
+
+def check_seq(seq: tuple[int, int] | None) -> None:
+    """Raise ValueError unless ``seq`` is None or ``(first, last)`` with ``1 <= first <= last``."""
+    if seq is not None and not (
+        len(seq) == 2 and all(isinstance(x, int) for x in seq) and 1 <= seq[0] <= seq[1]
+    ):
+        raise ValueError(f"seq must be (first, last) with 1 <= first <= last, got {seq!r}")
+
+
+def seq_verdict(
+    last_applied: int, seq: tuple[int, int] | None, resync: bool
+) -> Literal["apply", "gap", "replayed"]:
+    """Whether a batch numbered ``seq`` applies after batch ``last_applied`` (0: none yet).
+    Unnumbered batches always apply; a resync applies after any earlier batch."""
+    if seq is None:
+        return "apply"
+    first, last = seq
+    if last <= last_applied:
+        return "replayed"
+    if resync or first == last_applied + 1:
+        return "apply"
+    return "gap"
 
 
 @dataclass(slots=True)
@@ -225,6 +265,9 @@ class IndexStats:
     publishes: int = 0
     publish_ops: int = 0
     publishes_fenced: int = 0
+    publishes_gap: int = 0  # refused: a batch before them was lost (the node resyncs)
+    publishes_replayed: int = 0  # ignored: applied already (a retry that landed twice)
+    resyncs: int = 0  # whole-set re-publishes applied
     publishes_dropped: int = 0  # backend trouble: the batch is lost
     publish_ops_dropped: int = 0
     heartbeats_failed: int = 0
@@ -289,13 +332,21 @@ class BlockIndex(Protocol):
       expired), an older one is refused (``"fenced"``).
     - ``heartbeat``: extend the node's life by ``ttl_s``; ``"fenced"`` if not current or expired.
     - ``publish``: apply KV events (``events_to_ops``) atomically as one batch, in order.
-      AllBlocksCleared drops every entry of the node.
+      AllBlocksCleared drops every entry of the node. ``seq=(first, last)``: the batch numbers
+      the call carries (see the module docstring; ``seq_verdict`` decides), ``resync=True``:
+      the call's events are the node's whole cached set (they start with AllBlocksCleared).
     - ``longest_prefix``: ``block_hashes[i]`` is block i's hash (one length for all); a holder's run
       is the longest ``k`` such that it holds blocks ``0..k-1`` in every group of ``group_ids``.
       Returns the holders of the deepest run (ties: all of them, for the caller to break by
-      load), or with ``all_holders=True`` every holder with its own run. Never raises for
-      backend trouble (answers ``NO_HIT`` and counts it); raises ValueError for bad arguments.
+      load), or with ``all_holders=True`` every holder with its own run. With ``hit_rule`` (a
+      ``kvmanager.PrefixHitRule`` for groups ``0..n-1``) a holder's run is what that rule
+      restores from the holder's entries (``hit_rule.hit_of_holder``), with its block ids.
+      Never raises for backend trouble (answers ``NO_HIT`` and counts it); raises ValueError
+      for bad arguments.
       Does not change live entries (stale ones it meets may be deleted).
+    - ``node_entries``: ``{(group, key, block id)}`` of the node's live entries (keys cut to
+      ``key_hash_bytes``), or None if the node is unknown or the backend unavailable. O(entries):
+      for tests and tools.
     - ``get_block_ids``: the holder's block ids ``[group][block]`` for ``block_hashes`` (in
       ``group_ids`` order), or None if any is not held (anymore) or the backend is unavailable.
     - ``available``: False from a call that met backend trouble until a later call succeeds (a
@@ -328,6 +379,8 @@ class BlockIndex(Protocol):
         events: Iterable[Any],
         *,
         default_tier: Tier = "device",
+        seq: tuple[int, int] | None = None,
+        resync: bool = False,
     ) -> PublishResult: ...
 
     def longest_prefix(
@@ -337,7 +390,10 @@ class BlockIndex(Protocol):
         *,
         exclude_node_ids: Iterable[str] = (),
         all_holders: bool = False,
+        hit_rule: PrefixHitRule | None = None,
     ) -> PrefixHit: ...
+
+    def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None: ...
 
     def get_block_ids(
         self,

@@ -2,8 +2,9 @@
 
 Contract: ``BlockIndex`` in ``protocol.py`` (DESIGN.md, "Block index"). Every call is one
 ``EVALSHA`` of a server-side Lua script through the client's ``execute_command`` (the same path as
-``PING``); a server that does not know the script (restarted, flushed) gets it with ``SCRIPT LOAD``
-and the call is sent again. A longest-prefix lookup of any number of hashes costs one round trip.
+``PING``); a server that does not know the script (restarted, flushed) gets the call again as
+``EVAL`` with the source, which also caches it there. A longest-prefix lookup of any number of
+hashes costs one round trip.
 
 Key layout, scripts and the O(log N) exact lookup: ``redis_scripts.py``. A lookup sends the
 hashes cut to ``IndexNamespace.key_hash_bytes`` (625 x 8 bytes = 5 KB for a 10k-token prompt at
@@ -24,7 +25,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
@@ -39,6 +40,7 @@ from .protocol import (
     TIER_TO_CODE,
     Holder,
     IndexNamespace,
+    IndexOp,
     IndexStats,
     IndexStatus,
     PrefixHit,
@@ -47,15 +49,27 @@ from .protocol import (
     check_incarnation,
     check_lookup_args,
     check_node_id,
+    check_seq,
     check_ttl,
     events_to_ops,
     join_keys,
     sort_holders,
 )
+from .redis_held_lookup import LOOKUP_HELD_LUA, held_lookup_args, holders_of_held_reply
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager import PrefixHitRule
 
 logger = logging.getLogger(__name__)
 
-_TROUBLE = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
+_TROUBLE = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.ResponseError,
+    OSError,
+    redis.exceptions.RedisClusterException,  # a cluster without a slot's owner, or no node at all
+    redis.exceptions.ClusterError,
+)
 
 
 class _Script(NamedTuple):
@@ -74,6 +88,8 @@ _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 _PUBLISH = _script(scripts.PUBLISH_LUA)
 _LOOKUP = _script(scripts.LOOKUP_LUA)
 _GET_BLOCK_IDS = _script(scripts.GET_BLOCK_IDS_LUA)
+_LOOKUP_HELD = _script(LOOKUP_HELD_LUA)
+_PUBLISH_REPLY_TO_STATUS: dict[Any, str] = {1: "ok", 0: "fenced", 2: "gap", 3: "replayed"}
 
 
 class RedisBlockIndex:
@@ -106,21 +122,26 @@ class RedisBlockIndex:
         )
         self._retry_interval_s = retry_interval_s
         self._clock = clock
-        self._down_until_s: float | None = None  # set while Redis is considered down
+        # key prefix -> back-off deadline, while the server holding that prefix is considered
+        # down (one prefix on one server; a cluster backs off per hash-tag bucket).
+        self._down_until: dict[str, float] = {}
+        self._available = True
+        self._num_route_keys = 0  # scripts name no key (one server); a cluster routes by one
         self._execute = self._client.execute_command
 
     # -- Redis trouble -------------------------------------------------------------------------
 
-    def _on_success(self) -> None:
-        if self._down_until_s is not None:
-            self._down_until_s = None
+    def _on_success(self, prefix: str) -> None:
+        if self._down_until.pop(prefix, None) is not None:
             self.stats.reconnects += 1
-            logger.info("block index: Redis reachable again (%s)", self._prefix)
+            logger.info("block index: Redis reachable again (%s)", prefix)
 
-    def _on_trouble(self, what: str, exc: Exception) -> None:
+    def _on_trouble(self, what: str, exc: Exception, prefix: str | None = None) -> None:
+        prefix = prefix or self._prefix
         kind = type(exc).__name__
         self.stats.errors_by_kind[kind] = self.stats.errors_by_kind.get(kind, 0) + 1
-        if self._down_until_s is None:
+        self._available = False
+        if prefix not in self._down_until:
             logger.warning(
                 "block index: Redis trouble during %s (%s: %s); falling back to no hit, "
                 "retrying in %.2f s",
@@ -129,25 +150,35 @@ class RedisBlockIndex:
                 exc,
                 self._retry_interval_s,
             )
-        self._down_until_s = self._clock() + self._retry_interval_s
+        self._down_until[prefix] = self._clock() + self._retry_interval_s
 
     def _call(self, what: str, script: _Script, *args: Any) -> Any:
-        """Run one script (``EVALSHA sha 0 *args``); None on Redis trouble (counted by the
-        caller, logged here) or while backing off after trouble."""
-        if self._down_until_s is not None and self._clock() < self._down_until_s:
+        """Run one script (``EVALSHA sha 0 *args``; on a cluster ``EVALSHA sha 1 prefix *args``,
+        routed by the key prefix ``args[0]``); None on Redis trouble (counted by the caller,
+        logged here) or while that prefix's server is backed off after trouble."""
+        prefix = args[0]
+        down_until = self._down_until.get(prefix)
+        if down_until is not None and self._clock() < down_until:
+            self._available = False
             return None
+        route = (prefix,) if self._num_route_keys else ()
         try:
             try:
-                reply = self._execute("EVALSHA", script.sha, 0, *args)
-            except NoScriptError:
-                self._execute("SCRIPT", "LOAD", script.source)
-                reply = self._execute("EVALSHA", script.sha, 0, *args)
+                reply = self._execute("EVALSHA", script.sha, self._num_route_keys, *route, *args)
+            except NoScriptError:  # EVAL runs and caches it on the server that owns the key
+                reply = self._execute("EVAL", script.source, self._num_route_keys, *route, *args)
         except _TROUBLE as exc:
-            self._on_trouble(what, exc)
+            self._on_trouble(what, exc, prefix)
             return None
-        if self._down_until_s is not None:
-            self._on_success()
+        self._available = True
+        if down_until is not None:
+            self._on_success(prefix)
         return reply
+
+    def _prompt_prefix(self, first_key: bytes) -> str:
+        """The key prefix of a prompt whose block 0 has lookup key ``first_key`` (one server:
+        the namespace's; a cluster: its bucket's hash tag)."""
+        return self._prefix
 
     # -- BlockIndex ----------------------------------------------------------------------------
 
@@ -180,10 +211,23 @@ class RedisBlockIndex:
         events: Iterable[Any],
         *,
         default_tier: Tier = "device",
+        seq: tuple[int, int] | None = None,
+        resync: bool = False,
     ) -> PublishResult:
         check_node_id(node_id)
+        check_seq(seq)
         ops = events_to_ops(events, default_tier)
-        args: list[Any] = [self._prefix, node_id, self._inc_str(incarnation)]
+        reply = self._publish_at(
+            self._prefix, node_id, self._inc_str(incarnation), ops, seq or (0, 0), resync
+        )
+        return self._count_publish(reply, len(ops), resync)
+
+    def _publish_at(
+        self, prefix: str, node_id: str, inc: str, ops: Sequence[IndexOp],
+        seq: tuple[int, int], resync: bool,
+    ) -> Any:
+        """One PUBLISH script call under ``prefix``; its reply (None: Redis trouble)."""
+        args: list[Any] = [prefix, node_id, inc, seq[0], seq[1], b"1" if resync else b"0"]
         key_len = self.namespace.key_hash_bytes
         for op in ops:
             code = TIER_TO_CODE[op.tier]
@@ -192,17 +236,25 @@ class RedisBlockIndex:
             else:
                 data = code if op.block_id < 0 else code + op.block_id.to_bytes(4, "big")
             args += (op.kind, op.group_id, op.block_hash[:key_len], op.parent_hash[:key_len], data)
-        reply = self._call("publish", _PUBLISH, *args)
+        return self._call("publish", _PUBLISH, *args)
+
+    def _count_publish(self, reply: Any, num_ops: int, resync: bool) -> PublishResult:
         if reply is None:
             self.stats.publishes_dropped += 1
-            self.stats.publish_ops_dropped += len(ops)
-            return PublishResult("unavailable", len(ops))
-        if reply != 1:
+            self.stats.publish_ops_dropped += num_ops
+            return PublishResult("unavailable", num_ops)
+        status = _PUBLISH_REPLY_TO_STATUS.get(reply, "fenced")
+        if status == "fenced":
             self.stats.publishes_fenced += 1
-            return PublishResult("fenced", len(ops))
-        self.stats.publishes += 1
-        self.stats.publish_ops += len(ops)
-        return PublishResult("ok", len(ops))
+        elif status == "gap":
+            self.stats.publishes_gap += 1
+        elif status == "replayed":
+            self.stats.publishes_replayed += 1
+        else:
+            self.stats.publishes += 1
+            self.stats.publish_ops += num_ops
+            self.stats.resyncs += resync
+        return PublishResult(status, num_ops)  # type: ignore[arg-type]
 
     def longest_prefix(
         self,
@@ -211,6 +263,7 @@ class RedisBlockIndex:
         *,
         exclude_node_ids: Iterable[str] = (),
         all_holders: bool = False,
+        hit_rule: PrefixHitRule | None = None,
     ) -> PrefixHit:
         # Hot path (benchmarks/bench_index.py): one join and one strided copy for the keys, one
         # EVALSHA, a flat reply read without a second pass over it.
@@ -220,8 +273,14 @@ class RedisBlockIndex:
         if not block_hashes:
             return NO_HIT
         keys, key_len = join_keys(block_hashes, self._key_hash_bytes)
+        if hit_rule is not None and not hit_rule.only_full_attention:
+            return self._lookup_held(
+                block_hashes, keys, key_len, group_ids, hit_rule, tuple(exclude_node_ids),
+                all_holders,
+            )
         reply = self._call(
-            "lookup", _LOOKUP, self._prefix, key_len, keys, b"1" if all_holders else b"0",
+            "lookup", _LOOKUP, self._prompt_prefix(keys[:key_len]), key_len, keys,
+            b"1" if all_holders else b"0",
             len(group_ids), *group_ids, *exclude_node_ids,
         )
         if reply is None:
@@ -241,6 +300,67 @@ class RedisBlockIndex:
             for i in range(1, len(reply), 4)
         ])
 
+    def _lookup_held(
+        self,
+        block_hashes: Sequence[bytes],
+        keys: bytes,
+        key_len: int,
+        group_ids: Sequence[int],
+        hit_rule: PrefixHitRule,
+        exclude_node_ids: Sequence[str],
+        all_holders: bool,
+    ) -> PrefixHit:
+        """``longest_prefix`` under a hit rule with a group that is not full attention."""
+        prefix = self._prompt_prefix(keys[:key_len])
+        args = held_lookup_args(prefix, key_len, keys, group_ids, hit_rule, exclude_node_ids)
+        reply = self._call("lookup", _LOOKUP_HELD, *args)
+        try:
+            garbage, holders = (0, []) if reply is None else holders_of_held_reply(
+                reply, block_hashes, group_ids, hit_rule, key_len, self.namespace.block_size
+            )
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            self._on_trouble("lookup", exc, prefix)
+            reply = None
+        if reply is None:
+            self.stats.lookups_failed += 1
+            return NO_HIT
+        self.stats.garbage_entries += garbage
+        if holders and not all_holders:
+            best = max(holder.num_blocks for holder in holders)
+            holders = [holder for holder in holders if holder.num_blocks == best]
+        hit = sort_holders(holders)
+        if hit.num_blocks:
+            self.stats.lookup_hits += 1
+        return hit
+
+    def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None:
+        """The node's live entries, read with plain commands (not atomic; tests and tools)."""
+        check_node_id(node_id)
+        return self._node_entries_at(self._prefix, node_id)
+
+    def _node_entries_at(self, prefix: str, node_id: str) -> set[tuple[int, bytes, int]] | None:
+        try:
+            inc = self._execute("GET", f"{prefix}:node:{node_id}")
+            if inc is None:
+                return None
+            ekeys = self._execute("SMEMBERS", f"{prefix}:keys:{node_id}")
+            pipe = self._client.pipeline(transaction=False)
+            ekeys = list(ekeys)
+            for ekey in ekeys:
+                pipe.hget(ekey, node_id)
+            values = pipe.execute()
+        except _TROUBLE as exc:
+            self._on_trouble("node_entries", exc, prefix)
+            return None
+        head = len(prefix.encode()) + len(":e:")
+        out: set[tuple[int, bytes, int]] = set()
+        for ekey, value in zip(ekeys, values, strict=True):
+            if value is None or len(value) < 30 or value[:20] != inc:
+                continue
+            group, _, key = ekey[head:].partition(b":")
+            out.add((int(group), key, struct.unpack(">I", value[20:24])[0]))
+        return out
+
     def get_block_ids(
         self,
         node_id: str,
@@ -255,7 +375,8 @@ class RedisBlockIndex:
         keys, key_len = join_keys(block_hashes, self.namespace.key_hash_bytes)
         reply = self._call(
             "get_block_ids", _GET_BLOCK_IDS,
-            self._prefix, node_id, self._inc_str(incarnation), key_len, keys, *group_ids,
+            self._prompt_prefix(keys[:key_len]), node_id, self._inc_str(incarnation), key_len,
+            keys, *group_ids,
         )
         if not reply:
             return None
@@ -265,7 +386,7 @@ class RedisBlockIndex:
     @property
     def available(self) -> bool:
         """False from a call that met Redis trouble until a later call succeeds."""
-        return self._down_until_s is None
+        return self._available
 
     def interrupt(self) -> None:
         """Close every connection of the client, those in use by other threads included: their

@@ -26,6 +26,10 @@ A lookup for the deepest run in one group first tries the prompt held whole (the
 last block with run == N, each checked for block 0, its incarnation and holes: four calls for one
 holder), which is the benchmark's case; otherwise the search above.
 
+Lookups under a hit rule (sliding-window or Mamba groups, ``LOOKUP_HELD_LUA``) read the entries
+themselves, not runs: which of the prompt's blocks each holder holds in each group, for the
+rule to decide in Python (``redis_held_lookup.py``, ``hit_rule.py``).
+
 Scripts build key names from ARGV: fine on one Redis server, not on Redis Cluster.
 """
 
@@ -75,15 +79,30 @@ end
 return 1
 """
 
-# ARGV: P, node, inc, then 5 per op: kind, group, key, parent key ('' for block 0), data.
+# ARGV: P, node, inc, seq first, seq last (0 0: unnumbered), resync ('1'/'0'), then 5 per op:
+# kind, group, key, parent key ('' for block 0), data.
 # S: data = block id(4) .. tier; run and slowest tier come from the node's parent entry.
 # R: data = tier [.. block id(4)]; deletes the node's entry only if they match.
-# C: drops every entry of the node.   -> 1 applied, 0 fenced.
+# C: drops every entry of the node.
+# -> 1 applied, 0 fenced, 2 gap (first != last applied + 1, not a resync), 3 replayed (last <=
+# last applied: ignored). ``P:seq:<n>`` = inc(20) .. ':' .. the last batch number applied; it is
+# one of the node's aux keys (same TTL, dropped with the node).
 PUBLISH_LUA = _DROP_NODE + """
 local P, node, inc = ARGV[1], ARGV[2], ARGV[3]
+local sfirst, slast, resync = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
 local nodekey = P .. ':node:' .. node
 if redis.call('GET', nodekey) ~= inc then return 0 end
 local keyset, auxset = P .. ':keys:' .. node, P .. ':aux:' .. node
+local seqkey = P .. ':seq:' .. node
+if sfirst > 0 then
+  local sv = redis.pcall('GET', seqkey)
+  local last = 0
+  if type(sv) == 'string' and string.sub(sv, 1, 20) == inc then
+    last = tonumber(string.sub(sv, 22)) or 0
+  end
+  if slast <= last then return 3 end
+  if not resync and sfirst ~= last + 1 then return 2 end
+end
 local tail = ':' .. node .. ':' .. inc .. ':'
 local aux = {}
 local function aux_of(g)
@@ -107,7 +126,7 @@ local function release(a, parent)
     parent = up
   end
 end
-for i = 4, #ARGV, 5 do
+for i = 7, #ARGV, 5 do
   local kind, g, h, parent, data = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ekey = P .. ':e:' .. g .. ':' .. h
   if kind == 'S' then
@@ -157,6 +176,11 @@ for i = 4, #ARGV, 5 do
   end
 end
 local pttl = redis.call('PTTL', nodekey)
+if sfirst > 0 then
+  redis.call('SET', seqkey, inc .. ':' .. slast)
+  redis.call('SADD', auxset, seqkey)
+  if pttl > 0 then redis.call('PEXPIRE', seqkey, pttl) end
+end
 if pttl > 0 then
   for _, a in pairs(aux) do
     for j = 1, 3 do redis.call('PEXPIRE', a[j], pttl) end

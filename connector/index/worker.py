@@ -10,7 +10,12 @@ registration they need and gives each backend counter one writer.
 Each loop turn: a heartbeat if one is due, then one lookup (latency first), then every queued
 publish batch (up to ``_MAX_OPS_PER_SEND`` ops) in one backend call. Queue sizes count ops (one
 per block hash of an event, ``protocol.events_to_ops``), which bound memory and send cost.
-"""
+
+Batches are numbered ``1, 2, ...`` as accepted (``protocol.py``). A batch that may be lost (full
+queue, a call that failed or timed out, ``"gap"``, a lapsed registration) starts resync mode: no
+more deltas are sent, the backend is probed every ``_RESYNC_PROBE_S``, and once it answers
+``resync_wanted`` asks the caller thread for the node's whole cached set (``enqueue_resync``),
+which replaces every queued batch and ends resync mode once applied."""
 
 from __future__ import annotations
 
@@ -20,12 +25,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from .jobs import Batch, LookupJob, count_ops
 from .lookup import LookupResult, resolve_remote_prefix
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager import PrefixHitRule
 
 __all__ = ["IndexWorker", "LookupJob", "count_ops"]
 
@@ -35,33 +43,9 @@ logger = logging.getLogger(__name__)
 # backend applies a call's events in order, so a merged call equals the batches one by one).
 _MAX_OPS_PER_SEND = 4096
 _GRACE_S = 0.25  # close: how long the worker may finish its call before it is interrupted
+_RESYNC_PROBE_S = 0.05  # resync mode: how often the backend is probed until it answers
 _TIMED_OUT = LookupResult("timed_out")
 _UNAVAILABLE = LookupResult("unavailable")
-
-
-def count_ops(events: list[Any]) -> int:
-    """The index ops ``events`` make: one per block hash of a ``BlockStored`` or
-    ``BlockRemoved``, one for anything else (``AllBlocksCleared``)."""
-    return sum(len(getattr(event, "block_hashes", None) or ()) or 1 for event in events)
-
-
-class _Batch(NamedTuple):
-    events: list[Any]
-    num_ops: int
-
-
-@dataclass(slots=True, eq=False)
-class LookupJob:
-    """One lookup handed to the worker. Every field but ``result`` is fixed at creation;
-    ``result`` is written once (by the caller before the job is queued, or by the worker thread
-    under the worker's lock) and read by the caller thread (one reference read)."""
-
-    key: str
-    block_hashes: tuple[bytes, ...]
-    num_local_blocks: int
-    min_gain_blocks: int
-    deadline_s: float
-    result: LookupResult | None = None
 
 
 class IndexWorker:
@@ -71,7 +55,8 @@ class IndexWorker:
 
     - under ``_lock`` (held only for queue operations, never across a backend call): the lookup
       queue ``_lookups``, the running job ``_running``, the publish queue ``_batches`` and its
-      op count, the accepted/done batch counts, ``_stopping`` and ``_abandoned``;
+      op count, the accepted/done batch counts, ``_next_seq``, ``_needs_resync``,
+      ``_resync_wanted``, ``_stopping`` and ``_abandoned``;
     - the worker thread alone: ``_next_heartbeat_s``, ``num_reregistrations`` (others read it),
       and every call to ``index`` and ``directory`` once ``start`` has started the thread
       (``start`` itself registers on the caller's thread, before the worker exists);
@@ -95,6 +80,7 @@ class IndexWorker:
         max_lookups_in_flight: int,
         max_queued_ops: int,
         clock: Callable[[], float] = time.monotonic,
+        hit_rule: PrefixHitRule | None = None,
     ) -> None:
         if max_lookups_in_flight < 1 or max_queued_ops < 1:
             raise ValueError(
@@ -118,7 +104,7 @@ class IndexWorker:
         self._done = threading.Condition(self._lock)  # flush waits for sent batches on it
         self._lookups: deque[LookupJob] = deque()
         self._running: LookupJob | None = None
-        self._batches: deque[_Batch] = deque()
+        self._batches: deque[Batch] = deque()
         self._num_queued_ops = 0
         self._num_batches_accepted = 0
         self._num_batches_done = 0  # sent, fenced, dropped by the backend, or refused as bad
@@ -126,8 +112,16 @@ class IndexWorker:
         self._abandoned = False  # stop gave up waiting: make no further backend call
         self._thread: threading.Thread | None = None
         self._next_heartbeat_s = 0.0
+        self._last_probe_s = 0.0
+        self._next_announce_s = 0.0
         self._num_dropped_in_run = 0
         self.num_reregistrations = 0
+        self.hit_rule = hit_rule
+        self.can_resync = False  # set once by the client, before start: batches are numbered
+        self._next_seq = 1
+        self._needs_resync = False  # a batch may be lost: send no delta until a resync lands
+        self._resync_wanted = False  # the backend answers again: the caller should resync
+        self.num_resyncs_sent = self.num_batches_skipped = 0  # worker thread; others read them
 
     # ------------------------------------------------------------------ life (caller thread)
     def start(self, address: NodeAddress) -> None:
@@ -192,19 +186,48 @@ class IndexWorker:
         with self._lock, contextlib.suppress(ValueError):  # ValueError: running, or answered
             self._lookups.remove(job)
 
+    @property
+    def resync_wanted(self) -> bool:
+        """True while the worker waits for the caller's ``enqueue_resync`` (one lock-free read)."""
+        return self._resync_wanted
+
+    needs_resync = property(lambda self: self._needs_resync, doc="A batch may be lost.")
+
+    def enqueue_resync(self, events: list[Any]) -> None:
+        """Queue the node's whole cached set (``resync.ParentMirror.resync_events``) in place
+        of every batch still queued (they are older than the set, which covers them)."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._num_batches_done += len(self._batches)
+            self._num_queued_ops = 0
+            self._batches.clear()
+            batch = Batch(events, count_ops(events), self._next_seq, True)
+            self._next_seq += 1
+            self._batches.append(batch)
+            self._num_queued_ops += batch.num_ops
+            self._num_batches_accepted += 1
+            self._resync_wanted = False
+            self._work.notify()
+            self._done.notify_all()
+
     def enqueue_publish(self, events: list[Any]) -> bool:
-        """Queue one batch; False (batch dropped, counted, logged) when the queue holds
-        ``max_queued_ops`` ops already, or (not counted) once ``stop`` was called."""
-        batch = _Batch(events, count_ops(events))
+        """Queue one batch; False (batch dropped, counted, logged; the worker resyncs) when the
+        queue holds ``max_queued_ops`` ops already, or (not counted) once ``stop`` was called."""
+        num_ops = count_ops(events)
         with self._lock:
             if self._stopping:
                 return False
             accepted = self._num_queued_ops < self.max_queued_ops
             if accepted:
-                self._batches.append(batch)
-                self._num_queued_ops += batch.num_ops
+                self._batches.append(Batch(events, num_ops, self._next_seq))
+                self._next_seq += 1
+                self._num_queued_ops += num_ops
                 self._num_batches_accepted += 1
                 self._work.notify()
+            else:
+                self._enter_resync_mode()
+        batch = Batch(events, num_ops, 0)
         stats = self.index.stats
         if not accepted:
             stats.publish_batches_dropped_full += 1
@@ -241,6 +264,10 @@ class IndexWorker:
         while True:
             with self._lock:
                 while not (self._stopping or self._lookups or self._batches):
+                    if self._needs_resync and not self._resync_wanted:
+                        self._next_heartbeat_s = min(
+                            self._next_heartbeat_s, self._last_probe_s + _RESYNC_PROBE_S
+                        )
                     wait_s = self._next_heartbeat_s - self._clock()
                     if wait_s <= 0:
                         break
@@ -266,16 +293,40 @@ class IndexWorker:
                     self._done.notify_all()
         self._shut_down()
 
-    def _take_batches(self) -> list[list[Any]]:
+    def _enter_resync_mode(self) -> None:
+        """A batch may be lost. Called under ``_lock``. Without ``can_resync`` (no source of
+        the node's cached set) the index just misses that batch, as it always did."""
+        if not self.can_resync:
+            return
+        if not self._needs_resync:
+            logger.warning(
+                "index: a publish batch of %s may be lost; resyncing its whole cached set once "
+                "the backend answers", self.node_id,
+            )
+        self._needs_resync = True
+        self._resync_wanted = False
+        self._last_probe_s = self._clock()
+        self._work.notify()
+
+    def _take_batches(self) -> list[Batch]:
         """Pop queued batches, oldest first, up to ``_MAX_OPS_PER_SEND`` ops (at least one
-        batch). Called under ``_lock``."""
-        batches: list[list[Any]] = []
+        batch; a resync batch only at the head of a call). In resync mode the deltas before a
+        resync batch are dropped (the set it carries covers them). Called under ``_lock``."""
+        batches: list[Batch] = []
         num_ops = 0
+        while self._needs_resync and self._batches and not self._batches[0].resync:
+            dropped = self._batches.popleft()
+            self._num_queued_ops -= dropped.num_ops
+            self._num_batches_done += 1
+            self.num_batches_skipped += 1
+            self._done.notify_all()
         while self._batches and (
-            not batches or num_ops + self._batches[0].num_ops <= _MAX_OPS_PER_SEND
+            not batches
+            or (num_ops + self._batches[0].num_ops <= _MAX_OPS_PER_SEND
+                and not self._batches[0].resync)
         ):
             batch = self._batches.popleft()
-            batches.append(batch.events)
+            batches.append(batch)
             num_ops += batch.num_ops
         self._num_queued_ops -= num_ops
         return batches
@@ -292,56 +343,97 @@ class IndexWorker:
                 block_hashes=job.block_hashes,
                 num_local_blocks=job.num_local_blocks,
                 min_gain_blocks=job.min_gain_blocks,
+                hit_rule=self.hit_rule,
             )
         except Exception:
             logger.exception("index: lookup %r of %s failed", job.key, self.node_id)
             return _UNAVAILABLE
 
-    def _send(self, batches: list[list[Any]]) -> None:
-        """Publish the batches as one call; if one holds a bad event, one call per batch so
-        that only the bad batch is lost."""
+    def _send(self, batches: list[Batch]) -> None:
+        """Publish the batches as one call numbered ``(first seq, last seq)``; if one holds a
+        bad event, one call per batch so that only the bad batch is lost (and a resync then
+        follows: the index missed it)."""
         try:
-            self._publish([event for batch in batches for event in batch])
+            self._publish(batches)
             return
         except ValueError as exc:
             if len(batches) == 1:
                 logger.error("index: publish batch of %s refused: %s", self.node_id, exc)
+                with self._lock:
+                    self._enter_resync_mode()
                 return
         except Exception:
             logger.exception("index: publish of %s failed", self.node_id)
+            with self._lock:
+                self._enter_resync_mode()
             return
         for batch in batches:
             try:
-                self._publish(batch)
+                self._publish([batch])
             except Exception as exc:
                 logger.error("index: publish batch of %s refused: %s", self.node_id, exc)
+                with self._lock:
+                    self._enter_resync_mode()
 
-    def _publish(self, events: list[Any]) -> None:
-        result = self.index.publish(self.node_id, self.incarnation, events, default_tier=self.tier)
-        if result.status == "fenced":
-            # Our registration lapsed (a long pause, or Redis lost its data): register again
-            # and apply the batch once more; blocks stored before the lapse stay unlisted.
+    def _publish(self, batches: list[Batch]) -> None:
+        events = [event for batch in batches for event in batch.events]
+        resync = batches[0].resync
+        if self._needs_resync and not resync:
+            return  # deltas queued before resync mode began, taken in the same turn
+        result = self.index.publish(
+            self.node_id,
+            self.incarnation,
+            events,
+            default_tier=self.tier,
+            seq=(batches[0].seq, batches[-1].seq) if self.can_resync else None,
+            resync=resync,
+        )
+        status = result.status
+        if status == "fenced":
+            # Our registration lapsed (a long pause, or Redis lost its data): register again;
+            # the entries went with it, so the whole cached set is published again.
             logger.warning("index: publish of %s fenced; registering again", self.node_id)
             self.num_reregistrations += 1
             self._register()
-            self.index.publish(self.node_id, self.incarnation, events, default_tier=self.tier)
+        if status in ("ok", "replayed"):
+            if resync:
+                self.num_resyncs_sent += 1
+                with self._lock:
+                    self._needs_resync = False
+            return
+        with self._lock:  # fenced, gap, unavailable: this batch or an earlier one is lost
+            self._enter_resync_mode()
 
     def _heartbeat(self) -> None:
-        self._next_heartbeat_s = self._clock() + self._heartbeat_interval_s
+        now = self._clock()
+        self._next_heartbeat_s = now + self._heartbeat_interval_s
+        self._last_probe_s = now
         status = self.index.heartbeat(self.node_id, self.incarnation, ttl_s=self.ttl_s)
         if status == "fenced":
-            # Expired (a long pause, or Redis restarted): register again, entries empty.
+            # Expired (a long pause, Redis restarted): register again, entries empty: resync.
             self.num_reregistrations += 1
-            self._register()
-        elif status == "ok" and self._address is not None:
+            registered = self._register()
+            with self._lock:
+                self._enter_resync_mode()
+                self._resync_wanted = registered
+            return
+        if self._address is not None and now >= self._next_announce_s:  # also when a shard
+            # is down (the live ones serve the address); not at every resync probe
+            self._next_announce_s = now + self._heartbeat_interval_s
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
+        with self._lock:
+            if status == "ok" and self._needs_resync:
+                self._resync_wanted = True
+            elif status == "unavailable":
+                self._enter_resync_mode()  # publishes meanwhile may fail: resync when back
 
-    def _register(self) -> None:
+    def _register(self) -> bool:  # True: registered
         status = self.index.register_node(self.node_id, self.incarnation, ttl_s=self.ttl_s)
         if status != "ok":
             logger.warning("index: register of %s answered %s", self.node_id, status)
         if self._address is not None:
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
+        return status == "ok"
 
     def _shut_down(self) -> None:
         with self._lock:

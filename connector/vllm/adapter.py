@@ -114,6 +114,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 block_size=self._ours.kv_cache_groups[0].kv_cache_spec.block_size,
                 num_groups=len(self._ours.kv_cache_groups),
                 hash_fn_name=hash_fn_name,
+                kv_cache_config=self._ours,
             )
         else:
             self._worker = KVBridgeWorker(self.config, self._ours, hash_fn_name=hash_fn_name)

@@ -1,0 +1,382 @@
+"""The block index on Redis Cluster (or Valkey cluster): ``redis-cluster://HOST:PORT[,...]``.
+
+Key layout. A cluster script may only touch keys of one hash slot, and a lookup must stay one
+round trip, so the namespace is cut into ``num_buckets`` buckets, each a complete single-server
+layout (``redis_scripts.py``) under its own hash tag, ``{<namespace prefix>:b<i>.<j>}`` (``j``
+spreads the buckets evenly over the slot space, ``bucket_prefixes``): every key a
+script touches (entries, node records, hole records, sequence numbers) carries its bucket's tag
+and lives in one slot. A chain of blocks lives in the bucket of its root, the prompt's block 0
+(``bucket_of``): prompts that share a first block share a bucket, so a lookup, and the holder's
+block ids after it, read one bucket on one shard. The buckets' slots spread over the shards.
+
+Trade-off (measured by ``benchmarks/bench_index.py --cluster``): the unit of spreading is a root,
+not a block. A hot system prompt puts every conversation that starts with it, all their blocks
+and all their lookups, on one bucket's shard (a hot slot): with a trace whose prompts share few
+roots the busiest shard holds far more than a third of the keys. More buckets never split one
+root; they only even out many roots.
+
+A node is registered and heart-beats in every bucket (``num_buckets`` small calls every
+``ttl / 3``) and announces its address in three buckets on different shards; a publish sends
+one call per bucket its ops touch, each with that bucket's own batch number (a bucket sees
+only the batches that touch it, so its numbers have no holes; a batch number this client sent
+before is not sent again: "replayed"). A
+bucket whose shard is down is backed off on its own (``RedisBlockIndex``, per key prefix): its
+lookups answer "unavailable" and fall back to local APC, the other buckets keep answering.
+Publishing or heart-beating meets the down bucket and answers "unavailable", so the node stops
+sending deltas and resyncs its whole cached set once every bucket answers again (the live
+buckets keep their entries meanwhile: advisory, at worst a recompute).
+
+Servers: ``cluster-require-full-coverage no`` keeps the live shards serving while one is down.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import msgpack
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from . import redis_scripts as scripts
+from .node_directory import NodeAddress
+from .protocol import (
+    IndexNamespace,
+    IndexOp,
+    IndexStatus,
+    PublishResult,
+    Tier,
+    check_node_id,
+    check_seq,
+    events_to_ops,
+)
+from .redis_index import RedisBlockIndex, _script, _ttl_ms
+
+__all__ = [
+    "CLUSTER_SCHEME",
+    "RedisClusterBlockIndex",
+    "RedisClusterNodeDirectory",
+    "bucket_of",
+    "bucket_prefixes",
+    "cluster_client",
+    "parse_cluster_url",
+]
+
+CLUSTER_SCHEME = "redis-cluster://"
+DEFAULT_NUM_BUCKETS = 32
+_MAX_BUCKETS = 1024
+_NUM_SLOTS = 16384
+_DIRECTORY_TROUBLE = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+_REGISTER = _script(scripts.REGISTER_LUA)
+_HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], int]:
+    """Seed nodes and bucket count of ``redis-cluster://HOST:PORT[,HOST:PORT...][?buckets=N]``.
+    Raises ValueError naming what is wrong."""
+    if not url.startswith(CLUSTER_SCHEME):
+        raise ValueError(f"a cluster index_url starts with {CLUSTER_SCHEME!r}, got {url!r}")
+    parts = urlsplit("http://" + url[len(CLUSTER_SCHEME):])
+    seeds: list[tuple[str, int]] = []
+    for item in parts.netloc.split(","):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"index_url seed node {item!r} is not HOST:PORT (in {url!r})")
+        seeds.append((host.strip("[]"), int(port)))
+    query = parse_qs(parts.query)
+    num_buckets = DEFAULT_NUM_BUCKETS
+    if "buckets" in query:
+        value = query["buckets"][-1]
+        if not value.isdigit() or not 1 <= int(value) <= _MAX_BUCKETS:
+            raise ValueError(f"index_url buckets must be in [1, {_MAX_BUCKETS}], got {value!r}")
+        num_buckets = int(value)
+    return seeds, num_buckets
+
+
+def cluster_client(url: str, *, socket_timeout_s: float, connect_timeout_s: float) -> RedisCluster:
+    """A ``RedisCluster`` for ``url``'s seed nodes that fails fast (no retries, no full-coverage
+    requirement: the index backs off per bucket)."""
+    seeds, _ = parse_cluster_url(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in seeds],
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        require_full_coverage=False,
+    )
+
+
+def bucket_prefixes(key_prefix: str, num_buckets: int) -> list[str]:
+    """Each bucket's hash-tagged key prefix, ``{<key_prefix>:b<i>.<j>}``, with the smallest
+    ``j`` whose slot falls in the bucket's even share of the 16,384 slots: the buckets spread
+    over the slot space as evenly as they can (so over shards that own even slot ranges),
+    whatever the cluster, and every client computes the same prefixes."""
+    out = []
+    for b in range(num_buckets):
+        low, high = b * _NUM_SLOTS // num_buckets, (b + 1) * _NUM_SLOTS // num_buckets
+        j = 0
+        while not low <= key_slot(f"{key_prefix}:b{b}.{j}".encode()) < high:
+            j += 1
+        out.append(f"{{{key_prefix}:b{b}.{j}}}")
+    return out
+
+
+def bucket_of(first_key: bytes, num_buckets: int) -> int:
+    """The bucket of a chain whose block 0 has lookup key ``first_key`` (a hash prefix, so its
+    first bytes are uniform)."""
+    return int.from_bytes(first_key[:4], "big") % num_buckets
+
+
+class _NodeSeqs:
+    """Per node: its incarnation, the next batch number of each bucket and the last batch
+    number sent. Never reset within an incarnation (a bucket that lost its data then sees a
+    gap and the node resyncs). Guarded by the index's publish lock."""
+
+    def __init__(self, incarnation: int, num_buckets: int) -> None:
+        self.incarnation = incarnation
+        self.next = [1] * num_buckets
+        self.last_batch = 0
+
+
+class RedisClusterBlockIndex(RedisBlockIndex):
+    """``BlockIndex`` on a Redis or Valkey cluster (module docstring: layout and trade-off).
+
+    ``url``: ``redis-cluster://HOST:PORT[,HOST:PORT...][?buckets=N]`` (seed nodes; default 32
+    buckets). ``client``: an existing ``RedisCluster`` to use. Thread safety as
+    ``RedisBlockIndex``; the chain roots and batch numbers publishing keeps are under a lock.
+    """
+
+    def __init__(
+        self,
+        namespace: IndexNamespace,
+        url: str,
+        *,
+        socket_timeout_s: float = 0.25,
+        connect_timeout_s: float = 0.25,
+        retry_interval_s: float = 1.0,
+        client: RedisCluster | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        _, self.num_buckets = parse_cluster_url(url)
+        client = client or cluster_client(
+            url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
+        )
+        super().__init__(
+            namespace, client=client, retry_interval_s=retry_interval_s, clock=clock  # type: ignore[arg-type]
+        )
+        self._num_route_keys = 1
+        self.bucket_prefixes = bucket_prefixes(namespace.key_prefix, self.num_buckets)
+        self._publish_lock = threading.Lock()
+        # node -> lookup key -> [root key, number of entries]: the bucket of every held block
+        self._roots: dict[str, dict[bytes, list[Any]]] = {}
+        self._seqs: dict[str, _NodeSeqs] = {}
+
+    @property
+    def client(self) -> RedisCluster:
+        """The ``RedisCluster`` client (for tools: shard of a bucket, key counts)."""
+        return self._client  # type: ignore[return-value]
+
+    def _prompt_prefix(self, first_key: bytes) -> str:
+        return self.bucket_prefixes[bucket_of(first_key, self.num_buckets)]
+
+    def shard_of_prompt(self, first_key: bytes) -> str:
+        """``host:port`` of the primary that holds the bucket of a prompt whose block 0 has
+        lookup key ``first_key`` (from the client's slot map; no round trip)."""
+        slot = self.client.keyslot(self._prompt_prefix(first_key))
+        return self.client.nodes_manager.get_node_from_slot(slot).name
+
+    # -- life ------------------------------------------------------------------------------------
+    def _every_bucket(self, what: str, script: Any, node_id: str, incarnation: int,
+                      ttl_s: float) -> IndexStatus:
+        """Run ``script`` in every bucket: "fenced" if any refused, "unavailable" if any did not
+        answer, else "ok"."""
+        check_node_id(node_id)
+        args = (node_id, self._inc_str(incarnation), _ttl_ms(ttl_s))
+        replies = [self._call(what, script, prefix, *args) for prefix in self.bucket_prefixes]
+        if any(reply == 0 for reply in replies):
+            return "fenced"
+        return "unavailable" if any(reply is None for reply in replies) else "ok"
+
+    def register_node(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
+        status = self._every_bucket("register", _REGISTER, node_id, incarnation, ttl_s)
+        with self._publish_lock:
+            seqs = self._seqs.get(node_id)
+            if seqs is None or seqs.incarnation != incarnation:
+                self._seqs[node_id] = _NodeSeqs(incarnation, self.num_buckets)
+                self._roots[node_id] = {}
+        return status
+
+    def heartbeat(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
+        status = self._every_bucket("heartbeat", _HEARTBEAT, node_id, incarnation, ttl_s)
+        if status != "ok":
+            self.stats.heartbeats_failed += 1
+        return status
+
+    # -- publish ---------------------------------------------------------------------------------
+    def publish(
+        self,
+        node_id: str,
+        incarnation: int,
+        events: Iterable[Any],
+        *,
+        default_tier: Tier = "device",
+        seq: tuple[int, int] | None = None,
+        resync: bool = False,
+    ) -> PublishResult:
+        check_node_id(node_id)
+        check_seq(seq)
+        ops = events_to_ops(events, default_tier)
+        inc = self._inc_str(incarnation)
+        with self._publish_lock:
+            seqs = self._seqs.get(node_id)
+            if seqs is None or seqs.incarnation != incarnation:
+                seqs = self._seqs[node_id] = _NodeSeqs(incarnation, self.num_buckets)
+            if seq is not None and seq[1] <= seqs.last_batch:
+                self.stats.publishes_replayed += 1
+                return PublishResult("replayed", len(ops))
+            if seq is not None and not resync and seq[0] != seqs.last_batch + 1:
+                self.stats.publishes_gap += 1  # a batch between was never handed to us
+                return PublishResult("gap", len(ops))
+            bucket_to_ops = self._split(node_id, ops, resync)
+            numbers = self._numbers(seqs, seq, bucket_to_ops)
+        replies = [
+            self._publish_at(
+                self.bucket_prefixes[b], node_id, inc, bucket_ops,
+                (numbers[b], numbers[b]) if numbers else (0, 0), resync,
+            )
+            for b, bucket_ops in bucket_to_ops.items()
+        ]
+        # The worst answer speaks for the batch: lost, refused, out of order, else applied.
+        for worst in (None, 0, 2):
+            if worst in replies:
+                return self._count_publish(worst, len(ops), resync)
+        reply = 3 if replies and all(r == 3 for r in replies) else 1
+        return self._count_publish(reply, len(ops), resync)
+
+    def _split(
+        self, node_id: str, ops: Sequence[IndexOp], resync: bool
+    ) -> dict[int, list[IndexOp]]:
+        """Each op in the bucket of its chain's root (a clear, or a resync: every bucket), in
+        order; follows the node's roots. Called under the publish lock."""
+        roots = self._roots.setdefault(node_id, {})
+        key_len = self._key_hash_bytes
+        every = range(self.num_buckets)
+        out: dict[int, list[IndexOp]] = {b: [] for b in every} if resync else {}
+        for op in ops:
+            if op.kind == "C":
+                roots.clear()
+                for b in every:
+                    out.setdefault(b, []).append(op)
+                continue
+            key = op.block_hash[:key_len]
+            known = roots.get(key)
+            if op.kind == "S":
+                if known is None:
+                    parent = roots.get(op.parent_hash[:key_len]) if op.parent_hash else None
+                    # Block 0 is its own root; a child of an unknown parent falls back to its
+                    # own bucket (a lookup then misses it: a recompute, never a wrong hit).
+                    known = roots[key] = [key if parent is None else parent[0], 0]
+                known[1] += 1
+                root = known[0]
+            else:
+                root = key if known is None else known[0]
+                if known is not None:
+                    known[1] -= 1
+                    if known[1] <= 0:
+                        del roots[key]
+            out.setdefault(bucket_of(root, self.num_buckets), []).append(op)
+        return out
+
+    def _numbers(
+        self, seqs: _NodeSeqs, seq: tuple[int, int] | None, bucket_to_ops: dict[int, list[IndexOp]]
+    ) -> dict[int, int]:
+        """Each touched bucket's batch number for this call ({}: unnumbered). Called under the
+        publish lock."""
+        if seq is None:
+            return {}
+        numbers = {}
+        for b in bucket_to_ops:
+            numbers[b] = seqs.next[b]
+            seqs.next[b] += 1
+        seqs.last_batch = seq[1]
+        return numbers
+
+    # -- reads -------------------------------------------------------------------------------------
+    def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None:
+        check_node_id(node_id)
+        found = [self._node_entries_at(prefix, node_id) for prefix in self.bucket_prefixes]
+        if all(entries is None for entries in found):
+            return None
+        return set().union(*(entries for entries in found if entries is not None))
+
+    def keys_per_shard(self) -> dict[str, int]:
+        """Keys of this namespace on each primary (``host:port``): ``CLUSTER COUNTKEYSINSLOT`` of
+        each bucket's slot. For benchmarks and tools."""
+        out: dict[str, int] = {}
+        client: RedisCluster = self._client  # type: ignore[assignment]
+        for prefix in self.bucket_prefixes:
+            slot = client.keyslot(prefix)
+            node = client.nodes_manager.get_node_from_slot(slot)
+            count = client.execute_command("CLUSTER COUNTKEYSINSLOT", slot, target_nodes=node)
+            out[node.name] = out.get(node.name, 0) + int(count)
+        return out
+
+    def interrupt(self) -> None:
+        self._client.disconnect_connection_pools()  # type: ignore[attr-defined]
+
+
+class RedisClusterNodeDirectory:
+    """``NodeDirectory`` on a cluster: the address under ``<bucket prefix>:addr:<node_id>`` in
+    three buckets a third of the slot space apart (so, with even slot ranges, on three shards),
+    announced with each heartbeat and read from the first that answers."""
+
+    def __init__(self, client: RedisCluster, bucket_prefixes: Sequence[str]) -> None:
+        self._client = client
+        self._prefixes = list(bucket_prefixes)
+
+    def _keys(self, node_id: str) -> list[str]:
+        num = len(self._prefixes)
+        home = int.from_bytes(node_id.encode()[-4:].rjust(4, b"\0"), "big") % num
+        buckets = dict.fromkeys((home + k * num // 3) % num for k in range(3))
+        return [f"{self._prefixes[b]}:addr:{node_id}" for b in buckets]
+
+    def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
+        value = msgpack.packb([address.host, address.port, address.incarnation])
+        for key in self._keys(node_id):
+            try:
+                self._client.set(key, value, px=max(int(ttl_s * 1000), 1))
+            except _DIRECTORY_TROUBLE:
+                continue  # that bucket's shard is down; the others carry the address
+
+    def lookup(self, node_id: str) -> NodeAddress | None:
+        for key in self._keys(node_id):
+            try:
+                raw = self._client.get(key)
+            except _DIRECTORY_TROUBLE:
+                continue
+            if raw is None:
+                return None
+            try:
+                host, port, incarnation = msgpack.unpackb(raw)
+                if isinstance(host, str) and isinstance(port, int) and isinstance(incarnation, int):
+                    return NodeAddress(host, port, incarnation)
+            except (ValueError, TypeError, msgpack.UnpackException):
+                pass
+            return None
+        return None
+
+    def withdraw(self, node_id: str) -> None:
+        for key in self._keys(node_id):
+            try:
+                self._client.delete(key)
+            except _DIRECTORY_TROUBLE:
+                continue
+
+    def interrupt(self) -> None:
+        self._client.disconnect_connection_pools()

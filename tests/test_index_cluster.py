@@ -1,0 +1,219 @@
+"""The block index on a real three-shard Redis Cluster (issue 14, part 2;
+``tests/_redis_cluster_fixture.py``): the backend and three-node connector tests of the single
+server run again on the cluster (imported below, with this module's fixtures), a lookup stays
+one script call in one slot, and a stopped shard costs only the prompts of its slots."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from _engine_builders import reference_greedy
+from _pd_builders import assert_node_empty, long_prompt
+from kvbridge.connector.index import BlockIndex, IndexNamespace, RedisClusterBlockIndex
+from kvbridge.connector.index.redis_cluster import bucket_of, parse_cluster_url
+from kvbridge.kvmanager import Request, SamplingParams
+from kvbridge.transport import LoopbackNetwork
+
+# The single-server tests, run here against the cluster (pytest resolves their fixtures in this
+# module: ``index`` and ``nodes`` below). Not test_stored_adds_and_removed_removes: it re-stores
+# a middle block without its parent hash, which a block pool never does and which on a cluster
+# puts the block in its own bucket (a miss there).
+from test_block_index import (  # noqa: F401
+    test_block_stored_without_its_parent_does_not_extend_a_run,
+    test_cleared_drops_only_that_nodes_entries,
+    test_equal_runs_report_every_holder_for_the_caller_to_break_ties,
+    test_every_requested_group_must_be_held,
+    test_longest_prefix_prefers_the_deepest_holder,
+    test_node_that_stops_heart_beating_expires,
+    test_restart_drops_old_entries_and_fences_the_old_incarnation,
+    test_unknown_and_empty_prompts_have_no_hit,
+)
+from test_connector_index import (  # noqa: F401
+    BLOCK_SIZE,
+    index_client,
+    make_node,
+    serve,
+    stats,
+    test_blocks_are_published_only_after_the_forward_that_computes_them,
+    test_request_pulls_the_longest_prefix_then_falls_back_to_local_apc,
+    test_salt_and_lora_never_cross_hit_through_the_index,
+    test_stale_index_entry_costs_a_recompute_not_wrong_output,
+)
+from test_index_events import (  # noqa: F401
+    test_numbered_batches_apply_in_order_replays_are_ignored_gaps_refused,
+)
+
+NAMESPACE = IndexNamespace(model_name="test-model", block_size=16, hash_fn_name="sha256")
+
+
+@pytest.fixture
+def index(redis_cluster_url: str) -> Iterator[BlockIndex]:
+    backend = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def redis_url(redis_cluster_url: str) -> str:
+    """The imported connector tests ask for ``redis_url``: here it is the cluster's."""
+    return redis_cluster_url
+
+
+@pytest.fixture
+def nodes(redis_cluster_url):
+    network = LoopbackNetwork()
+    made = []
+
+    def build(engine_id: str, **extra):
+        engine = make_node(engine_id, network, redis_cluster_url, **extra)
+        made.append(engine)
+        return engine
+
+    yield build
+    for engine in made:
+        engine.shutdown()
+
+
+def test_cluster_urls_are_parsed_and_bad_ones_refused():
+    assert parse_cluster_url("redis-cluster://a:1,b:2?buckets=8") == ([("a", 1), ("b", 2)], 8)
+    assert parse_cluster_url("redis-cluster://127.0.0.1:7000")[1] == 32
+    for bad in ("redis://a:1", "redis-cluster://a", "redis-cluster://a:0", "redis-cluster://:5",
+                "redis-cluster://a:1?buckets=0"):
+        with pytest.raises(ValueError):
+            parse_cluster_url(bad)
+
+
+def test_a_lookup_touches_one_slot_and_prompts_spread_over_the_shards(redis_cluster_url):
+    index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url)
+    client = index._client
+    # (1) Every bucket prefix is its own hash tag: keys built on it share the prefix's slot.
+    prefix = index.bucket_prefixes[5]
+    slot = client.keyslot(prefix)
+    assert client.keyslot(prefix + ":e:0:" + "\x00\xff{x}") == slot
+    assert client.keyslot(prefix + ":node:node-a") == slot
+    # (2) The buckets' slots land on all three shards.
+    shards = {
+        client.nodes_manager.get_node_from_slot(client.keyslot(p)).name
+        for p in index.bucket_prefixes
+    }
+    assert len(shards) == 3
+    # (3) A lookup of a chain stored by one node: one script call answers it whole.
+    assert index.register_node("node-a", 1, ttl_s=10.0) == "ok"
+    hashes = [bytes([i]) * 32 for i in range(1, 41)]
+    from test_block_index import _stored
+
+    assert index.publish("node-a", 1, [_stored(hashes)]).status == "ok"
+    calls = []
+    execute = index._execute
+    index._execute = lambda *args, **kw: calls.append(args[0]) or execute(*args, **kw)
+    assert index.longest_prefix(hashes).num_blocks == 40
+    assert calls == ["EVALSHA"]
+    index.close()
+
+
+def hashes_of(engine, prompt: list[int]) -> list[bytes]:
+    probe = Request(
+        "probe", prompt, SamplingParams(max_tokens=1),
+        block_hasher=engine.kv_cache_manager.request_block_hasher,
+    )
+    return list(probe.block_hashes)
+
+
+def _prompt_on(index: RedisClusterBlockIndex, engine, shard: str, *, other: bool, salt: str):
+    """A prompt whose bucket is (or, with ``other``, is not) on shard ``shard``."""
+    client = index._client
+    for attempt in range(200):
+        prompt = long_prompt(8 * BLOCK_SIZE + 3, salt=f"{salt} {attempt}. ")
+        probe = Request(
+            "probe", prompt, SamplingParams(max_tokens=1),
+            block_hasher=engine.kv_cache_manager.request_block_hasher,
+        )
+        key = probe.block_hashes[0][: index.namespace.key_hash_bytes]
+        prefix = index.bucket_prefixes[bucket_of(key, index.num_buckets)]
+        name = client.nodes_manager.get_node_from_slot(client.keyslot(prefix)).name
+        if (name == shard) != other:
+            return prompt
+    raise AssertionError("no prompt found for that shard")
+
+
+def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
+    # C's lookups may wait behind heartbeats that meet the dead shard (each failed call makes
+    # redis-py re-read the cluster's topology): a lookup deadline that a loaded host keeps.
+    b, c = nodes("node-b"), nodes("node-c", index_lookup_timeout_s=5.0)
+    index = index_client(c).index
+    down = f"127.0.0.1:{redis_cluster.ports[2]}"
+    on_down = _prompt_on(index, b, down, other=False, salt="Down")
+    on_live = _prompt_on(index, b, down, other=True, salt="Live")
+    serve(b, "warm-down", on_down)
+    serve(b, "warm-live", on_live)
+    assert index.longest_prefix(hashes_of(b, on_live)[:8]).num_blocks == 8
+    # (1) Shard 2 dies. C asks for a prompt of its slots: the lookup fails (counted) and C
+    # computes it with local APC; the answer is still right.
+    redis_cluster.stop(2)
+    failed_before = index.stats.lookups_failed
+    assert serve(c, "req-down", on_down) == reference_greedy(on_down, 3, hybrid=False)
+    assert stats(c)["num_index_hits"] == 0
+    assert index.stats.lookups_failed > failed_before
+    # (2) A prompt of a live shard's slots still hits: C pulls it from B.
+    assert serve(c, "req-live", on_live) == reference_greedy(on_live, 3, hybrid=False)
+    s = stats(c)
+    assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0), (
+        index.stats)
+    assert s["remote_hit_tokens"] == 8 * BLOCK_SIZE
+    # (3) The shard comes back empty: B resyncs its whole cached set, the prompt hits again.
+    redis_cluster.start(2)
+    deadline = time.monotonic() + 15
+    while index_client(b).resync_pending or index_client(b).num_resyncs == 0:
+        assert time.monotonic() < deadline, "B never resynced after the shard came back"
+        b.step()
+        time.sleep(0.01)
+    assert index_client(b).flush()
+    c.kv_cache_manager.reset_prefix_cache()  # C forgets its own copy: only B has it now
+    time.sleep(1.1)  # C's back-off of the shard's buckets runs out
+    assert serve(c, "req-down-2", on_down) == reference_greedy(on_down, 3, hybrid=False)
+    assert stats(c)["num_index_hits"] == 2
+    assert_node_empty(b)
+    assert_node_empty(c)
+
+
+def test_cluster_servers_refuse_a_cross_slot_script(redis_cluster_url):
+    """The layout matters: a script that touched two buckets' keys would be refused (by
+    redis-py before it is sent, or by the server)."""
+    index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url)
+    client = index._client
+    a, b = index.bucket_prefixes[0], index.bucket_prefixes[1]
+    if client.keyslot(a) == client.keyslot(b):
+        pytest.fail("two buckets share a slot")
+    with pytest.raises((redis.ResponseError, redis.exceptions.RedisClusterException)):
+        client.eval("return redis.call('GET', KEYS[2])", 2, a + ":x", b + ":x")
+    index.close()
+
+
+def test_open_index_the_proxy_and_pd_pair_take_a_cluster_url(redis_cluster_url):
+    import sys
+    from pathlib import Path
+
+    from kvbridge.connector.index import block_index_for_url, open_index
+    from kvbridge.connector.index.node_directory import NodeAddress
+    from kvbridge.connector.index.redis_cluster import RedisClusterNodeDirectory
+
+    index, directory = open_index(redis_cluster_url, NAMESPACE)
+    assert isinstance(index, RedisClusterBlockIndex)
+    assert isinstance(directory, RedisClusterNodeDirectory)
+    directory.announce("node-x", NodeAddress("10.0.0.9", 5555, 7), ttl_s=5.0)
+    assert directory.lookup("node-x") == NodeAddress("10.0.0.9", 5555, 7)
+    directory.withdraw("node-x")
+    assert directory.lookup("node-x") is None
+    tool = block_index_for_url(redis_cluster_url, NAMESPACE)
+    assert isinstance(tool, RedisClusterBlockIndex)
+    tool.close()
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        open_index("redis-cluster://no-port", NAMESPACE)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import pd_pair
+
+    pd_pair.check_redis(redis_cluster_url)  # the cluster answers PING: no UsageError
+    index.close()

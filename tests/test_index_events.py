@@ -1,0 +1,346 @@
+"""Events that never leave the index wrong (issue 14, part 3): numbered publish batches, a
+resync of the node's whole cached set after a gap, and no resurrection by a late or replayed
+"stored". Real ``redis-server`` (``tests/_redis_fixture.py``) and the in-memory reference."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from _engine_builders import reference_greedy, tiny_model
+from _pd_builders import assert_node_empty, long_prompt, run_to_completion
+from kvbridge.connector.factory import create_engine
+from kvbridge.connector.index import BlockIndex, IndexNamespace, InMemoryBlockIndex, RedisBlockIndex
+from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, Request, SamplingParams
+from kvbridge.kvmanager.engine import Engine, EngineConfig
+from kvbridge.transport import LoopbackNetwork
+
+BLOCK_SIZE = 16
+MAX_TOKENS = 3
+NAMESPACE = IndexNamespace(model_name="events", block_size=BLOCK_SIZE, hash_fn_name="sha256")
+
+
+def _hash(i: int) -> bytes:
+    return bytes([i + 1]) * 32
+
+
+def _stored(i: int, block_id: int, *, parent: int | None = None) -> BlockStored:
+    return BlockStored(
+        block_hashes=[_hash(i)],
+        parent_block_hash=None if parent is None else _hash(parent),
+        token_ids=[],
+        block_size=BLOCK_SIZE,
+        lora_name=None,
+        medium=None,
+        group_id=0,
+        block_ids=[block_id],
+    )
+
+
+def _removed(i: int, block_id: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[_hash(i)], medium=None, group_id=0, block_ids=[block_id])
+
+
+@pytest.fixture(params=["memory", "redis"])
+def index(request: pytest.FixtureRequest) -> Iterator[BlockIndex]:
+    if request.param == "memory":
+        backend: BlockIndex = InMemoryBlockIndex(NAMESPACE)
+    else:
+        backend = RedisBlockIndex(NAMESPACE, request.getfixturevalue("redis_url"))
+    yield backend
+    backend.close()
+
+
+def _keys(index: BlockIndex, node_id: str) -> set[tuple[int, bytes, int]]:
+    entries = index.node_entries(node_id)
+    assert entries is not None
+    return entries
+
+
+def test_numbered_batches_apply_in_order_replays_are_ignored_gaps_refused(index):
+    assert index.register_node("a", 7, ttl_s=10.0) == "ok"
+    k = NAMESPACE.key_hash_bytes
+    # (1) Batch 1 stores block 0; the same batch again (a retry that landed twice) is ignored.
+    assert index.publish("a", 7, [_stored(0, 5)], seq=(1, 1)).status == "ok"
+    assert index.publish("a", 7, [_stored(0, 5)], seq=(1, 1)).status == "replayed"
+    # (2) Batches 2-3 (merged in one call) store block 1 and remove block 0.
+    result = index.publish("a", 7, [_stored(1, 6, parent=0), _removed(0, 5)], seq=(2, 3))
+    assert result.status == "ok"
+    assert _keys(index, "a") == {(0, _hash(1)[:k], 6)}
+    # (3) A late "stored" of block 0 (batch 1 replayed after its removal) resurrects nothing.
+    assert index.publish("a", 7, [_stored(0, 5)], seq=(1, 1)).status == "replayed"
+    assert _keys(index, "a") == {(0, _hash(1)[:k], 6)}
+    # (4) Batch 5 after batch 3: batch 4 is missing, so the index refuses it (the node resyncs).
+    assert index.publish("a", 7, [_stored(2, 7, parent=1)], seq=(5, 5)).status == "gap"
+    assert _keys(index, "a") == {(0, _hash(1)[:k], 6)}
+    # (5) The resync (batch 6) replaces everything with the node's whole set.
+    resync = [AllBlocksCleared(medium=None), _stored(0, 9), _stored(1, 10, parent=0)]
+    assert index.publish("a", 7, resync, seq=(6, 6), resync=True).status == "ok"
+    assert _keys(index, "a") == {(0, _hash(0)[:k], 9), (0, _hash(1)[:k], 10)}
+    assert index.longest_prefix([_hash(0), _hash(1)]).num_blocks == 2
+    assert index.publish("a", 7, [_removed(1, 10)], seq=(7, 7)).status == "ok"
+    assert index.longest_prefix([_hash(0), _hash(1)]).num_blocks == 1
+    # (6) A new incarnation starts counting again from 1.
+    assert index.register_node("a", 8, ttl_s=10.0) == "ok"
+    assert index.publish("a", 8, [_stored(0, 3)], seq=(1, 1)).status == "ok"
+    assert (index.stats.publishes_replayed, index.stats.publishes_gap) == (2, 1)
+    assert index.stats.resyncs == 1
+
+
+# ---------------------------------------------------------------------------- a real node
+
+
+def make_node(
+    engine_id: str, network: LoopbackNetwork, index_url: str, num_blocks: int, ttl_s: float
+) -> Engine:
+    config = EngineConfig(
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=1100,
+        max_num_batched_tokens=1100,
+    )
+    kv_transfer_config = {
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "transport": "loopback",
+            "index_url": index_url,
+            "index_ttl_s": ttl_s,
+            "load_timeout_s": 5.0,
+        },
+    }
+    return create_engine(
+        tiny_model(hybrid=False), config, kv_transfer_config, loopback_network=network
+    )
+
+
+def client_of(engine: Engine):
+    return engine.scheduler.connector.scheduler_half.index_client
+
+
+def serve(engine: Engine, request_id: str, prompt: list[int]) -> list[int]:
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    return run_to_completion(engine, request_id).token_ids
+
+
+def pool_entries(engine: Engine) -> set[tuple[int, bytes, int]]:
+    """The node's cached set, read through the pool's thread-safe snapshot API."""
+    k = NAMESPACE.key_hash_bytes
+    return {
+        (entry.group_id, entry.block_hash[:k], entry.block_id)
+        for entry in engine.kv_cache_manager.block_pool.snapshot_cached_blocks()
+    }
+
+
+def step_until_resynced(engine: Engine, *, min_resyncs: int, timeout_s: float = 10.0) -> None:
+    """Step the (idle) node until its worker has had ``min_resyncs`` resyncs applied and no
+    batch is in doubt, then until every queued batch is sent."""
+    client = client_of(engine)
+    deadline = time.monotonic() + timeout_s
+    while client.resync_pending or client.num_resyncs < min_resyncs:
+        assert time.monotonic() < deadline, "the node never resynced"
+        engine.step()
+        time.sleep(0.01)
+    assert client.flush()
+
+
+def hashes_of(engine: Engine, prompt: list[int]) -> list[bytes]:
+    probe = Request(
+        "probe", prompt, SamplingParams(max_tokens=1),
+        block_hasher=engine.kv_cache_manager.request_block_hasher,
+    )
+    return list(probe.block_hashes)
+
+
+@pytest.fixture
+def node(redis_url):
+    made: list[Engine] = []
+    network = LoopbackNetwork()
+
+    def build(engine_id: str, num_blocks: int, ttl_s: float = 1.5) -> Engine:
+        made.append(make_node(engine_id, network, redis_url, num_blocks, ttl_s))
+        return made[-1]
+
+    yield build
+    for engine in made:
+        engine.shutdown()
+
+
+def test_after_a_redis_outage_the_resync_makes_the_index_say_exactly_what_the_node_holds(
+    node, redis_server, redis_url
+):
+    a = node("node-a", num_blocks=72)  # 71 usable blocks
+    index = client_of(a).index
+    old = long_prompt(40 * BLOCK_SIZE + 3)
+    serve(a, "old", old)
+    assert client_of(a).flush()
+    assert index.node_entries("node-a") == pool_entries(a)  # 40 blocks
+    # (1) Redis goes down (SIGKILL: its data is lost). The node caches a 50-block prompt; the
+    # pool has 31 unhashed free blocks, so 20 of the old prompt's cached blocks are evicted.
+    redis_server.stop()
+    new = long_prompt(50 * BLOCK_SIZE + 3, salt="While Redis was down. ")
+    assert serve(a, "new", new) == reference_greedy(new, MAX_TOKENS, hybrid=False)
+    cached = pool_entries(a)
+    pool = a.kv_cache_manager.block_pool
+    old_hashes, new_hashes = hashes_of(a, old)[:40], hashes_of(a, new)[:50]
+    assert sum(pool.get_cached_block(h, [0]) is not None for h in old_hashes) == 20
+    assert all(pool.get_cached_block(h, [0]) is not None for h in new_hashes)
+    assert len(cached) == 70
+    # (2) Redis is back, empty. The node registers again and re-publishes its whole set.
+    redis_server.start()
+    step_until_resynced(a, min_resyncs=1)
+    assert index.node_entries("node-a") == pool_entries(a) == cached
+    assert index.longest_prefix(new_hashes).num_blocks == 50
+    assert index.longest_prefix(old_hashes).num_blocks == 20  # its tail went first (rule 7)
+    # (3) Deltas flow again after the resync.
+    a.kv_cache_manager.block_pool.evict_blocks(
+        {pool.get_cached_block(new_hashes[30], [0])[0].block_id}
+    )
+    a.step()
+    assert client_of(a).flush()
+    assert index.node_entries("node-a") == pool_entries(a)
+    assert index.longest_prefix(new_hashes).num_blocks == 30
+    assert_node_empty(a)
+
+
+_BUSY_LUA = """
+local t0 = redis.call('TIME')
+local start = t0[1] * 1000000 + t0[2]
+while true do
+  local t = redis.call('TIME')
+  if t[1] * 1000000 + t[2] - start > tonumber(ARGV[1]) then return 1 end
+end
+"""
+
+
+def _block_redis(url: str, duration_s: float) -> threading.Thread:
+    """Keep the server busy in one Lua script for ``duration_s`` (it answers nobody meanwhile;
+    what other clients send waits in their sockets and runs afterwards)."""
+    client = redis.Redis.from_url(url, socket_timeout=duration_s + 5)
+
+    def run() -> None:
+        try:
+            client.eval(_BUSY_LUA, 0, int(duration_s * 1e6))
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    probe = redis.Redis.from_url(url, socket_timeout=0.05)
+    try:
+        while True:  # until a PING goes unanswered: the script is running
+            try:
+                probe.ping()
+                time.sleep(0.005)
+            except redis.TimeoutError:
+                return thread
+    finally:
+        probe.close()
+
+
+def test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block(node, redis_url):
+    # A long TTL: no heartbeat falls in the busy second below, so the publish is the call that
+    # meets the busy server (a heartbeat first would start the client's back-off instead).
+    a = node("node-a", num_blocks=72, ttl_s=60.0)
+    index = client_of(a).index
+    warm = long_prompt(8 * BLOCK_SIZE + 3)
+    serve(a, "warm", warm)
+    assert client_of(a).flush()
+    # (1) A schedules a prompt (its lookup answered): the blocks are hashed, not yet published.
+    prompt = long_prompt(6 * BLOCK_SIZE + 4, salt="Late. ")
+    a.add_request("late", prompt, SamplingParams(max_tokens=1))
+    scheduler_output = a.scheduler.schedule()
+    while not scheduler_output.num_scheduled_tokens:
+        a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
+        time.sleep(0.001)
+        scheduler_output = a.scheduler.schedule()
+    # (2) Redis is busy for 1.2 s: the step's publish (its "stored" events) times out on the
+    # client after 0.25 s but stays in the socket and lands when the server is free again.
+    busy = _block_redis(redis_url, 1.2)
+    a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
+    hashes = hashes_of(a, prompt)[:6]
+    deadline = time.monotonic() + 5
+    while not client_of(a).resync_pending:
+        assert time.monotonic() < deadline, "the publish never timed out"
+        time.sleep(0.01)
+    # (3) While Redis is still busy, the node evicts block 3 of that prompt.
+    pool = a.kv_cache_manager.block_pool
+    pool.evict_blocks({pool.get_cached_block(hashes[3], [0])[0].block_id})
+    a.step()
+    busy.join()
+    # The late publish did land: the server holds block 3 from it ...
+    k = NAMESPACE.key_hash_bytes
+    held = {key for _, key, _ in index.node_entries("node-a") or ()}
+    assert hashes[3][:k] in held
+    # (4) ... until the resync that the timeout started replaces it with the node's real set.
+    step_until_resynced(a, min_resyncs=1)
+    entries = index.node_entries("node-a")
+    assert entries == pool_entries(a)
+    assert hashes[3][:k] not in {key for _, key, _ in entries}
+    assert index.longest_prefix(hashes).num_blocks == 3
+    # (5) The timed-out batch replayed once more is ignored: it was applied already.
+    replay = BlockStored(
+        block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=BLOCK_SIZE,
+        lora_name=None, medium=None, group_id=0, block_ids=list(range(1, 7)),
+    )
+    incarnation = client_of(a).incarnation
+    assert index.publish("node-a", incarnation, [replay], seq=(1, 1)).status == "replayed"
+    assert index.node_entries("node-a") == pool_entries(a)
+    assert index.longest_prefix(hashes).num_blocks == 3
+    assert_node_empty(a)
+
+
+# ---------------------------------------------------------------------------- the hit metric
+
+
+def test_a_remote_hit_is_counted_once_when_the_request_waited_many_steps_for_room():
+    network = LoopbackNetwork()
+    url = "memory"
+    config_b = EngineConfig(num_blocks=80, block_size=BLOCK_SIZE, max_model_len=600,
+                            max_num_batched_tokens=600)
+    config_c = EngineConfig(num_blocks=40, block_size=BLOCK_SIZE, max_model_len=600,
+                            max_num_batched_tokens=600)
+    extra = {"transport": "loopback", "index_url": url, "model_name": "hit-metric",
+             "index_ttl_s": 5.0, "load_timeout_s": 5.0}
+    b, c = (
+        create_engine(
+            tiny_model(hybrid=False), config,
+            {"kv_role": "kv_both", "engine_id": engine_id, "kv_connector_extra_config": extra},
+            loopback_network=network,
+        )
+        for engine_id, config in (("node-b", config_b), ("node-c", config_c))
+    )
+    try:
+        prompt = long_prompt(16 * BLOCK_SIZE + 5)
+        serve(b, "warm", prompt)
+        assert client_of(b).flush()
+        # (1) C runs a request that keeps 25 to 28 of its 39 blocks while it decodes 60 tokens,
+        # so req-0 (17 blocks, 16 of them found on B through the index) waits for room.
+        hog = long_prompt(24 * BLOCK_SIZE, salt="hog")
+        c.add_request("hog", hog, SamplingParams(max_tokens=60))
+        while not any(c.kv_cache_manager.get_block_ids("hog")):  # its own lookup answered
+            c.step()
+        c.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        num_waiting_steps = 0  # steps in which req-0 had no block yet
+        tokens: list[int] = []
+        deadline = time.monotonic() + 60
+        while not tokens:
+            assert time.monotonic() < deadline, "req-0 never finished"
+            if not any(c.kv_cache_manager.get_block_ids("req-0")):
+                num_waiting_steps += 1
+            for output in c.step():
+                if output.request_id == "req-0" and output.finished:
+                    tokens = output.token_ids
+        assert num_waiting_steps >= 20  # it was looked up (and matched) on every one of them
+        assert tokens == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+        stats = c.scheduler.connector.stats.snapshot()
+        # (2) Counted once, when its blocks were allocated: 16 blocks, not 16 per step waited.
+        assert stats["num_index_lookups"] > 10
+        assert (stats["num_index_hits"], stats["num_loads"]) == (1, 1)
+        assert stats["remote_hit_tokens"] == 16 * BLOCK_SIZE
+        assert_node_empty(b)
+        assert_node_empty(c)
+    finally:
+        b.shutdown()
+        c.shutdown()
