@@ -255,6 +255,11 @@ class KVBridgeScheduler:
         )
         return MatchedTokens(num_remote_tokens - num_computed_tokens, True)
 
+    def match_tier(self, request_id: str) -> str | None:
+        """The matched holder's tier (``HolderRef.tier``) until the allocation; None: none."""
+        match = self._matches.get(request_id)
+        return None if match is None else match.holder.tier
+
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
@@ -318,6 +323,8 @@ class KVBridgeScheduler:
         if self._offload is not None:
             self._offload.observe(events)
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
+        num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        meta.num_scheduled_tokens = num_tokens if type(num_tokens) is int else None
         return meta
 
     # ------------------------------------------------------------------ update_from_output()
@@ -431,14 +438,9 @@ class KVBridgeScheduler:
 
     def has_pending_orders(self) -> bool:
         """True when the next ``build_connector_meta`` carries orders for the worker half."""
-        meta = self._meta
-        return bool(
-            meta.pulls
-            or meta.notices
-            or meta.lease_grants
-            or meta.tickets_to_watch
-            or meta.tickets_to_forget
-        )
+        m = self._meta
+        orders = (m.pulls, m.notices, m.lease_grants, m.tickets_to_watch, m.tickets_to_forget)
+        return any(orders)
 
     def shutdown(self) -> None:
         client, self.index_client = self.index_client, None
