@@ -153,6 +153,11 @@ class Puller:
             if future is not None and not future.done():
                 get_loop_thread().submit(transport.cancel(req_id))
 
+    @property
+    def num_inflight(self) -> int:
+        """Pulls submitted and not yet popped by ``pop_settled``."""
+        return len(self._inflight)
+
     def wait_for_any(self, timeout_s: float) -> bool:
         """Block the calling (worker) thread until a pull in flight settles, at most
         ``timeout_s`` seconds; returns at once when none is in flight or one has settled
