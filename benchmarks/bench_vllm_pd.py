@@ -61,11 +61,13 @@ def _model(kind: str) -> str:
     return str(path)
 
 
-def _transfer_config(connector: str, role: str, storage: str) -> dict | None:
+def _transfer_config(connector: str, role: str, storage: str,
+                     kvbridge_extra: dict | None = None) -> dict | None:
     if connector == "kvbridge":
         return {"kv_connector": "KVBridgeConnector",
                 "kv_connector_module_path": "kvbridge.connector.vllm",
-                "kv_role": role, "engine_id": role}
+                "kv_role": role, "engine_id": role,
+                "kv_connector_extra_config": dict(kvbridge_extra or {})}
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
                 "engine_id": role}
@@ -91,7 +93,8 @@ def child(args: argparse.Namespace) -> None:
               dtype="float32", block_size=32, kv_cache_memory_bytes=args.kv_bytes,
               max_model_len=args.tokens + 64, max_num_seqs=2, seed=0, disable_log_stats=False,
               kv_transfer_config=_transfer_config(args.connector, f"kv_{args.role}",
-                                                  str(out / "storage")))
+                                                  str(out / "storage"),
+                                                  json.loads(args.kvbridge_extra)))
     prompts = _prompts(args.prompts, args.tokens)
 
     def greedy(max_tokens: int, params: dict | None = None) -> SamplingParams:
@@ -130,7 +133,7 @@ def _spawn(args: argparse.Namespace, role: str, connector: str, model: str, out:
     cmd = [sys.executable, __file__, "--child", "--role", role, "--connector", connector,
            "--model", model, "--out", str(out), "--prompts", str(args.prompts),
            "--tokens", str(args.tokens), "--max-tokens", str(args.max_tokens),
-           "--kv-bytes", str(args.kv_bytes)]
+           "--kv-bytes", str(args.kv_bytes), "--kvbridge-extra", args.kvbridge_extra]
     log = open(out / f"{role}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -217,6 +220,9 @@ def main() -> int:
     parser.add_argument("--idle-s", type=float, default=5.0)
     parser.add_argument("--case-timeout-s", type=float, default=300.0)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--kvbridge-extra", default="{}",
+                        help="JSON merged into kvbridge's kv_connector_extra_config (P and D), "
+                        'e.g. \'{"idle_pull_wait_s": 0}\' for the step-polling baseline')
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--connector", help=argparse.SUPPRESS)
@@ -248,6 +254,7 @@ def main() -> int:
         print(f"{name:16s} {medians[name] * 1e3:14.1f} {min(ttfts) * 1e3:8.1f} "
               f"{max(ttfts) * 1e3:8.1f}  {verdict}")
     report: dict = {"benchmark": "vllm_pd", "prompts": args.prompts, "tokens": args.tokens,
+                    "kvbridge_extra": json.loads(args.kvbridge_extra),
                     "ttft_p50_s": medians, "mismatches": mismatches, "targets": TARGETS}
     for key, (a, b) in {"kvbridge_over_nixl": ("kvbridge", "nixl"),
                         "kvbridge_over_example": ("kvbridge", "example"),

@@ -26,6 +26,19 @@ key                          default   meaning
                                        it starts (Python's 5 ms lets a busy engine thread keep the
                                        GIL 5 ms at every hand-off to the connector loop: measured
                                        in vLLM, 10 ms -> 2.5 ms per pull); null keeps Python's
+``idle_pull_wait_s``         0.02      on a step that computes no token, ``get_finished`` waits up
+                                       to this long for a pull in flight to settle and returns
+                                       at the first one (the engine has nothing else to run; a
+                                       waiting engine thread leaves the GIL and the core to the
+                                       pull, and the request is promoted a step sooner: in vLLM
+                                       D's first token of a 2,048-token handoff ~25 -> ~10 ms);
+                                       0 never waits
+``idle_hold_wait_s``         0.0       on a step that computes no token while this node only
+                                       holds leases for pullers (nothing of its own in flight),
+                                       ``get_finished`` sleeps this long: vLLM steps a holder
+                                       without pause while it holds blocks, and on a small host
+                                       that loop takes the cores the pullers' reads need; a
+                                       lease's end is reported at most this much later
 ``index_lookup_timeout_s``   0.5       a request waits at most this long (over scheduling
                                        steps, never inside one) for its index lookup, then
                                        goes on with its local prefix hit alone
@@ -100,6 +113,8 @@ class KVTransferConfig:
     min_remote_hit_blocks: int = 1
     index_lookup_timeout_s: float = 0.5
     gil_switch_interval_s: float | None = 0.0005
+    idle_pull_wait_s: float = 0.02
+    idle_hold_wait_s: float = 0.0
     index_ttl_s: float = 10.0
     model_name: str = "kvbridge"
     store_url: str | None = None
@@ -142,6 +157,9 @@ class KVTransferConfig:
             raise KVTransferConfigError(
                 f"gil_switch_interval_s must be in (0, 1] or null, got {self.gil_switch_interval_s}"
             )
+        for name in ("idle_pull_wait_s", "idle_hold_wait_s"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise KVTransferConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.min_remote_hit_blocks < 1:
             raise KVTransferConfigError(
                 f"min_remote_hit_blocks must be >= 1, got {self.min_remote_hit_blocks}"

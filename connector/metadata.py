@@ -150,9 +150,13 @@ class KVBridgeConnectorMetadata(msgspec.Struct, kw_only=True):
         offload_items: cold blocks to write to the store tier
             (``store.offload_items.OffloadItem`` records: block id, group id, hash, parent
             hash); snapshotted before this step's forward.
+        num_scheduled_tokens: tokens this step computes (``SchedulerOutput``'s
+            ``total_num_scheduled_tokens``); 0 marks an idle step, in which the worker half may
+            wait briefly for pulls in flight (``idle_pull_wait_s``); None: unknown.
     """
 
     version: int = METADATA_SCHEMA_VERSION
+    num_scheduled_tokens: int | None = None
     pulls: list[PullPlan] = msgspec.field(default_factory=list)
     notices: list[ReleaseNotice] = msgspec.field(default_factory=list)
     lease_grants: list[LeaseGrant] = msgspec.field(default_factory=list)

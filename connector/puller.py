@@ -16,6 +16,7 @@ waits forever: every pull has a deadline and every failure becomes failed blocks
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -152,6 +153,24 @@ class Puller:
             future = self._inflight.get(req_id)
             if future is not None and not future.done():
                 get_loop_thread().submit(transport.cancel(req_id))
+
+    @property
+    def num_inflight(self) -> int:
+        """Pulls submitted and not yet popped by ``pop_settled``."""
+        return len(self._inflight)
+
+    def wait_for_any(self, timeout_s: float) -> bool:
+        """Block the calling (worker) thread until a pull in flight settles, at most
+        ``timeout_s`` seconds; returns at once when none is in flight or one has settled
+        already. True when some pull has settled (``pop_settled`` will report it). The wait
+        holds no lock and leaves the GIL, so the connector loop runs the pulls meanwhile."""
+        pending = list(self._inflight.values())
+        if not pending or timeout_s <= 0:
+            return any(f.done() for f in pending)
+        done, _ = concurrent.futures.wait(
+            pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        return bool(done)
 
     def pop_settled(self) -> tuple[set[str], set[int]]:
         """Requests whose pull settled since the last call, and the local blocks (of all of

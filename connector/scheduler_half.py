@@ -253,6 +253,11 @@ class KVBridgeScheduler:
         )
         return MatchedTokens(num_remote_tokens - num_computed_tokens, True)
 
+    def match_tier(self, request_id: str) -> str | None:
+        """The matched holder's tier (``HolderRef.tier``) until the allocation; None: none."""
+        match = self._matches.get(request_id)
+        return None if match is None else match.holder.tier
+
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
@@ -319,6 +324,8 @@ class KVBridgeScheduler:
                 items = self._meta.offload_items
                 self._meta.offload_items = self._offload.drop_reused(items, self._block_pool)
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
+        num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        meta.num_scheduled_tokens = num_tokens if type(num_tokens) is int else None
         return meta
 
     # ------------------------------------------------------------------ update_from_output()
@@ -358,11 +365,7 @@ class KVBridgeScheduler:
             self._start_index(handshake)
 
     def _start_index(self, worker: WorkerHandshake) -> None:
-        namespace = IndexNamespace(
-            model_name=self.config.model_name,
-            block_size=self.block_size,
-            hash_fn_name=self.hash_fn_name,
-        )
+        namespace = IndexNamespace(self.config.model_name, self.block_size, self.hash_fn_name)
         index, directory = open_index(self.config.index_url, namespace)  # type: ignore[arg-type]
         client = IndexClient(
             index,
@@ -436,9 +439,9 @@ class KVBridgeScheduler:
 
     def has_pending_orders(self) -> bool:
         """True when the next ``build_connector_meta`` carries orders for the worker half."""
-        meta = self._meta
-        return bool(meta.pulls or meta.notices or meta.lease_grants or meta.tickets_to_watch
-                    or meta.tickets_to_forget)
+        m = self._meta
+        orders = (m.pulls, m.notices, m.lease_grants, m.tickets_to_watch, m.tickets_to_forget)
+        return any(orders)
 
     def shutdown(self) -> None:
         client, self.index_client = self.index_client, None

@@ -105,6 +105,13 @@ class KVTransferStats:
         with self._lock:
             setattr(self, name, getattr(self, name) + amount)
 
+    def counters(self) -> dict[str, int]:
+        """Every integer counter by name, as it is now (a copy, read under the lock)."""
+        with self._lock:
+            return {
+                k: v for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, int)
+            }
+
     def take_report(self) -> tuple[dict[str, int], list[float], list[float]]:
         """What changed since the last call: ``(counter increments, transfer_s samples, queue_s
         samples)``. The worker half sends it to the scheduler half each step."""

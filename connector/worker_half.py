@@ -12,6 +12,7 @@ and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
     -- forward --
     wait_for_save      hash stores (the forward has computed those blocks)
     get_finished       pulls settled -> finished_recving; leases ended -> finished_sending
+                       (an idle step first waits briefly for a pull in flight)
     build_connector_worker_meta   the transport's identity, the step's statistics
 
 Pulls are whole-request (not layer by layer): ``wait_for_layer_load`` / ``save_kv_layer`` have
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -243,9 +245,21 @@ class KVBridgeWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(finished_sending, finished_recving)`` since the last call. Pulls of requests in
         ``finished_req_ids`` (aborted while loading) are cancelled; they are still reported
-        once settled, and the scheduler keeps their blocks until then."""
+        once settled, and the scheduler keeps their blocks until then.
+
+        On an idle step (the orders say it computes no token) with pulls in flight, it first
+        waits up to ``config.idle_pull_wait_s`` for one to settle: nothing else is waiting for
+        this thread, the pull gets the GIL and the core, and the request it lands is promoted
+        in the next step instead of a later one. An idle step of a node that only holds leases
+        sleeps ``config.idle_hold_wait_s`` instead (0: not at all)."""
         if self.transport is not None:
             self.puller.cancel_aborted(self.transport, finished_req_ids)
+            meta = self._meta
+            if meta is not None and meta.num_scheduled_tokens == 0:
+                if self.puller.num_inflight:
+                    self.puller.wait_for_any(self.config.idle_pull_wait_s)
+                elif len(self.leases) and self.config.idle_hold_wait_s > 0:
+                    time.sleep(self.config.idle_hold_wait_s)  # a holder's idle loop yields
         finished_recving, failed = self.puller.pop_settled()
         self._load_errors.update(failed)
         finished_sending, num_expired = self.leases.pop_finished()

@@ -59,6 +59,8 @@ def make_pd_pair(
     load_timeout_s: float = 5.0,
     load_failure_policy: str = "recompute",
     d_max_num_seqs: int = 16,
+    idle_pull_wait_s: float | None = None,
+    idle_hold_wait_s: float | None = None,
 ) -> PDPair:
     """P (``kv_producer``) and D (``kv_consumer``) over one ``LoopbackNetwork``; P's holder
     faults are ``pair.p_faults`` (mutable)."""
@@ -84,6 +86,8 @@ def make_pd_pair(
                 "heartbeat_interval_s": heartbeat_interval_s,
                 "load_timeout_s": load_timeout_s,
                 "load_failure_policy": load_failure_policy,
+                **({} if idle_pull_wait_s is None else {"idle_pull_wait_s": idle_pull_wait_s}),
+                **({} if idle_hold_wait_s is None else {"idle_hold_wait_s": idle_hold_wait_s}),
             },
         }
         return create_engine(

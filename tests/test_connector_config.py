@@ -41,6 +41,9 @@ def test_same_host_reads_follow_the_environment_unless_set(monkeypatch):
         ({"cma": 0}, "cma must be true, false or null, got 0"),
         ({"transport": "tcp"}, "transport must be one of"),
         ({"lease_s": 1.0, "heartbeat_interval_s": 2.0}, "must be shorter than lease_s"),
+        ({"idle_pull_wait_s": -0.1}, "idle_pull_wait_s must be in [0, 1], got -0.1"),
+        ({"idle_pull_wait_s": 5}, "idle_pull_wait_s must be in [0, 1], got 5"),
+        ({"idle_hold_wait_s": -1}, "idle_hold_wait_s must be in [0, 1], got -1"),
     ],
 )
 def test_bad_values_are_refused_by_name(extra, fragment):

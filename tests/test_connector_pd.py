@@ -149,6 +149,50 @@ def test_abort_mid_transfer_keeps_blocks_until_the_load_settles(pair_factory):
     assert_pair_empty(pair)
 
 
+@pytest.mark.parametrize(("wait_s", "landed_in_first_step"), [(1.0, True), (0.0, False)])
+def test_idle_step_waits_for_the_pull_in_flight(pair_factory, wait_s, landed_in_first_step):
+    """D's first step only starts the pull (nothing to compute): with ``idle_pull_wait_s`` its
+    ``get_finished`` waits for that pull (P answers after 50 ms), so it lands and is reported
+    in that very step; with 0 the step returns at once and the pull is still in flight. The
+    tokens are the same either way."""
+    pair = pair_factory(idle_pull_wait_s=wait_s)
+    prompt = long_prompt(70)
+    params = prefill(pair, "req-0", prompt)
+    pair.p_faults.serve_delay_s = 0.05
+
+    # (1) D admits req-0: one step, which computes nothing and starts the pull.
+    pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+    started = time.monotonic()
+    pair.d.step()
+    took_s = time.monotonic() - started
+    assert (_stats(pair.d)["num_loads"] == 1) is landed_in_first_step
+    assert (took_s >= 0.05) is landed_in_first_step
+    assert took_s < 0.9  # not the whole budget: it returns when the pull settles
+    # (2) The rest decodes as usual.
+    output = run_to_completion(pair.d, "req-0")
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert_pair_empty(pair)
+
+
+def test_idle_holder_step_sleeps_only_while_it_holds_a_lease(pair_factory):
+    """With ``idle_hold_wait_s`` an idle step of P sleeps while P holds a lease for D (vLLM
+    would otherwise step it without pause), and not once the lease has ended."""
+    pair = pair_factory(idle_hold_wait_s=0.05)
+    prompt = long_prompt(70)
+    params = prefill(pair, "req-0", prompt)  # (1) P holds req-0's blocks under a lease
+
+    started = time.monotonic()
+    pair.p.step()
+    assert time.monotonic() - started >= 0.05
+    # (2) D pulls; its completion notice ends the lease; P's steps no longer sleep.
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert_pair_empty(pair)
+    started = time.monotonic()
+    pair.p.step()
+    assert time.monotonic() - started < 0.05
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_prefill_node_stops_answering(pair_factory, policy):
     pair = pair_factory(load_timeout_s=0.3, load_failure_policy=policy)

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..errors import KVTransferParamsError
 from ..metadata import (
@@ -39,6 +40,8 @@ from ..metadata import (
 from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
 from ..worker_half import KVBridgeWorker
+from .logs import route_to_vllm
+from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
 from .translate import (
     RequestView,
     blocks_first_views,
@@ -49,6 +52,10 @@ from .translate import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -93,21 +100,31 @@ class KVBridgeConnector(KVConnectorBase_V1):
         role: ``KVConnectorRole.SCHEDULER`` or ``WORKER``.
         kv_cache_config: vLLM's KV cache config (groups, layer names, block count).
 
+    Statistics reach vLLM's log line and Prometheus (``metrics.py``) from the scheduler half,
+    which holds the node's totals; external prefix hits are reported as ``CacheHitSource.P2P``
+    (another node's blocks, a handoff's prefill node included) or, for the store tier,
+    ``EXTERNAL_UNSPECIFIED`` (vLLM's label for a remote store).
+
     Raises:
         KVTransferConfigError: bad ``kv_connector_extra_config`` (naming the key), or a KV
             cache group kvbridge cannot move.
     """
 
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_to_vllm()  # kvbridge's log lines in vLLM's stream and format (logs.py)
         model_name = str(vllm_config.model_config.served_model_name or "vllm")
         self.config = config_from_vllm(vllm_config.kv_transfer_config, model_name=model_name)
         self._ours = kv_cache_config_from_vllm(kv_cache_config)
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
         self._scheduler: KVBridgeScheduler | None = None
         self._worker: KVBridgeWorker | None = None
+        self._tap: StatsTap | None = None
+        self._hit_tiers: dict[str, str] = {}  # request id -> holder tier, until reported
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVBridgeScheduler(
                 self.config,
@@ -116,6 +133,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 hash_fn_name=hash_fn_name,
                 kv_cache_config=self._ours,
             )
+            self._tap = StatsTap(self._scheduler.stats)
         else:
             self._worker = KVBridgeWorker(self.config, self._ours, hash_fn_name=hash_fn_name)
 
@@ -164,9 +182,25 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        tier = self._sched().match_tier(request.request_id)
+        if tier is not None and num_external_tokens > 0:
+            self._hit_tiers[request.request_id] = tier
         self._sched().update_state_after_alloc(
             RequestView.of(request), blocks, num_external_tokens
         )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Where ``num_external_tokens`` came from (vLLM calls it right after
+        ``update_state_after_alloc``): another node's blocks are ``P2P``, the store tier's
+        ``EXTERNAL_UNSPECIFIED``."""
+        tier = self._hit_tiers.pop(request.request_id, None)
+        if num_external_tokens == 0:
+            return {}
+        if tier == "store":
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {CacheHitSource.P2P: num_external_tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return _StepOrders(encode_metadata(self._sched().build_connector_meta(scheduler_output)))
@@ -177,11 +211,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if not payloads:
             self._sched().update_connector_output(None)
         for payload in payloads:
-            self._sched().update_connector_output(decode_worker_meta(payload))
+            meta = decode_worker_meta(payload)
+            self._sched().update_connector_output(meta)
+            if self._tap is not None:
+                self._tap.observe_load_s(meta.stats.transfer_s)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._hit_tiers.pop(request.request_id, None)  # vLLM skips the sources when not logging
         result = self._sched().request_finished(RequestView.of(request), (list(block_ids),))
         return result.delay_free, result.kv_transfer_params
 
@@ -193,6 +231,30 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._sched().set_xfer_handshake_metadata(
                 msgspec.msgpack.decode(handshake.payload, type=WorkerHandshake)
             )
+
+    # ================================================================== statistics
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The scheduler half: what changed since the last call (the worker half's reports
+        included); the worker half: None (its statistics reach the scheduler half anyway)."""
+        return None if self._tap is None else self._tap.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """Rebuild ``KVBridgeConnectorStats`` from its ``to_dict()`` (vLLM's frontend)."""
+        return KVBridgeConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """kvbridge's Prometheus metrics (``metrics.KVBridgePromMetrics``)."""
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ================================================================== worker half
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

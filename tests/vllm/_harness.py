@@ -152,6 +152,11 @@ class Node:
         """The scheduler-side connector's ``stats.snapshot()`` (in-process nodes only)."""
         return self.call({"cmd": "stats"}, 60)["stats"]
 
+    def metrics(self) -> dict[str, float]:
+        """vLLM's own metrics of kvbridge and of external prefix hits (``_node.py``,
+        ``metrics``), read in the node's frontend (both modes)."""
+        return self.call({"cmd": "metrics"}, 60)["metrics"]
+
     def state(self) -> dict[str, Any] | None:
         """``{"requests", "free_blocks", "num_blocks"}`` of the scheduler (in-process only)."""
         return self.call({"cmd": "state"}, 60)["state"]

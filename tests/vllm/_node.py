@@ -18,6 +18,11 @@ Then, one JSON object per line in, one out:
   "first_token_latency", "num_cached_tokens"}], "wall_s"}``; greedy, ``ignore_eos``.
 - ``{"cmd": "stats"}`` -> ``{"ok": true, "stats": <the scheduler-side connector's
   stats.snapshot()> | null}`` (in-process only: in mp mode the scheduler lives in EngineCore).
+- ``{"cmd": "metrics"}`` -> ``{"ok": true, "metrics": {name: value}}``: vLLM's own metrics as
+  ``llm.get_metrics()`` reads them from this process's Prometheus registry (the frontend's, in
+  both modes), counters named ``vllm:kvbridge_*``, ``vllm:external_prefix_cache_hits`` and
+  ``vllm:prompt_tokens_cached_by_source:<source>`` (summed over their other labels), and the
+  histogram ``vllm:kvbridge_load_time_seconds`` as ``..._count`` and ``..._sum``.
 - ``{"cmd": "state"}`` -> ``{"ok": true, "state": {"requests", "free_blocks", "num_blocks"} |
   null}``: the scheduler's request count (held requests included) and free KV blocks
   (in-process only).
@@ -128,6 +133,24 @@ class _Engine:
         stats = getattr(connector, "stats", None)
         return {"stats": None if stats is None else stats.snapshot()}
 
+    def metrics(self) -> dict[str, Any]:
+        from vllm.v1.metrics.reader import Counter, Histogram
+
+        out: dict[str, float] = {}
+        for m in self.llm.get_metrics():
+            name = m.name
+            if isinstance(m, Counter) and name == "vllm:prompt_tokens_cached_by_source":
+                name = f"{name}:{m.labels.get('source')}"
+            elif isinstance(m, Histogram) and name.startswith("vllm:kvbridge_"):
+                out[f"{name}_count"] = out.get(f"{name}_count", 0) + m.count
+                out[f"{name}_sum"] = out.get(f"{name}_sum", 0.0) + m.sum
+                continue
+            elif not (isinstance(m, Counter) and (name.startswith("vllm:kvbridge_")
+                                                   or name == "vllm:external_prefix_cache_hits")):
+                continue
+            out[name] = out.get(name, 0) + m.value
+        return {"metrics": out}
+
     def state(self) -> dict[str, Any]:
         sched = self._scheduler()
         if sched is None:
@@ -173,7 +196,8 @@ def main(settings: dict[str, Any]) -> int:
                 say({"ok": True})
                 break
             handler = {"generate": lambda c=cmd: engine.generate(c["requests"]),
-                       "stats": engine.stats, "state": engine.state}.get(name)
+                       "stats": engine.stats, "state": engine.state,
+                       "metrics": engine.metrics}.get(name)
             if handler is None:
                 raise ValueError(f"unknown command {name!r}")
             say({"ok": True, **handler()})

@@ -41,6 +41,9 @@ PROMPTS: dict[str, list[int]] = {
     "after_stall": tokens(35, 95),
     "old_ticket": tokens(33, 120),
     "reborn": tokens(34, 130),
+    # vLLM's metrics of the pulls (fresh on every D)
+    "metrics_a": tokens(50, 3 * BLOCK),
+    "metrics_b": tokens(51, 500),
     # the harness self-check (NixlConnector)
     "nixl_a": tokens(40, 70),
     "nixl_b": tokens(41, 100),

@@ -16,6 +16,7 @@ only from in-process nodes; on an mp node those checks are left out and the toke
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -137,3 +138,41 @@ def test_wrong_ticket_is_recomputed(pair, reference):
         assert failures > 0, after
     (out,) = pair.d.generate([request(PROMPTS["wrong_y"], N_NEW, ticket_y)])
     assert out["token_ids"] == reference["wrong_y"]
+
+
+def test_vllm_metrics_count_what_was_pulled(pair, reference):
+    """kvbridge's statistics reach vLLM's own metrics (``get_kv_connector_stats`` ->
+    ``build_kv_connector_stats`` -> ``build_prom_metrics``), read from D's Prometheus registry
+    as ``llm.get_metrics()`` sees it, in both executor modes: after a handover of two prompts
+    the pulls, blocks and bytes counted equal what D's connector moved (the bytes are the
+    blocks times a block's bytes over every layer: 2 layers x K and V x 32 tokens x 2 KV heads
+    x 32 dims x 4 bytes), one load time per pull, and the pulled tokens appear among vLLM's
+    external prefix hits as ``p2p``."""
+    names = ["metrics_a", "metrics_b"]
+    m0 = pair.d.metrics()
+    _, d_out, before, after = _handover(pair, names)
+    assert [o["token_ids"] for o in d_out] == [reference[n] for n in names]
+    m1 = pair.d.metrics()
+
+    def grew(key: str) -> float:
+        return m1.get(key, 0) - m0.get(key, 0)
+
+    loads, blocks = grew("vllm:kvbridge_num_loads"), grew("vllm:kvbridge_num_blocks_received")
+    assert loads == len(names), (m0, m1)
+    assert blocks >= sum((len(PROMPTS[n]) - 1) // BLOCK for n in names)
+    assert grew("vllm:kvbridge_bytes_received") == blocks * (2 * 2 * BLOCK * 2 * 32 * 4)
+    assert grew("vllm:kvbridge_num_failed_loads") == 0
+    assert grew("vllm:kvbridge_load_time_seconds_count") == loads
+    assert grew("vllm:kvbridge_load_time_seconds_sum") > 0
+    p2p = grew("vllm:prompt_tokens_cached_by_source:p2p")
+    assert 0 < p2p == grew("vllm:external_prefix_cache_hits"), (m0, m1)
+    if after is not None:  # in process: the connector's own counters say the same
+        for key in ("num_loads", "num_blocks_received", "bytes_received"):
+            assert grew(f"vllm:kvbridge_{key}") == _delta(after, before, key), key
+
+
+def test_kvbridge_logs_read_like_vllms(pair):
+    """The worker half's INFO line about its transport (Python's last-resort handler would drop
+    it) is in D's log in vLLM's format: level, date and time, [file:line]."""
+    pattern = re.compile(r"INFO \d\d-\d\d [\d:]+ \[[^\]]*worker_half\.py:\d+\] .*listening on")
+    assert pattern.search(pair.d.log_path.read_text(errors="replace")), pair.d.log_tail()
