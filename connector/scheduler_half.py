@@ -170,8 +170,7 @@ class KVBridgeScheduler:
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: ask its prefill
-        node to release the blocks now (best effort; unusable addresses are left to the
-        lease)."""
+        node to release the blocks now (best effort, ``release_notice_for_rejected``)."""
         notice = release_notice_for_rejected(kv_transfer_params, reason)
         if notice is not None:
             self._meta.notices.append(notice)
@@ -365,7 +364,8 @@ class KVBridgeScheduler:
             self._start_index(handshake)
 
     def _start_index(self, worker: WorkerHandshake) -> None:
-        namespace = IndexNamespace(self.config.model_name, self.block_size, self.hash_fn_name)
+        namespace = IndexNamespace(model_name=self.config.model_name, block_size=self.block_size,
+                                   hash_fn_name=self.hash_fn_name)
         index, directory = open_index(self.config.index_url, namespace)  # type: ignore[arg-type]
         client = IndexClient(
             index,
