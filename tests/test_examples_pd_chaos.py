@@ -5,6 +5,7 @@ tokens or a clear error, no node leaks a block, and the faults come from the see
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import pd_pair
 import pytest
 from kvbridge.connector.index.server_binary import find_server_binary
-from pd_chaos import FAULT_KINDS, plan_faults
+from pd_chaos import FAULT_KINDS, ChaosClient, ChaosMonkey, plan_faults
+from pd_processes import ProcessGroup
+from proxy import HopError
 
 
 def test_fault_plan_is_a_function_of_the_seed_and_has_every_kind():
@@ -28,6 +31,38 @@ def test_fault_plan_is_a_function_of_the_seed_and_has_every_kind():
     assert all(0.2 <= f.down_s < 1.5 for f in plan)
     with pytest.raises(ValueError, match="at least 2 requests"):
         plan_faults(7, num_requests=1, num_faults=1, kinds=FAULT_KINDS)
+
+
+class _FlakyRouter:
+    """Answers the queued statuses in turn (an int raises HopError with it), then "ok"."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        self.statuses = statuses
+        self.calls = 0
+
+    async def complete(self, body):
+        self.calls += 1
+        if self.statuses:
+            raise HopError(self.statuses.pop(0), {"error": {"message": "down"}})
+        return "ok"
+
+
+def test_chaos_client_retries_an_unreachable_hop_only_and_counts_the_request_once(tmp_path):
+    monkey = ChaosMonkey(ProcessGroup(tmp_path), [], {})
+    client = ChaosClient(_FlakyRouter([502, 503, 502]), monkey, attempts=4, backoff_s=0.0)
+    assert asyncio.run(client.complete({})) == "ok"
+    assert (client.retries, client.router.calls, monkey.sent) == (3, 4, 1)
+    # Out of attempts: the last error is the request's.
+    client = ChaosClient(_FlakyRouter([502] * 4), monkey, attempts=4, backoff_s=0.0)
+    with pytest.raises(HopError) as info:
+        asyncio.run(client.complete({}))
+    assert info.value.status == 502 and client.router.calls == 4
+    # A refusal (400) or D's 500 is final at once.
+    for status in (400, 500):
+        client = ChaosClient(_FlakyRouter([status]), monkey, attempts=4, backoff_s=0.0)
+        with pytest.raises(HopError):
+            asyncio.run(client.complete({}))
+        assert client.router.calls == 1 and client.retries == 0
 
 
 def test_chaos_run_every_request_correct_or_a_clear_error_and_no_block_leaked(capsys, tmp_path):
@@ -60,3 +95,19 @@ def test_chaos_run_every_request_correct_or_a_clear_error_and_no_block_leaked(ca
     restarted = {f["kind"].split(":")[1] for f in chaos["faults"] if f["kind"].startswith("kill")}
     for name in restarted:
         assert (tmp_path / f"{name}.restart1.log").is_file()
+
+
+@pytest.mark.skipif(find_server_binary() is None, reason="no Redis-protocol server binary")
+def test_restart_keeps_argv_url_and_name_and_replaces_the_child(tmp_path):
+    group = ProcessGroup(tmp_path)
+    try:
+        first = group.start_redis()
+        second = group.restart(first)
+        assert not first.running
+        group.wait_redis(second)  # answers PING on the same port
+        assert (second.name, second.url, second.argv, second.restarts) == (
+            first.name, first.url, first.argv, 1)
+        assert group.children == [second]
+        assert (tmp_path / "redis.restart1.log").is_file()
+    finally:
+        group.stop_all()
