@@ -351,9 +351,18 @@ class EngineLoop:
         """Take the scheduler's figures now and add the prefix cache stats since the last call
         (``make_prefix_cache_stats`` resets them)."""
         stats = self.engine.kv_cache_manager.make_prefix_cache_stats()
-        scheduler_stats = self.engine.scheduler.make_stats()
+        scheduler = self.engine.scheduler
+        pool = self.engine.kv_cache_manager.block_pool
+        scheduler_stats = {
+            **scheduler.make_stats(),
+            # The leak check of a run (examples/pd_chaos.py): an idle node has an empty
+            # scheduler and every usable block (all but the null block) on its free queue.
+            "scheduler_empty": scheduler.is_empty(),
+            "num_free_blocks": pool.get_num_free_blocks(),
+            "num_usable_blocks": pool.num_gpu_blocks - 1,
+        }
         with self.counters.lock:
-            self.counters.scheduler = dict(scheduler_stats)
+            self.counters.scheduler = scheduler_stats
             if stats is not None:
                 self.counters.local_hit_tokens += stats.hits + stats.preempted_hits
                 self.counters.local_query_tokens += stats.queries + stats.preempted_queries

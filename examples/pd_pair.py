@@ -4,6 +4,7 @@ crossing between them, every output checked token for token against a single-nod
     python examples/pd_pair.py                      # stdlib-docstring conversations
     python examples/pd_pair.py --trace PATH/TO/conversation_trace.jsonl --limit 40
     python examples/pd_pair.py --redis-url redis://127.0.0.1:6379/0 --store
+    python examples/pd_pair.py --chaos 7 --store     # faults from seed 7 (examples/pd_chaos.py)
 
 What it does:
 
@@ -21,6 +22,13 @@ What it does:
    ``kv_transfer_params``), with a progress bar.
 4. The same prompts on a local single node (examples/pd_report.py), compared token for token.
 5. The report, whose last line is one JSON object; exit code 1 on any mismatch or error.
+
+With ``--chaos SEED``, ``--chaos-faults`` faults drawn from the seed (examples/pd_chaos.py: kill
+and restart P, Redis (one it started) and the store, freeze P) hit the run while requests are in
+flight; a request ends with tokens, checked as above, or a clear error (counted ``failed``, not
+an exit-code failure). At the end both nodes must drain: schedulers empty and every usable block
+free. The report's ``chaos`` object gives requests, faults injected, completed, failed, wrong;
+exit code 1 when wrong > 0, a node leaked or a target did not come back.
 
 Everything it started is stopped at the end, on failure and on Ctrl-C. Node logs stay in the
 work directory (printed at start) when the run fails.
@@ -46,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import torch
 from node_server import load_model
+from pd_chaos import ChaosRun, chaos_node_args
 from pd_processes import ProcessGroup, StartupError
 from pd_report import Completed, ReferenceRunner, build_report, memcpy_gb_per_s
 from pd_workload import TraceRequest, stdlib_conversations, trace_requests
@@ -106,13 +115,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-timeout-s", type=float, default=20.0)
     parser.add_argument("--workdir", default=None, help="logs go here (default: a temp dir)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--chaos", type=int, default=None, metavar="SEED",
+                        help="inject faults drawn from SEED (examples/pd_chaos.py)")
+    parser.add_argument("--chaos-faults", type=int, default=8, help="faults of a --chaos run")
     return parser.parse_args(argv)
 
 
 def _kv_config(args: argparse.Namespace, store_url: str | None = None) -> str:
     extra: dict[str, Any] = {
         "load_timeout_s": args.load_timeout_s,
-        "lease_s": max(30.0, 2 * args.load_timeout_s),
+        # A chaos run's drain check waits out leases of tickets whose puller gave up.
+        "lease_s": max(30.0 if args.chaos is None else 8.0, 2 * args.load_timeout_s),
     }
     if store_url is not None:
         extra.update(store_url=store_url, offload=args.offload)
@@ -133,6 +146,8 @@ async def _one(router: PDRouter, prompt: list[int], max_tokens: int, tally: _Tal
     timing_p = result.prefill.get("kvbridge", {})
     if choice.get("finish_reason") not in ("length", "stop"):
         tally.errors.append(f"decode finished with {choice.get('finish_reason')!r}")
+        tally.bar.update(1)
+        return []
     tally.completed.append(
         Completed(
             prompt_token_ids=prompt,
@@ -209,8 +224,12 @@ async def _run_workload(
     d_url: str,
     tally: _Tally,
     trace: list[TraceRequest] | None,
+    wrap: Any = None,
 ) -> None:
-    router = PDRouter([p_url], [d_url], timeout_s=4 * args.load_timeout_s + 60)
+    """Send the workload; ``wrap(router)``, when given, is the client the requests go through
+    (a ``pd_chaos.ChaosClient``)."""
+    pd_router = PDRouter([p_url], [d_url], timeout_s=4 * args.load_timeout_s + 60)
+    router = wrap(pd_router) if wrap is not None else pd_router
     semaphore = asyncio.Semaphore(args.concurrency)
     try:
         if trace is not None:
@@ -238,7 +257,7 @@ async def _run_workload(
 
         await asyncio.gather(*(chat(c) for c in conversations))
     finally:
-        await router.aclose()
+        await pd_router.aclose()
 
 
 def _verify(args: argparse.Namespace, completed: list[Completed]) -> tuple[int, list[float]]:
@@ -284,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvbridge-pd-"))
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir)
-    ok = False
+    ok, redis_child = False, None
     try:
         if args.redis_url:
             index_url, index = args.redis_url, f"redis (existing, {args.redis_url})"
@@ -306,24 +325,30 @@ def run(args: argparse.Namespace) -> int:
         store_url = None
         nodes = []
         if args.store:
-            store = group.start_node("store", "store", [*common, "--kv-transfer-config",
-                                                        _kv_config(args)])
+            store = group.start_node("store", "store", [*common, *chaos_node_args(args, "store"),
+                                                        "--kv-transfer-config", _kv_config(args)])
             group.wait_healthy([store])
             store_url = httpx.get(f"{store.url}/health", timeout=5.0).json()["store_url"]
             nodes.append(store)
         common += ["--kv-transfer-config", _kv_config(args, store_url)]
-        prefill = group.start_node("prefill", "prefill", common)
-        decode = group.start_node("decode", "decode", common)
+        prefill = group.start_node("prefill", "prefill", [*common, *chaos_node_args(args, "P")])
+        decode = group.start_node("decode", "decode", [*common, *chaos_node_args(args, "D")])
         nodes += [prefill, decode]
         group.wait_healthy(nodes)
         print("nodes: " + ", ".join(f"{n.name} {n.url} (pid {n.popen.pid})" for n in nodes))
 
         bar = tqdm(total=0, desc="P/D requests", unit="req", disable=args.no_progress)
         tally = _Tally([], [], bar)
+        chaos = None if args.chaos is None else ChaosRun(
+            args, group, [*nodes, redis_child],
+            num_requests=len(trace) if trace is not None else args.conversations * args.turns)
         start = time.perf_counter()
-        asyncio.run(_run_workload(args, prefill.url, decode.url, tally, trace))
+        wrap = chaos.wrap if chaos is not None else None
+        asyncio.run(_run_workload(args, prefill.url, decode.url, tally, trace, wrap))
         wall_s = time.perf_counter() - start
         bar.close()
+        if chaos is not None:  # the restarted children, once both nodes drained
+            nodes = chaos.finish(nodes, drain_timeout_s=2 * args.load_timeout_s + 30)
         stats = {n.name: _stats(n.url) for n in nodes}
         for n in nodes:
             if not n.running:
@@ -345,8 +370,11 @@ def run(args: argparse.Namespace) -> int:
         for error in tally.errors[:10]:
             print(f"ERROR: {error}", file=sys.stderr)
         _print_summary(report)
+        if chaos is not None:
+            report["chaos"] = chaos.report(tally.completed, tally.errors, mismatches)
         print(json.dumps(report, sort_keys=True))
-        ok = mismatches == 0 and not tally.errors and bool(tally.completed)
+        clean = not tally.errors if chaos is None else chaos.clean
+        ok = mismatches == 0 and clean and bool(tally.completed)
         return 0 if ok else 1
     except StartupError as exc:
         print(f"ERROR: {exc}", file=sys.stderr)

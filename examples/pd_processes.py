@@ -45,6 +45,8 @@ class ManagedProcess:
     log_path: Path
     url: str | None = None
     detail: str = ""
+    argv: tuple[str, ...] = ()
+    restarts: int = 0
 
     @property
     def running(self) -> bool:
@@ -96,9 +98,23 @@ class ProcessGroup:
             start_new_session=True,  # Ctrl-C reaches only the parent, which stops the children
         )
         log.close()
-        child = ManagedProcess(name, popen, log_path, url)
+        child = ManagedProcess(name, popen, log_path, url, argv=tuple(argv))
         self.children.append(child)
         return child
+
+    def restart(self, child: ManagedProcess) -> ManagedProcess:
+        """SIGKILL ``child`` if it still runs, then start its argv again (same name, URL and
+        ports; a node given ``--engine-id`` keeps it and gets a new incarnation, as every new
+        process does). The new log is ``<name>.restart<N>.log``; the old one is kept. Returns
+        the new child, which replaces the old one in :attr:`children`; wait for it with
+        :meth:`wait_healthy` or :meth:`wait_redis`."""
+        child.kill()
+        log_name = f"{child.name}.restart{child.restarts + 1}"
+        new = self.spawn(log_name, child.argv, url=child.url)
+        self.children.remove(new)
+        new.name, new.detail, new.restarts = child.name, child.detail, child.restarts + 1
+        self.children[self.children.index(child)] = new
+        return new
 
     def start_redis(self) -> ManagedProcess | None:
         """A Redis-protocol server without persistence on a free port, or None when there is
@@ -112,8 +128,6 @@ class ProcessGroup:
             raise StartupError(str(exc)) from exc
         if found is None:
             return None
-        import redis
-
         port = free_port()
         child = self.spawn(
             "redis",
@@ -122,20 +136,29 @@ class ProcessGroup:
             url=f"redis://127.0.0.1:{port}/0",
         )
         child.detail = found.describe()
+        self.wait_redis(child)
+        return child
+
+    @staticmethod
+    def wait_redis(child: ManagedProcess, timeout_s: float = 10.0) -> None:
+        """Poll the Redis child with PING until it answers. Raises StartupError (with its log
+        tail) when it exits or ``timeout_s`` runs out."""
+        import redis
+
         client = redis.Redis.from_url(child.url, socket_timeout=0.2, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
                 if not child.running:
                     break
                 try:
                     if client.ping():
-                        return child
+                        return
                 except redis.RedisError:
                     time.sleep(0.05)
         finally:
             client.close()
-        raise StartupError(f"{found.path} did not start on port {port}:\n{child.log_tail()}")
+        raise StartupError(f"{child.argv[0]} did not start on {child.url}:\n{child.log_tail()}")
 
     def start_node(self, name: str, role: str, extra_args: Sequence[str] = ()) -> ManagedProcess:
         port = free_port()
