@@ -124,8 +124,9 @@ def child(args: argparse.Namespace) -> None:
     if args.connector == "kvbridge":  # D runs in process: its scheduler half is reachable
         stats = llm.llm_engine.engine_core.engine_core.scheduler.connector.stats.snapshot()
         results[0]["kvbridge_stats"] = stats
+    # P stops on "done", which the parent writes after measuring P's idle CPU (writing it here
+    # made that measure P's shutdown).
     (out / "results.json").write_text(json.dumps(results))
-    (out / "done").write_text("1")
 
 
 def _spawn(args: argparse.Namespace, role: str, connector: str, model: str, out: Path,
