@@ -204,14 +204,15 @@ def _populate(index: RedisBlockIndex) -> tuple[list[bytes], list[bytes]]:
 
 
 def _trace_shares(url: str, trace: Path, limit: int) -> dict:
-    """Replay ``trace`` on the cluster (both routing policies), then where its keys and lookups
-    landed (in the replay's namespace)."""
+    """Replay ``trace`` on the cluster (every policy), then where its keys and lookups landed
+    (in the index-routing policy's namespace)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     import replay_trace
 
-    replay_trace.main([str(trace), "--index-url", url, "--limit", str(limit)])
+    summary = replay_trace.main([str(trace), "--index-url", url, "--limit", str(limit)])
+    model_name = summary["index_namespaces"]["index"]  # the index-routing policy's entries
     index = RedisClusterBlockIndex(
-        IndexNamespace(model_name="replay", block_size=16, hash_fn_name="sha256_cbor"), url,
+        IndexNamespace(model_name=model_name, block_size=16, hash_fn_name="sha256_cbor"), url,
         socket_timeout_s=5.0, connect_timeout_s=5.0,
     )
     keys = index.keys_per_shard()

@@ -64,6 +64,7 @@ from kvbridge.connector.index import (
     PrefixHit,
     RedisBlockIndex,
     RedisClusterBlockIndex,
+    cluster_client,
     new_incarnation,
 )
 from kvbridge.kvmanager import (
@@ -73,6 +74,7 @@ from kvbridge.kvmanager import (
     KVCacheManager,
     Request,
 )
+from redis.cluster import RedisCluster
 from replay_input import (
     TRACE_BLOCK_TOKENS,
     TokenExpander,
@@ -142,7 +144,7 @@ class Replay:
 
     def __init__(
         self, args: argparse.Namespace, index: BlockIndex, policy: str,
-        ping_client: redis.Redis | None = None,
+        ping_client: redis.Redis | RedisCluster | None = None,
     ) -> None:
         self.args = args
         self.index = index
@@ -309,6 +311,15 @@ def _open_index(url: str, namespace: IndexNamespace) -> BlockIndex:
     return RedisBlockIndex(namespace, url, socket_timeout_s=2.0)
 
 
+def _ping_client(url: str) -> redis.Redis | RedisCluster | None:
+    """A client whose PING is the lookups' baseline: the server, or one node of a cluster."""
+    if url == "memory":
+        return None
+    if url.startswith("redis-cluster://"):
+        return cluster_client(url, socket_timeout_s=2.0, connect_timeout_s=2.0)
+    return redis.Redis.from_url(url)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
@@ -395,13 +406,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     total_blocks = sum(math.ceil(expander.num_tokens(r) / args.block_size) for r in requests)
     oracle_ratio = sum(oracle_hits) / total_blocks
     run_tag = new_incarnation()  # a namespace per run and policy: no other run's entries
-    ping_client = None if args.index_url == "memory" else redis.Redis.from_url(args.index_url)
+    ping_client = _ping_client(args.index_url)
     results = []
+    namespaces: dict[str, str] = {}
     for policy in args.policies:
         namespace = IndexNamespace(
             model_name=f"replay-{run_tag}-{policy}", block_size=args.block_size,
             hash_fn_name=args.hash_fn,
         )
+        namespaces[policy] = namespace.model_name
         index = _open_index(args.index_url, namespace)
         results.append(Replay(args, index, policy, ping_client).run(requests, expander))
         index.close()
@@ -423,7 +436,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "num_nodes": args.nodes,
         "blocks_per_node": args.blocks_per_node,
         "block_size": args.block_size,
-        "index_url": "memory" if args.index_url == "memory" else "redis",
+        "index_url": args.index_url.partition("://")[0] or "memory",
+        "index_namespaces": namespaces,  # each policy's model_name in the index
         "unbounded_hit_ratio": round(oracle_ratio, 4),
         "wall_s": round(wall_s, 2),
     }

@@ -217,3 +217,40 @@ def test_open_index_the_proxy_and_pd_pair_take_a_cluster_url(redis_cluster_url):
 
     pd_pair.check_redis(redis_cluster_url)  # the cluster answers PING: no UsageError
     index.close()
+
+
+def test_replay_trace_runs_on_the_cluster_and_names_the_namespaces_it_wrote(
+    redis_cluster_url, tmp_path
+):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import replay_trace
+
+    # Six conversations of three turns; each turn extends its conversation's prefix.
+    trace = tmp_path / "trace.jsonl"
+    lines = []
+    for turn in range(3):
+        for conv in range(6):
+            hash_ids = [1000 * conv + k for k in range(2 + 2 * turn)]
+            lines.append({"timestamp": 1000 * (6 * turn + conv),
+                          "input_length": 512 * len(hash_ids), "output_length": 4,
+                          "hash_ids": hash_ids})
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = replay_trace.main([str(trace), "--index-url", redis_cluster_url,
+                                 "--policies", "index,pull", "--nodes", "2"])
+    assert summary["index_url"] == "redis-cluster"
+    assert summary["pull"]["hit_ratio"] > 0 and summary["index"]["hit_ratio"] > 0
+    # The index-routing policy's entries are where the summary says (the cluster benchmark
+    # counts them there).
+    index = RedisClusterBlockIndex(
+        IndexNamespace(model_name=summary["index_namespaces"]["index"], block_size=16,
+                       hash_fn_name="sha256_cbor"),
+        redis_cluster_url,
+    )
+    try:
+        assert sum(index.keys_per_shard().values()) > 0
+    finally:
+        index.close()

@@ -21,7 +21,7 @@ from .protocol import (
     Tier,
     new_incarnation,
 )
-from .redis_cluster import RedisClusterBlockIndex
+from .redis_cluster import RedisClusterBlockIndex, cluster_client
 from .redis_index import RedisBlockIndex
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "RemotePrefix",
     "Tier",
     "block_index_for_url",
+    "cluster_client",
     "new_incarnation",
     "open_index",
 ]
