@@ -19,7 +19,6 @@ from _pd_builders import (
     drain,
     kv_bytes,
     long_prompt,
-    make_pd_pair,
     prefill,
     run_to_completion,
 )
@@ -32,20 +31,6 @@ MAX_TOKENS = 4
 
 def _stats(engine):
     return engine.scheduler.connector.stats.snapshot()
-
-
-@pytest.fixture
-def pair_factory():
-    pairs = []
-
-    def build(**kwargs):
-        pair = make_pd_pair(**kwargs)
-        pairs.append(pair)
-        return pair
-
-    yield build
-    for pair in pairs:
-        pair.close()
 
 
 # Block size 16: 1 token, block size - 1, block size, block size + 1, many blocks.

@@ -9,26 +9,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 from _engine_builders import reference_greedy
-from _pd_builders import assert_pair_empty, kv_bytes, long_prompt, make_pd_pair, prefill
+from _pd_builders import assert_pair_empty, kv_bytes, long_prompt, prefill
 from kvbridge.kvmanager import SamplingParams
 from kvbridge.kvmanager.request import RequestStatus
-
-
-@pytest.fixture
-def pair_factory():
-    pairs = []
-
-    def build(**kwargs):
-        pair = make_pd_pair(**kwargs)
-        pairs.append(pair)
-        return pair
-
-    yield build
-    for pair in pairs:
-        pair.close()
 
 
 def _step_until(engine, predicate, *, timeout_s: float = 20.0, what: str = "") -> list:

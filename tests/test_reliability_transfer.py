@@ -13,27 +13,12 @@ from _pd_builders import (
     assert_node_empty,
     assert_pair_empty,
     long_prompt,
-    make_pd_pair,
     prefill,
     run_to_completion,
 )
 from kvbridge.kvmanager import SamplingParams
 
 MAX_TOKENS = 4
-
-
-@pytest.fixture
-def pair_factory():
-    pairs = []
-
-    def build(**kwargs):
-        pair = make_pd_pair(**kwargs)
-        pairs.append(pair)
-        return pair
-
-    yield build
-    for pair in pairs:
-        pair.close()
 
 
 def _stats(engine):
