@@ -17,8 +17,6 @@ is down) and ``cluster-node-timeout 1000``. A missing server binary FAILS the te
 
 from __future__ import annotations
 
-import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,27 +25,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from _redis_fixture import free_port, server_binary, wait_until_answering
 
 _START_TIMEOUT_S = 15.0
 _NUM_SHARDS = 3
 _NUM_SLOTS = 16384
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _server_binary() -> str:
-    for name in ("redis-server", "valkey-server"):
-        binary = shutil.which(name)
-        if binary is not None:
-            return binary
-    pytest.fail(
-        "neither redis-server nor valkey-server is on PATH; the cluster tests need one",
-        pytrace=False,
-    )
 
 
 class RedisClusterServers:
@@ -56,8 +38,8 @@ class RedisClusterServers:
     def __init__(self, binary: str, workdir: Path) -> None:
         self.binary = binary
         self.workdir = workdir
-        self.ports = [_free_port() for _ in range(_NUM_SHARDS)]
-        self.bus_ports = [_free_port() for _ in range(_NUM_SHARDS)]  # cluster bus, set apart
+        self.ports = [free_port() for _ in range(_NUM_SHARDS)]
+        self.bus_ports = [free_port() for _ in range(_NUM_SHARDS)]  # cluster bus, set apart
         self.url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * _NUM_SHARDS
         bounds = [round(i * _NUM_SLOTS / _NUM_SHARDS) for i in range(_NUM_SHARDS + 1)]
@@ -94,22 +76,10 @@ class RedisClusterServers:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + _START_TIMEOUT_S
         client = self._client(i, 0.2)
         try:
-            while True:
-                proc = self._procs[i]
-                if proc is None or proc.poll() is not None:
-                    log = (shard_dir / "server.log").read_text(errors="replace")
-                    raise RuntimeError(f"cluster shard {i} exited; log:\n{log}")
-                try:
-                    if client.ping():
-                        return
-                except redis.RedisError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"cluster shard {i} did not answer PING")
-                time.sleep(0.02)
+            wait_until_answering(self._procs[i], client, name=f"cluster shard {i}",
+                                 log_path=shard_dir / "server.log", timeout_s=_START_TIMEOUT_S)
         finally:
             client.close()
 
@@ -186,7 +156,7 @@ class RedisClusterServers:
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[RedisClusterServers]:
     with tempfile.TemporaryDirectory(prefix="kvbridge-cluster-") as tmp:
-        servers = RedisClusterServers(_server_binary(), Path(tmp))
+        servers = RedisClusterServers(server_binary().path, Path(tmp))
         try:
             servers.start_all()
             yield servers

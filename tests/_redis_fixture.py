@@ -40,10 +40,35 @@ _START_TIMEOUT_S = 10.0
 _started: dict[str, str] = {}  # binary path -> description, for the run's summary
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def wait_until_answering(
+    proc: subprocess.Popen[bytes], client: redis.Redis, *, name: str, log_path: Path,
+    timeout_s: float = _START_TIMEOUT_S, on_exit: Callable[[str], None] | None = None,
+) -> None:
+    """Poll ``client.ping()`` until the server ``proc`` answers. If ``proc`` exits first,
+    ``on_exit(log)`` runs (it may skip the test) and RuntimeError follows, with the log; after
+    ``timeout_s`` without an answer, RuntimeError. ``name`` names the server in the errors."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            log = log_path.read_text(errors="replace") if log_path.exists() else ""
+            if on_exit is not None:
+                on_exit(log)
+            raise RuntimeError(f"{name} exited with code {proc.returncode}; log:\n{log[-4000:]}")
+        try:
+            if client.ping():
+                return
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not answer PING within {timeout_s} s")
+        time.sleep(0.02)
 
 
 class RedisServer:
@@ -80,26 +105,9 @@ class RedisServer:
             stderr=subprocess.DEVNULL,
         )
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2, socket_timeout=0.2)
-        deadline = time.monotonic() + _START_TIMEOUT_S
         try:
-            while True:
-                if self._proc.poll() is not None:
-                    log = log_path.read_text() if log_path.exists() else ""
-                    raise RuntimeError(
-                        f"{self.binary} exited with code {self._proc.returncode} on port "
-                        f"{self.port}; log:\n{log}"
-                    )
-                try:
-                    if client.ping():
-                        return
-                except redis.RedisError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{self.binary} on port {self.port} did not answer PING within "
-                        f"{_START_TIMEOUT_S} s"
-                    )
-                time.sleep(0.02)
+            wait_until_answering(self._proc, client, name=f"{self.binary} on port {self.port}",
+                                 log_path=log_path)
         finally:
             client.close()
 
@@ -131,7 +139,7 @@ def server_binary() -> ServerBinary:
 
 def start_redis_server(workdir: Path, binary: str | None = None) -> RedisServer:
     """Start a server on a free port (``binary``: default :func:`server_binary`'s path)."""
-    server = RedisServer(binary or server_binary().path, workdir, _free_port())
+    server = RedisServer(binary or server_binary().path, workdir, free_port())
     server.start()
     return server
 

