@@ -12,9 +12,9 @@ decides, through the transport's callbacks, whether a block may be served:
   "Block index": a hit is advisory).
 
 ``on_heartbeat`` extends the leases a puller depends on; ``on_transfer_done`` ends one. Tickets
-are capabilities (``lease``): a heartbeat, a release or a lease-token read that does not present
-the lease's token is refused, counted (``num_refused_lease_tokens``) and leaves the lease as it
-was.
+are capabilities (``lease``): a heartbeat or a release that does not present the lease's token
+is refused, counted (``num_refused_lease_tokens``) and leaves the lease as it was; a read under
+a lease (``Read.lease``) without its token is refused the blocks only that lease guards.
 Callbacks run on the connector's event-loop thread and never block; nothing here reads the
 scheduler half's block pool.
 """
@@ -25,11 +25,10 @@ import threading
 from collections.abc import Sequence
 
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
-from kvbridge.transport import TransferDoneNotice
+from kvbridge.transport import LeaseRef, TransferDoneNotice
 
 from .lease import LeaseTable
 from .metadata import BlockHashDelta
-from .pull_plan import parse_lease_token
 from .stats import KVTransferStats
 
 __all__ = ["HeldBlockHashes", "HolderChecks"]
@@ -103,36 +102,44 @@ class HolderChecks:
         }
 
     def validate_blocks(
-        self, group_id: int, block_ids: list[int], expected_hashes: list[bytes]
+        self,
+        group_id: int,
+        block_ids: list[int],
+        expected_hashes: list[bytes],
+        lease: LeaseRef | None,
     ) -> list[int]:
-        """Positions whose block does not hold the expected content now.
+        """Positions whose block does not hold the expected content now (a
+        ``transport.BlockValidator``; loop thread, never blocks).
 
         Args:
             group_id: the KV cache group read.
             block_ids: block ids on this node, as the requester sent them.
-            expected_hashes: per position, the requester's block hash; or a lease token
-                (``pull_plan.lease_token``) for a block without a hash, served only while that
-                lease is held and covers the block; ``b""`` = not checked.
+            expected_hashes: per position, the requester's block hash, or ``b""`` for a block
+                without one (the partial last block of a handoff).
+            lease: the read's lease (``Read.lease``): a position with an empty expected hash is
+                served only while that lease is held, has the presented token and covers the
+                block at a position without a hash. None: empty expected hashes are not checked.
 
         Returns:
-            positions to refuse: unknown hash, the lease ended, or an id outside this pool.
-            Side-effect free, so it also serves the re-check after the bytes were copied.
+            positions to refuse: unknown hash, the lease ended or not presented with its token,
+            or an id outside this pool. Side-effect free, so it also serves the re-check after
+            the bytes were copied.
         """
         bad: list[int] = []
         for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
-            if not expected:
-                continue
+            if not expected and lease is None:
+                continue  # nothing to check it against
             if not 0 < block_id < self.num_blocks:
                 bad.append(pos)  # an id from the network out of range
                 continue
-            lease_ref = parse_lease_token(expected)
-            if lease_ref is not None:
-                lease_id, token = lease_ref
-                ok = self.leases.covers(lease_id, group_id, block_id, None, token)
-            else:
+            if expected:
                 ok = self.hashes.holds(
                     block_id, make_block_hash_with_group_id(expected, group_id)
                 ) or self.leases.covers_hash(group_id, block_id, expected)
+            else:  # a block without a hash: only the read's lease vouches for it
+                ok = lease is not None and self.leases.covers(
+                    lease.request_id, group_id, block_id, None, lease.token
+                )
             if not ok:
                 bad.append(pos)
         return bad

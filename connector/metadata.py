@@ -15,7 +15,7 @@ The decoders check every field's type; a message of another schema version is re
 from __future__ import annotations
 
 import msgspec
-from kvbridge.transport import GroupRead
+from kvbridge.transport import GroupRead, LeaseRef
 
 __all__ = [
     "METADATA_SCHEMA_VERSION",
@@ -60,6 +60,10 @@ class Ticket(msgspec.Struct, frozen=True):
     remote_request_id: str
     token: str = ""
 
+    def lease_ref(self) -> LeaseRef:
+        """How a read under this ticket names its lease to the holder (``Read.lease``)."""
+        return LeaseRef(request_id=self.remote_request_id, token=self.token)
+
 
 class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the worker half needs to pull one request's external KV.
@@ -67,9 +71,10 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         request_id: the request here (the decode side).
         holder: where from.
-        lease: the handoff's lease on the holder (its heartbeats and release notice), or None for
-            a pull found through the block index (nothing is held for it: the holder's hash
-            re-check is its only guard).
+        lease: the handoff's lease on the holder (its heartbeats, release notice and reads,
+            which present it as ``Read.lease``: the positions without a hash are served under
+            it), or None for a pull found through the block index (nothing is held for it: the
+            holder's hash re-check is its only guard).
         groups: per KV cache group, the paired blocks (``pull_plan.plan_group_pulls``).
         unloadable_block_ids: local blocks the holder cannot supply (its null block there).
         num_external_tokens: tokens the pull covers.

@@ -21,33 +21,16 @@ from collections.abc import Sequence
 
 from kvbridge.transport import GroupRead
 
-__all__ = ["lease_token", "parse_lease_token", "plan_group_pulls"]
+__all__ = ["NO_HASH", "plan_group_pulls"]
 
 NULL_BLOCK_ID = 0
-UNCHECKED_HASH = b""
-"""Expected value of a position nobody can vouch for (only used without a lease)."""
-LEASE_TOKEN_PREFIX = b"\x00lease\x00"
-"""Expected value of a position without a hash (the partial last block) under a lease: the holder
-serves it only while ``lease_token(remote_request_id, token)``'s lease is held, has that ticket
-token, and covers that block, so a late puller never reads a block the holder has reused and a
-peer without the ticket never reads it at all. Never a real hash: those are fixed-length digests,
-checked by length and prefix. Layout: prefix, the ticket's token (URL-safe base64, no NUL), NUL,
-the request id."""
-
-
-def lease_token(remote_request_id: str, token: str = "") -> bytes:
-    """The expected value standing for "this block, under this lease, with this ticket"."""
-    return LEASE_TOKEN_PREFIX + token.encode() + b"\x00" + remote_request_id.encode()
-
-
-def parse_lease_token(expected: bytes) -> tuple[str, str] | None:
-    """``(request id, ticket token)`` if ``expected`` is a lease token, else None."""
-    if not expected.startswith(LEASE_TOKEN_PREFIX):
-        return None
-    token, sep, request_id = expected[len(LEASE_TOKEN_PREFIX) :].partition(b"\x00")
-    if not sep:
-        return None
-    return request_id.decode(errors="replace"), token.decode(errors="replace")
+NO_HASH = b""
+"""Expected value of a position without a hash (the partial last block). A pull under a
+handoff's lease presents that lease in its own field (``PullPlan.lease`` -> ``Read.lease``), and
+the holder serves such a position only while that lease is held, has the ticket's token and
+covers the block, so a late puller never reads a block the holder has reused and a peer without
+the ticket never reads it at all. A pull without a lease (through the block index) never
+reaches such a position: the index lists full blocks only."""
 
 
 def plan_group_pulls(
@@ -57,7 +40,6 @@ def plan_group_pulls(
     start_block: int,
     end_block: int,
     block_hashes: Sequence[bytes],
-    unhashed_token: bytes = UNCHECKED_HASH,
 ) -> tuple[list[GroupRead], list[int]]:
     """Pair local and remote blocks of positions ``[start_block, end_block)`` in every group.
 
@@ -68,7 +50,7 @@ def plan_group_pulls(
         end_block: one past the last position (``cdiv(local hit + external tokens, block_size)``).
         block_hashes: the request's full-block hashes (D computed them from the same tokens);
             position ``i`` expects ``block_hashes[i]`` on P; past the last full block it expects
-            ``unhashed_token`` (a ``lease_token`` for a handoff under a lease).
+            ``NO_HASH`` (the pull's lease guards it there).
 
     Returns:
         ``(groups, unloadable_local_block_ids)``.
@@ -96,7 +78,7 @@ def plan_group_pulls(
                 continue
             pulled_local.append(local_id)
             pulled_remote.append(remote_id)
-            expected.append(block_hashes[pos] if pos < len(block_hashes) else unhashed_token)
+            expected.append(block_hashes[pos] if pos < len(block_hashes) else NO_HASH)
         groups.append(
             GroupRead(
                 group_id=group_id,

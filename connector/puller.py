@@ -246,7 +246,8 @@ class Puller:
         reads: list[GroupRead],
         deadline_at: float,
     ) -> tuple[set[int], int]:
-        """Read ``reads``; returns the local blocks refused and the bytes landed.
+        """Read ``reads`` under the plan's lease (``Read.lease``, None for an index pull);
+        returns the local blocks refused and the bytes landed.
 
         A handoff's lease reaches the holder's worker half only at the holder's next step
         after it answered the ticket, so a fast puller can arrive first and see its blocks
@@ -257,12 +258,14 @@ class Puller:
         num_bytes = 0
         refused: set[int] = set()
         waits = iter(LEASE_GRANT_RETRY_S if plan.lease is not None else ())
+        lease = plan.lease.lease_ref() if plan.lease is not None else None
         while reads:
             result = await transport.read_blocks(
                 peer,
                 plan.request_id,
                 reads,
                 deadline_s=max(deadline_at - time.monotonic(), 1e-3),
+                lease=lease,
             )
             num_bytes += result.num_bytes_landed
             refused = set(result.failed_local_block_ids)

@@ -46,7 +46,7 @@ from .metadata import (
     Ticket,
     WorkerHandshake,
 )
-from .pull_plan import lease_token, plan_group_pulls
+from .pull_plan import plan_group_pulls
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
@@ -292,9 +292,6 @@ class KVBridgeScheduler:
             start_block=start_block,
             end_block=end_block,
             block_hashes=request.block_hashes,
-            unhashed_token=b""
-            if match.ticket is None
-            else lease_token(match.ticket.remote_request_id, match.ticket.token),
         )
         self._meta.pulls.append(
             PullPlan(

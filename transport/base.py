@@ -19,12 +19,15 @@ Peer authentication (``auth``): a transport built with a cluster key (``auth_key
 every peer and demands the proof back in the handshake; a peer that fails is refused before it
 can send a read, a heartbeat or a notice, and before it learns this node's layout or addresses.
 - holder side, per read that sends expected hashes: ``block_validator(group_id, block_ids,
-  expected_hashes)`` returns the positions (into ``block_ids``) whose block no longer carries the
-  expected hash. It runs when the read arrives (over all blocks of a group: those blocks are not
-  sent) and again over each chunk's blocks right after their bytes were copied out (a block read
-  through the index is not referenced on the holder and may be evicted and reused meanwhile:
-  those blocks' bytes were sent, but the requester counts them as failed, never as landed;
-  ``plan``, "Hash checks on the holder"). Both kinds come back to the requester in
+  expected_hashes, lease)`` returns the positions (into ``block_ids``) whose block no longer
+  carries the expected hash. ``lease`` is the read's ``LeaseRef`` (a handoff's lease, presented
+  by the requester in its own field) or None; a position with an empty expected hash is guarded
+  by that lease alone, or not checked without one. It runs when the read arrives (over all
+  blocks of a group: those blocks are not sent) and again over each chunk's blocks right after
+  their bytes were copied out, with the same ``lease`` (a block read through the index is not
+  referenced on the holder and may be evicted and reused meanwhile: those blocks' bytes were
+  sent, but the requester counts them as failed, never as landed; ``plan``, "Hash checks on the
+  holder"). Both kinds come back to the requester in
   ``ReadResult.failed_local_block_ids`` (never stale bytes counted as landed). The validator
   must be cheap (dict / attribute reads). A node whose validator has effects meant once per read
   (stats, LRU touches) registers a side-effect-free ``block_rechecker`` (same signature) for the
@@ -44,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .metadata import NodeMetadata
-from .wire import TransferDoneNotice
+from .wire import LeaseRef, TransferDoneNotice
 
 
 class PeerAddress(NamedTuple):
@@ -65,7 +68,9 @@ class GroupRead:
         local_block_ids: block ids here, same length, distinct, ``[1, local num_blocks)``;
             ``local_block_ids[i]`` receives ``remote_block_ids[i]`` in every layer of the group.
         expected_hashes: optional opaque bytes per block (``block_hash``) the holder must still
-            hold for ``remote_block_ids[i]``; checked by the holder's ``block_validator``.
+            hold for ``remote_block_ids[i]``; checked by the holder's ``block_validator``. An
+            empty one (a block without a hash) is guarded by the read's ``lease`` alone
+            (``Transport.read_blocks``), or not checked when the read has none.
     """
 
     group_id: int
@@ -95,8 +100,9 @@ class ReadResult(NamedTuple):
         return not self.failed_local_block_ids
 
 
-BlockValidator = Callable[[int, list[int], list[bytes]], Sequence[int]]
-"""``(group_id, block_ids, expected_hashes) -> positions that do not match``."""
+BlockValidator = Callable[[int, list[int], list[bytes], LeaseRef | None], Sequence[int]]
+"""``(group_id, block_ids, expected_hashes, lease) -> positions that do not match``; ``lease``
+is the read's (``Read.lease``), None for a read under none."""
 HeartbeatCallback = Callable[[str, list[str], list[str]], None]
 """``(peer_engine_id, request_ids, tokens) -> None``; ``tokens`` is empty when the peer presented
 none, else one per request id."""
@@ -198,8 +204,13 @@ class Transport(abc.ABC):
         groups: Sequence[GroupRead],
         *,
         deadline_s: float,
+        lease: LeaseRef | None = None,
     ) -> ReadResult:
         """Pull ``remote_block_ids`` of each group from ``peer`` into ``local_block_ids`` here.
+
+        ``lease``: the handoff's lease on ``peer`` this read is made under (sent as
+        ``Read.lease``; the holder's validator guards the positions with an empty expected
+        hash by it), None for a read through the block index.
 
         Blocks are gathered on the holder into staging chunks of about ``DEFAULT_CHUNK_BYTES``,
         sent, and scattered here chunk by chunk (kvbridge.kernels gather/scatter).

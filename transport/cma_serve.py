@@ -62,7 +62,12 @@ class CmaServe(Serve):
         if self.cancelled:
             return
         late = [
-            recheck_blocks(group, good_positions(len(group.block_ids), bad), self.recheck_validator)
+            recheck_blocks(
+                group,
+                good_positions(len(group.block_ids), bad),
+                self.recheck_validator,
+                read.lease,
+            )
             for group, bad in zip(read.groups, self.mismatched, strict=True)
         ]
         await self._send_read_done(late)

@@ -31,6 +31,8 @@ MAX_TAG_BASE = (1 << 63) - 1 - MAX_BLOCKS_PER_READ
 ``2**62``); int64 is msgspec's bound limit."""
 
 Text = Annotated[str, Meta(max_length=MAX_STR_LEN)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_STR_LEN)]
+"""A request id that must name one (a lease's; ``Read.request_id`` is plain ``Text``)."""
 ShortText = Annotated[str, Meta(max_length=64)]
 LongText = Annotated[str, Meta(max_length=MAX_TEXT_LEN)]
 WorkerAddress = Annotated[bytes, Meta(max_length=1 << 16)]

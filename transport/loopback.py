@@ -47,6 +47,7 @@ from .transfer import (
 from .wire import (
     GroupReadMsg,
     Heartbeat,
+    LeaseRef,
     Read,
     ReadDone,
     TransferDoneNotice,
@@ -238,9 +239,15 @@ class LoopbackTransport(Transport):
         groups: Sequence[GroupRead],
         *,
         deadline_s: float,
+        lease: LeaseRef | None = None,
     ) -> ReadResult:
         read, state = begin_read(
-            self.metadata, request_id, groups, deadline_s=deadline_s, chunk_bytes=self.chunk_bytes
+            self.metadata,
+            request_id,
+            groups,
+            deadline_s=deadline_s,
+            chunk_bytes=self.chunk_bytes,
+            lease=lease,
         )
         transfer_id = read.transfer_id
         self._reads[transfer_id] = state
@@ -375,7 +382,7 @@ class LoopbackTransport(Transport):
             )
             staging = gather_blocks(src_caches, src_ids.to(src_caches[0].device))
             # the bytes are copied out: re-check, as the UCX holder does after each gather
-            late[chunk.entry].extend(self._recheck(group, positions))
+            late[chunk.entry].extend(self._recheck(group, positions, read.lease))
             scatter_blocks(
                 staging.to(dst_caches[0].device), dst_caches, dst_ids.to(dst_caches[0].device)
             )
@@ -391,12 +398,15 @@ class LoopbackTransport(Transport):
             state.fail_late(done.mismatched, block_nbytes_by_entry(self.metadata, read))
         return state.result()
 
-    def _recheck(self, group: GroupReadMsg, positions: list[int]) -> list[int]:
-        """Holder side, after a chunk's copy: positions that fail the validator now, or that
-        ``faults.evict_during_copy_block_ids`` evicts (groups with expected hashes only)."""
+    def _recheck(
+        self, group: GroupReadMsg, positions: list[int], lease: LeaseRef | None
+    ) -> list[int]:
+        """Holder side, after a chunk's copy: positions that fail the validator now (under the
+        read's ``lease``), or that ``faults.evict_during_copy_block_ids`` evicts (groups with
+        expected hashes only)."""
         if group.expected_hashes is None:
             return []
-        late = set(recheck_blocks(group, positions, self.callbacks.recheck_validator))
+        late = set(recheck_blocks(group, positions, self.callbacks.recheck_validator, lease))
         evicted = self.faults.evict_during_copy_block_ids
         late.update(p for p in positions if group.block_ids[p] in evicted)
         return sorted(late)

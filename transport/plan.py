@@ -34,7 +34,7 @@ from .base import BlockValidator, GroupRead
 from .errors import WireError
 from .limits import MAX_BLOCKS_PER_READ
 from .metadata import NodeMetadata
-from .wire import GroupReadMsg, Read
+from .wire import GroupReadMsg, LeaseRef, Read
 
 
 class Chunk(NamedTuple):
@@ -178,14 +178,18 @@ def check_read(metadata: NodeMetadata, read: Read) -> None:
 
 
 def _validate(
-    validator: BlockValidator, group_id: int, block_ids: list[int], hashes: list[bytes]
+    validator: BlockValidator,
+    group_id: int,
+    block_ids: list[int],
+    hashes: list[bytes],
+    lease: LeaseRef | None,
 ) -> list[int]:
-    """Sorted distinct positions ``validator`` rejects.
+    """Sorted distinct positions ``validator`` rejects (``lease``: the read's).
 
     Raises:
         RuntimeError: the validator returned a position outside ``block_ids`` (a connector bug).
     """
-    positions = sorted({int(p) for p in validator(group_id, block_ids, hashes)})
+    positions = sorted({int(p) for p in validator(group_id, block_ids, hashes, lease)})
     if positions and not (positions[0] >= 0 and positions[-1] < len(block_ids)):
         raise RuntimeError(
             f"block_validator returned positions {positions} for {len(block_ids)} blocks"
@@ -206,7 +210,9 @@ def find_mismatched(read: Read, validator: BlockValidator | None) -> list[list[i
             mismatched.append([])
             continue
         mismatched.append(
-            _validate(validator, group.group_id, group.block_ids, group.expected_hashes)
+            _validate(
+                validator, group.group_id, group.block_ids, group.expected_hashes, read.lease
+            )
         )
     return mismatched
 
@@ -219,11 +225,15 @@ def expects_read_done(read: Read) -> bool:
 
 
 def recheck_blocks(
-    group: GroupReadMsg, positions: Sequence[int], validator: BlockValidator | None
+    group: GroupReadMsg,
+    positions: Sequence[int],
+    validator: BlockValidator | None,
+    lease: LeaseRef | None,
 ) -> list[int]:
     """Holder side, right after a chunk's bytes were copied out: the ``positions`` of ``group``
-    (block positions of the read, ascending) whose block no longer carries its expected hash.
-    One validator call over the chunk's blocks; ``[]`` without hashes or validator.
+    (block positions of the read, ascending) whose block no longer carries its expected hash,
+    or whose ``lease`` (the read's ``Read.lease``) no longer covers it. One validator call over
+    the chunk's blocks; ``[]`` without hashes or validator.
 
     Raises:
         RuntimeError: the validator returned a position outside the chunk (a connector bug).
@@ -232,7 +242,7 @@ def recheck_blocks(
         return []
     hashes = group.expected_hashes
     block_ids = [group.block_ids[p] for p in positions]
-    bad = _validate(validator, group.group_id, block_ids, [hashes[p] for p in positions])
+    bad = _validate(validator, group.group_id, block_ids, [hashes[p] for p in positions], lease)
     return [positions[i] for i in bad]
 
 

@@ -18,7 +18,7 @@ from .base import GroupRead, ReadResult
 from .errors import TransferCancelledError, TransferError, TransferTimeoutError
 from .metadata import NodeMetadata
 from .plan import build_group_msgs
-from .wire import GroupReadMsg, Read
+from .wire import GroupReadMsg, LeaseRef, Read
 
 _TRANSFER_IDS = itertools.count(1)
 _TAG_PREFIX = int.from_bytes(os.urandom(2), "big") << 46
@@ -193,8 +193,10 @@ def begin_read(
     *,
     deadline_s: float,
     chunk_bytes: int,
+    lease: LeaseRef | None = None,
 ) -> tuple[Read, ReadState]:
-    """The ``Read`` message and the requester's ``ReadState`` of a new read (both transports).
+    """The ``Read`` message and the requester's ``ReadState`` of a new read (both transports);
+    ``lease`` travels as ``Read.lease``.
 
     Raises:
         ValueError: ``deadline_s <= 0``, or groups that do not fit ``metadata``
@@ -217,5 +219,6 @@ def begin_read(
         chunk_bytes=chunk_bytes,
         deadline_ms=max(1, int(deadline_s * 1000)),
         groups=msgs,
+        lease=lease,
     )
     return read, state

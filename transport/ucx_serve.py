@@ -193,7 +193,8 @@ class UcxServe(Serve):
     def _recheck(self, entry: int, positions: list[int]) -> None:
         """Re-run the validator over one chunk's blocks; failures join ``_late``."""
         group = self.read.groups[entry]
-        self._late[entry].extend(recheck_blocks(group, positions, self.recheck_validator))
+        late = recheck_blocks(group, positions, self.recheck_validator, self.read.lease)
+        self._late[entry].extend(late)
 
     async def _retire(self, pending: deque[_InFlight]) -> None:
         """Wait for the oldest send, release its staging, and re-check a zero-copy chunk."""

@@ -3,8 +3,9 @@ each ``Read`` with ``ReadOk``, and hands the rest of the read to a serve of its 
 With a cluster key the handshake first runs ``auth``'s challenge-response: a peer that fails it
 gets one ``ErrorMsg`` (code ``"unauthenticated"``) and nothing else.
 
-Per read: check ids (``plan.check_read``), ask the connector's ``block_validator``, answer
-``ReadOk`` (positions whose block failed the hash check are never served), then start one
+Per read: check ids (``plan.check_read``), ask the connector's ``block_validator`` (under the
+read's ``lease``), answer ``ReadOk`` (positions whose block failed the check are never served),
+then start one
 ``serve.Serve`` chosen from ``Read.cma``: ``ucx_serve.UcxServe`` sends the blocks as UCX tag
 messages, ``cma_serve.CmaServe`` lets the requester copy them (same host) and re-checks them on
 its ``ReadCopied``. ``Cancel`` and ``ReadCopied`` go to the read's serve; ``Heartbeat`` and

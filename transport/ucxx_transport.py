@@ -66,6 +66,7 @@ from .wire import (
     Heartbeat,
     Hello,
     HelloOk,
+    LeaseRef,
     Read,
     TransferDoneNotice,
     decode_message,
@@ -383,9 +384,15 @@ class UcxxTransport(Transport):
         groups: Sequence[GroupRead],
         *,
         deadline_s: float,
+        lease: LeaseRef | None = None,
     ) -> ReadResult:
         read, state = begin_read(
-            self.metadata, request_id, groups, deadline_s=deadline_s, chunk_bytes=self.chunk_bytes
+            self.metadata,
+            request_id,
+            groups,
+            deadline_s=deadline_s,
+            chunk_bytes=self.chunk_bytes,
+            lease=lease,
         )
         transfer_id = read.transfer_id
         self._reads[transfer_id] = state

@@ -12,6 +12,10 @@ Checks across fields (a hash per block id, a region per layer, a consistent ``co
 in ``__post_init__``, which msgspec also runs when decoding; a local caller that builds such a
 message wrongly gets ``ValueError``.
 
+A ``Read`` under a handoff's lease names it in its own field (``LeaseRef``: the holder's request
+id and the ticket's token); its positions the lease alone guards (the partial last block, which
+has no hash) carry an empty expected hash.
+
 Requester -> holder: ``Hello``, ``AuthProof``, ``Read``, ``ReadCopied``, ``Cancel``,
 ``Heartbeat``, ``TransferDoneNotice`` (tag ``TransferDone``).
 Holder -> requester: ``AuthChallenge``, ``HelloOk``, ``ReadOk``, ``ReadDone``, ``CancelOk``,
@@ -57,6 +61,7 @@ from .limits import (
     Pid,
     PositionsByEntry,
     Probe,
+    RequestId,
     RequestIds,
     ShortText,
     TagBase,
@@ -87,6 +92,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "HelloOk",
+    "LeaseRef",
     "Message",
     "Read",
     "ReadCopied",
@@ -98,7 +104,7 @@ __all__ = [
     "frame_length",
 ]
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 # 2: Cancel carries num_chunks_posted (filler sends, see ucx_serve)
 # 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
 # 4: same-host reads: HelloOk.cma, Read.cma, ReadCopied (see ``cma``)
@@ -106,6 +112,7 @@ WIRE_VERSION = 6
 #    carries the sender's peer_engine_id
 # 6: tickets as capabilities: Heartbeat.tokens, TransferDone.token; peer authentication:
 #    Hello.auth_nonce, AuthChallenge, AuthProof (see ``auth``)
+# 7: Read.lease (a handoff's lease in its own field, no longer inside an expected hash)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
@@ -116,7 +123,8 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=Tru
 
 class GroupReadMsg(msgspec.Struct, frozen=True, kw_only=True):
     """One group's part of a ``Read``: remote block ids and, optionally, one expected hash per
-    id (``plan``, "Hash checks on the holder")."""
+    id (``plan``, "Hash checks on the holder"). An empty expected hash is guarded by the read's
+    ``lease`` alone, or not checked when the read has none."""
 
     group_id: GroupId
     block_ids: BlockIds
@@ -207,10 +215,23 @@ class HelloOk(_Message):
                 )
 
 
+class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A handoff's lease on the holder, as a read presents it: ``request_id`` names the lease
+    there (the prefill side's request id) and ``token`` is its ticket's capability
+    (``remote_lease_token``; empty: none presented). The holder's validator serves a position
+    with an empty expected hash only while this lease is held, has this token and covers the
+    block."""
+
+    request_id: RequestId
+    token: ShortText = ""
+
+
 class Read(_Message):
     """Pull request. The holder sends chunk ``k`` of the plan with UCX tag ``tag_base + k``;
     with ``cma`` it sends nothing: the requester copies the blocks itself after ``ReadOk``
-    (``cma``) and, when it sent expected hashes, ends with ``ReadCopied``."""
+    (``cma``) and, when it sent expected hashes, ends with ``ReadCopied``. ``lease``: the
+    handoff's lease the read is made under (``LeaseRef``), None for a read through the block
+    index."""
 
     transfer_id: TransferId
     request_id: Text
@@ -219,6 +240,7 @@ class Read(_Message):
     deadline_ms: DeadlineMs
     groups: Annotated[list[GroupReadMsg], Meta(max_length=MAX_GROUPS)]
     cma: bool = False
+    lease: LeaseRef | None = None
 
     def __post_init__(self) -> None:
         total = sum(len(group.block_ids) for group in self.groups)

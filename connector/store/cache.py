@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 from kvbridge.kernels import scatter_blocks
 from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from kvbridge.transport import LeaseRef
 
 __all__ = ["GroupPutResult", "StoreCache"]
 
@@ -241,11 +242,16 @@ class StoreCache:
 
     # ------------------------------------------------------------------ reads
     def validate(
-        self, group_id: int, block_ids: Sequence[int], expected_hashes: Sequence[bytes]
+        self,
+        group_id: int,
+        block_ids: Sequence[int],
+        expected_hashes: Sequence[bytes],
+        lease: LeaseRef | None = None,
     ) -> list[int]:
         """Positions whose store block does not hold the expected hash (an empty expected hash
-        never passes: the store serves by hash only). Passing blocks are touched (LRU) and
-        stamped for the read guard."""
+        never passes: the store serves by hash only, so a read's ``lease`` is ignored: the store
+        grants none). Passing blocks are touched (LRU) and stamped for the read guard.
+        A ``transport.BlockValidator``; runs on the transport's loop thread."""
         if not 0 <= group_id < len(self.groups):
             return list(range(len(block_ids)))
         group = self.groups[group_id]

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from kvbridge.kernels.model import ModelConfig
 from kvbridge.kvmanager.model_runner import make_kv_cache_config
-from kvbridge.transport import LoopbackNetwork, NodeMetadata, PeerAddress, Transport
+from kvbridge.transport import LeaseRef, LoopbackNetwork, NodeMetadata, PeerAddress, Transport
 
 from ..index.client import IndexClient, open_index
 from ..index.protocol import IndexNamespace, new_incarnation
@@ -366,9 +366,15 @@ class StoreNode:
 
     # ------------------------------------------------------------------ reads
     def _validate_blocks(
-        self, group_id: int, block_ids: list[int], expected_hashes: list[bytes]
+        self,
+        group_id: int,
+        block_ids: list[int],
+        expected_hashes: list[bytes],
+        lease: LeaseRef | None = None,
     ) -> list[int]:
-        bad = self.cache.validate(group_id, block_ids, expected_hashes)
+        """The store's ``block_validator``: ``cache.validate`` (the ``lease`` is ignored), counted
+        once per read in the store's stats."""
+        bad = self.cache.validate(group_id, block_ids, expected_hashes, lease)
         num_hit = len(block_ids) - len(bad)
         groups = self.cache.groups
         block_nbytes = groups[group_id].block_nbytes if group_id < len(groups) else 0
