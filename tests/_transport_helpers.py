@@ -9,7 +9,8 @@ stdin closes::
     python tests/_transport_helpers.py --seed 1 [--block-size 16] [--chunk-delay-s 0.2]
         [--layers-per-group 1,2] [--evict-after-check 0:30 ...]
 
-Its ``block_validator`` accepts the expected hash ``b"{group_id}:{block_id}"`` only. A block named
+Its ``block_validator`` accepts the expected hash ``b"{group_id}:{block_id}"`` only, and an empty
+one only under the read's lease ``HELPER_LEASE`` (a block without a hash). A block named
 by ``--evict-after-check GROUP:BLOCK`` passes the first check that sees it and is "evicted"
 right after (as if the holder's engine reused it between the check and the gather), so every
 later check fails it: the holder's re-check after the copy must catch it.
@@ -22,9 +23,11 @@ import asyncio
 import sys
 
 import torch
-from kvbridge.transport import BlockValidator, NodeMetadata
+from kvbridge.transport import BlockValidator, LeaseRef, NodeMetadata
 
 NUM_BLOCKS = 64
+HELPER_LEASE = LeaseRef(request_id="p-" + "x" * 198, token="tok-helper")
+"""The one lease the helper validators honour (a 200-byte request id: longer than any hash)."""
 LAYERS_PER_GROUP = (3, 2)  # group 0: full attention layers, group 1: sliding window layers
 
 
@@ -66,11 +69,18 @@ def make_hash_validator(evict_after_check: set[tuple[int, int]]) -> BlockValidat
     in ``evict_after_check`` lose their hash once a check has seen them."""
     evicted: set[tuple[int, int]] = set()
 
-    def validate(group_id: int, block_ids: list[int], expected: list[bytes]) -> list[int]:
+    def validate(
+        group_id: int, block_ids: list[int], expected: list[bytes], lease: LeaseRef | None
+    ) -> list[int]:
+        def holds(block_id: int, expected_hash: bytes) -> bool:
+            if not expected_hash:  # no hash: the read's lease alone vouches for the block
+                return lease == HELPER_LEASE
+            return expected_hash == f"{group_id}:{block_id}".encode()
+
         bad = [
             i
             for i, (b, h) in enumerate(zip(block_ids, expected, strict=True))
-            if h != f"{group_id}:{b}".encode() or (group_id, b) in evicted
+            if not holds(b, h) or (group_id, b) in evicted
         ]
         evicted.update((group_id, b) for b in block_ids if (group_id, b) in evict_after_check)
         return bad

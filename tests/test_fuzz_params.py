@@ -4,8 +4,8 @@ Properties, each over hypothesis-generated input:
 
 - ``RemotePrefillParams.parse`` of any mapping raises only ``KVTransferParamsError`` (naming a
   field), and what it accepts is in range.
-- ``HolderChecks.validate_blocks`` never raises on ids and expected values from the network and
-  always refuses an id outside the node's pool or a lease it does not hold.
+- ``HolderChecks.validate_blocks`` never raises on ids, expected values and leases from the
+  network and always refuses an id outside the node's pool or a lease it does not hold.
 - Both nodes' HTTP APIs (examples/node_server.py, a prefill and a decode node over the loopback
   transport, each behind its engine loop) answer random and mutated ``kv_transfer_params`` with
   200 or 400, never a server error; a 200 from the decode node carries exactly the tokens a
@@ -32,9 +32,9 @@ from _pd_builders import long_prompt, make_pd_pair
 from kvbridge.connector.errors import KVTransferParamsError
 from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
 from kvbridge.connector.lease import LeaseTable
-from kvbridge.connector.pull_plan import lease_token
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.transfer_params import RemotePrefillParams
+from kvbridge.transport import LeaseRef
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -110,10 +110,11 @@ def _checks() -> tuple[HolderChecks, LeaseTable]:
     return checks, leases
 
 
-_expected_values = st.one_of(
-    st.binary(max_size=12),
-    st.sampled_from([b"", b"h3", b"h4", lease_token("held"), lease_token("other")]),
-    st.text(max_size=8).map(lambda s: lease_token(s)),
+_expected_values = st.one_of(st.binary(max_size=12), st.sampled_from([b"", b"h3", b"h4"]))
+_leases = st.one_of(
+    st.none(),
+    st.sampled_from([LeaseRef(request_id="held"), LeaseRef(request_id="other")]),
+    st.builds(LeaseRef, request_id=st.text(min_size=1, max_size=8), token=st.text(max_size=8)),
 )
 
 
@@ -124,18 +125,23 @@ _expected_values = st.one_of(
         st.tuples(st.integers(-(2**31), 2**31 + 5) | st.integers(-1, 40), _expected_values),
         max_size=12,
     ),
+    lease=_leases,
 )
-def test_validate_blocks_refuses_every_block_outside_the_pool_or_the_lease(group_id, pairs):
+def test_validate_blocks_refuses_every_block_outside_the_pool_or_the_lease(
+    group_id, pairs, lease
+):
     checks, leases = _checks()
     block_ids = [b for b, _ in pairs]
     expected = [h for _, h in pairs]
-    bad = checks.validate_blocks(group_id, block_ids, expected)
+    bad = checks.validate_blocks(group_id, block_ids, expected, lease)
     assert bad == sorted(set(bad)) and all(0 <= p < len(pairs) for p in bad)
     for pos, (block_id, value) in enumerate(pairs):
-        if not value:
-            continue  # b"": not checked (no lease or hash named)
+        if not value and lease is None:
+            continue  # b"" in a read under no lease: not checked (nothing named)
         if not 0 < block_id < _POOL_BLOCKS:
             assert pos in bad, (block_id, value)
+        elif pos not in bad and not value:  # served by the read's lease alone: "held"'s
+            assert lease == LeaseRef(request_id="held") and (group_id, block_id) == (0, 5)
         elif pos not in bad:  # served: only under the lease that holds it, at its hash
             assert group_id == 0 and block_id in (3, 4, 5), (block_id, value)
     assert leases.is_held("held")  # checks never end a lease

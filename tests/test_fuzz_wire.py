@@ -44,6 +44,7 @@ from kvbridge.transport.wire import (
     Heartbeat,
     Hello,
     HelloOk,
+    LeaseRef,
     Read,
     ReadDone,
     ReadOk,
@@ -63,6 +64,7 @@ _FIELDS = [
     "transfer_id", "request_id", "tag_base", "chunk_bytes", "deadline_ms", "groups", "cma",
     "group_id", "block_ids", "expected_hashes", "num_chunks_posted", "request_ids", "tokens",
     "token", "peer_engine_id", "success", "reason", "mismatched", "metadata", "nonce", "proof",
+    "lease",
 ]
 
 # Any msgpack value, nested a little: what a stranger may put in any field.
@@ -120,6 +122,9 @@ def _read_dicts(draw) -> dict:
         "deadline_ms": draw(st.integers(1, 200)),
         "groups": draw(st.lists(_group_dicts(), max_size=3)),
         "cma": draw(st.booleans()),
+        "lease": draw(st.none() | st.fixed_dictionaries(
+            {"request_id": st.text(max_size=520), "token": st.text(max_size=66)}
+        )),
     }
     damage = draw(st.sampled_from(["none", "none", "replace", "replace", "drop"]))
     key = draw(st.sampled_from(sorted(msg)))
@@ -140,6 +145,7 @@ def _valid_messages() -> st.SearchStrategy:
     read = Read(
         transfer_id=5, request_id="r", tag_base=1 << 20, chunk_bytes=1 << 14, deadline_ms=100,
         groups=[GroupReadMsg(group_id=0, block_ids=[1, 2, 3], expected_hashes=[b"0:1"] * 3)],
+        lease=LeaseRef(request_id="p-req", token="tok"),
     )
     return st.sampled_from([
         read,
@@ -193,6 +199,8 @@ def test_decode_raises_only_wire_error_and_accepts_only_bounded_reads(payload):
         return
     if isinstance(message, Read):  # decoded: every bound of ``limits`` held
         assert message.transfer_id >= 1 and message.deadline_ms >= 1
+        if message.lease is not None:
+            assert 1 <= len(message.lease.request_id) <= 512 and len(message.lease.token) <= 64
         for group in message.groups:
             assert 0 <= group.group_id < 64
             assert all(0 <= b < 2**31 for b in group.block_ids)

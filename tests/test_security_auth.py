@@ -52,7 +52,7 @@ class _Recorder:
 
     def kwargs(self) -> dict:
         return {
-            "block_validator": lambda g, ids, hashes: self.validated.append(ids) or [],
+            "block_validator": lambda g, ids, hashes, lease: self.validated.append(ids) or [],
             "on_heartbeat": lambda peer, ids, tokens: self.heartbeats.append(ids),
             "on_transfer_done": self.notices.append,
         }

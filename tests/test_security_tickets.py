@@ -12,13 +12,13 @@ import asyncio
 import dataclasses
 import re
 
+from _engine_builders import reference_greedy
 from _pd_builders import assert_pair_empty, decode, long_prompt, make_pd_pair, prefill
 from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
 from kvbridge.connector.lease import LeaseTable
-from kvbridge.connector.pull_plan import lease_token, parse_lease_token
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.transfer_params import RemotePrefillParams
-from kvbridge.transport import LoopbackTransport, TransferDoneNotice
+from kvbridge.transport import LeaseRef, LoopbackTransport, TransferDoneNotice
 
 TOKEN = "tok-right-0123456789ab"
 
@@ -82,9 +82,6 @@ def test_the_unhashed_block_is_served_only_under_the_tickets_token():
     assert leases.covers("r1", 0, 4, None, TOKEN)  # position 1 has no hash: lease only
     assert not leases.covers("r1", 0, 4, None, "tok-wrong")
     assert not leases.covers("r1", 0, 4, None)
-    assert parse_lease_token(lease_token("r1", TOKEN)) == ("r1", TOKEN)
-    assert parse_lease_token(lease_token("a\x00b", "")) == ("a\x00b", "")  # NUL in the id
-    assert parse_lease_token(b"\x00lease\x00no-separator") is None
 
 
 # ----------------------------------------------------------------------------- the holder checks
@@ -107,8 +104,13 @@ def test_holder_counts_and_refuses_forged_heartbeats_and_notices():
     checks.on_transfer_done(forged)
     assert stats.num_refused_lease_tokens == 3  # r1 twice by heartbeat, once by notice
     assert leases.is_held("r1") and stats.num_released_leases == 0
-    hashes = [lease_token("r1", "tok-wrong"), lease_token("r1", TOKEN)]
-    assert checks.validate_blocks(0, [4, 4], hashes) == [0]  # the wrong token's read refused
+    # Block 4 is r1's partial last block (no hash): the read's lease alone vouches for it.
+    assert checks.validate_blocks(0, [4], [b""], LeaseRef(request_id="r1", token=TOKEN)) == []
+    wrong = LeaseRef(request_id="r1", token="tok-wrong")
+    assert checks.validate_blocks(0, [4], [b""], wrong) == [0]  # the wrong token's read refused
+    assert checks.validate_blocks(0, [4], [b""], LeaseRef(request_id="r2", token=TOKEN)) == [0]
+    assert checks.validate_blocks(0, [3, 4], [b"h3", b""], None) == []  # hash; unchecked
+    assert stats.num_refused_lease_tokens == 3  # a refused read counts nothing
     real = TransferDoneNotice(peer_engine_id="d", request_id="r1", success=True, reason="",
                               token=TOKEN)
     checks.on_transfer_done(real)
@@ -163,3 +165,26 @@ def test_tickets_carry_fresh_unguessable_tokens_and_a_stranger_cannot_end_the_le
         assert p_worker.stats.num_refused_lease_tokens == 4  # the real puller was never refused
     finally:
         pair.close()
+
+
+def test_a_prefill_request_id_of_200_bytes_still_hands_over_its_partial_block(pair_factory):
+    # The lease was once smuggled through the read's expected-hash field, whose wire bound is
+    # 128 bytes: a P request id this long made P refuse D's whole read (D then recomputed).
+    pair = pair_factory()
+    p_request_id = "p-" + "x" * 198
+    assert len(p_request_id.encode()) == 200
+    prompt = long_prompt(40)  # 2 full blocks and a partial third, which only the lease guards
+
+    # (1) P prefills under the long id; (2) D pulls every position, the partial one included.
+    params = prefill(pair, p_request_id, prompt)
+    assert params["remote_request_id"] == p_request_id
+    output = decode(pair, "d-0", prompt, params, max_tokens=4)
+    assert output.token_ids == reference_greedy(prompt, 4, hybrid=False)
+    assert output.num_cached_tokens == 39  # all pulled; the last token is recomputed
+    d_stats = pair.d.scheduler.connector.stats.snapshot()
+    assert (d_stats["num_loads"], d_stats["num_failed_loads"]) == (1, 0)
+    assert d_stats["num_blocks_received"] == 3
+
+    # (3) D's notice released P's lease under the same long id; nothing leaks.
+    assert_pair_empty(pair)
+    assert pair.p.scheduler.connector.stats.snapshot()["num_released_leases"] == 1

@@ -56,6 +56,7 @@ from test_transport_ucxx import (
     _assert_landed,
     _random_read,
     assert_changed_hash_reported_not_sent,
+    assert_lease_guards_the_block_without_a_hash,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -243,6 +244,12 @@ async def test_large_read_in_copy_threads_lands_exactly(big_holder):
         _assert_clean(transport)
     finally:
         await transport.close()
+
+
+@in_module_loop
+async def test_the_reads_lease_guards_the_block_without_a_hash_by_cma(holder, requester):
+    await assert_lease_guards_the_block_without_a_hash(holder.address, requester, SEED)
+    assert requester.peer_data_path(holder.address) == "cma"
 
 
 @in_module_loop
@@ -441,7 +448,7 @@ async def test_holder_answers_cma_messages_and_refuses_misuse(monkeypatch):
             assert isinstance(await ask(_cma_read(5, hashes=False)), ReadOk)
 
         # a validator that raises fails that read with an error, and the holder keeps serving
-        def broken(group_id, block_ids, hashes):
+        def broken(group_id, block_ids, hashes, lease):
             raise RuntimeError("validator bug")
 
         holder.set_callbacks(block_validator=make_hash_validator(set()), block_rechecker=broken)

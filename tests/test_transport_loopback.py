@@ -10,6 +10,7 @@ from _transport_helpers import make_kv_caches, make_metadata
 from kvbridge.transport import (
     GroupRead,
     HandshakeError,
+    LeaseRef,
     LoopbackFaults,
     LoopbackNetwork,
     LoopbackTransport,
@@ -83,7 +84,7 @@ async def test_empty_read_returns_empty_result():
 async def test_validator_and_fail_block_ids_report_failed_local_ids():
     holder, requester = await _pair()
     holder.set_callbacks(
-        block_validator=lambda g, ids, hashes: [i for i, h in enumerate(hashes) if h != b"ok"]
+        block_validator=lambda g, ids, hashes, _: [i for i, h in enumerate(hashes) if h != b"ok"]
     )
     holder.faults.fail_block_ids = {12}
     reads = _reads([10, 11, 12], [20, 21, 22], hashes=[b"ok", b"stale", b"ok"])
@@ -232,7 +233,7 @@ async def test_validator_reruns_after_each_chunk_copy():
     evicted: set[tuple[int, int]] = set()
     calls: list[tuple[int, list[int]]] = []
 
-    def validate(group_id: int, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+    def validate(group_id: int, block_ids: list[int], hashes: list[bytes], lease) -> list[int]:
         calls.append((group_id, list(block_ids)))
         bad = [
             i
@@ -257,6 +258,33 @@ async def test_validator_reruns_after_each_chunk_copy():
     assert calls == [(1, [3, 4, 40, 5, 6]), (1, [3, 40]), (1, [5, 6])]
 
 
+async def test_the_reads_lease_reaches_the_check_and_every_recheck():
+    """A read under a lease names it in its own field (``Read.lease``); the holder's validator
+    gets it, as it came over the wire, at the check and at each chunk's re-check."""
+    holder, requester = await _pair(chunk_bytes=4096)  # one 3-layer block per chunk
+    seen: list[tuple[str, LeaseRef | None]] = []
+
+    def validate(group_id: int, block_ids: list[int], hashes: list[bytes], lease) -> list[int]:
+        seen.append(("check", lease))
+        return [i for i, h in enumerate(hashes) if not h and lease is None]
+
+    def recheck(group_id: int, block_ids: list[int], hashes: list[bytes], lease) -> list[int]:
+        seen.append(("recheck", lease))
+        return []
+
+    holder.set_callbacks(block_validator=validate, block_rechecker=recheck)
+    lease = LeaseRef(request_id="p-" + "x" * 198, token="tok")  # longer than any hash
+    reads = _reads([1, 2], [4, 5], hashes=[b"h1", b""])  # block 2 has no hash: the lease's
+    result = await requester.read_blocks(holder.address, "r", reads, deadline_s=5, lease=lease)
+    assert (result.num_blocks_landed, result.failed_local_block_ids) == (2, ())
+    assert seen == [("check", lease), ("recheck", lease), ("recheck", lease)]
+
+    seen.clear()  # the same read without the lease: block 2 is refused, never sent
+    result = await requester.read_blocks(holder.address, "r", reads, deadline_s=5)
+    assert (result.num_blocks_landed, result.failed_local_block_ids) == (1, (5,))
+    assert seen == [("check", None), ("recheck", None)]
+
+
 async def test_block_rechecker_serves_the_rechecks_when_registered():
     """A validator with once-per-read effects (a store counting hits) registers a separate
     side-effect-free rechecker: the validator then runs once per read, the rechecker per chunk."""
@@ -264,11 +292,11 @@ async def test_block_rechecker_serves_the_rechecks_when_registered():
     num_checked: list[int] = []
     rechecked: list[list[int]] = []
 
-    def validate(group_id: int, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+    def validate(group_id: int, block_ids: list[int], hashes: list[bytes], lease) -> list[int]:
         num_checked.append(len(block_ids))
         return []
 
-    def recheck(group_id: int, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+    def recheck(group_id: int, block_ids: list[int], hashes: list[bytes], lease) -> list[int]:
         rechecked.append(list(block_ids))
         return [i for i, b in enumerate(block_ids) if b == 2]
 

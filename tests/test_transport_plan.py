@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from kvbridge.transport import BlockValidator
+from kvbridge.transport import BlockValidator, LeaseRef
 from kvbridge.transport.errors import WireError
 from kvbridge.transport.plan import check_read_done, expects_read_done, recheck_blocks
 from kvbridge.transport.transfer import ReadState
@@ -31,7 +31,9 @@ def _rejecting(*bad_block_ids: int) -> tuple[BlockValidator, list[list[int]]]:
     """A validator rejecting ``bad_block_ids``, and the block ids of each call it gets."""
     calls: list[list[int]] = []
 
-    def validate(group_id: int, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+    def validate(
+        group_id: int, block_ids: list[int], hashes: list[bytes], lease: LeaseRef | None
+    ) -> list[int]:
         calls.append(list(block_ids))
         return [i for i, b in enumerate(block_ids) if b in bad_block_ids]
 
@@ -42,21 +44,21 @@ def test_recheck_maps_chunk_positions_back_to_read_positions():
     group = _group([10, 11, 12, 13, 14])
     validate, calls = _rejecting(13)
     # the chunk holds read positions 1, 3, 4 (position 2 was refused earlier)
-    assert recheck_blocks(group, [1, 3, 4], validate) == [3]
+    assert recheck_blocks(group, [1, 3, 4], validate, None) == [3]
     assert calls == [[11, 13, 14]]  # one call over the chunk's blocks only
 
 
 def test_recheck_skips_groups_without_hashes_or_validator():
     validate, calls = _rejecting(10)
-    assert recheck_blocks(_group([10], hashed=False), [0], validate) == []
-    assert recheck_blocks(_group([10]), [0], None) == []
-    assert recheck_blocks(_group([10]), [], validate) == []  # an empty chunk
+    assert recheck_blocks(_group([10], hashed=False), [0], validate, None) == []
+    assert recheck_blocks(_group([10]), [0], None, None) == []
+    assert recheck_blocks(_group([10]), [], validate, None) == []  # an empty chunk
     assert calls == []
 
 
 def test_recheck_raises_on_a_validator_position_outside_the_chunk():
     with pytest.raises(RuntimeError, match=r"positions \[2\] for 2 blocks"):
-        recheck_blocks(_group([10, 11, 12]), [0, 1], lambda g, ids, h: [2])
+        recheck_blocks(_group([10, 11, 12]), [0, 1], lambda g, ids, h, lease: [2], None)
 
 
 def test_read_done_expected_only_when_some_group_sends_hashes():

@@ -19,13 +19,14 @@ import sys
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 import pytest_asyncio
 import torch
 
 pytest.importorskip("ucxx")
 
-from _transport_helpers import NUM_BLOCKS, make_kv_caches, make_metadata
+from _transport_helpers import HELPER_LEASE, NUM_BLOCKS, make_kv_caches, make_metadata
 from kvbridge.transport import (
     GroupRead,
     HandshakeError,
@@ -174,6 +175,42 @@ async def assert_changed_hash_reported_not_sent(
 
 async def test_changed_block_hash_is_reported_not_sent(holder, requester):
     await assert_changed_hash_reported_not_sent(holder.address, requester, HOLDER_SEED)
+
+
+async def assert_lease_guards_the_block_without_a_hash(
+    holder_address: tuple[str, int], requester: UcxxTransport, holder_seed: int
+) -> None:
+    """Remote block 12 has no hash (a handoff's partial last block): it lands only in a read
+    presenting the holder's lease (``Read.lease``, here with a 200-byte request id); a read
+    without it, or with another token, gets it failed and never written."""
+    source = make_kv_caches(seed=holder_seed)
+
+    def read(local_id: int) -> GroupRead:
+        return GroupRead(
+            group_id=0, remote_block_ids=[11, 12], local_block_ids=[local_id - 1, local_id],
+            expected_hashes=[b"0:11", b""],
+        )
+
+    wrong = msgspec.structs.replace(HELPER_LEASE, token="tok-guess")
+    for local_id, lease in [(21, None), (23, wrong)]:
+        for layer in requester.kv_caches_by_group[0]:
+            layer[[local_id - 1, local_id]] = 0
+        result = await requester.read_blocks(
+            holder_address, "req-no-lease", [read(local_id)], deadline_s=20, lease=lease
+        )
+        assert result.failed_local_block_ids == (local_id,)
+        assert not any(layer[local_id].any() for layer in requester.kv_caches_by_group[0])
+    result = await requester.read_blocks(
+        holder_address, "req-lease", [read(25)], deadline_s=20, lease=HELPER_LEASE
+    )
+    assert (result.num_blocks_landed, result.failed_local_block_ids) == (2, ())
+    for mine, theirs in zip(requester.kv_caches_by_group[0], source[0], strict=True):
+        assert torch.equal(mine[24], theirs[11]) and torch.equal(mine[25], theirs[12])
+    _assert_requester_clean(requester)
+
+
+async def test_the_reads_lease_guards_the_block_without_a_hash(holder, requester):
+    await assert_lease_guards_the_block_without_a_hash(holder.address, requester, HOLDER_SEED)
 
 
 async def test_incompatible_peer_refused_naming_field(requester):
@@ -515,7 +552,7 @@ async def test_a_holder_failing_mid_read_fails_it_at_once(path, monkeypatch):
     import kvbridge.transport.ucx_serve as ucx_serve
     from _transport_helpers import make_hash_validator
 
-    def broken_rechecker(group_id, block_ids, hashes):
+    def broken_rechecker(group_id, block_ids, hashes, lease):
         raise RuntimeError("validator bug")
 
     source = make_kv_caches(seed=5)

@@ -41,8 +41,8 @@ from _vllm_sched_builders import (
     worker_report,
 )
 from kvbridge.connector.metadata import LeaseGrant, ReleaseNotice, Ticket
-from kvbridge.connector.pull_plan import lease_token
 from kvbridge.connector.transfer_params import RemotePrefillParams
+from kvbridge.transport import LeaseRef
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
@@ -91,8 +91,10 @@ def test_d_remote_prefill_lifecycle(n):
     assert group.local_block_ids == local[:num_pulled]  # paired by position
     assert group.remote_block_ids == remote_ids[:num_pulled]
     hashes = [bytes(h) for h in request.block_hashes]
-    expected = [hashes[i] if i < len(hashes) else lease_token("p-req-1") for i in range(num_pulled)]
+    # The partial last block has no hash: the plan's lease guards it (``Read.lease``).
+    expected = [hashes[i] if i < len(hashes) else b"" for i in range(num_pulled)]
     assert group.expected_hashes == expected
+    assert plan.lease.lease_ref() == LeaseRef(request_id="p-req-1", token=P_TICKET.token)
     assert first.meta.tickets_to_watch == [P_TICKET]
     assert first.meta.tickets_to_forget == [P_TICKET]  # the pull takes over the heartbeats
     assert request.kv_transfer_params["do_remote_prefill"] is False  # the ticket is used once
@@ -309,7 +311,8 @@ def test_d_partial_local_hit_pulls_the_rest_only():
     (group,) = plan.groups
     assert group.remote_block_ids == [53, 54]  # the remote list trimmed from the front
     assert group.local_block_ids == local[2:4]
-    assert group.expected_hashes == [bytes(request.block_hashes[2]), lease_token("p-req-1")]
+    assert group.expected_hashes == [bytes(request.block_hashes[2]), b""]  # lease: the plan's
+    assert plan.lease is not None and plan.lease.remote_request_id == "p-req-1"
 
     step(scheduler, finished_recving={request.request_id})
     resumed = step(scheduler)
