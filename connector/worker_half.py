@@ -65,6 +65,11 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 60.0
 
 
+def _regions(kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """A layer's block-major regions: its tensor, or the regions it is split over."""
+    return (kv_cache,) if isinstance(kv_cache, torch.Tensor) else kv_cache
+
+
 class KVBridgeWorker:
     """The worker half.
 
@@ -118,13 +123,21 @@ class KVBridgeWorker:
 
     # ------------------------------------------------------------------ start
     def register_kv_caches(
-        self, kv_caches: Mapping[str, torch.Tensor], *, kv_layout: str = KV_LAYOUT_NAME
+        self,
+        kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+        *,
+        kv_layout: str = KV_LAYOUT_NAME,
     ) -> None:
         """Start this node's transport over the KV tensors (group order from the config).
 
         Args:
             kv_caches: layer name -> ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
-                tensor (or a view of that shape over another engine's block-major cache).
+                tensor (or a view of that shape over another engine's block-major cache), or
+                a sequence of such block-major regions for a layer whose block is split over
+                several (K and V of a FlashAttention cache: ``vllm.translate.kv_cache_regions``).
+                The transport moves each region as it moves a layer (row ``b`` whole), so a
+                read of block ``b`` moves row ``b`` of every region of every layer, and the
+                handshake's ``num_layers`` counts regions.
             kv_layout: the name of the bytes' real layout inside a block (the handshake refuses
                 a peer whose layout differs).
 
@@ -138,7 +151,7 @@ class KVBridgeWorker:
             # Python's default 5 ms a busy engine thread makes each hop wait (config.py).
             sys.setswitchinterval(self.config.gil_switch_interval_s)
         by_group = [
-            [kv_caches[name] for name in group.layer_names]
+            [region for name in group.layer_names for region in _regions(kv_caches[name])]
             for group in self.kv_cache_config.kv_cache_groups
         ]
         metadata = NodeMetadata.from_kv_caches(

@@ -44,10 +44,9 @@ from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
 from .translate import (
     RequestView,
-    blocks_first_views,
     config_from_vllm,
     kv_cache_config_from_vllm,
-    kv_layout_name,
+    kv_cache_regions,
 )
 
 if TYPE_CHECKING:
@@ -258,11 +257,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     # ================================================================== worker half
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the attention backend's caches as they are: block-major (the CPU backend)
+        or K/V-split (FlashAttention: two regions per layer), named in the handshake
+        (``translate.kv_cache_regions``)."""
         first = next(iter(kv_caches.values()))
-        layout = kv_layout_name(f"{first.device.type}-attn", first)
-        self._work().register_kv_caches(
-            blocks_first_views(kv_caches, self._ours), kv_layout=layout
-        )
+        regions = kv_cache_regions(kv_caches, self._ours, backend=f"{first.device.type}-attn")
+        self._work().register_kv_caches(regions.regions_by_layer, kv_layout=regions.kv_layout)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         handshake = self._work().get_handshake_metadata()

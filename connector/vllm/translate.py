@@ -4,7 +4,11 @@ Everything vLLM hands the adapter is translated here and nowhere else (DESIGN.md
 vLLM"). Facts about vLLM 0.32.0 this relies on are measured in ``tests/vllm_probe``
 (``VLLM_API_NOTES.md``): the CPU attention backend's per-layer cache is block-major
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K stored transposed in the first half
-of each head's run), a request's ``kv_transfer_params`` is its ``SamplingParams.extra_args``
+of each head's run); FlashAttention's (vllm/v1/attention/backends/flash_attn.py,
+``get_kv_cache_shape``) is K/V-split ``[2, num_blocks, block_size, num_kv_heads, head_size]``,
+allocated in its ``get_kv_cache_stride_order`` (``(0, 1, 2, 3, 4)`` for the "NHD" cache layout,
+``(0, 1, 3, 2, 4)`` for "HND") and handed to the connector permuted back to that shape; a
+request's ``kv_transfer_params`` is its ``SamplingParams.extra_args``
 dict (the same object), and ``request.block_hashes`` lists one hash per full block.
 
 This module imports nothing of vLLM: it reads vLLM's objects by attribute, so its functions are
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from kvbridge.kvmanager.kv_cache_spec import (
@@ -30,10 +34,12 @@ from ..config import KVTransferConfig
 from ..errors import KVTransferConfigError
 
 __all__ = [
+    "KVCacheRegions",
     "RequestView",
     "blocks_first_views",
     "config_from_vllm",
     "kv_cache_config_from_vllm",
+    "kv_cache_regions",
     "kv_layout_name",
 ]
 
@@ -122,10 +128,12 @@ def blocks_first_views(
     kvbridge's transport moves (the same memory: a block's bytes are copied whole, never
     interpreted, so the view only has to agree on a block's size).
 
+    A K/V-split cache (FlashAttention's ``[2, num_blocks, ...]``) has no such view: it is two
+    regions per layer (``kv_cache_regions``).
+
     Raises:
-        KVTransferConfigError: a layer that is not block-major and contiguous (e.g. a
-            FlashAttention-style ``[2, num_blocks, ...]`` cache with K and V in separate
-            regions), or whose block holds another number of elements than its spec says.
+        KVTransferConfigError: a layer that is not block-major and contiguous, or whose block
+            holds another number of elements than its spec says.
     """
     views: dict[str, torch.Tensor] = {}
     for group in config.kv_cache_groups:
@@ -145,6 +153,116 @@ def blocks_first_views(
                 )
             views[name] = tensor.view(shape)
     return views
+
+
+_IN_BLOCK_AXES = "NHD"  # a K/V half's block axes after the block id: token, head, head dim
+
+
+class KVCacheRegions(NamedTuple):
+    """vLLM's KV tensors as kvbridge's worker half registers them.
+
+    Attributes:
+        regions_by_layer: layer name -> that layer's block-major regions, each
+            ``[num_blocks, 2, block_size, num_kv_heads, n]`` over vLLM's own memory, so that row
+            ``b`` of a region is one contiguous run of block ``b``'s bytes: one region for a
+            block-major layer (``blocks_first_views``), two for a K/V-split one (K, then V;
+            there axis 1 is not K/V and ``n = head_size / 2``: the shape only carries a half
+            block's element count and the block size to the transport, which moves rows whole
+            and never interprets them).
+        kv_layout: the handshake's name of the bytes' real arrangement (backend, kind, per-block
+            geometry, in-block axis order, dtype); two engines whose names differ refuse each
+            other naming ``kv_layout``.
+    """
+
+    regions_by_layer: dict[str, tuple[torch.Tensor, ...]]
+    kv_layout: str
+
+
+def kv_cache_regions(
+    kv_caches: Mapping[str, torch.Tensor], config: KVCacheConfig, *, backend: str
+) -> KVCacheRegions:
+    """The regions and layout name of vLLM's per-layer caches, for ``register_kv_caches``.
+
+    Two layouts are moved, one per node (every layer has the first layer's):
+
+    - block-major: ``[num_blocks, ...]`` contiguous (the CPU backend), exactly as
+      ``blocks_first_views`` (a cache whose first axis is both ``2`` and ``num_blocks`` reads
+      as block-major);
+    - K/V-split: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (FlashAttention),
+      whose K half and V half are each block-major with every block one dense run of bytes, in
+      any order of the in-block axes (vLLM's "NHD" and "HND" stride orders both qualify; the
+      order is part of the name). The half ``[i, b]`` is row ``b`` of region ``i``::
+
+          tensor[0] (K): | block 0 | block 1 | ... |   -> region 0, row b = K of block b
+          tensor[1] (V): | block 0 | block 1 | ... |   -> region 1, row b = V of block b
+
+    Raises:
+        KVTransferConfigError: naming the layer and its shape: a cache in neither layout (a
+            half whose blocks are not dense runs, a permuted order with the block axis
+            inside), a geometry other than the spec's, or layers of different layouts.
+    """
+    first_name = config.kv_cache_groups[0].layer_names[0]
+    first = kv_caches[first_name]
+    if not _is_kv_split(first, config.num_blocks):
+        views = blocks_first_views(kv_caches, config)
+        return KVCacheRegions(
+            {name: (view,) for name, view in views.items()}, kv_layout_name(backend, first)
+        )
+    regions: dict[str, tuple[torch.Tensor, ...]] = {}
+    first_order = None
+    for group in config.kv_cache_groups:
+        for name in group.layer_names:
+            tensor = kv_caches[name]
+            if not _is_kv_split(tensor, config.num_blocks):
+                raise KVTransferConfigError(
+                    f"layer {name}: cache of shape {tuple(tensor.shape)} is not K/V-split like "
+                    f"layer {first_name} {tuple(first.shape)}: one node moves one layout"
+                )
+            regions[name], order = _kv_split_halves(name, tensor, group.kv_cache_spec)
+            first_order = order if first_order is None else first_order
+            if order != first_order:
+                raise KVTransferConfigError(
+                    f"layer {name}: cache of shape {tuple(tensor.shape)} orders a block "
+                    f"{order}, layer {first_name} {first_order}: one node moves one layout"
+                )
+    block_shape = ",".join(str(s) for s in first.shape[2:])
+    dtype = str(first.dtype).removeprefix("torch.")
+    return KVCacheRegions(regions, f"vllm:{backend}:kv_split[{block_shape}]:{first_order}:{dtype}")
+
+
+def _is_kv_split(tensor: torch.Tensor, num_blocks: int) -> bool:
+    """A ``[2, num_blocks, ...]`` 5-d cache that is not also a contiguous block-major one."""
+    block_major = tensor.shape[0] == num_blocks and tensor.is_contiguous()
+    return tensor.dim() == 5 and tuple(tensor.shape[:2]) == (2, num_blocks) and not block_major
+
+
+def _kv_split_halves(
+    name: str, tensor: torch.Tensor, spec: Any
+) -> tuple[tuple[torch.Tensor, torch.Tensor], str]:
+    """The K and V regions of one K/V-split layer and its in-block axis order (e.g. ``"NHD"``;
+    axes of size 1 are left out: they do not move bytes)."""
+    num_blocks = tensor.shape[1]
+    geometry = (spec.block_size, spec.num_kv_heads, spec.head_size)
+    if tuple(tensor.shape[2:]) != geometry or spec.head_size % 2:
+        raise KVTransferConfigError(
+            f"layer {name}: K/V-split cache of shape {tuple(tensor.shape)} is not "
+            f"(2, {num_blocks}, *{geometry}) with an even head_size; not supported"
+        )
+    halves = []
+    for half in (tensor[0], tensor[1]):
+        # In-block axes by falling stride (ties keep their order): dense iff this permutation
+        # is contiguous, which also puts the block axis outermost with no gap between blocks.
+        axes = sorted((1, 2, 3), key=lambda axis: -half.stride(axis))
+        dense = half.permute(0, *axes)
+        if not dense.is_contiguous():
+            raise KVTransferConfigError(
+                f"layer {name}: K/V-split cache of shape {tuple(tensor.shape)} with strides "
+                f"{tensor.stride()}: a half's blocks are not dense block-major runs; "
+                "this layout is not supported"
+            )
+        halves.append(dense.view(num_blocks, 2, spec.block_size, spec.num_kv_heads, -1))
+    order = "".join(_IN_BLOCK_AXES[axis - 1] for axis in axes if tensor.shape[axis + 1] > 1)
+    return (halves[0], halves[1]), order
 
 
 _STATUS_BY_NAME = {status.name: status for status in RequestStatus}
