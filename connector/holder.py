@@ -118,7 +118,8 @@ class HolderChecks:
                 without one (the partial last block of a handoff).
             lease: the read's lease (``Read.lease``): a position with an empty expected hash is
                 served only while that lease is held, has the presented token and covers the
-                block at a position without a hash. None: empty expected hashes are not checked.
+                block at a position without a hash. None: a position with an empty expected
+                hash is refused (nothing vouches for it: a read must name a hash or a lease).
 
         Returns:
             positions to refuse: unknown hash, the lease ended or not presented with its token,
@@ -127,8 +128,6 @@ class HolderChecks:
         """
         bad: list[int] = []
         for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
-            if not expected and lease is None:
-                continue  # nothing to check it against
             if not 0 < block_id < self.num_blocks:
                 bad.append(pos)  # an id from the network out of range
                 continue

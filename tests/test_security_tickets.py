@@ -12,13 +12,21 @@ import asyncio
 import dataclasses
 import re
 
+import torch
+
 from _engine_builders import reference_greedy
 from _pd_builders import assert_pair_empty, decode, long_prompt, make_pd_pair, prefill
 from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
 from kvbridge.connector.lease import LeaseTable
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.transfer_params import RemotePrefillParams
-from kvbridge.transport import LeaseRef, LoopbackTransport, TransferDoneNotice
+from kvbridge.transport import (
+    GroupRead,
+    LeaseRef,
+    LoopbackTransport,
+    ReadResult,
+    TransferDoneNotice,
+)
 
 TOKEN = "tok-right-0123456789ab"
 
@@ -109,7 +117,8 @@ def test_holder_counts_and_refuses_forged_heartbeats_and_notices():
     wrong = LeaseRef(request_id="r1", token="tok-wrong")
     assert checks.validate_blocks(0, [4], [b""], wrong) == [0]  # the wrong token's read refused
     assert checks.validate_blocks(0, [4], [b""], LeaseRef(request_id="r2", token=TOKEN)) == [0]
-    assert checks.validate_blocks(0, [3, 4], [b"h3", b""], None) == []  # hash; unchecked
+    # Without a lease only a hash vouches: block 3's passes, block 4 (no hash) is refused.
+    assert checks.validate_blocks(0, [3, 4], [b"h3", b""], None) == [1]
     assert stats.num_refused_lease_tokens == 3  # a refused read counts nothing
     real = TransferDoneNotice(peer_engine_id="d", request_id="r1", success=True, reason="",
                               token=TOKEN)
@@ -148,8 +157,30 @@ def test_tickets_carry_fresh_unguessable_tokens_and_a_stranger_cannot_end_the_le
             for rid in ("req-a", "req-b"):
                 await stranger.notify_transfer_done(p_address, rid, success=True, token="guess")
 
-        asyncio.run(forge())
         p_worker = pair.p.runner.connector.worker_half
+        held = list(p_worker.leases.block_ids("req-a")[0])
+        local = list(range(1, len(held) + 1))
+        d_rows = [t[local].clone() for t in d_transport.kv_caches_by_group[0]]
+
+        async def read_unchecked() -> list[ReadResult]:
+            # Reads of req-a's held blocks naming neither hash nor lease: no expected hashes at
+            # all, and empty ones. Nothing vouches for the blocks, so none may be served.
+            results = []
+            for hashes in (None, [b""] * len(held)):
+                group = GroupRead(
+                    group_id=0, remote_block_ids=held, local_block_ids=local,
+                    expected_hashes=hashes,
+                )
+                results.append(await stranger.read_blocks(p_address, "req-a", [group],
+                                                          deadline_s=10.0))
+            return results
+
+        asyncio.run(forge())
+        for result in asyncio.run(read_unchecked()):
+            assert (result.num_blocks_landed, result.num_bytes_landed) == (0, 0)
+            assert sorted(result.failed_local_block_ids) == local
+        for before, t in zip(d_rows, d_transport.kv_caches_by_group[0], strict=True):
+            assert torch.equal(t[local], before)  # the stranger wrote nothing into these rows
         assert p_worker.leases.is_held("req-a") and p_worker.leases.is_held("req-b")
         assert p_worker.stats.num_refused_lease_tokens == 4
         assert p_worker.stats.num_released_leases == 0

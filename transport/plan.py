@@ -199,21 +199,23 @@ def _validate(
 
 def find_mismatched(read: Read, validator: BlockValidator | None) -> list[list[int]]:
     """Holder side, when a ``Read`` arrives: positions per group entry whose block fails the
-    expected-hash check (sorted; empty for a group without expected hashes).
+    expected-hash check (sorted). A holder with a validator checks a group sent without
+    expected hashes as if every position's hash were empty (``b""``), so the validator alone
+    decides what an unchecked read may see (the connector's holder serves such a position only
+    under the read's lease; the store never); a holder without one serves every position.
 
     Raises:
         RuntimeError: the validator returned a position outside the group (a connector bug).
     """
     mismatched: list[list[int]] = []
     for group in read.groups:
-        if group.expected_hashes is None or validator is None or not group.block_ids:
+        if validator is None or not group.block_ids:
             mismatched.append([])
             continue
-        mismatched.append(
-            _validate(
-                validator, group.group_id, group.block_ids, group.expected_hashes, read.lease
-            )
-        )
+        hashes = group.expected_hashes
+        if hashes is None:
+            hashes = [b""] * len(group.block_ids)
+        mismatched.append(_validate(validator, group.group_id, group.block_ids, hashes, read.lease))
     return mismatched
 
 
