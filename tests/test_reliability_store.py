@@ -316,6 +316,11 @@ def test_case4_a_restore_that_lands_partly_is_a_hit_of_what_landed_only(
     """Issue 15, case 4, second half (an LMCache report: a restore whose staging had room for
     part of the blocks, yet reported the whole hit).
 
+    A kvbridge restore cannot run short of room: N allocates every target block before the
+    pull starts (``allocate_slots`` is all or nothing), and staging is per chunk
+    (``transport/staging.py``: ``StagingPool.acquire`` never fails, and a chunk holds at least
+    one whole block). So a stall mid-restore stands in for the short staging.
+
     The store holds the 4 full blocks of A's prompt and N no longer does. N asks for A again: it
     finds the 4 blocks on the store and pulls them in reads of 2 blocks per chunk; the store
     sends the first chunk (2 blocks) and then nothing. N's deadline ends the pull; the hit it
