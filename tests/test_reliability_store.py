@@ -6,7 +6,6 @@ with the engines empty (no request held, integrity true, every block free)."""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
@@ -120,10 +119,12 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
     store (cold blocks for ``evict``, newly cached ones for ``write_through``). The snapshot of
     those blocks is taken at the next step's ``start_load_kv``, but that step's schedule runs
     first: R, a request whose KV comes from P, takes 6 blocks, 3 of them A's, and R's pull may
-    land in them before the snapshot. Here the snapshot waits for R's pull (a busy worker
-    thread). The store must never hold R's bytes under A's hashes: every block the snapshot
-    reads still holds the hash it is written under, and every A block the store holds has A's
-    bytes.
+    land in them before the snapshot. Here the snapshot waits until R's pull has settled (as
+    a busy worker thread would let it), so R's bytes are in the reused blocks when it reads.
+    The test first checks that this happened (R holds blocks that were queued for the store;
+    the planner's fence withdrew exactly those); then the store must never hold R's bytes
+    under A's hashes: every block the snapshot reads still holds the hash it is written under,
+    and every A block the store holds has A's bytes.
     """
     engines, stores = cleanup
     store = make_store(network, model_name, capacity_blocks=32)
@@ -155,20 +156,50 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
     p.step()  # the lease reaches P's worker half
     n.add_request("R", prompt_r, SamplingParams(max_tokens=2), params)
 
-    # The snapshot of the next step waits until R's pull has landed, and checks every block it
-    # reads against the pool (same thread: the engine's).
+    # What the planner queued for the store before R arrives (A's cold or newly cached
+    # blocks), and what its fence withdraws once R's schedule has reused some of them.
+    planner = n.scheduler.connector.scheduler_half._offload
+    queued = {item[0]: item[2] for item in n.scheduler.connector.scheduler_half._meta.offload_items}
+    assert queued and set(queued.values()) <= set(hashes_a), queued
+    drop_reused = planner.drop_reused
+    dropped: list[tuple[int, bytes]] = []
+
+    def recording_drop_reused(items, block_pool):
+        kept = drop_reused(items, block_pool)
+        dropped.extend((item[0], item[2]) for item in items if item not in kept)
+        return kept
+
+    planner.drop_reused = recording_drop_reused
+
+    # R's blocks, read just before R frees them.
+    manager = n.kv_cache_manager
+    free = manager.free
+    r_block_ids: set[int] = set()
+
+    def recording_free(request):
+        if request.request_id == "R":
+            r_block_ids.update(manager.get_block_ids("R")[0])
+        return free(request)
+
+    manager.free = recording_free
+
+    # The snapshot of the next step waits until R's pull (submitted just before it, in the
+    # same ``start_load_kv``) has settled, then checks every block it reads against the pool
+    # (same thread: the engine's). So R's bytes are in the reused blocks when it reads them.
     worker = n.runner.connector.worker_half
     sender = worker.offload_sender
     submit = sender.submit
     snapshotted: list[tuple[int, bytes]] = []
+    stale: list[int] = []
+    pull_settled_first: list[bool] = []  # one entry per snapshot taken with a pull in flight
 
     def slow_submit(items):
-        time.sleep(0.3)  # R's loopback pull of 5 blocks lands meanwhile
+        if worker.puller.num_inflight:
+            pull_settled_first.append(worker.puller.wait_for_any(30.0))
         for item in items:
             key = make_block_hash_with_group_id(item.block_hash, item.group_id)
-            assert pool.get_block(item.block_id).block_hash == key, (
-                f"block {item.block_id} snapshotted under a hash it no longer holds"
-            )
+            if pool.get_block(item.block_id).block_hash != key:
+                stale.append(item.block_id)  # snapshotted under a hash it no longer holds
             snapshotted.append((item.block_id, item.block_hash))
         return submit(items)
 
@@ -180,7 +211,19 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
     sender.wait_idle()
     n.step()
 
-    # (4) The store holds A's blocks only with A's bytes, and none of them was read after reuse.
+    # (4) The scenario happened: R took blocks that were queued for the store, under A's
+    # hashes, before the snapshot; the fence withdrew exactly those; nothing stale was read.
+    reused = r_block_ids & set(queued)
+    assert reused, (r_block_ids, queued)
+    assert len(dropped) >= 1
+    assert {block_id for block_id, _ in dropped} == reused
+    assert all(queued[block_id] == block_hash for block_id, block_hash in dropped)
+    assert pull_settled_first == [True], "the snapshot did not wait for R's pull to settle"
+    assert stale == [], f"blocks {stale} snapshotted under a hash they no longer hold"
+    # (a reused block may be snapshotted later under R's hash, never under A's)
+    assert not {(block_id, queued[block_id]) for block_id in reused} & set(snapshotted)
+
+    # (5) The store holds A's blocks only with A's bytes, and none of them was read after reuse.
     num_held = 0
     for block_hash in hashes_a:
         rows = store_rows(store, block_hash)
@@ -272,6 +315,11 @@ def test_case4_a_restore_that_lands_partly_is_a_hit_of_what_landed_only(
 ):
     """Issue 15, case 4, second half (an LMCache report: a restore whose staging had room for
     part of the blocks, yet reported the whole hit).
+
+    A kvbridge restore cannot run short of room: N allocates every target block before the
+    pull starts (``allocate_slots`` is all or nothing), and staging is per chunk
+    (``transport/staging.py``: ``StagingPool.acquire`` never fails, and a chunk holds at least
+    one whole block). So a stall mid-restore stands in for the short staging.
 
     The store holds the 4 full blocks of A's prompt and N no longer does. N asks for A again: it
     finds the 4 blocks on the store and pulls them in reads of 2 blocks per chunk; the store

@@ -5,6 +5,8 @@ with both nodes empty (no request held, integrity true, every block free)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
@@ -19,6 +21,7 @@ from _pd_builders import (
 from kvbridge.kvmanager import SamplingParams
 
 MAX_TOKENS = 4
+_GATE_LIMIT_S = 60.0  # hang guards only: no step of these tests waits this long when it works
 
 
 def _stats(engine):
@@ -37,39 +40,90 @@ def _stop_heartbeats(engine) -> list[list[str]]:
     return dropped
 
 
+def _gate_copies(transport) -> tuple[threading.Event, threading.Event]:
+    """Hold every chunk copy of the reads ``transport`` serves until the returned ``open``
+    event is set; ``copy_waiting`` is set once a read has been validated and its first chunk
+    waits to be copied. (The loopback holder awaits ``_wait_or_drop`` once per read before
+    validating it, then once before each chunk's copy.)"""
+    copy_waiting, open_ = threading.Event(), threading.Event()
+    wait_or_drop = transport._wait_or_drop
+    validated: set[int] = set()
+
+    async def gated(delay_s, state):
+        if state.transfer_id not in validated:  # the wait before the read is validated
+            validated.add(state.transfer_id)
+        else:  # validated: the wait before a chunk's copy
+            copy_waiting.set()
+            waited_s = 0.0
+            while not open_.is_set() and waited_s < _GATE_LIMIT_S:
+                await asyncio.sleep(0.01)
+                waited_s += 0.01
+        await wait_or_drop(delay_s, state)
+
+    transport._wait_or_drop = gated
+    return copy_waiting, open_
+
+
+def _wait_until(condition, what: str, engine=None, timeout_s: float = _GATE_LIMIT_S) -> None:
+    """Step ``engine`` (if any) until ``condition()`` holds; fail naming ``what`` after
+    ``timeout_s`` (a hang guard, never the test's subject)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        if engine is not None:
+            engine.step()
+        time.sleep(0.01)
+
+
 def test_case6_a_lease_that_runs_out_during_a_slow_read_never_gives_wrong_bytes(pair_factory):
     """Issue 15, case 6 (a Mooncake report: a lease that runs out during a slow read).
 
-    Lease 0.5 s, D's heartbeats stopped (its transport drops them), and P's holder waits 2 s
-    (the report's 1 s, doubled so that P's reuse below surely comes first on a busy machine)
-    before it copies the first chunk of the read it already validated. The lease expires under
-    the read; P frees the blocks and a new 140-token request on P (9 of P's 9 usable blocks)
-    overwrites every one of them before the copy. The copy then reads the new request's bytes;
-    the holder's re-check after the copy refuses them (the lease is gone, the hashes were
-    removed), so the read fails cleanly for those blocks and D recomputes: D's tokens equal a
-    single-node run.
+    Lease 0.5 s, D's heartbeats stopped (its transport drops them), and P's holder, once it
+    has validated D's read, holds the copy of the first chunk until the test opens it (the
+    report's injected 1 s delay, made an event so the order below holds on any machine). The
+    lease expires under the read; P frees the blocks and a new 140-token request on P (9 of
+    P's 9 usable blocks) overwrites every one of them; only then is the copy let go. The copy
+    reads the new request's bytes; the holder's re-check after the copy refuses them (the
+    lease is gone, the hashes were removed), so the read fails cleanly for those blocks and D
+    recomputes: D's tokens equal a single-node run.
     """
     pair = pair_factory(
         num_blocks=10, max_model_len=144, lease_s=0.5, heartbeat_interval_s=0.1,
-        load_timeout_s=10.0,
+        load_timeout_s=_GATE_LIMIT_S,
     )
     _stop_heartbeats(pair.d)
     prompt = long_prompt(60)
     params = prefill(pair, "r1", prompt)
-    pair.p_faults.chunk_delay_s = 2.0
+    leased_block_ids = {b for group in params["remote_block_ids"] for b in group}
+    copy_waiting, open_copy = _gate_copies(pair.p.runner.connector.worker_half.transport)
 
-    # (1) D admits r1 and starts its pull; the holder validates it and then waits.
+    # P's new request's blocks, read just before it frees them.
+    p_manager = pair.p.kv_cache_manager
+    free = p_manager.free
+    new_block_ids: set[int] = set()
+
+    def recording_free(request):
+        if request.request_id == "p-new":
+            new_block_ids.update(b for group in p_manager.get_block_ids("p-new") for b in group)
+        return free(request)
+
+    p_manager.free = recording_free
+
+    # (1) D admits r1 and starts its pull; the holder validates it and holds the copy.
     pair.d.add_request("r1", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
     pair.d.step()
-    started = time.monotonic()
+    assert copy_waiting.wait(_GATE_LIMIT_S), "the holder never reached the copy"
 
     # (2) The lease runs out under the read; P frees the blocks and reuses all of them.
-    time.sleep(0.55)
+    _wait_until(
+        lambda: _stats(pair.p)["num_expired_leases"] == 1, "the lease's expiry", engine=pair.p
+    )
     other = long_prompt(140, salt="A new request on the prefill node. ")
     pair.p.add_request("p-new", other, SamplingParams(max_tokens=1))
     run_to_completion(pair.p, "p-new")
-    assert _stats(pair.p)["num_expired_leases"] == 1
-    assert time.monotonic() - started < 2.0, "P's reuse came after the copy (machine too slow)"
+    assert leased_block_ids <= new_block_ids, (leased_block_ids, new_block_ids)
+    assert pair.p.runner.connector.worker_half.transport.serving_transfer_ids  # still open
+    open_copy.set()  # the copy now reads p-new's bytes out of r1's blocks
 
     # (3) D's read fails for the reused blocks and D recomputes them: the right tokens.
     output = run_to_completion(pair.d, "r1")
