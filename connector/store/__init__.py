@@ -7,8 +7,7 @@ back through the block index and the transport like any holder.
 A node's side (offload): ``OffloadPlanner`` (``planner``, scheduler half) picks cold cached
 blocks each step; ``OffloadSender`` (``sender``, worker half) snapshots them into host staging
 (``staging``) and writes them with ``StoreWriter`` (``writer``); the records between the halves
-are in ``offload_items``; ``offload`` keeps the one-object ``Offloader`` until the connector
-wires the halves; ``url`` parses ``store_url``.
+are in ``offload_items``; ``url`` parses ``store_url``.
 DESIGN.md, "One disaggregated request, end to end" (the store tier).
 """
 
