@@ -62,12 +62,15 @@ from pathlib import Path
 
 import redis
 from _cluster import start_cluster, stop_cluster
-from kvbridge.connector.index.client import IndexClient
-from kvbridge.connector.index.node_directory import NodeAddress, RedisNodeDirectory
-from kvbridge.connector.index.protocol import IndexNamespace
-from kvbridge.connector.index.redis_cluster import RedisClusterBlockIndex
-from kvbridge.connector.index.redis_index import RedisBlockIndex
-from kvbridge.kvmanager.kv_events import BlockStored
+from kvbridge.connector.index import (
+    IndexClient,
+    IndexNamespace,
+    NodeAddress,
+    RedisBlockIndex,
+    RedisClusterBlockIndex,
+    RedisNodeDirectory,
+)
+from kvbridge.kvmanager import BlockStored
 
 NUM_BLOCKS = 625  # 10,000 tokens / block size 16
 

@@ -23,8 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from kvbridge.kernels import AttentionMetadata, gather_blocks, scatter_blocks
-from kvbridge.kernels.host_memory import host_zeros
+from kvbridge.kernels import AttentionMetadata, gather_blocks, host_zeros, scatter_blocks
 from kvbridge.kernels.model import (
     ModelConfig,
     ReferenceDecoder,

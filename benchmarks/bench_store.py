@@ -42,18 +42,23 @@ from typing import Any
 
 import redis
 import torch
-from kvbridge.connector.index.server_binary import find_server_binary
-from kvbridge.connector.loop_thread import get_loop_thread
-from kvbridge.connector.stats import KVTransferStats
-from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
-from kvbridge.connector.store.offload_items import OffloadItem, OffloadOutcome
-from kvbridge.connector.store.planner import OffloadPlanner
-from kvbridge.connector.store.sender import OffloadSender
-from kvbridge.connector.store.staging import snapshot_blocks, staging_nbytes
-from kvbridge.connector.store.wire import PutGroup, PutRequest
-from kvbridge.connector.store.writer import StoreWriter
-from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
-from kvbridge.kernels.model.decoder import allocate_kv_caches
+from kvbridge.connector import KVTransferStats, get_loop_thread
+from kvbridge.connector.index import find_server_binary
+from kvbridge.connector.store import (
+    OffloadItem,
+    OffloadOutcome,
+    OffloadPlanner,
+    OffloadSender,
+    PutGroup,
+    PutRequest,
+    StoreNode,
+    StoreWriter,
+    close_store_node,
+    snapshot_blocks,
+    start_store_node,
+)
+from kvbridge.kernels import staging_nbytes
+from kvbridge.kernels.model import ModelConfig, ReferenceDecoder, allocate_kv_caches
 from kvbridge.kvmanager import BlockPool, Request, get_block_hash, get_request_block_hasher
 from kvbridge.transport import GroupRead, NodeMetadata, UcxxTransport
 

@@ -27,7 +27,7 @@ import sys
 import time
 
 import torch
-from kvbridge.kernels.host_memory import host_buffer
+from kvbridge.kernels import host_buffer
 from kvbridge.transport import GroupRead, NodeMetadata
 
 MIB = 1 << 20

@@ -5,6 +5,8 @@
   ``create_engine`` builds a node with it from a vLLM-shaped ``kv_transfer_config``.
 - ``BlockIndex`` (``InMemoryBlockIndex``, ``RedisBlockIndex``) finds a request's longest prefix
   held anywhere; ``IndexClient`` is one node's use of it.
+- ``store``: the remote store tier (``StoreNode``) and a node's offload to it.
+- ``get_loop_thread``: the process's one asyncio loop thread that runs the connector's network work.
 """
 
 from .config import KVTransferConfig
@@ -22,6 +24,7 @@ from .index import (
     open_index,
 )
 from .kvbridge_connector import KVBridgeConnector
+from .loop_thread import LoopThread, get_loop_thread
 from .stats import KVTransferStats
 from .transfer_params import RemotePrefillParams
 
@@ -38,10 +41,12 @@ __all__ = [
     "KVTransferConfigError",
     "KVTransferParamsError",
     "KVTransferStats",
+    "LoopThread",
     "PrefixHit",
     "RedisBlockIndex",
     "RemotePrefillParams",
     "create_engine",
+    "get_loop_thread",
     "new_incarnation",
     "open_index",
 ]

@@ -71,6 +71,13 @@ class HeldBlockHashes:
 class HolderChecks:
     """One node's transport callbacks: ``transport.set_callbacks(**checks.as_kwargs())``.
 
+    Owner: the connector loop thread, the only caller of ``validate_blocks``, ``on_heartbeat``
+    and ``on_transfer_done`` (the transport runs its callbacks there). The worker thread builds
+    it in ``KVBridgeWorker.register_kv_caches`` and calls nothing of it afterwards. It has no
+    mutable state of its own: its fields are set once at construction, and what it reads and
+    changes lives in objects that lock themselves and that the worker thread shares (``leases``,
+    ``hashes``, ``stats``), so a callback never waits for the worker thread beyond their locks.
+
     Args:
         leases: the worker half's lease table.
         hashes: the worker half's mirror of cached block hashes.

@@ -48,6 +48,14 @@ def _same_token(granted: str, presented: str) -> bool:
 class LeaseTable:
     """Request id -> lease on its blocks.
 
+    Owner: the worker half (``KVBridgeWorker.leases``) on the worker thread (the model
+    runner's), the only caller of ``grant`` (the step's ``LeaseGrant`` orders, in
+    ``start_load_kv``), ``pop_finished`` (in ``get_finished``) and ``len``. Other threads: the
+    connector loop thread calls ``covers``, ``covers_hash``, ``token_ok``, ``extend``,
+    ``block_ids`` and ``release`` (the transport's callbacks, through ``HolderChecks``). One lock
+    guards all of the table's state, so every method is safe from any thread; none blocks on
+    more than that lock, and none calls out while holding it.
+
     Args:
         lease_s: lease length in seconds; a grant or heartbeat sets expiry to ``now + lease_s``.
         clock: wall-clock source (seconds since the epoch); injectable for tests.

@@ -131,7 +131,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     )
     if config is None:
         return Engine(model, engine_config), args.engine_id or f"{args.role}-{args.port}"
-    from kvbridge.connector.factory import create_engine
+    from kvbridge.connector import create_engine
 
     engine = create_engine(model, engine_config, config)
     return engine, str(config["engine_id"])
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_store(args: argparse.Namespace) -> int:
-    from kvbridge.connector.store.node import close_store_node
+    from kvbridge.connector.store import close_store_node
     from store_app import build_store_app, build_store_node
 
     config = kv_transfer_config_dict(args) or {}

@@ -198,7 +198,7 @@ def check_redis(url: str, timeout_s: float = _REDIS_PING_TIMEOUT_S) -> None:
 
     try:
         if url.startswith("redis-cluster://"):  # a cluster's seed nodes
-            from kvbridge.connector.index.redis_cluster import cluster_client
+            from kvbridge.connector.index import cluster_client
 
             client = cluster_client(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
         else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from kvbridge.connector.index.server_binary import find_server_binary
+from kvbridge.connector.index import find_server_binary
 
 __all__ = ["ManagedProcess", "ProcessGroup", "StartupError", "free_port", "node_command"]
 

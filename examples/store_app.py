@@ -1,6 +1,6 @@
 """The HTTP face of a store node (``examples/node_server.py --role store``).
 
-A store node runs no model: it is a ``kvbridge.connector.store.node.StoreNode`` (offloaded blocks
+A store node runs no model: it is a ``kvbridge.connector.store.StoreNode`` (offloaded blocks
 in host memory, served to pullers over the same transport as any holder, written through a small
 TCP write server, published to the block index as tier ``"store"``). This app gives it the same
 management routes as a node:
@@ -31,8 +31,8 @@ _GAUGES = ("capacity_blocks", "hit_ratio")
 
 def build_store_node(args: argparse.Namespace, model_config: Any, config: dict[str, Any]) -> Any:
     """A started ``StoreNode`` for the CLI arguments and the node's ``kv_transfer_config``."""
-    from kvbridge.connector.config import KVTransferConfig
-    from kvbridge.connector.store.node import StoreNode, start_store_node
+    from kvbridge.connector import KVTransferConfig
+    from kvbridge.connector.store import StoreNode, start_store_node
 
     extra = config.get("kv_connector_extra_config") or {}
     node = StoreNode(

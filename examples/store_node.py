@@ -15,7 +15,7 @@ import json
 import signal
 import threading
 
-from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
+from kvbridge.connector.store import StoreNode, close_store_node, start_store_node
 from kvbridge.kernels.model import ModelConfig
 
 

@@ -8,9 +8,11 @@ each opening with a docstring that says its role.
 Every ``import`` statement counts, wherever it stands: at module level, inside a function, under
 ``if TYPE_CHECKING:`` or in a ``try``. A module's folder and its ``kvbridge.*`` name come from
 ``pyproject.toml`` (``[tool.setuptools.package-dir]``); sub-folders (``connector/index``,
-``kernels/model``) are sub-packages. ``examples/`` scripts are checked for size and docstrings
-and join the cycle check under the names ``examples.<stem>`` (they import their siblings as
-top-level modules).
+``kernels/model``) are sub-packages. ``examples/`` and ``benchmarks/`` scripts are checked for
+size and docstrings and join the cycle check under the names ``examples.<stem>`` and
+``benchmarks.<stem>`` (they import their siblings as top-level modules; a benchmark may also put
+``examples/`` on its path). They use kvbridge as a user would: only names that a package exports
+in its ``__all__`` (issue 12).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ALLOWED_IMPORTS: dict[str, frozenset[str]] = {
     "connector": frozenset({"connector", "transport", "kvmanager", "kernels"}),
 }
 EXAMPLES_PREFIX = "examples"
+BENCHMARKS_PREFIX = "benchmarks"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,19 +112,37 @@ def package_modules() -> dict[str, ModuleInfo]:
     return modules
 
 
+def _script_modules(
+    prefix: str, known_before: Mapping[str, ModuleInfo], sibling_prefixes: tuple[str, ...]
+) -> dict[str, ModuleInfo]:
+    """``<prefix>/*.py`` as ``<prefix>.<stem>``; a bare ``import <stem>`` resolves to the first
+    of ``<p>.<stem>`` (``p`` in ``sibling_prefixes``) that is known."""
+    modules = {
+        f"{prefix}.{path.stem}": _parse(f"{prefix}.{path.stem}", path, False)
+        for path in _python_files(REPO_ROOT / prefix)
+    }
+    known = {**known_before, **modules}
+    for info in modules.values():
+        info.imports = list(iter_imports(info, known, sibling_prefixes=sibling_prefixes))
+    return modules
+
+
 @cache
 def example_modules() -> dict[str, ModuleInfo]:
     """``examples/*.py`` as ``examples.<stem>``; a bare ``import <stem>`` of a sibling
     resolves to it."""
-    folder = REPO_ROOT / "examples"
-    modules = {
-        f"{EXAMPLES_PREFIX}.{path.stem}": _parse(f"{EXAMPLES_PREFIX}.{path.stem}", path, False)
-        for path in _python_files(folder)
-    }
-    known = {**package_modules(), **modules}
-    for info in modules.values():
-        info.imports = list(iter_imports(info, known, sibling_prefix=EXAMPLES_PREFIX))
-    return modules
+    return _script_modules(EXAMPLES_PREFIX, package_modules(), (EXAMPLES_PREFIX,))
+
+
+@cache
+def benchmark_modules() -> dict[str, ModuleInfo]:
+    """``benchmarks/*.py`` as ``benchmarks.<stem>``; a bare ``import <stem>`` resolves to a
+    sibling benchmark module, else to an example (``bench_index`` runs ``replay_trace``)."""
+    return _script_modules(
+        BENCHMARKS_PREFIX,
+        {**package_modules(), **example_modules()},
+        (BENCHMARKS_PREFIX, EXAMPLES_PREFIX),
+    )
 
 
 # ---------------------------------------------------------------------------- resolution
@@ -140,18 +161,18 @@ def resolve_relative(module: str, is_package: bool, level: int, target: str | No
 
 
 def iter_imports(
-    info: ModuleInfo, known: Mapping[str, ModuleInfo], *, sibling_prefix: str | None = None
+    info: ModuleInfo, known: Mapping[str, ModuleInfo], *, sibling_prefixes: tuple[str, ...] = ()
 ) -> Iterator[ImportEdge]:
     """Every import of ``info`` anywhere in its tree, as absolute module names.
 
     ``from pkg import name`` targets ``pkg.name`` when that is a module we know, else ``pkg``.
-    With ``sibling_prefix``, an absolute ``import x`` whose ``<sibling_prefix>.x`` is known
-    targets that sibling (scripts that put their own folder on ``sys.path``).
+    An absolute ``import x`` targets the first ``<p>.x`` (``p`` in ``sibling_prefixes``) that is
+    known (scripts that put their own folder, or ``examples/``, on ``sys.path``).
     """
 
     def sibling(name: str) -> str:
-        if sibling_prefix is not None:
-            candidate = f"{sibling_prefix}.{name}"
+        for prefix in sibling_prefixes:
+            candidate = f"{prefix}.{name}"
             if candidate in known:
                 return candidate
         return name
@@ -291,8 +312,69 @@ def _assert_imports_only(packages: set[str], allowed_of: Mapping[str, frozenset[
     _assert_none(offenders, f"imports against the layering ({allowed})")
 
 
+def _script_modules_all() -> dict[str, ModuleInfo]:
+    return {**example_modules(), **benchmark_modules()}
+
+
 def _all_modules() -> list[ModuleInfo]:
-    return [*package_modules().values(), *example_modules().values()]
+    return [*package_modules().values(), *_script_modules_all().values()]
+
+
+# ---------------------------------------------------------------------------- public names
+def declared_all(info: ModuleInfo) -> frozenset[str]:
+    """The names a module lists in ``__all__`` at module level (``=``, ``+=``, annotated),
+    from string literals in a list or tuple; empty when it has none."""
+    names: set[str] = set()
+    for node in info.tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if not any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            continue
+        if isinstance(value, ast.List | ast.Tuple):
+            names.update(
+                elt.value
+                for elt in value.elts
+                if isinstance(elt, ast.Constant) and isinstance(elt.value, str)
+            )
+    return frozenset(names)
+
+
+def non_public_imports(info: ModuleInfo, packages: Mapping[str, ModuleInfo]) -> Iterator[str]:
+    """Every import of kvbridge in ``info`` that reaches past a package's public names, as
+    ``path:line: what``.
+
+    Public is: a package of ours (``kvbridge.connector.store``), a sub-package of it, or a name
+    in its ``__all__``. ``from kvbridge.x.y import Z`` with ``kvbridge.x.y`` a plain module, and
+    ``from kvbridge.x import Z`` with ``Z`` not in ``kvbridge.x.__all__``, are not.
+    """
+
+    def is_package(name: str) -> bool:
+        return name in packages and packages[name].is_package
+
+    for node in ast.walk(info.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if our_package(alias.name) is not None and not is_package(alias.name):
+                    yield f"{info.rel_path}:{node.lineno}: import {alias.name} (not a package)"
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            module = node.module
+            if our_package(module) is None:
+                continue
+            if not is_package(module):
+                yield f"{info.rel_path}:{node.lineno}: from {module} import ... (not a package)"
+                continue
+            public = declared_all(packages[module])
+            for alias in node.names:
+                if alias.name in public or is_package(f"{module}.{alias.name}"):
+                    continue
+                yield (
+                    f"{info.rel_path}:{node.lineno}: from {module} import {alias.name}"
+                    f" (not in {module}.__all__)"
+                )
 
 
 # ---------------------------------------------------------------------------- tests
@@ -311,6 +393,7 @@ def test_every_package_folder_is_parsed():
         assert package in names, f"no {package}/__init__.py found"
     assert "kvbridge.kvmanager.scheduler" in names
     assert example_modules(), "no examples/*.py found"
+    assert "benchmarks.bench_kvmanager" in benchmark_modules(), "no benchmarks/*.py found"
 
 
 def test_relative_imports_resolve_against_the_package():
@@ -373,7 +456,7 @@ def test_connector_imports_only_the_layers_below():
 
 
 def test_no_import_cycles():
-    modules = {**package_modules(), **example_modules()}
+    modules = {**package_modules(), **_script_modules_all()}
     graph = import_graph(modules)
     components = strongly_connected_components(graph)
     cycles = [
@@ -404,3 +487,43 @@ def test_every_module_opens_with_a_docstring():
         if docstring is None or not docstring.strip():
             offenders.append(info.rel_path)
     _assert_none(offenders, "modules that do not open with a docstring saying their role")
+
+
+def test_examples_and_benchmarks_import_only_public_names():
+    # examples/ and benchmarks/ use kvbridge as a user would (issue 12): a name that a package
+    # does not export is an internal that may move without notice.
+    packages = package_modules()
+    offenders = [
+        offence
+        for info in _script_modules_all().values()
+        for offence in non_public_imports(info, packages)
+    ]
+    _assert_none(offenders, "imports of kvbridge internals from examples/ or benchmarks/")
+
+
+def test_the_public_names_check_catches_a_submodule_and_an_unexported_name():
+    # Guards the test above against passing on nothing: a plain module after ``from`` or
+    # ``import`` and a name missing from ``__all__`` fail (lines 2, 4, 5); a package's
+    # ``__all__`` names (a lazy one included), a sub-package and a bare package pass.
+    source = "\n".join([
+        '"""probe."""',
+        "from kvbridge.connector.store.node import StoreNode",
+        "from kvbridge.connector import KVBridgeConnector, index",
+        "from kvbridge.connector.index import _no_such_name",
+        "import kvbridge.kvmanager.block_pool",
+        "import kvbridge.kvmanager",
+        "from kvbridge.transport import UcxxTransport",
+    ])
+    probe = ModuleInfo(
+        name="examples._probe",
+        path=REPO_ROOT / "examples" / "_probe.py",  # never written: only its name is used
+        is_package=False,
+        num_lines=7,
+        tree=ast.parse(source),
+    )
+    assert list(non_public_imports(probe, package_modules())) == [
+        "examples/_probe.py:2: from kvbridge.connector.store.node import ... (not a package)",
+        "examples/_probe.py:4: from kvbridge.connector.index import _no_such_name"
+        " (not in kvbridge.connector.index.__all__)",
+        "examples/_probe.py:5: import kvbridge.kvmanager.block_pool (not a package)",
+    ]

@@ -2,7 +2,8 @@
 
 ``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex``, ``RedisBlockIndex`` and
 ``RedisClusterBlockIndex`` (``redis-cluster://``) implement it; ``NodeDirectory`` maps node ids
-to transport addresses; ``IndexClient`` is one node's non-blocking use of both (publishing its
+to transport addresses; ``find_server_binary`` (``server_binary``) picks the Redis-protocol
+server a local index starts; ``IndexClient`` is one node's non-blocking use of both (publishing its
 block events, heart-beating, looking up remote prefixes), its ``IndexWorker`` thread the one
 that makes the backend calls (``lookup.py``: one lookup). DESIGN.md, "Block index".
 """
@@ -10,7 +11,12 @@ that makes the backend calls (``lookup.py``: one lookup). DESIGN.md, "Block inde
 from .client import IndexClient, block_index_for_url, open_index
 from .in_memory import InMemoryBlockIndex
 from .lookup import LookupResult, LookupStatus, RemotePrefix
-from .node_directory import NodeDirectory
+from .node_directory import (
+    InMemoryNodeDirectory,
+    NodeAddress,
+    NodeDirectory,
+    RedisNodeDirectory,
+)
 from .protocol import (
     NO_HIT,
     BlockIndex,
@@ -23,6 +29,7 @@ from .protocol import (
 )
 from .redis_cluster import RedisClusterBlockIndex, cluster_client
 from .redis_index import RedisBlockIndex
+from .server_binary import ServerBinary, find_server_binary
 
 __all__ = [
     "NO_HIT",
@@ -32,16 +39,21 @@ __all__ = [
     "IndexClient",
     "IndexNamespace",
     "IndexStats",
+    "InMemoryNodeDirectory",
     "LookupResult",
     "LookupStatus",
+    "NodeAddress",
     "NodeDirectory",
     "PrefixHit",
     "RedisBlockIndex",
     "RedisClusterBlockIndex",
+    "RedisNodeDirectory",
     "RemotePrefix",
+    "ServerBinary",
     "Tier",
     "block_index_for_url",
     "cluster_client",
+    "find_server_binary",
     "new_incarnation",
     "open_index",
 ]

@@ -7,7 +7,36 @@ back through the block index and the transport like any holder.
 A node's side (offload): ``OffloadPlanner`` (``planner``, scheduler half) picks cold cached
 blocks each step; ``OffloadSender`` (``sender``, worker half) snapshots them into host staging
 (``staging``) and writes them with ``StoreWriter`` (``writer``); the records between the halves
-are in ``offload_items``; ``offload`` keeps the one-object ``Offloader`` until the connector
-wires the halves; ``url`` parses ``store_url``.
+are in ``offload_items``; ``url`` parses ``store_url``.
 DESIGN.md, "One disaggregated request, end to end" (the store tier).
 """
+
+from .cache import StoreCache
+from .node import StoreNode, StoreStats, close_store_node, start_store_node
+from .offload_items import OffloadItem, OffloadOutcome
+from .planner import OffloadPlanner
+from .sender import OffloadSender
+from .staging import StagingPool, snapshot_blocks
+from .url import parse_store_url
+from .wire import PutGroup, PutReply, PutRequest, StoreWireError
+from .writer import StoreWriter
+
+__all__ = [
+    "OffloadItem",
+    "OffloadOutcome",
+    "OffloadPlanner",
+    "OffloadSender",
+    "PutGroup",
+    "PutReply",
+    "PutRequest",
+    "StagingPool",
+    "StoreCache",
+    "StoreNode",
+    "StoreStats",
+    "StoreWireError",
+    "StoreWriter",
+    "close_store_node",
+    "parse_store_url",
+    "snapshot_blocks",
+    "start_store_node",
+]
