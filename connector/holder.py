@@ -106,6 +106,7 @@ class HolderChecks:
             "block_validator": self.validate_blocks,
             "on_heartbeat": self.on_heartbeat,
             "on_transfer_done": self.on_transfer_done,
+            "serve_unchecked_reads": False,  # every block served needs a hash or the lease
         }
 
     def validate_blocks(

@@ -117,6 +117,10 @@ class HolderCallbacks:
     on_heartbeat: HeartbeatCallback | None = None
     on_transfer_done: TransferDoneCallback | None = None
     block_rechecker: BlockValidator | None = None
+    serve_unchecked_reads: bool = True
+    """Whether a read group sent without expected hashes is served (a raw transport: yes); a
+    connector's holder and the store say no, so every block they serve is vouched for by a hash
+    or a lease (``plan.find_mismatched``)."""
 
     @property
     def recheck_validator(self) -> BlockValidator | None:
@@ -160,6 +164,7 @@ class Transport(abc.ABC):
         on_heartbeat: HeartbeatCallback | None = None,
         on_transfer_done: TransferDoneCallback | None = None,
         block_rechecker: BlockValidator | None = None,
+        serve_unchecked_reads: bool = True,
     ) -> None:
         """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset.
         Replaces every hook registered before; a read already being served keeps the
@@ -169,6 +174,7 @@ class Transport(abc.ABC):
             on_heartbeat=on_heartbeat,
             on_transfer_done=on_transfer_done,
             block_rechecker=block_rechecker,
+            serve_unchecked_reads=serve_unchecked_reads,
         )
 
     @abc.abstractmethod

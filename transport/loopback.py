@@ -353,7 +353,11 @@ class LoopbackTransport(Transport):
                         )
         except WireError as exc:
             raise state.error(TransferError, f"holder refused the read: {exc}") from None
-        mismatched = find_mismatched(read, self.callbacks.block_validator)
+        mismatched = find_mismatched(
+            read,
+            self.callbacks.block_validator,
+            serve_unchecked=self.callbacks.serve_unchecked_reads,
+        )
         for entry, group in enumerate(read.groups):
             extra = [p for p, b in enumerate(group.block_ids) if b in faults.fail_block_ids]
             mismatched[entry] = sorted(set(mismatched[entry]) | set(extra))

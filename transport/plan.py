@@ -197,25 +197,29 @@ def _validate(
     return positions
 
 
-def find_mismatched(read: Read, validator: BlockValidator | None) -> list[list[int]]:
+def find_mismatched(
+    read: Read, validator: BlockValidator | None, *, serve_unchecked: bool = True
+) -> list[list[int]]:
     """Holder side, when a ``Read`` arrives: positions per group entry whose block fails the
-    expected-hash check (sorted). A holder with a validator checks a group sent without
-    expected hashes as if every position's hash were empty (``b""``), so the validator alone
-    decides what an unchecked read may see (the connector's holder serves such a position only
-    under the read's lease; the store never); a holder without one serves every position.
+    expected-hash check (sorted). A group sent without expected hashes is served whole when
+    ``serve_unchecked`` (``HolderCallbacks.serve_unchecked_reads``), else refused whole: the
+    connector's holder and the store serve a block only against a hash or a lease.
 
     Raises:
         RuntimeError: the validator returned a position outside the group (a connector bug).
     """
     mismatched: list[list[int]] = []
     for group in read.groups:
-        if validator is None or not group.block_ids:
+        if group.expected_hashes is None:
+            mismatched.append([] if serve_unchecked else list(range(len(group.block_ids))))
+        elif validator is None or not group.block_ids:
             mismatched.append([])
-            continue
-        hashes = group.expected_hashes
-        if hashes is None:
-            hashes = [b""] * len(group.block_ids)
-        mismatched.append(_validate(validator, group.group_id, group.block_ids, hashes, read.lease))
+        else:
+            mismatched.append(
+                _validate(
+                    validator, group.group_id, group.block_ids, group.expected_hashes, read.lease
+                )
+            )
     return mismatched
 
 

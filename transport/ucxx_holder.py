@@ -301,7 +301,11 @@ class UcxxHolder:
             if read.cma and self.cma_host is None:
                 raise WireError("a same-host (cma) read, but this node offered none")
             check_read(self.metadata, read)
-            mismatched = find_mismatched(read, self.callbacks.block_validator)
+            mismatched = find_mismatched(
+                read,
+                self.callbacks.block_validator,
+                serve_unchecked=self.callbacks.serve_unchecked_reads,
+            )
         except WireError as exc:
             await send_error(conn.writer, read.transfer_id, "bad_request", str(exc))
             return

@@ -231,7 +231,9 @@ class StoreNode:
         # The transport re-checks served blocks after copying them; the re-check must not count
         # requests and hits a second time.
         self.transport.set_callbacks(
-            block_validator=self._validate_blocks, block_rechecker=self.cache.validate
+            block_validator=self._validate_blocks,
+            block_rechecker=self.cache.validate,
+            serve_unchecked_reads=False,  # the store serves by hash only
         )
         await self.transport.start()
         if self.index_url:
