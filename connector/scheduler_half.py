@@ -280,10 +280,8 @@ class KVBridgeScheduler:
             return
         if match.ticket is None:  # a remote hit counts once, when its blocks are allocated
             self.stats.add("num_index_hits")
-            is_store = match.holder.tier == "store"
-            self.stats.add(
-                "store_hit_tokens" if is_store else "remote_hit_tokens", num_external_tokens
-            )
+            hit_tokens = "store_hit_tokens" if match.holder.tier == "store" else "remote_hit_tokens"
+            self.stats.add(hit_tokens, num_external_tokens)
         start_block = match.num_local_tokens // self.block_size
         end_block = _cdiv(match.num_local_tokens + num_external_tokens, self.block_size)
         groups, unloadable = plan_group_pulls(
@@ -304,6 +302,8 @@ class KVBridgeScheduler:
                 created_at=time.monotonic(),
             )
         )
+        self.stats.record_pull_planned(match.holder.engine_id, via_index=match.ticket is None,
+                                       num_blocks=sum(len(g.local_block_ids) for g in groups))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeConnectorMetadata:
         """This step's orders; the step's block events are taken here (their hash changes

@@ -45,6 +45,11 @@ class KVTransferStats:
     snapshotted: too many bytes already waiting for the store), ``num_restored_blocks`` /
     ``bytes_restored`` (blocks pulled back from the store tier), ``transfer_s`` (pull
     durations, seconds), ``queue_s`` (from the request's arrival to the pull's start, seconds).
+
+    Per holder (``pulls_by_holder()``, kept by the scheduler half, which plans every pull): pulls
+    planned from each holder engine id, their blocks (summed over KV cache groups, as
+    ``num_blocks_received``) and how many of them the index found (the rest are P/D handovers
+    under a ticket). A planned pull that then fails is also counted in ``num_failed_loads``.
     """
 
     bytes_received: int = 0
@@ -77,6 +82,7 @@ class KVTransferStats:
     _reported: dict[str, int] = field(default_factory=dict, repr=False)
     _unreported_transfer_s: list[float] = field(default_factory=list, repr=False)
     _unreported_queue_s: list[float] = field(default_factory=list, repr=False)
+    _holder_to_pulls: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
     def record_load(
         self, *, nbytes: int, num_blocks: int, transfer_s: float, queue_s: float
@@ -92,6 +98,23 @@ class KVTransferStats:
             self._queue_s.append(queue_s)
             self._unreported_transfer_s.append(transfer_s)
             self._unreported_queue_s.append(queue_s)
+
+    def record_pull_planned(self, holder_engine_id: str, *, num_blocks: int,
+                            via_index: bool) -> None:
+        """A pull of ``num_blocks`` blocks from ``holder_engine_id`` was ordered (``via_index``:
+        found through the block index; otherwise a P/D handover's ticket)."""
+        with self._lock:
+            counts = self._holder_to_pulls.setdefault(
+                holder_engine_id, {"pulls": 0, "blocks": 0, "index_pulls": 0}
+            )
+            counts["pulls"] += 1
+            counts["blocks"] += num_blocks
+            counts["index_pulls"] += int(via_index)
+
+    def pulls_by_holder(self) -> dict[str, dict[str, int]]:
+        """``{holder engine id: {"pulls", "blocks", "index_pulls"}}`` (a copy)."""
+        with self._lock:
+            return {holder: dict(counts) for holder, counts in self._holder_to_pulls.items()}
 
     def record_failed_load(self, *, num_failed_blocks: int) -> None:
         with self._lock:

@@ -8,6 +8,8 @@ Sources, all read at scrape time (no sampling thread):
   KV load times, and the scheduler's ``make_stats()`` (queues, preemptions, KV usage).
 - The connector's ``KVTransferStats.snapshot()`` (connector/stats.py), when the node has a
   connector that exposes ``stats``: bytes moved, pull durations, failed loads, expired leases.
+- Pulls per holder engine id (``KVTransferStats.pulls_by_holder``: pulls, blocks, and how many
+  of them the index found), under ``pulls_by_holder``.
 - The block index's ``IndexStats`` (``KVBridgeConnector.index_stats``: lookups, hits, Redis
   trouble) when the node has an index.
 
@@ -50,8 +52,10 @@ def node_stats(loop: Any, *, role: str, engine_id: str) -> dict[str, Any]:
     connector = connector_of(loop.engine)
     transfer: dict[str, Any] = {}
     index: dict[str, Any] = {}
+    pulls_by_holder: dict[str, dict[str, int]] = {}
     if connector is not None:
         transfer = dict(connector.stats.snapshot())
+        pulls_by_holder = connector.stats.pulls_by_holder()
         index_stats = connector.index_stats
         if index_stats is not None:
             index = {
@@ -68,6 +72,7 @@ def node_stats(loop: Any, *, role: str, engine_id: str) -> dict[str, Any]:
         "counters": counters,
         "transfer": transfer,
         "index": index,
+        "pulls_by_holder": pulls_by_holder,
         "hit_rate": {
             "local": counters["local_hit_tokens"] / queries,
             "remote": remote_tokens / prompt_tokens,

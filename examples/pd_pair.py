@@ -5,6 +5,7 @@ crossing between them, every output checked token for token against a single-nod
     python examples/pd_pair.py --trace PATH/TO/conversation_trace.jsonl --limit 40
     python examples/pd_pair.py --redis-url redis://127.0.0.1:6379/0 --store
     python examples/pd_pair.py --chaos 7 --store     # faults from seed 7 (examples/pd_chaos.py)
+    python examples/pd_pair.py --nodes 2             # P and two decode nodes (examples/pd_nodes.py)
 
 What it does:
 
@@ -18,8 +19,12 @@ What it does:
    the embedded in-memory index (said on one line). The report names the server that ran.
 2. A prefill node (``--role prefill``), a decode node (``--role decode``) and, with ``--store``, a
    store node, each its own ``examples/node_server.py`` process; it waits until all are healthy.
+   ``--nodes N`` (N >= 2) starts N decode nodes (engine ids ``decode-0`` ... and ``prefill``).
 3. The workload, through :class:`proxy.PDRouter` (P with ``do_remote_decode``, then D with P's
-   ``kv_transfer_params``), with a progress bar.
+   ``kv_transfer_params``), with a progress bar. With ``--nodes N`` through
+   :class:`pd_nodes.SpreadRouter`: each request goes to the least-loaded decode node, which
+   first pulls the prompt's longest indexed prefix from whichever node the index names (P or
+   another decode node), then the rest from P by the handover.
 4. The same prompts on a local single node (examples/pd_report.py), compared token for token.
 5. The report, whose last line is one JSON object; exit code 1 on any mismatch or error.
 
@@ -55,10 +60,11 @@ import httpx
 import torch
 from node_server import load_model
 from pd_chaos import ChaosRun, chaos_node_args
+from pd_nodes import SpreadRouter, engine_ids_of
 from pd_processes import ProcessGroup, StartupError
-from pd_report import Completed, ReferenceRunner, build_report, memcpy_gb_per_s
+from pd_report import Completed, ReferenceRunner, build_report, memcpy_gb_per_s, print_summary
 from pd_workload import TraceRequest, stdlib_conversations, trace_requests
-from proxy import HopError, PDRouter
+from proxy import HopError, PDRouter, PrefixLocator
 from tqdm import tqdm
 
 __all__ = ["UsageError", "check_redis", "load_trace", "main", "parse_args", "run"]
@@ -118,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chaos", type=int, default=None, metavar="SEED",
                         help="inject faults drawn from SEED (examples/pd_chaos.py)")
     parser.add_argument("--chaos-faults", type=int, default=8, help="faults of a --chaos run")
+    parser.add_argument("--nodes", type=int, default=1, metavar="N",
+                        help="decode nodes (N >= 2: requests spread over them, each pulling "
+                             "its longest prefix from the holder the index names; "
+                             "examples/pd_nodes.py)")
     return parser.parse_args(argv)
 
 
@@ -221,15 +231,20 @@ def check_redis(url: str, timeout_s: float = _REDIS_PING_TIMEOUT_S) -> None:
 async def _run_workload(
     args: argparse.Namespace,
     p_url: str,
-    d_url: str,
+    d_urls: list[str],
     tally: _Tally,
     trace: list[TraceRequest] | None,
     wrap: Any = None,
+    spread: SpreadRouter | None = None,
 ) -> None:
     """Send the workload; ``wrap(router)``, when given, is the client the requests go through
-    (a ``pd_chaos.ChaosClient``)."""
-    pd_router = PDRouter([p_url], [d_url], timeout_s=4 * args.load_timeout_s + 60)
-    router = wrap(pd_router) if wrap is not None else pd_router
+    (a ``pd_chaos.ChaosClient``); ``spread``: the router of several decode nodes."""
+    pd_router = PDRouter([p_url], d_urls, timeout_s=4 * args.load_timeout_s + 60)
+    router: Any = pd_router
+    if spread is not None:
+        router = spread.attach(pd_router)
+    elif wrap is not None:
+        router = wrap(pd_router)
     semaphore = asyncio.Semaphore(args.concurrency)
     try:
         if trace is not None:
@@ -291,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
     """The whole job; returns the exit code (0 ok, 1 a mismatch, an error or a child that did
     not start, 2 an unusable input)."""
     try:
+        if args.nodes < 1 or (args.nodes > 1 and args.chaos is not None):
+            raise UsageError(f"--nodes {args.nodes}: needs N >= 1, and N = 1 with --chaos")
         trace = load_trace(args)
         if args.redis_url:
             check_redis(args.redis_url)
@@ -331,9 +348,16 @@ def run(args: argparse.Namespace) -> int:
             store_url = httpx.get(f"{store.url}/health", timeout=5.0).json()["store_url"]
             nodes.append(store)
         common += ["--kv-transfer-config", _kv_config(args, store_url)]
-        prefill = group.start_node("prefill", "prefill", [*common, *chaos_node_args(args, "P")])
-        decode = group.start_node("decode", "decode", [*common, *chaos_node_args(args, "D")])
-        nodes += [prefill, decode]
+        if args.nodes == 1:
+            prefill = group.start_node("prefill", "prefill",
+                                       [*common, *chaos_node_args(args, "P")])
+            decodes = [group.start_node("decode", "decode", [*common, *chaos_node_args(args, "D")])]
+        else:  # engine ids that name the holders in the report
+            prefill = group.start_node("prefill", "prefill", [*common, "--engine-id", "prefill"])
+            decodes = [group.start_node(f"decode-{i}", "decode",
+                                        [*common, "--engine-id", f"decode-{i}"])
+                       for i in range(args.nodes)]
+        nodes += [prefill, *decodes]
         group.wait_healthy(nodes)
         print("nodes: " + ", ".join(f"{n.name} {n.url} (pid {n.popen.pid})" for n in nodes))
 
@@ -344,7 +368,19 @@ def run(args: argparse.Namespace) -> int:
             num_requests=len(trace) if trace is not None else args.conversations * args.turns)
         start = time.perf_counter()
         wrap = chaos.wrap if chaos is not None else None
-        asyncio.run(_run_workload(args, prefill.url, decode.url, tally, trace, wrap))
+        spread = None
+        if args.nodes > 1:
+            locator = None if index_url == "memory" else PrefixLocator(
+                index_url, model_name=f"kvbridge-{args.model}", block_size=args.block_size,
+                hash_fn="sha256_cbor")
+            spread = SpreadRouter(engine_ids_of([d.url for d in decodes]), locator=locator,
+                                  block_size=args.block_size)
+        try:
+            asyncio.run(_run_workload(args, prefill.url, [d.url for d in decodes], tally, trace,
+                                      wrap, spread))
+        finally:
+            if spread is not None:
+                spread.close()
         wall_s = time.perf_counter() - start
         bar.close()
         if chaos is not None:  # the restarted children, once both nodes drained
@@ -361,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
             reference_prefill_s=reference_prefill_s,
             wall_s=wall_s,
             prefill_stats=[stats["prefill"]],
-            decode_stats=[stats["decode"]],
+            decode_stats=[stats[d.name] for d in decodes],
             store_stats=[stats["store"]] if "store" in stats else [],
             memcpy_gbps=memcpy_gb_per_s(),
             index=index,
@@ -369,7 +405,9 @@ def run(args: argparse.Namespace) -> int:
         )
         for error in tally.errors[:10]:
             print(f"ERROR: {error}", file=sys.stderr)
-        _print_summary(report)
+        if spread is not None:
+            report.update(spread.tally.to_dict())
+        print_summary(report)
         if chaos is not None:
             report["chaos"] = chaos.report(tally.completed, tally.errors, mismatches)
         print(json.dumps(report, sort_keys=True))
@@ -384,37 +422,6 @@ def run(args: argparse.Namespace) -> int:
         group.stop_all()
         if ok and own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _fmt(value: Any, unit: str = "", scale: float = 1.0) -> str:
-    return "n/a" if value is None else f"{value * scale:.3g}{unit}"
-
-
-def _print_summary(r: dict[str, Any]) -> None:
-    print(
-        f"requests {r['requests']} (completed {r['completed']}, errors {r['errors']}), "
-        f"mismatches {r['mismatches']}, prompt tokens {r['prompt_tokens']}, "
-        f"output tokens {r['output_tokens']}, wall {r['wall_s']:.1f} s"
-    )
-    for name in ("ttft_s", "prefill_s", "transfer_s", "decode_s"):
-        print(
-            f"  {name[:-2]:>8}: p50 {_fmt(r[name + '_p50'], ' ms', 1e3)}, "
-            f"p99 {_fmt(r[name + '_p99'], ' ms', 1e3)}"
-        )
-    print(
-        f"KV moved {r['kv_bytes_moved'] / 1e6:.2f} MB ({_fmt(r['kv_same_host_fraction'], '%', 100)}"
-        f" of it by same-host copy) at {_fmt(r['kv_transfer_gb_per_s'], ' GB/s')}"
-        f" = {_fmt(r['transfer_vs_memcpy_ratio'])} x memcpy ({_fmt(r['memcpy_gb_per_s'])} GB/s); "
-        f"fetch / prefill time p50 {_fmt(r['fetch_vs_prefill_ratio_p50'])}, "
-        f"total {_fmt(r['fetch_vs_prefill_ratio_total'])}, per token "
-        f"{_fmt(r['fetch_vs_prefill_ratio_per_token'])}"
-    )
-    print(
-        f"prefix hits: local APC {_fmt(r['hit_rate_local_apc'])}, remote via index "
-        f"{_fmt(r['hit_rate_remote_index'])}, store {_fmt(r['hit_rate_store'])}; "
-        f"pulled from P {_fmt(r['pd_pulled_fraction'])} of D's prompt tokens; failed loads "
-        f"{r['failed_loads']}, expired leases {r['expired_leases']}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,9 @@
   "the time D would need to prefill it itself".
 - :func:`memcpy_gb_per_s`: single-thread memcpy bandwidth measured in the same run, the baseline
   of the decode node's KV transfer bandwidth.
-- :func:`percentile`, :func:`build_report`: the report's figures (one flat JSON object).
+- :func:`percentile`, :func:`build_report`: the report's figures (one flat JSON object), with
+  :func:`pulls_by_holder`: per pulling node and holder engine id, the pulls and blocks it took.
+- :func:`print_summary`: the report's human-readable lines.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ import torch
 from kvbridge.kernels.model import ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
 
-__all__ = ["Completed", "ReferenceRunner", "build_report", "memcpy_gb_per_s", "percentile"]
+__all__ = [
+    "Completed",
+    "ReferenceRunner",
+    "build_report",
+    "memcpy_gb_per_s",
+    "percentile",
+    "print_summary",
+    "pulls_by_holder",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,6 +116,27 @@ def _rate(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
+def pulls_by_holder(node_stats: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, int]]]:
+    """``{puller engine id: {holder engine id: {"pulls", "blocks", "index_pulls"}}}`` from the
+    nodes' ``/v1/stats`` (``pulls_by_holder``: pulls planned; ``index_pulls`` of them found
+    through the block index, the rest P/D handovers). Every node appears, with ``{}`` when it
+    pulled nothing; a node without a connector (no ``pulls_by_holder``) is left out."""
+    return {
+        str(s["engine_id"]): dict(sorted(s["pulls_by_holder"].items()))
+        for s in node_stats
+        if "pulls_by_holder" in s
+    }
+
+
+def _pulls_from(
+    by_puller: dict[str, dict[str, dict[str, int]]], pullers: set[str], holders: set[str]
+) -> tuple[int, int]:
+    """Pulls and blocks that ``pullers`` took from ``holders``."""
+    picked = [c for p, row in by_puller.items() if p in pullers
+              for h, c in row.items() if h in holders]
+    return sum(c["pulls"] for c in picked), sum(c["blocks"] for c in picked)
+
+
 def build_report(
     *,
     completed: Sequence[Completed],
@@ -164,6 +195,11 @@ def build_report(
         decode_stats, "counters", "local_hit_tokens"
     )
     store_tokens = total(nodes, "transfer", "store_hit_tokens")
+    by_puller = pulls_by_holder(nodes)
+    decode_ids = {str(s.get("engine_id")) for s in decode_stats}
+    prefill_ids = {str(s.get("engine_id")) for s in prefill_stats}
+    from_p = _pulls_from(by_puller, decode_ids, prefill_ids)
+    from_d = _pulls_from(by_puller, decode_ids, decode_ids)
     report: dict[str, Any] = {
         "requests": len(completed) + errors,
         "completed": len(completed),
@@ -201,5 +237,54 @@ def build_report(
         "expired_leases": int(total(prefill_stats, "transfer", "num_expired_leases")),
         "preemptions": int(total(nodes, "counters", "num_preemptions")),
         "store_nodes": len(store_stats),
+        "decode_nodes": len(decode_stats),
+        "pulls_by_holder": by_puller,
+        "decode_pulls_from_prefill": from_p[0],
+        "decode_blocks_from_prefill": from_p[1],
+        "decode_pulls_from_decode": from_d[0],
+        "decode_blocks_from_decode": from_d[1],
     }
     return report
+
+
+def _fmt(value: Any, unit: str = "", scale: float = 1.0) -> str:
+    return "n/a" if value is None else f"{value * scale:.3g}{unit}"
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    """The report's figures as a few lines on stdout (the JSON line follows them)."""
+    print(
+        f"requests {r['requests']} (completed {r['completed']}, errors {r['errors']}), "
+        f"mismatches {r['mismatches']}, prompt tokens {r['prompt_tokens']}, "
+        f"output tokens {r['output_tokens']}, wall {r['wall_s']:.1f} s"
+    )
+    for name in ("ttft_s", "prefill_s", "transfer_s", "decode_s"):
+        print(
+            f"  {name[:-2]:>8}: p50 {_fmt(r[name + '_p50'], ' ms', 1e3)}, "
+            f"p99 {_fmt(r[name + '_p99'], ' ms', 1e3)}"
+        )
+    print(
+        f"KV moved {r['kv_bytes_moved'] / 1e6:.2f} MB ({_fmt(r['kv_same_host_fraction'], '%', 100)}"
+        f" of it by same-host copy) at {_fmt(r['kv_transfer_gb_per_s'], ' GB/s')}"
+        f" = {_fmt(r['transfer_vs_memcpy_ratio'])} x memcpy ({_fmt(r['memcpy_gb_per_s'])} GB/s); "
+        f"fetch / prefill time p50 {_fmt(r['fetch_vs_prefill_ratio_p50'])}, "
+        f"total {_fmt(r['fetch_vs_prefill_ratio_total'])}, per token "
+        f"{_fmt(r['fetch_vs_prefill_ratio_per_token'])}"
+    )
+    print(
+        f"prefix hits: local APC {_fmt(r['hit_rate_local_apc'])}, remote via index "
+        f"{_fmt(r['hit_rate_remote_index'])}, store {_fmt(r['hit_rate_store'])}; "
+        f"pulled from P {_fmt(r['pd_pulled_fraction'])} of D's prompt tokens; failed loads "
+        f"{r['failed_loads']}, expired leases {r['expired_leases']}"
+    )
+    print(
+        f"pulls by {r['decode_nodes']} decode node(s): from P {r['decode_pulls_from_prefill']} "
+        f"({r['decode_blocks_from_prefill']} blocks), from decode nodes "
+        f"{r['decode_pulls_from_decode']} ({r['decode_blocks_from_decode']} blocks)"
+    )
+    for puller, row in r["pulls_by_holder"].items():
+        cells = ", ".join(
+            f"{holder} {c['pulls']} pulls / {c['blocks']} blocks ({c['index_pulls']} via index)"
+            for holder, c in row.items()
+        )
+        print(f"  {puller} pulled from: {cells or 'nothing'}")

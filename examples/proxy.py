@@ -167,7 +167,9 @@ class PDRouter:
     def choose_decode(self) -> str:
         return self.decode_urls[next(self._next_d)]
 
-    async def _post(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def post(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """POST ``body`` to ``url``'s ``/v1/completions``; its JSON answer. Raises HopError
+        (the node's status, or 502 when it cannot be reached)."""
         try:
             reply = await self.client.post(
                 f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}
@@ -209,7 +211,7 @@ class PDRouter:
             "kv_transfer_params": {"do_remote_decode": True},
         }
         start = time.perf_counter()
-        answer = await self._post(url, p_body, request_id)
+        answer = await self.post(url, p_body, request_id)
         elapsed = time.perf_counter() - start
         if not answer.get("kv_transfer_params"):
             reason = answer.get("choices", [{}])[0].get("finish_reason")
@@ -226,7 +228,7 @@ class PDRouter:
         d_url = self.choose_decode()
         d_body = {**body, "stream": False, "kv_transfer_params": p_answer["kv_transfer_params"]}
         start = time.perf_counter()
-        d_answer = await self._post(d_url, d_body, request_id)
+        d_answer = await self.post(d_url, d_body, request_id)
         d_s = time.perf_counter() - start
         return PDResult(
             response=d_answer,

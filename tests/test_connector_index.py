@@ -90,6 +90,9 @@ def test_request_pulls_the_longest_prefix_then_falls_back_to_local_apc(nodes):
     assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0)
     assert s["num_blocks_received"] == 60
     assert s["remote_hit_tokens"] == 60 * BLOCK_SIZE
+    assert c.scheduler.connector.stats.pulls_by_holder() == {  # B, found through the index
+        "node-b": {"pulls": 1, "blocks": 60, "index_pulls": 1}
+    }
 
     # (3) A prompt nobody holds: the lookup misses and C computes it with local APC only.
     other = long_prompt(10 * BLOCK_SIZE, salt="Nobody has seen this text. ")

@@ -74,6 +74,10 @@ def test_partial_local_hit_pulls_only_the_missing_blocks(pair_factory):
     output = decode(pair, "req-0", shared, params, MAX_TOKENS)
     assert output.token_ids == reference_greedy(shared, MAX_TOKENS, hybrid=False)
     assert _stats(pair.d)["num_blocks_received"] == 4
+    # One handover pull from P (its ticket, not the index) of those 4 blocks.
+    assert pair.d.scheduler.connector.stats.pulls_by_holder() == {
+        "prefill-0": {"pulls": 1, "blocks": 4, "index_pulls": 0}
+    }
     assert output.num_cached_tokens == 99  # 48 local + 51 pulled; the last token is recomputed
     assert_pair_empty(pair)
 
