@@ -61,9 +61,14 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVBridgeConnector"]
+__all__ = ["PARAMS_ERROR_KEY", "KVBridgeConnector"]
 
 logger = logging.getLogger(__name__)
+
+PARAMS_ERROR_KEY = "kvbridge_error"
+"""Key of the error entry in a finished request's returned ``kv_transfer_params``
+(``RequestOutput.kv_transfer_params``, the OpenAI server's top-level ``kv_transfer_params``) when
+its own params were malformed: ``"kv_transfer_params.<field>: <problem>; computed locally"``."""
 
 
 class _StepOrders(KVConnectorMetadata):
@@ -124,6 +129,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker: KVBridgeWorker | None = None
         self._tap: StatsTap | None = None
         self._hit_tiers: dict[str, str] = {}  # request id -> holder tier, until reported
+        self._params_errors: dict[str, str] = {}  # request id -> its error, until it finishes
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVBridgeScheduler(
                 self.config,
@@ -158,7 +164,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """Admission, as in kvbridge's own engine: a ticket is parsed once (and heart-beaten
         while the request queues, released if it ends before its pull). A malformed one is
         counted, its prefill node told to release (when its address is usable) and the
-        request computed locally: vLLM offers no way to refuse it here."""
+        request computed locally: vLLM offers no way to refuse it here. The error reaches the
+        request's caller in its returned ``kv_transfer_params`` (``PARAMS_ERROR_KEY``, added by
+        ``request_finished``)."""
         params = request.kv_transfer_params
         try:
             self._sched().validate_kv_transfer_params(
@@ -167,6 +175,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         except KVTransferParamsError as exc:
             logger.warning("request %s: %s; computing it locally", request.request_id, exc)
             self._sched().on_request_rejected(params, str(exc))
+            self._params_errors[request.request_id] = f"{exc}; computed locally"
             if isinstance(params, dict):
                 params["do_remote_prefill"] = False  # never parsed (or counted) again
 
@@ -218,9 +227,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """kvbridge's ``request_finished``; a request whose params were refused at admission
+        also returns ``{PARAMS_ERROR_KEY: message}`` (beside P's ticket, if it is one)."""
         self._hit_tiers.pop(request.request_id, None)  # vLLM skips the sources when not logging
         result = self._sched().request_finished(RequestView.of(request), (list(block_ids),))
-        return result.delay_free, result.kv_transfer_params
+        params = result.kv_transfer_params
+        error = self._params_errors.pop(request.request_id, None)
+        if error is not None:
+            params = {**(params or {}), PARAMS_ERROR_KEY: error}
+        return result.delay_free, params
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

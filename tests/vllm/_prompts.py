@@ -31,8 +31,10 @@ PROMPTS: dict[str, list[int]] = {
     # a partial local hit on D
     "partial_local": _PARTIAL + tokens(10, 50),
     "partial_remote": _PARTIAL + tokens(11, 77),
-    # another prompt's ticket
-    "wrong_x": tokens(20, 100),
+    # another prompt's ticket: x is at least as long as y (a ticket for more tokens than the
+    # prompt has is refused at admission, before any pull), and every block of y's ticket
+    # is one of x's full blocks on D, so the holder's hash check refuses each one
+    "wrong_x": tokens(20, 5 * BLOCK),
     "wrong_y": tokens(21, 150),
     # P killed mid-pull, restarted, then stalled
     "stalled": tokens(30, 200),

@@ -122,22 +122,47 @@ def test_partial_local_hit_pulls_only_the_rest(pair, reference):
 
 
 def test_wrong_ticket_is_recomputed(pair, reference):
-    """D gets prompt x with the ticket P gave for prompt y: D's pull names x's block hashes,
-    P holds y's, so nothing of y's KV lands in x: the tokens are x's (recomputed) and the
-    failure is counted. y with its own ticket afterwards still decodes y's tokens."""
-    p_out = pair.p.generate(prefill_requests([PROMPTS["wrong_x"], PROMPTS["wrong_y"]]))
+    """D gets prompt x with the ticket P gave for prompt y. x is at least as long as y, so the
+    ticket passes admission and the pull really runs: D's pull names x's block hashes, the
+    blocks the ticket names hold y's, and P's hash check (``holder.validate_blocks``) refuses
+    them, although P has x in its prefix cache too (in other blocks). Nothing of y's KV lands
+    in x: the tokens are x's (recomputed, the ``recompute`` policy) and the failure is counted
+    as a failed load, not as a rejected ticket. Then y, with a fresh ticket from a second
+    prefill on P, is pulled and decoded like any handover."""
+    x, y = PROMPTS["wrong_x"], PROMPTS["wrong_y"]
+    assert x[: len(y)] != y and len(x) >= len(y)
+    p_out = pair.p.generate([request(x, 1), *prefill_requests([y])])
     ticket_y = p_out[1]["kv_transfer_params"]
+    assert ticket_y["remote_num_tokens"] == len(y)
     before = pair.d.stats()
-    (out,) = pair.d.generate([request(PROMPTS["wrong_x"], N_NEW, ticket_y)])
+    (out,) = pair.d.generate([request(x, N_NEW, ticket_y)])
     after = pair.d.stats()
     assert out["token_ids"] == reference["wrong_x"]
     assert out["finish_reason"] == "length"
     if after is not None:
-        failures = sum(_delta(after, before, k) for k in
-                       ("num_failed_loads", "num_load_errors_blocks", "num_rejected_params"))
-        assert failures > 0, after
-    (out,) = pair.d.generate([request(PROMPTS["wrong_y"], N_NEW, ticket_y)])
+        assert _delta(after, before, "num_rejected_params") == 0, after  # admitted
+        assert _delta(after, before, "num_failed_loads") == 1, after
+        assert _delta(after, before, "num_loads") == 0, after
+        # y's 150 tokens are 5 blocks on P; each is one of x's full blocks on D, with x's hash
+        assert _delta(after, before, "num_load_errors_blocks") == -(-len(y) // BLOCK), after
+        assert _delta(after, before, "num_blocks_received") == 0, after
+
+    # The failed pull released y's first lease; a second prefill gives y a fresh ticket.
+    (p_again,) = pair.p.generate(prefill_requests([y]))
+    ticket_again = p_again["kv_transfer_params"]
+    assert ticket_again["remote_lease_token"] != ticket_y["remote_lease_token"]
+    before = pair.d.stats()
+    (out,) = pair.d.generate([request(y, N_NEW, ticket_again)])
+    after = pair.d.stats()
     assert out["token_ids"] == reference["wrong_y"]
+    if after is not None:
+        assert _delta(after, before, "num_loads") == 1, after
+        assert _delta(after, before, "num_failed_loads") == 0, after
+        assert _delta(after, before, "num_blocks_received") >= (len(y) - 1) // BLOCK, after
+    p_state = pair.p.wait_drained()
+    if p_state is not None:  # both of y's leases ended (the failed pull's notice, then D's)
+        assert p_state["requests"] == 0, p_state
+        assert p_state["free_blocks"] == p_state["num_blocks"] - 1, p_state
 
 
 def test_vllm_metrics_count_what_was_pulled(pair, reference):

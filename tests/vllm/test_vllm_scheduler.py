@@ -42,6 +42,7 @@ from _vllm_sched_builders import (
 )
 from kvbridge.connector.metadata import LeaseGrant, ReleaseNotice, Ticket
 from kvbridge.connector.transfer_params import RemotePrefillParams
+from kvbridge.connector.vllm.adapter import PARAMS_ERROR_KEY
 from kvbridge.transport import LeaseRef
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
@@ -269,13 +270,18 @@ def test_d_malformed_params_computed_locally_and_counted(spoil, field, released,
     assert all(not n.success and n.reason.startswith("rejected: ") for n in first.meta.notices)
     finished = run_to_end(scheduler)
     assert finished[bad.request_id].finish_reason == FinishReason.LENGTH
+    # the request's caller gets the error (RequestOutput.kv_transfer_params), naming the field
+    error = finished[bad.request_id].kv_transfer_params[PARAMS_ERROR_KEY]
+    assert error.startswith(f"kv_transfer_params.{field}: ") and "computed locally" in error
     assert connector.stats.num_rejected_params == 1  # counted once, not per scheduling try
     assert_scheduler_empty(scheduler)
 
     good, _ = _admit_d(scheduler, 70, remote_request_id="p-req-2")  # the next one is served
     step(scheduler, finished_recving={good.request_id})
     assert step(scheduler).scheduled == {good.request_id: 1}
-    run_to_end(scheduler)
+    finished = run_to_end(scheduler)
+    assert finished[good.request_id].finish_reason == FinishReason.LENGTH
+    assert finished[good.request_id].kv_transfer_params is None  # no error of its own
     assert connector.stats.num_rejected_params == 1
     assert_scheduler_empty(scheduler)
 
