@@ -17,7 +17,7 @@ from kvbridge.connector import KVTransferConfig, KVTransferConfigError
 from kvbridge.connector.loop_thread import get_loop_thread
 from kvbridge.connector.vllm.translate import kv_cache_config_from_vllm, kv_cache_regions
 from kvbridge.connector.worker_half import KVBridgeWorker
-from kvbridge.transport import GroupRead, HandshakeError, LoopbackNetwork
+from kvbridge.transport import GroupRead, HandshakeError, LeaseRef, LoopbackNetwork
 
 BLOCK_SIZE, HEADS, HEAD_SIZE, NUM_BLOCKS = 16, 2, 8, 10
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -170,9 +170,17 @@ def test_pull_moves_k_and_v_of_exactly_the_requested_blocks(workers, order):
     p = workers("prefill-0", network, p_caches)
     d = workers("decode-0", network, d_caches)
     remote_ids, local_ids = [3, 5, 6], [7, 1, 4]  # paired by position
-    read = GroupRead(group_id=0, remote_block_ids=remote_ids, local_block_ids=local_ids)
+    # P serves only blocks a hash or a lease vouches for: a lease on the three, no hashes.
+    p.leases.grant("r1", [remote_ids], (), "tok-r1")
+    read = GroupRead(
+        group_id=0, remote_block_ids=remote_ids, local_block_ids=local_ids,
+        expected_hashes=[b""] * len(remote_ids),
+    )
+    lease = LeaseRef(request_id="r1", token="tok-r1")
     result = get_loop_thread().run(
-        d.transport.read_blocks(p.transport.address, "r1", [read], deadline_s=_TIMEOUT_S),
+        d.transport.read_blocks(
+            p.transport.address, "r1", [read], deadline_s=_TIMEOUT_S, lease=lease
+        ),
         _TIMEOUT_S,
     )
     # 3 blocks x 2 layers x (K + V) x 16 tokens x 2 heads x 8 dims x 4 bytes
