@@ -10,9 +10,10 @@ import re
 import pytest
 import torch
 from _engine_builders import reference_greedy, tiny_model
+import _store_builders
 from _pd_builders import assert_node_empty, kv_bytes, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
-from kvbridge.connector.store.node import StoreNode, close_store_node, start_store_node
+from kvbridge.connector.store.node import StoreNode, close_store_node
 from kvbridge.kvmanager import Request, SamplingParams
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.kvmanager.engine import Engine, EngineConfig
@@ -42,22 +43,10 @@ def cleanup():
         close_store_node(store)
 
 
-def make_store(
-    network: LoopbackNetwork, model_name: str, *, capacity_blocks: int, **kw
-) -> StoreNode:
-    model = tiny_model(hybrid=False).config
-    per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
-    node = StoreNode(
-        model,
-        block_size=BLOCK_SIZE,
-        capacity_bytes=capacity_blocks * per_block,
-        transport="loopback",
-        loopback_network=network,
-        model_name=model_name,
-        index_url="memory",
-        **kw,
+def make_store(network: LoopbackNetwork, model_name: str, *, capacity_blocks: int) -> StoreNode:
+    return _store_builders.make_store(
+        network, index_url="memory", capacity_blocks=capacity_blocks, model_name=model_name
     )
-    return start_store_node(node)
 
 
 def make_engine(

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+import _store_builders
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
@@ -25,7 +26,6 @@ from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.store.node import (
     StoreNode,
     close_store_node,
-    start_store_node,
     store_kv_caches,
 )
 from kvbridge.connector.store.offload_items import (
@@ -51,20 +51,10 @@ def make_store(
     network: LoopbackNetwork, index_url: str, *, capacity_blocks: int, **kw
 ) -> StoreNode:
     """A started store of ``capacity_blocks`` tiny-model blocks (4 layers of float32)."""
-    model = tiny_model(hybrid=False).config
-    per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
-    node = StoreNode(
-        model,
-        block_size=BLOCK_SIZE,
-        capacity_bytes=capacity_blocks * per_block,
-        engine_id="store-0",
-        index_url=index_url,
-        transport="loopback",
-        loopback_network=network,
-        index_ttl_s=5.0,
-        **kw,
+    return _store_builders.make_store(
+        network, index_url=index_url, capacity_blocks=capacity_blocks, engine_id="store-0",
+        index_ttl_s=5.0, **kw,
     )
-    return start_store_node(node)
 
 
 def make_node(

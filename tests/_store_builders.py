@@ -1,0 +1,28 @@
+"""Builders for store-tier tests: a started store node of the tiny model's blocks."""
+
+from __future__ import annotations
+
+from _engine_builders import tiny_model
+from kvbridge.connector.store import StoreNode, start_store_node
+from kvbridge.transport import LoopbackNetwork
+
+BLOCK_SIZE = 16
+
+
+def make_store(
+    network: LoopbackNetwork, *, index_url: str, capacity_blocks: int, **kw
+) -> StoreNode:
+    """A started loopback store of ``capacity_blocks`` tiny-model blocks (4 layers of float32,
+    block size 16) publishing to ``index_url``; ``kw`` goes to ``StoreNode``."""
+    model = tiny_model(hybrid=False).config
+    per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
+    node = StoreNode(
+        model,
+        block_size=BLOCK_SIZE,
+        capacity_bytes=capacity_blocks * per_block,
+        transport="loopback",
+        loopback_network=network,
+        index_url=index_url,
+        **kw,
+    )
+    return start_store_node(node)
