@@ -104,6 +104,7 @@ class HolderChecks:
     def as_kwargs(self) -> dict[str, object]:
         return {
             "block_validator": self.validate_blocks,
+            "lease_validator": self.validate_by_lease,
             "on_heartbeat": self.on_heartbeat,
             "on_transfer_done": self.on_transfer_done,
             "serve_unchecked_reads": False,  # every block served needs a hash or the lease
@@ -147,6 +148,30 @@ class HolderChecks:
                 ok = lease is not None and self.leases.covers(
                     lease.request_id, group_id, block_id, None, lease.token
                 )
+            if not ok:
+                bad.append(pos)
+        return bad
+
+    def validate_by_lease(
+        self,
+        group_id: int,
+        block_ids: list[int],
+        expected_hashes: list[bytes],
+        lease: LeaseRef | None,
+    ) -> list[int]:
+        """``validate_blocks`` for a read that copies before the holder checks it
+        (``Read.copy_first``, ``transport.HolderCallbacks.lease_validator``): a position is good
+        only while the read's own lease, with its token, covers its block with the expected
+        hash (``b""``: the partial last block, without one). Loop thread, never blocks."""
+        bad: list[int] = []
+        for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
+            ok = (
+                lease is not None
+                and 0 < block_id < self.num_blocks
+                and self.leases.covers(
+                    lease.request_id, group_id, block_id, expected or None, lease.token
+                )
+            )
             if not ok:
                 bad.append(pos)
         return bad

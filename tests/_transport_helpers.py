@@ -64,17 +64,24 @@ def make_metadata(engine_id: str, kv_caches_by_group: list[list[torch.Tensor]]) 
     )
 
 
-def make_hash_validator(evict_after_check: set[tuple[int, int]]) -> BlockValidator:
+def make_hash_validator(
+    evict_after_check: set[tuple[int, int]], *, by_lease: bool = False
+) -> BlockValidator:
     """The holder's validator: hash ``b"{group_id}:{block_id}"``; blocks ``(group_id, block_id)``
-    in ``evict_after_check`` lose their hash once a check has seen them."""
+    in ``evict_after_check`` lose their hash once a check has seen them. ``by_lease``: the
+    ``lease_validator`` of a copy-first read, which also needs ``HELPER_LEASE`` for a block
+    with a hash (the connector's ``HolderChecks.validate_by_lease``)."""
     evicted: set[tuple[int, int]] = set()
 
     def validate(
         group_id: int, block_ids: list[int], expected: list[bytes], lease: LeaseRef | None
     ) -> list[int]:
         def holds(block_id: int, expected_hash: bytes) -> bool:
-            if not expected_hash:  # no hash: the read's lease alone vouches for the block
-                return lease == HELPER_LEASE
+            if not expected_hash or by_lease:  # the read's lease vouches for the block
+                if lease != HELPER_LEASE:
+                    return False
+            if not expected_hash:
+                return True
             return expected_hash == f"{group_id}:{block_id}".encode()
 
         bad = [
@@ -107,7 +114,11 @@ async def _serve(args: argparse.Namespace) -> None:
         seed=args.seed, block_size=args.block_size, layers_per_group=layers_per_group
     )
     transport = UcxxTransport(make_metadata(f"holder-{args.seed}", caches), caches, port=0)
-    transport.set_callbacks(block_validator=make_hash_validator(set(args.evict_after_check)))
+    evict_after_check = set(args.evict_after_check)
+    transport.set_callbacks(
+        block_validator=make_hash_validator(evict_after_check),
+        lease_validator=make_hash_validator(evict_after_check, by_lease=True),
+    )
     await transport.start()
     print(f"PORT {transport.address.port}", flush=True)
     loop = asyncio.get_running_loop()

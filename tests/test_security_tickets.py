@@ -17,6 +17,8 @@ import torch
 from _engine_builders import reference_greedy
 from _pd_builders import assert_pair_empty, decode, long_prompt, make_pd_pair, prefill
 from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
+from kvbridge.connector.metadata import BlockHashDelta
+from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.connector.lease import LeaseTable
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.transfer_params import RemotePrefillParams
@@ -125,6 +127,30 @@ def test_holder_counts_and_refuses_forged_heartbeats_and_notices():
     checks.on_transfer_done(real)
     assert not leases.is_held("r1") and stats.num_released_leases == 1
     assert stats.bytes_sent == 2 * 64
+
+
+def test_a_copy_first_read_is_vouched_for_by_its_own_lease_alone():
+    """``validate_by_lease`` (a read that copies before the check, ``Read.copy_first``): the
+    prefix cache's word is not enough (the block may be reused and recomputed during the
+    copy), nor is another lease's; only the read's own lease, with its token and the hash it
+    holds the block at, vouches."""
+    checks, leases, _ = _checks()
+    checks.hashes.apply_stores(
+        BlockHashDelta(stored_block_ids=[3, 7], stored_hashes=[
+            make_block_hash_with_group_id(b"h3", 0), make_block_hash_with_group_id(b"h7", 0)
+        ])
+    )
+    own = LeaseRef(request_id="r1", token=TOKEN)
+    assert checks.validate_by_lease(0, [3, 4], [b"h3", b""], own) == []
+    # block 7 is in the prefix cache, which validate_blocks accepts; no lease covers it
+    assert checks.validate_blocks(0, [7], [b"h7"], None) == []
+    assert checks.validate_by_lease(0, [7], [b"h7"], own) == [0]
+    assert checks.validate_by_lease(0, [3], [b"h3"], None) == [0]
+    assert checks.validate_by_lease(0, [3], [b"h3"], LeaseRef(request_id="r1", token="x")) == [0]
+    assert checks.validate_by_lease(0, [3], [b"other"], own) == [0]  # another prompt's hash
+    assert checks.validate_by_lease(0, [0, 16], [b"h3", b"h3"], own) == [0, 1]  # out of range
+    leases.release("r1", TOKEN)  # the lease ended: nothing vouches any more
+    assert checks.validate_by_lease(0, [3, 4], [b"h3", b""], own) == [0, 1]
 
 
 # ----------------------------------------------------------------------------- P and D

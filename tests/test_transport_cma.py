@@ -112,6 +112,7 @@ def test_plan_sorts_by_source_merges_runs_and_splits_long_ones(monkeypatch):
 @in_module_loop
 async def test_copy_in_threads_lands_random_ids_exactly(monkeypatch):
     monkeypatch.setattr(cma, "IOV_MAX", 7)  # several calls per part
+    monkeypatch.setattr(cma, "INLINE_COPY_MAX_BYTES", 1 << 20)  # 50 big blocks: threads
     source = make_kv_caches(seed=SEED, block_size=BIG_BLOCK_SIZE)
     local = make_kv_caches(seed=0, block_size=BIG_BLOCK_SIZE)
     peer = _self_peer(source)
@@ -626,3 +627,77 @@ async def test_a_holder_whose_memory_cannot_be_read_is_read_over_ucx_next(holder
         _assert_landed(caches, make_kv_caches(seed=SEED), reads)
     finally:
         await transport.close()
+
+
+@in_module_loop
+async def test_a_read_under_its_lease_copies_while_the_holder_checks(monkeypatch):
+    """A same-host read under a handoff's lease, with hashes in every group, is copy-first
+    (``Read.copy_first``): the requester copies before the holder's ``ReadOk`` (held back here
+    until the requester's first copy call), and the holder vouches for the blocks through the
+    lease alone, at the check and at the re-check. A read without a lease still waits for
+    ``ReadOk`` before it copies."""
+    import kvbridge.transport.ucxx_holder as ucxx_holder
+    from _transport_helpers import HELPER_LEASE, make_hash_validator
+
+    copied = asyncio.Event()
+    read_ok_sent: list[str] = []
+    real_write = ucxx_holder.write_message
+
+    async def read_ok_only_after_a_copy(writer, message):
+        if isinstance(message, ReadOk):
+            try:
+                await asyncio.wait_for(copied.wait(), 1.0)
+                read_ok_sent.append("after the copy began")
+            except TimeoutError:
+                read_ok_sent.append("with no copy begun")
+        await real_write(writer, message)
+
+    monkeypatch.setattr(ucxx_holder, "write_message", read_ok_only_after_a_copy)
+    calls = {"hash": 0, "lease": 0}
+
+    def counted(kind, validate):
+        def wrapper(*args):
+            calls[kind] += 1
+            return validate(*args)
+
+        return wrapper
+
+    source = make_kv_caches(seed=SEED)
+    holder = UcxxTransport(make_metadata("copy-first-holder", source), source)
+    holder.set_callbacks(
+        block_validator=counted("hash", make_hash_validator(set())),
+        lease_validator=counted("lease", make_hash_validator(set(), by_lease=True)),
+    )
+    caches = make_kv_caches(seed=0)
+    requester = UcxxTransport(make_metadata("copy-first-requester", caches), caches)
+    requester._cma_on_batch = copied.set  # a small read copies inline, on this loop
+    await holder.start()
+    await requester.start()
+    try:
+        ids = [3, 4, 5, 6]
+        reads = [
+            GroupRead(
+                group_id=0,
+                remote_block_ids=ids,
+                local_block_ids=[10, 11, 12, 13],
+                expected_hashes=[f"0:{b}".encode() for b in ids],
+            )
+        ]
+        result = await requester.read_blocks(
+            holder.address, "copy-first", reads, deadline_s=20, lease=HELPER_LEASE
+        )
+        assert requester.peer_data_path(holder.address) == "cma"
+        assert read_ok_sent == ["after the copy began"]
+        assert (result.num_blocks_landed, result.failed_local_block_ids) == (4, ())
+        _assert_landed(caches, source, reads)
+        assert calls == {"hash": 0, "lease": 2}  # the check and the re-check
+
+        copied.clear()
+        result = await requester.read_blocks(holder.address, "no-lease", reads, deadline_s=20)
+        assert read_ok_sent[1:] == ["with no copy begun"]
+        assert (result.num_blocks_landed, result.failed_local_block_ids) == (4, ())
+        assert calls == {"hash": 2, "lease": 2}
+        _assert_clean(requester)
+    finally:
+        await requester.close()
+        await holder.close()

@@ -182,8 +182,15 @@ async def assert_lease_guards_the_block_without_a_hash(
 ) -> None:
     """Remote block 12 has no hash (a handoff's partial last block): it lands only in a read
     presenting the holder's lease (``Read.lease``, here with a 200-byte request id); a read
-    without it, or with another token, gets it failed and never written."""
+    without it, or with another token, gets it failed and never written.
+
+    Over the same-host copy a read under a lease is copy-first (``Read.copy_first``): it
+    copies before the holder's check, so the holder then vouches for every position through
+    the lease alone, and another token fails both blocks (their rows were written, and are
+    reported failed)."""
     source = make_kv_caches(seed=holder_seed)
+    await requester.connect(holder_address)  # the data path is chosen at handshake
+    copy_first = requester.peer_data_path(holder_address) == "cma"
 
     def read(local_id: int) -> GroupRead:
         return GroupRead(
@@ -198,6 +205,10 @@ async def assert_lease_guards_the_block_without_a_hash(
         result = await requester.read_blocks(
             holder_address, "req-no-lease", [read(local_id)], deadline_s=20, lease=lease
         )
+        if copy_first and lease is not None:
+            assert result.failed_local_block_ids == (local_id - 1, local_id)
+            assert result.num_blocks_landed == 0
+            continue
         assert result.failed_local_block_ids == (local_id,)
         assert not any(layer[local_id].any() for layer in requester.kv_caches_by_group[0])
     result = await requester.read_blocks(
@@ -424,15 +435,18 @@ def _hashes(group_id: int, block_ids: list[int]) -> list[bytes]:
     return [f"{group_id}:{b}".encode() for b in block_ids]
 
 
-@pytest.mark.parametrize("path", ["ucx", "cma"])
+@pytest.mark.parametrize("path", ["ucx", "cma", "cma-lease"])
 async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evicting_holder, path):
     """The holder's engine reuses a block after the Read's check passed (index reads are not
     referenced on the holder): the re-check after the copy reports it, on both UCX paths (the
-    zero-copy one and the staged one) and after a same-host copy (``ReadCopied``), and every
-    other block lands bytes-exact."""
+    zero-copy one and the staged one), after a same-host copy (``ReadCopied``) and after a
+    copy-first one (a read under a lease, copied before the check), and every other block
+    lands bytes-exact."""
     caches = make_kv_caches(seed=0, layers_per_group=EVICTING_LAYERS)
+    lease = HELPER_LEASE if path == "cma-lease" else None
+    path = path.removesuffix("-lease")
     requester = UcxxTransport(
-        make_metadata(f"requester-3-{path}", caches),
+        make_metadata(f"requester-3-{path}-{lease is not None}", caches),
         caches,
         chunk_bytes=1 << 13,
         cma=path == "cma",
@@ -464,7 +478,7 @@ async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evictin
             ),
         ]
         result = await requester.read_blocks(
-            evicting_holder.address, f"req-evict-{path}", reads, deadline_s=20
+            evicting_holder.address, f"req-evict-{path}", reads, deadline_s=20, lease=lease
         )
         assert requester.peer_data_path(evicting_holder.address) == path
         # request order: group 0's remote 30 (position 10), then group 1's 40 (late, position
@@ -486,7 +500,8 @@ async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evictin
             ),
         ]
         _assert_landed(requester.kv_caches_by_group, source, landed)
-        assert not any(layer[57].any() for layer in requester.kv_caches_by_group[1])  # unsent
+        if lease is None:  # a copy-first read copied it before the holder refused it
+            assert not any(layer[57].any() for layer in requester.kv_caches_by_group[1])
 
         # Evicted now: a second read of both fails them at the first check; nothing lands.
         again = [

@@ -117,6 +117,13 @@ class HolderCallbacks:
     on_heartbeat: HeartbeatCallback | None = None
     on_transfer_done: TransferDoneCallback | None = None
     block_rechecker: BlockValidator | None = None
+    lease_validator: BlockValidator | None = None
+    """Checks and re-checks a ``copy_first`` read: a position is good only while the read's own
+    lease covers its block with the expected hash (the copy may start before the check, so a
+    hash in the prefix cache cannot vouch for the bytes: the block may be reused and recomputed
+    during the copy; a lease held at the re-check was held since before its ticket existed, so
+    its blocks never changed). None, with a ``block_validator`` set: such reads are refused
+    whole."""
     serve_unchecked_reads: bool = True
     """Whether a read group sent without expected hashes is served (a raw transport: yes); a
     connector's holder and the store say no, so every block they serve is vouched for by a hash
@@ -127,6 +134,23 @@ class HolderCallbacks:
         """The validator of the re-checks after a copy: ``block_rechecker``, else
         ``block_validator``."""
         return self.block_rechecker if self.block_rechecker is not None else self.block_validator
+
+    def validators_for(self, copy_first: bool) -> tuple[BlockValidator | None, ...]:
+        """``(check, re-check)`` validators of a read: a ``copy_first`` read's are both the
+        ``lease_validator`` (or one refusing every position when only a ``block_validator``
+        is set); another read's are ``block_validator`` and ``recheck_validator``."""
+        if not copy_first:
+            return self.block_validator, self.recheck_validator
+        if self.lease_validator is not None or self.block_validator is None:
+            return self.lease_validator, self.lease_validator
+        return _refuse_every_position, _refuse_every_position
+
+
+def _refuse_every_position(
+    group_id: int, block_ids: list[int], expected_hashes: list[bytes], lease: LeaseRef | None
+) -> list[int]:
+    """A ``BlockValidator`` that vouches for nothing."""
+    return list(range(len(block_ids)))
 
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -164,6 +188,7 @@ class Transport(abc.ABC):
         on_heartbeat: HeartbeatCallback | None = None,
         on_transfer_done: TransferDoneCallback | None = None,
         block_rechecker: BlockValidator | None = None,
+        lease_validator: BlockValidator | None = None,
         serve_unchecked_reads: bool = True,
     ) -> None:
         """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset.
@@ -174,6 +199,7 @@ class Transport(abc.ABC):
             on_heartbeat=on_heartbeat,
             on_transfer_done=on_transfer_done,
             block_rechecker=block_rechecker,
+            lease_validator=lease_validator,
             serve_unchecked_reads=serve_unchecked_reads,
         )
 

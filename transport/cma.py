@@ -61,9 +61,10 @@ COPY_PARTS = 2
 one contiguous range at about 19-21 GB/s on one thread and 25-26 GB/s on two; 2,048 random
 16 KiB blocks at 9-10 GB/s on one thread (each range pays its own page pinning) and 16-18 GB/s on
 two, sorted by source address. More threads than cores gained nothing."""
-INLINE_COPY_MAX_BYTES = 1 << 20
-"""A read of at most this many bytes is copied on the event loop thread (about 0.1 ms): a
-worker thread's wake-up costs more than that on a loaded 2-core host."""
+INLINE_COPY_MAX_BYTES = 4 << 20
+"""A read of at most this many bytes is copied on the event loop thread (2 MiB in 128 ranges,
+a 2,048-token handoff of the tests' tiny Llama: about 0.25 ms once the pages are mapped): two
+copy threads' wake-ups cost more than that on a loaded 2-core host."""
 PROBE_BYTES = 16  # the holder's random probe (``CmaOffer.probe``)
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 

@@ -10,26 +10,42 @@ with expected hashes sends ``ReadCopied`` and waits for the holder's ``ReadDone`
     send Read(cma) ──> plan ──> ReadOk(mismatched) ──> copy good blocks ──> probe
                    ──> ReadCopied ──> ReadDone(mismatched)      only with expected hashes
 
+A read under a handoff's lease with expected hashes in every group (``Read.copy_first``: the
+prefill-to-decode handoff) saves a round trip: it copies every block while the holder checks
+the read, and both ``ReadOk``'s and ``ReadDone``'s mismatches fail::
+
+    send Read(cma, copy_first) ──> copy every block ──> probe ──> ReadCopied
+                               ──> ReadOk(mismatched) ──> ReadDone(mismatched)
+
+That is safe because the holder then vouches for a block only through the read's own lease,
+at the check and again at the re-check after the copy (``HolderCallbacks.lease_validator``): a
+lease still held at the re-check has held its blocks, unchanged, since before its ticket was
+issued, so before the copy began. A block the prefix cache merely still lists is refused then
+(it may have been reused and recomputed during the copy), and a refused block's bytes, landed
+in this node's own block, count as failed.
+
 A copy that fails on memory the kernel will not read (not a holder that is gone) adds the
 holder's incarnation to ``unreadable_incarnations``: its later connections go over UCX.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
 
+from .base import ReadResult
 from .cma import CmaPeer, CmaPlan, CmaReadError
 from .control import HolderConnection
-from .errors import TransferError
+from .errors import TransferError, TransportError
 from .metadata import NodeMetadata
-from .plan import pick
+from .plan import block_nbytes_by_entry, pick
 from .read_path import DropConnection, ReadPath
 from .transfer import ReadState
-from .wire import Read, ReadCopied
+from .wire import Message, Read, ReadCopied
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +78,10 @@ class CmaReadPath(ReadPath):
         on_batch: Callable[[], None] | None = None,
     ):
         assert isinstance(conn.cma, CmaPeer)
-        read = msgspec.structs.replace(read, cma=True)
+        copy_first = read.lease is not None and all(
+            group.expected_hashes is not None for group in read.groups
+        )
+        read = msgspec.structs.replace(read, cma=True, copy_first=copy_first)
         super().__init__(conn, read, state, metadata=metadata, drop_connection=drop_connection)
         self._peer: CmaPeer = conn.cma
         self._caches = kv_caches_by_group
@@ -72,6 +91,35 @@ class CmaReadPath(ReadPath):
 
     def _before_reply(self) -> None:
         self._plan = self._make_plan(None)  # while the holder checks the read
+
+    async def _exchange(
+        self,
+        reply_future: asyncio.Future[Message],
+        done_future: asyncio.Future[Message] | None,
+    ) -> ReadResult:
+        if not self.read.copy_first:
+            return await super()._exchange(reply_future, done_future)
+        assert done_future is not None  # copy_first: expected hashes in every group
+        read, state = self.read, self.state
+        try:
+            await self.conn.send(read)
+        except TransportError as exc:
+            raise state.error(TransferError, str(exc)) from None
+        self._plan = self._make_plan(None)
+        try:
+            await self._land([list(range(len(group.block_ids))) for group in read.groups])
+            await self._before_read_done()
+            refused = self._check_reply(await reply_future)
+            state.refuse_landed(refused, block_nbytes_by_entry(self._metadata, read))
+            await self._apply_read_done(done_future)
+            return state.result()
+        except asyncio.CancelledError:
+            raise  # drive_read runs abort()
+        except BaseException as exc:
+            await self._fail()  # the holder's serve is waiting: drop the connection
+            if isinstance(exc, TransportError) and not isinstance(exc, TransferError):
+                raise state.error(TransferError, str(exc)) from None
+            raise
 
     async def _land(self, good: list[list[int]]) -> None:
         """Copy the ``good`` blocks, then re-read the holder's probe. Mutates ``state`` (landed,

@@ -115,16 +115,7 @@ class ReadPath(abc.ABC):
             reply = await reply_future
         except TransportError as exc:
             raise state.error(TransferError, str(exc)) from None
-        if isinstance(reply, ErrorMsg):
-            raise state.error(TransferError, f"holder refused the read: {reply.message}")
-        assert isinstance(reply, ReadOk)
-        if len(reply.mismatched) != len(read.groups) or any(
-            p >= len(g.block_ids)
-            for g, ps in zip(read.groups, reply.mismatched, strict=False)
-            for p in ps
-        ):
-            raise state.error(TransferError, "holder sent a ReadOk that does not fit the read")
-        state.mismatched = reply.mismatched
+        state.mismatched = self._check_reply(reply)
         good = [
             good_positions(len(g.block_ids), reply.mismatched[i]) for i, g in enumerate(read.groups)
         ]
@@ -141,6 +132,25 @@ class ReadPath(abc.ABC):
             if isinstance(exc, TransportError) and not isinstance(exc, TransferError):
                 raise state.error(TransferError, str(exc)) from None
             raise
+
+    def _check_reply(self, reply: Message) -> list[list[int]]:
+        """The mismatched positions of the holder's answer to the ``Read``.
+
+        Raises:
+            TransferError: the holder refused the read (``ErrorMsg``), or its ``ReadOk`` does
+                not fit the read (one list per group entry, positions in range).
+        """
+        read, state = self.read, self.state
+        if isinstance(reply, ErrorMsg):
+            raise state.error(TransferError, f"holder refused the read: {reply.message}")
+        assert isinstance(reply, ReadOk)
+        if len(reply.mismatched) != len(read.groups) or any(
+            p >= len(g.block_ids)
+            for g, ps in zip(read.groups, reply.mismatched, strict=False)
+            for p in ps
+        ):
+            raise state.error(TransferError, "holder sent a ReadOk that does not fit the read")
+        return reply.mismatched
 
     def _before_reply(self) -> None:  # noqa: B027 (a hook: most paths have nothing to do)
         """Runs right after the ``Read`` went out, while the holder checks it."""

@@ -98,6 +98,21 @@ class ReadState:
             self.num_bytes_landed -= len(positions) * block_nbytes_by_entry[entry]
         self.confirmed = True
 
+    def refuse_landed(
+        self, refused: Sequence[Sequence[int]], block_nbytes_by_entry: Sequence[int]
+    ) -> None:
+        """Apply a ``ReadOk`` that came after the bytes were copied (``Read.copy_first``):
+        positions ``refused[entry]`` landed but the holder refused them, so they count as
+        mismatched, and their bytes leave ``num_bytes_landed``. Nothing is confirmed yet (the
+        ``ReadDone`` does that, ``fail_late``). Mutates ``landed``, ``mismatched`` and
+        ``num_bytes_landed``."""
+        for entry, positions in enumerate(refused):
+            landed = self.landed[entry]
+            dropped = landed.intersection(positions)
+            landed.difference_update(dropped)
+            self.mismatched[entry] = sorted({*self.mismatched[entry], *positions})
+            self.num_bytes_landed -= len(dropped) * block_nbytes_by_entry[entry]
+
     def result(self) -> ReadResult:
         failed = tuple(
             self.local_block_ids[entry][p] for entry, bad in enumerate(self.mismatched) for p in bad

@@ -303,7 +303,7 @@ class UcxxHolder:
             check_read(self.metadata, read)
             mismatched = find_mismatched(
                 read,
-                self.callbacks.block_validator,
+                self.callbacks.validators_for(read.copy_first)[0],
                 serve_unchecked=self.callbacks.serve_unchecked_reads,
             )
         except WireError as exc:
@@ -326,7 +326,7 @@ class UcxxHolder:
     ) -> Serve:
         """The serve of ``read``'s data path: the requester copies (``read.cma``) or UCX sends.
         Its re-checks use the validator registered now."""
-        validator = self.callbacks.recheck_validator
+        validator = self.callbacks.validators_for(read.copy_first)[1]
         if read.cma:
             return CmaServe(conn, read, mismatched, recheck_validator=validator, count=self._count)
         max_block_bytes = max(g.num_layers * g.block_nbytes for g in self.metadata.groups)

@@ -104,7 +104,7 @@ __all__ = [
     "frame_length",
 ]
 
-WIRE_VERSION = 7
+WIRE_VERSION = 8
 # 2: Cancel carries num_chunks_posted (filler sends, see ucx_serve)
 # 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
 # 4: same-host reads: HelloOk.cma, Read.cma, ReadCopied (see ``cma``)
@@ -113,6 +113,7 @@ WIRE_VERSION = 7
 # 6: tickets as capabilities: Heartbeat.tokens, TransferDone.token; peer authentication:
 #    Hello.auth_nonce, AuthChallenge, AuthProof (see ``auth``)
 # 7: Read.lease (a handoff's lease in its own field, no longer inside an expected hash)
+# 8: Read.copy_first (a same-host read under a lease copies while the holder checks it)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
@@ -231,7 +232,9 @@ class Read(_Message):
     with ``cma`` it sends nothing: the requester copies the blocks itself after ``ReadOk``
     (``cma``) and, when it sent expected hashes, ends with ``ReadCopied``. ``lease``: the
     handoff's lease the read is made under (``LeaseRef``), None for a read through the block
-    index."""
+    index. ``copy_first`` (a ``cma`` read under a lease, with expected hashes in every group):
+    the requester copies without waiting for ``ReadOk``, so the holder vouches for a position
+    only through the read's own lease, at the check and at the re-check (``cma_read``)."""
 
     transfer_id: TransferId
     request_id: Text
@@ -241,11 +244,21 @@ class Read(_Message):
     groups: Annotated[list[GroupReadMsg], Meta(max_length=MAX_GROUPS)]
     cma: bool = False
     lease: LeaseRef | None = None
+    copy_first: bool = False
 
     def __post_init__(self) -> None:
         total = sum(len(group.block_ids) for group in self.groups)
         if total > MAX_BLOCKS_PER_READ:
             raise ValueError(f"a read of {total} blocks exceeds {MAX_BLOCKS_PER_READ}")
+        if self.copy_first and not (
+            self.cma
+            and self.lease is not None
+            and all(group.expected_hashes is not None for group in self.groups)
+        ):
+            raise ValueError(
+                "copy_first needs cma, a lease and expected hashes in every group (the "
+                "holder's re-check is the only one that follows the copy)"
+            )
 
 
 class ReadOk(_Message):
