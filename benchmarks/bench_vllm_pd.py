@@ -1,6 +1,6 @@
 """D's KV load in real vLLM: kvbridge against vLLM's own connectors and against recomputing.
 
-    $VENV/bin/python benchmarks/bench_vllm_pd.py [--prompts 5] [--tokens 2048] [--cases ...]
+    $VENV/bin/python benchmarks/bench_vllm_pd.py [--prompts 5] [--rounds 3] [--cases ...]
 
 Run it with the vLLM venv (``make test-vllm`` builds it; NixlConnector needs ``pip install
 --no-deps nixl==1.5.1 nixl-cu12==1.5.1`` there). For each case a prefill engine P (vLLM's
@@ -10,9 +10,13 @@ process) run as two processes at once; P prefills every prompt with ``do_remote_
 first-token latency (``RequestOutput.metrics.first_token_latency``), median over the prompts.
 Every D answer is checked token for token against a plain engine's.
 
-Cases (same prompts, same run):
+Cases (same prompts, same run; with ``--rounds N`` the whole list runs N times, case after
+case, and each figure is the median over every round, so a host that drifts during the run
+weighs on every case alike):
 - ``kvbridge`` / ``nixl`` / ``example``: the tiny Llama with kvbridge's connector, vLLM's
   ``NixlConnector`` and vLLM's ``ExampleConnector`` (shared-storage files);
+- ``kvbridge_sync``: kvbridge with ``load_mode`` "sync" (the pull inside the step that
+  computes the request, as ``ExampleConnector`` loads);
 - ``kvbridge_small`` / ``recompute_small``: a Llama shaped like kvbridge's ``small`` model (six
   layers, hidden 384, 6 heads over 2 KV heads of 64), whose prefill costs as much per KV byte
   as the main job's, with kvbridge and with D computing the prompt itself;
@@ -38,7 +42,8 @@ REPO = HERE.parent
 SMALL = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
              num_key_value_heads=2, head_dim=64, intermediate_size=1024)
 TARGETS = {"kvbridge_over_nixl": 0.5, "kvbridge_over_example": 1.0,
-           "kvbridge_over_recompute_small": 0.2, "idle_cores": 0.05}
+           "kvbridge_sync_over_example": 1.0, "kvbridge_over_recompute_small": 0.2,
+           "idle_cores": 0.05}
 
 
 def _model(kind: str) -> str:
@@ -162,15 +167,18 @@ def _idle_cores(pid: int, idle_s: float) -> float:
     return sum(after[p] - before[p] for p in before.keys() & after.keys()) / idle_s
 
 
-def run_case(args: argparse.Namespace, name: str, connector: str, model: str) -> dict:
+def run_case(args: argparse.Namespace, name: str, connector: str, model: str,
+             extra: dict) -> dict:
     """One P/D pair (or D alone for ``none``); returns D's results and, for kvbridge on the
-    tiny model, P's idle CPU."""
+    tiny model, P's idle CPU. ``extra`` is merged into kvbridge's extra config."""
     out = Path(tempfile.mkdtemp(prefix=f"bench-vllm-{name}-"))
     # The tests' tiny Llama declares 1,024 positions; RoPE extends past them (random weights).
     base = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     procs = []
     idle_cores = None
+    args = argparse.Namespace(**{**vars(args), "kvbridge_extra": json.dumps(
+        {**json.loads(args.kvbridge_extra), **extra})})
     try:
         if connector != "none":
             procs.append(_spawn(args, "producer", connector, model, out,
@@ -202,19 +210,22 @@ def run_case(args: argparse.Namespace, name: str, connector: str, model: str) ->
                 proc.kill()
 
 
-CASES = {  # name -> (connector, model)
-    "reference": ("none", "tiny"),
-    "kvbridge": ("kvbridge", "tiny"),
-    "nixl": ("nixl", "tiny"),
-    "example": ("example", "tiny"),
-    "recompute_small": ("none", "small"),
-    "kvbridge_small": ("kvbridge", "small"),
+CASES = {  # name -> (connector, model, kvbridge extra config of the case)
+    "reference": ("none", "tiny", {}),
+    "kvbridge": ("kvbridge", "tiny", {}),
+    "kvbridge_sync": ("kvbridge", "tiny", {"load_mode": "sync"}),
+    "nixl": ("nixl", "tiny", {}),
+    "example": ("example", "tiny", {}),
+    "recompute_small": ("none", "small", {}),
+    "kvbridge_small": ("kvbridge", "small", {}),
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the list of cases this many times, interleaved")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--kv-bytes", type=int, default=256 << 20)
@@ -233,38 +244,45 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
-    runs = {}
-    for name in args.cases:
-        connector, model = CASES[name]
-        started = time.monotonic()
-        runs[name] = run_case(args, name, connector, model)
-        print(f"{name:16s} done in {time.monotonic() - started:5.1f} s", flush=True)
-    expected = {m: runs[r]["results"] for r, m in (("reference", "tiny"),
-                                                   ("recompute_small", "small")) if r in runs}
+    runs: dict[str, list[dict]] = {name: [] for name in args.cases}
+    for round_no in range(args.rounds):
+        for name in args.cases:
+            connector, model, extra = CASES[name]
+            started = time.monotonic()
+            runs[name].append(run_case(args, name, connector, model, extra))
+            print(f"{name:16s} round {round_no + 1} done in {time.monotonic() - started:5.1f} s",
+                  flush=True)
+    expected = {m: runs[r][0]["results"] for r, m in (("reference", "tiny"),
+                                                      ("recompute_small", "small")) if r in runs}
     mismatches = 0
     medians: dict[str, float] = {}
     print(f"\n{'case':16s} {'D TTFT p50 ms':>14s} {'min':>8s} {'max':>8s}  tokens")
-    for name, run in runs.items():
-        ttfts = [r["ttft_s"] for r in run["results"][1:]]  # prompt 0 warmed D up
+    for name, case_runs in runs.items():
+        # prompt 0 of each round warmed D up
+        ttfts = [r["ttft_s"] for run in case_runs for r in run["results"][1:]]
         medians[name] = statistics.median(ttfts)
         ref = expected.get(CASES[name][1])
         equal = ref is not None and all(
-            a["token_ids"] == b["token_ids"] for a, b in zip(run["results"], ref, strict=True))
+            a["token_ids"] == b["token_ids"]
+            for run in case_runs for a, b in zip(run["results"], ref, strict=True))
         mismatches += 0 if equal or ref is None else 1
         verdict = "n/a" if ref is None else ("equal" if equal else "DIFFER")
         print(f"{name:16s} {medians[name] * 1e3:14.1f} {min(ttfts) * 1e3:8.1f} "
               f"{max(ttfts) * 1e3:8.1f}  {verdict}")
-    report: dict = {"benchmark": "vllm_pd", "prompts": args.prompts, "tokens": args.tokens,
+    report: dict = {"benchmark": "vllm_pd", "prompts": args.prompts, "rounds": args.rounds,
+                    "tokens": args.tokens,
                     "kvbridge_extra": json.loads(args.kvbridge_extra),
                     "ttft_p50_s": medians, "mismatches": mismatches, "targets": TARGETS}
     for key, (a, b) in {"kvbridge_over_nixl": ("kvbridge", "nixl"),
                         "kvbridge_over_example": ("kvbridge", "example"),
+                        "kvbridge_sync_over_example": ("kvbridge_sync", "example"),
                         "kvbridge_over_recompute_small": ("kvbridge_small",
                                                           "recompute_small")}.items():
         if a in medians and b in medians:
             report[key] = round(medians[a] / medians[b], 3)
-    if runs.get("kvbridge", {}).get("idle_cores") is not None:
-        report["idle_cores"] = round(runs["kvbridge"]["idle_cores"], 3)
+    idle = [run["idle_cores"] for run in runs.get("kvbridge", []) if run["idle_cores"] is not None]
+    if idle:
+        report["idle_cores"] = round(statistics.median(idle), 3)
     print(json.dumps(report))
     return 1 if mismatches else 0
 

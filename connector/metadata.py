@@ -80,6 +80,9 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
         num_external_tokens: tokens the pull covers.
         created_at: ``time.monotonic()`` of the scheduler half when it planned the pull (the
             same clock as the worker's only when both share a host; used for queueing time).
+        sync: the pull feeds this step's forward (``load_mode`` ``"sync"``): the worker half
+            waits for it in ``start_load_kv`` and reports only its failed blocks, never the
+            request in ``finished_recving`` (vLLM's synchronous external load).
     """
 
     request_id: str
@@ -89,6 +92,7 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
     unloadable_block_ids: list[int]
     num_external_tokens: int
     created_at: float
+    sync: bool = False
 
     def local_block_ids(self) -> list[int]:
         """Every local block this pull writes or was meant to write."""

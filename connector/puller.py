@@ -4,9 +4,12 @@
 (``loop_thread.get_loop_thread``), so a scheduling step never waits on the network:
 
     start_load_kv  -> submit(plan)         one task per request
+                   -> wait_settled(ids)    only the sync pulls (``PullPlan.sync``): this step's
+                                           forward reads their blocks
     (task)         -> connect, check the holder's identity, read_blocks, completion notice
-    get_finished   -> pop_settled()        requests whose pull landed, failed or was cancelled,
-                                           and the local blocks that did not land
+    get_finished   -> pop_settled()        requests whose async pull landed, failed or was
+                                           cancelled, and the local blocks (of every pull,
+                                           sync ones too) that did not land
 
 While a pull is in flight its holder's lease is extended by heartbeats, grouped per holder
 (DESIGN.md, "Reliability rules": a prefill node never pins blocks forever, a decode node never
@@ -39,6 +42,9 @@ LEASE_GRANT_RETRY_S = (0.01, 0.02, 0.05, 0.1, 0.2)
 """Waits before reading refused blocks again under a lease the holder may not have been
 granted yet (its next step hands the grant over; vLLM's engine steps every millisecond while
 it holds blocks)."""
+SYNC_SETTLE_GRACE_S = 5.0
+"""How long past its deadline ``wait_settled`` waits for a sync pull before calling it a bug
+(the transport settles every read by its deadline, a cancelled one included)."""
 TICKET_MAX_WAIT_S = 300.0
 """A ticket heart-beaten this long without its request's pull starting is dropped, so a request
 lost between admission and the queue cannot pin a prefill node's blocks forever."""
@@ -116,16 +122,25 @@ class Puller:
         heartbeat_interval_s: how often the leases of pulls in flight and waiting tickets are
             extended.
         stats: the worker half's statistics.
+        sync_load_timeout_s: deadline of one sync pull (``PullPlan.sync``; the engine step
+            waits for it).
     """
 
     def __init__(
-        self, *, load_timeout_s: float, heartbeat_interval_s: float, stats: KVTransferStats
+        self,
+        *,
+        load_timeout_s: float,
+        heartbeat_interval_s: float,
+        stats: KVTransferStats,
+        sync_load_timeout_s: float = 2.0,
     ) -> None:
         self.load_timeout_s = load_timeout_s
+        self.sync_load_timeout_s = sync_load_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.stats = stats
         self.waiting_tickets = WaitingTickets()
         self._inflight: dict[str, Future[PullOutcome]] = {}
+        self._sync: set[str] = set()  # requests of ``_inflight`` whose pull is sync
         # local request id -> (holder, request id on the holder), for heartbeats
         self._heartbeat_targets: dict[str, Ticket] = {}  # request id here -> its lease
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -144,6 +159,29 @@ class Puller:
         if plan.request_id in self._inflight:
             raise RuntimeError(f"request {plan.request_id!r} already has a pull in flight")
         self._inflight[plan.request_id] = get_loop_thread().submit(self._pull(transport, plan))
+        if plan.sync:
+            self._sync.add(plan.request_id)
+
+    def wait_settled(self, request_ids: list[str]) -> None:
+        """Block the calling (worker) thread until the pulls of ``request_ids`` settled (landed
+        or failed by their deadline, ``sync_load_timeout_s`` for a sync pull); their failed
+        blocks are then reported by the next ``pop_settled``. The wait leaves the GIL to the
+        connector loop.
+
+        Raises:
+            RuntimeError: a pull still unsettled ``SYNC_SETTLE_GRACE_S`` past its deadline
+                (the forward must not run while bytes may still land in its blocks).
+        """
+        futures = [self._inflight[r] for r in request_ids if r in self._inflight]
+        if not futures:
+            return
+        timeout_s = max(self.sync_load_timeout_s, self.load_timeout_s) + SYNC_SETTLE_GRACE_S
+        _, pending = concurrent.futures.wait(futures, timeout=timeout_s)
+        if pending:
+            raise RuntimeError(
+                f"{len(pending)} pull(s) of {request_ids} unsettled {timeout_s:.1f} s after "
+                "they started: the transport missed a deadline"
+            )
 
     def cancel_aborted(self, transport: Transport, finished_req_ids: set[str]) -> None:
         """Cancel the pulls of requests that finished (aborted) while their load was in flight;
@@ -173,15 +211,19 @@ class Puller:
         return bool(done)
 
     def pop_settled(self) -> tuple[set[str], set[int]]:
-        """Requests whose pull settled since the last call, and the local blocks (of all of
-        them) that did not land. Each request is reported once."""
+        """Requests whose async pull settled since the last call, and the local blocks (of
+        every pull settled, sync ones too) that did not land. Each request is reported once; a
+        sync pull's request never is (vLLM expects no ``finished_recving`` for it)."""
         settled: set[str] = set()
         failed: set[int] = set()
         for req_id, future in list(self._inflight.items()):
             if future.done():
                 del self._inflight[req_id]
                 failed.update(future.result().failed_local_block_ids)
-                settled.add(req_id)
+                if req_id in self._sync:
+                    self._sync.discard(req_id)
+                else:
+                    settled.add(req_id)
         return settled, failed
 
     async def close(self) -> None:
@@ -195,7 +237,7 @@ class Puller:
         holder = plan.holder
         peer = PeerAddress(holder.host, holder.port)
         started = time.monotonic()
-        deadline_at = started + self.load_timeout_s
+        deadline_at = started + (self.sync_load_timeout_s if plan.sync else self.load_timeout_s)
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
         error: str | None = None

@@ -7,7 +7,7 @@ and everything it learns back arrives as the worker's per-step output (DESIGN.md
 that share nothing"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
 
     admission       validate_kv_transfer_params   parse the ticket once; heart-beat it meanwhile
-    schedule()      get_num_new_matched_tokens    a ticket: (remote - local hit, async);
+    schedule()      get_num_new_matched_tokens    a ticket: (remote - local hit, load_mode);
                                                   no ticket: the index, asked asynchronously
                                                   (None = "ask again next step")
                     update_state_after_alloc      pair blocks by position -> PullPlan
@@ -105,6 +105,8 @@ class KVBridgeScheduler:
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
         self.stats = KVTransferStats()
+        # "sync": a pull runs inside the step that computes its request (config.load_mode)
+        self._load_async = config.load_mode == "async"
         self.worker: WorkerHandshake | None = None
         self.index_client: IndexClient | None = None
         self._block_pool: BlockPool | None = None
@@ -204,7 +206,8 @@ class KVBridgeScheduler:
             num_remote_tokens=num_remote,
         )
         num_new = max(num_remote - num_computed_tokens, 0)
-        return MatchedTokens(num_new, num_new > 0)  # vLLM: no async load of zero tokens
+        # vLLM: no async load of zero tokens
+        return MatchedTokens(num_new, self._load_async and num_new > 0)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
@@ -250,7 +253,7 @@ class KVBridgeScheduler:
             num_local_tokens=num_computed_tokens,
             num_remote_tokens=num_remote_tokens,
         )
-        return MatchedTokens(num_remote_tokens - num_computed_tokens, True)
+        return MatchedTokens(num_remote_tokens - num_computed_tokens, self._load_async)
 
     def match_tier(self, request_id: str) -> str | None:
         """The matched holder's tier (``HolderRef.tier``) until the allocation; None: none."""
@@ -300,6 +303,7 @@ class KVBridgeScheduler:
                 unloadable_block_ids=unloadable,
                 num_external_tokens=num_external_tokens,
                 created_at=time.monotonic(),
+                sync=not self._load_async,
             )
         )
         self.stats.record_pull_planned(match.holder.engine_id, via_index=match.ticket is None,

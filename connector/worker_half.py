@@ -8,7 +8,9 @@ and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
 
     bind_connector_metadata(meta)
     start_load_kv      hash removals; lease grants; tickets to heart-beat or forget; release
-                       notices; pulls (tasks on the connector loop); offload snapshots
+                       notices; pulls (tasks on the connector loop); offload snapshots; then
+                       waits for the sync pulls (``load_mode`` "sync"), whose blocks this
+                       step's forward reads
     -- forward --
     wait_for_save      hash stores (the forward has computed those blocks)
     get_finished       pulls settled -> finished_recving; leases ended -> finished_sending
@@ -106,6 +108,7 @@ class KVBridgeWorker:
             load_timeout_s=config.load_timeout_s,
             heartbeat_interval_s=config.heartbeat_interval_s,
             stats=self.stats,
+            sync_load_timeout_s=config.sync_load_timeout_s,
         )
         self.transport: Transport | None = None
         self._loopback_network = loopback_network
@@ -222,10 +225,12 @@ class KVBridgeWorker:
         self._meta = None
 
     def start_load_kv(self) -> None:
-        """Carry out this step's orders; returns at once (network work goes to the loop).
+        """Carry out this step's orders; network work goes to the loop, and only sync pulls
+        (``PullPlan.sync``) are waited for, each at most its deadline.
 
         Raises:
-            RuntimeError: before ``register_kv_caches``.
+            RuntimeError: before ``register_kv_caches``, or a sync pull unsettled well past its
+                deadline (``Puller.wait_settled``).
         """
         meta = self._meta
         if meta is None:
@@ -248,6 +253,9 @@ class KVBridgeWorker:
             self.puller.submit(transport, plan)
         if self.offload_sender is not None and meta.offload_items:
             self.offload_sender.submit([OffloadItem(*item) for item in meta.offload_items])
+        sync_pulls = [plan.request_id for plan in meta.pulls if plan.sync]
+        if sync_pulls:  # this step's forward reads their blocks (``load_mode`` "sync")
+            self.puller.wait_settled(sync_pulls)
 
     def wait_for_save(self) -> None:
         """End of the forward: the blocks this step cached now hold their KV."""

@@ -61,6 +61,8 @@ def make_pd_pair(
     d_max_num_seqs: int = 16,
     idle_pull_wait_s: float | None = None,
     idle_hold_wait_s: float | None = None,
+    load_mode: str = "async",
+    sync_load_timeout_s: float = 2.0,
 ) -> PDPair:
     """P (``kv_producer``) and D (``kv_consumer``) over one ``LoopbackNetwork``; P's holder
     faults are ``pair.p_faults`` (mutable)."""
@@ -86,6 +88,8 @@ def make_pd_pair(
                 "heartbeat_interval_s": heartbeat_interval_s,
                 "load_timeout_s": load_timeout_s,
                 "load_failure_policy": load_failure_policy,
+                "load_mode": load_mode,
+                "sync_load_timeout_s": sync_load_timeout_s,
                 **({} if idle_pull_wait_s is None else {"idle_pull_wait_s": idle_pull_wait_s}),
                 **({} if idle_hold_wait_s is None else {"idle_hold_wait_s": idle_hold_wait_s}),
             },

@@ -163,6 +163,60 @@ def test_idle_step_waits_for_the_pull_in_flight(pair_factory, wait_s, landed_in_
     assert_pair_empty(pair)
 
 
+@pytest.mark.parametrize("num_tokens", [17, 150])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_a_sync_load_lands_inside_the_step_that_computes_the_request(
+    pair_factory, hybrid, num_tokens
+):
+    """``load_mode`` "sync" (vLLM's synchronous external load): D's first step pulls the KV
+    and computes the last prompt token in the same step, so the first token comes out of that
+    step; the request never waits in ``WAITING_FOR_REMOTE_KVS`` and is never reported in
+    ``finished_recving``."""
+    pair = pair_factory(hybrid=hybrid, load_mode="sync")
+    prompt = long_prompt(num_tokens)
+    params = prefill(pair, "req-0", prompt)
+
+    # (1) One D step: the pull, then the forward that reads its blocks.
+    pair.d.add_request("req-0", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+    first = pair.d.step()
+    assert [len(o.token_ids) for o in first if o.request_id == "req-0"] == [1]
+    assert _stats(pair.d)["num_loads"] == 1
+    assert pair.d.scheduler.held_req_ids == set()  # no load in flight, nothing held
+    # (2) The rest decodes; the tokens are a single node's.
+    output = run_to_completion(pair.d, "req-0")
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=hybrid)
+    assert output.num_cached_tokens == num_tokens - 1
+    assert _stats(pair.d)["num_failed_loads"] == 0
+    assert_pair_empty(pair)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_sync_load_from_a_stalled_prefill_node_ends_at_its_own_deadline(pair_factory, policy):
+    """A sync load holds the engine step, so it has a deadline of its own
+    (``sync_load_timeout_s``, here 0.3 s against a 30 s ``load_timeout_s``): P stalls, D's step
+    returns after it, and the load-failure policy applies to that step's request."""
+    pair = pair_factory(
+        load_mode="sync", sync_load_timeout_s=0.3, load_timeout_s=30.0,
+        load_failure_policy=policy,
+    )
+    prompt = long_prompt(70)
+    params = prefill(pair, "req-0", prompt)
+    pair.p_faults.stall = True  # P accepts the read and never sends
+
+    started = time.monotonic()
+    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert time.monotonic() - started < 10.0  # the 0.3 s deadline, not the 30 s one
+    if policy == "recompute":
+        assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+        assert output.finish_reason == "length"
+    else:
+        assert output.finish_reason == "error"
+    assert _stats(pair.d)["num_failed_loads"] == 1
+    assert_node_empty(pair.d)
+    pair.p_faults.stall = False
+    assert_node_empty(pair.p)
+
+
 # Long beside a tiny-model step (ms), so that "slept" and "did not" stay apart on a loaded host.
 _IDLE_HOLD_WAIT_S = 0.5
 

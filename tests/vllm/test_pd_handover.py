@@ -8,7 +8,9 @@ decodes with P's ticket. One P/D pair per variant (module-scoped, shared by the 
 - ``cma``: the same-host copy path, both engines in-process;
 - ``ucx``: ``cma: false`` (every read over UCX), P on vLLM's multiprocess executor (its worker
   half in another process than its scheduler half), D in-process;
-- ``cma-mp-d``: the same-host copy path, D on the multiprocess executor.
+- ``cma-mp-d``: the same-host copy path, D on the multiprocess executor;
+- ``cma-sync``: the same-host copy path with D's ``load_mode`` "sync" (vLLM's synchronous
+  external load: the pull runs inside the step whose forward reads it), both in-process.
 
 What D's connector counted (``stats``) and what P's scheduler still holds (``state``) are read
 only from in-process nodes; on an mp node those checks are left out and the tokens decide.
@@ -27,6 +29,7 @@ VARIANTS = {
     "cma": dict(cma=True, p_mode="inproc", d_mode="inproc"),
     "ucx": dict(cma=False, p_mode="mp", d_mode="inproc"),
     "cma-mp-d": dict(cma=True, p_mode="inproc", d_mode="mp"),
+    "cma-sync": dict(cma=True, p_mode="inproc", d_mode="inproc", load_mode="sync"),
 }
 
 
@@ -45,7 +48,8 @@ def pair(request, tiny_llama, log_dir, reference):  # reference first: its engin
              kv_transfer_config=kvbridge_config("producer", "prefill-0", cma=v["cma"]))
     d = Node(f"{tag}-d", model=tiny_llama, log_dir=log_dir, mode=v["d_mode"],
              kv_transfer_config=kvbridge_config("consumer", "decode-0", cma=v["cma"],
-                                                load_timeout_s=30.0))
+                                                load_timeout_s=30.0,
+                                                load_mode=v.get("load_mode", "async")))
     start_nodes(p, d)
     yield Pair(p, d, v["cma"])
     d.stop()
