@@ -9,13 +9,20 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 import redis
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
-from kvbridge.connector.index import BlockIndex, IndexNamespace, InMemoryBlockIndex, RedisBlockIndex
+from kvbridge.connector.index import (
+    BlockIndex,
+    IndexNamespace,
+    InMemoryBlockIndex,
+    RedisBlockIndex,
+    RedisClusterBlockIndex,
+)
 from kvbridge.connector.index.redis_index import _PUBLISH
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, Request, SamplingParams
 from kvbridge.kvmanager.engine import Engine, EngineConfig
@@ -311,6 +318,24 @@ def _read_reply_line(sock: socket.socket) -> bytes:
     return data
 
 
+class _Server(NamedTuple):
+    host: str
+    port: int
+    db: int
+
+
+def server_of_prompt(index: BlockIndex, url: str, first_hash: bytes) -> _Server:
+    """The server that holds the index keys of a prompt whose block 0 has hash ``first_hash``:
+    a ``redis://`` URL's one server, or on a cluster the shard of the prompt's bucket."""
+    if isinstance(index, RedisClusterBlockIndex):
+        name = index.shard_of_prompt(first_hash[: NAMESPACE.key_hash_bytes])
+        host, _, port = name.rpartition(":")
+        return _Server(host, int(port), 0)
+    parsed = urllib.parse.urlparse(url)
+    assert parsed.hostname is not None and parsed.port is not None, url
+    return _Server(parsed.hostname, parsed.port, int(parsed.path.lstrip("/") or 0))
+
+
 class _LateCopy:
     """Keeps a byte-for-byte copy of ``index``'s first PUBLISH script call that carries
     ``block_hash`` (``EVALSHA`` and its arguments, as the node's client sent it), and sends it
@@ -318,12 +343,12 @@ class _LateCopy:
     read (``reply``). That is the publish that times out on the node's client and lands anyway,
     on every server: whether the server runs the command of a client that gave up and closed
     its connection is the server's business (Debian's redis-server and valkey-server differ);
-    this copy's connection never gives up."""
+    this copy's connection never gives up. ``server`` is the one that call goes to
+    (``server_of_prompt``)."""
 
-    def __init__(self, url: str, index: RedisBlockIndex, block_hash: bytes) -> None:
-        parsed = urllib.parse.urlparse(url)
-        self.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=30.0)
-        db = int(parsed.path.lstrip("/") or 0)
+    def __init__(self, server: _Server, index: RedisBlockIndex, block_hash: bytes) -> None:
+        host, port, db = server
+        self.sock = socket.create_connection((host, port), timeout=30.0)
         if db:
             self.sock.sendall(_resp("SELECT", db))
             assert _read_reply_line(self.sock) == b"+OK\r\n"
@@ -368,11 +393,13 @@ def test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block(no
         a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
         time.sleep(0.001)
         scheduler_output = a.scheduler.schedule()
-    # (2) The server holds every script call (``CLIENT PAUSE ... WRITE``; ended below by
+    # (2) The server (on a cluster: the shard of the prompt's bucket, where that publish goes)
+    # holds every script call (``CLIENT PAUSE ... WRITE``; ended below by
     # ``CLIENT UNPAUSE``, which such a pause lets through): the step's publish (its "stored"
     # events) times out on the client after 0.25 s; a copy of it is kept (``_LateCopy``).
-    late = _LateCopy(redis_url, index, hashes[3][:k])
-    admin = redis.Redis.from_url(redis_url, socket_timeout=30.0)
+    server = server_of_prompt(index, redis_url, hashes[0])
+    late = _LateCopy(server, index, hashes[3][:k])
+    admin = redis.Redis(host=server.host, port=server.port, db=server.db, socket_timeout=30.0)
     admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
     try:
         a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
