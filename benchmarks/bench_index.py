@@ -29,8 +29,9 @@ directory), medians over ``--iters`` x ``--repeats`` calls, garbage collector on
 - ``publish_us``: what ``publish`` of one 16-block ``BlockStored`` costs its caller.
 
 Target (DESIGN.md, "Performance targets"): ``lookup_us / ping_us <= 2.0``; also printed:
-``lookup_us / naive_us``. Starts its own ``redis-server`` on a free port. The last line of output
-is one JSON object.
+``lookup_us / naive_us``. Starts its own ``redis-server`` on a free port (or ``valkey-server``:
+the binary the tests start, ``_cluster.server_binary``). The last line of output is one JSON
+object.
 
 ``--cluster`` also runs the lookups on a local three-shard Redis Cluster (``_cluster.py``,
 ``redis-cluster://``, ``RedisClusterBlockIndex``): ``cluster.lookup_over_ping`` against a PING of
@@ -50,7 +51,6 @@ import argparse
 import gc
 import hashlib
 import json
-import shutil
 import socket
 import statistics
 import subprocess
@@ -61,7 +61,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-from _cluster import start_cluster, stop_cluster
+from _cluster import server_binary, start_cluster, stop_cluster
 from kvbridge.connector.index import (
     IndexClient,
     IndexNamespace,
@@ -76,9 +76,7 @@ NUM_BLOCKS = 625  # 10,000 tokens / block size 16
 
 
 def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not on PATH")
+    binary = server_binary()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
@@ -95,7 +93,7 @@ def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int]:
         except redis.ConnectionError:
             time.sleep(0.01)
     proc.kill()
-    raise SystemExit(f"redis-server on port {port} did not answer PING")
+    raise SystemExit(f"{binary} on port {port} did not answer PING")
 
 
 def _loop_us(fn: Callable[[], object], iters: int) -> float:

@@ -7,8 +7,9 @@ Registered as a pytest plugin from ``tests/conftest.py``. Fixtures:
 - ``redis_cluster`` (module scope): a running :class:`RedisClusterServers`; ``.url`` is
   ``redis-cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3``; ``.stop(i)`` kills shard ``i``
   (SIGKILL, its data lost) and ``.start(i)`` brings it back on its port with its slots (its
-  ``nodes.conf`` survives); the fixture restarts stopped shards between tests and kills all at
-  the end.
+  ``nodes.conf`` survives); ``.stop_all()`` and ``.start_stopped()`` do the same for every
+  stopped shard at once (a whole-cluster outage); the fixture restarts stopped shards between
+  tests and kills all at the end.
 - ``redis_cluster_url`` (function scope): the URL after ``FLUSHALL`` on every shard.
 
 The servers run with ``cluster-require-full-coverage no`` (the live shards keep serving while one
@@ -140,6 +141,14 @@ class RedisClusterServers:
             self._spawn(i)
         self.wait_ok()
 
+    def start_stopped(self) -> None:
+        """Bring every stopped shard back, then wait for ``ok`` once (after a whole-cluster
+        outage: ``start(i)`` one by one would wait for ``ok`` with the others still down)."""
+        for i in range(_NUM_SHARDS):
+            if not self.running(i):
+                self._spawn(i)
+        self.wait_ok()
+
     def flushall(self) -> None:
         for i in range(_NUM_SHARDS):
             client = self._client(i)
@@ -166,11 +175,7 @@ def redis_cluster() -> Iterator[RedisClusterServers]:
 
 @pytest.fixture
 def redis_cluster_url(redis_cluster: RedisClusterServers) -> Iterator[str]:
-    for i in range(_NUM_SHARDS):
-        if not redis_cluster.running(i):
-            redis_cluster.start(i)
+    redis_cluster.start_stopped()
     redis_cluster.flushall()
     yield redis_cluster.url
-    for i in range(_NUM_SHARDS):
-        if not redis_cluster.running(i):
-            redis_cluster.start(i)
+    redis_cluster.start_stopped()

@@ -1,24 +1,32 @@
 """The block index on a real three-shard Redis Cluster (issue 14, part 2;
 ``tests/_redis_cluster_fixture.py``): the backend and three-node connector tests of the single
-server run again on the cluster (imported below, with this module's fixtures), a lookup stays
-one script call in one slot, and a stopped shard costs only the prompts of its slots."""
+server run again on the cluster (imported below, with this module's fixtures: the eviction,
+restart, outage and dropped-batch resync event tests and the sliding-window hit-rule tests
+among them), a lookup stays one script call in one slot, and a stopped shard costs only the
+prompts of its slots."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 from _engine_builders import reference_greedy
 from _pd_builders import assert_node_empty, long_prompt
+from _redis_cluster_fixture import RedisClusterServers
 from kvbridge.connector.index import BlockIndex, IndexNamespace, RedisClusterBlockIndex
 from kvbridge.connector.index.redis_cluster import bucket_of, parse_cluster_url
 from kvbridge.kvmanager import Request, SamplingParams
+from kvbridge.kvmanager.engine import Engine
 from kvbridge.transport import LoopbackNetwork
 
 # The single-server tests, run here against the cluster (pytest resolves their fixtures in this
-# module: ``index`` and ``nodes`` below). Not test_stored_adds_and_removed_removes: it re-stores
+# module: ``index``, ``redis_url``, ``redis_server``, ``hybrid_nodes`` and ``nodes`` below, and
+# the imported ``node``, which builds on ``redis_url``). Every event test of
+# test_index_events.py and both sliding-window tests of test_index_hit_rule.py run here but the
+# in-memory one (test_a_remote_hit_is_counted_once...: a metric, no backend involved).
+# Not test_stored_adds_and_removed_removes: it re-stores
 # a middle block without its parent hash, which a block pool never does and which on a cluster
 # puts the block in its own bucket (a miss there).
 from test_block_index import (  # noqa: F401
@@ -43,7 +51,16 @@ from test_connector_index import (  # noqa: F401
     test_stale_index_entry_costs_a_recompute_not_wrong_output,
 )
 from test_index_events import (  # noqa: F401
+    node,
+    test_a_batch_dropped_on_a_full_publish_queue_is_repaired_by_a_resync,
+    test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block,
+    test_after_a_redis_outage_the_resync_makes_the_index_say_exactly_what_the_node_holds,
     test_numbered_batches_apply_in_order_replays_are_ignored_gaps_refused,
+)
+from test_index_hit_rule import (  # noqa: F401
+    build_hybrid_nodes,
+    test_a_sliding_window_prompt_is_found_through_the_index_as_its_node_restores_it,
+    test_when_the_window_blocks_are_gone_the_index_finds_what_the_node_restores,
 )
 
 NAMESPACE = IndexNamespace(model_name="test-model", block_size=16, hash_fn_name="sha256")
@@ -60,6 +77,31 @@ def index(redis_cluster_url: str) -> Iterator[BlockIndex]:
 def redis_url(redis_cluster_url: str) -> str:
     """The imported connector tests ask for ``redis_url``: here it is the cluster's."""
     return redis_cluster_url
+
+
+class _WholeCluster:
+    """The cluster as the imported outage test sees its ``redis_server``: ``stop`` kills every
+    shard (SIGKILL, all keys lost), ``start`` brings them all back, empty, and waits for
+    ``cluster_state:ok``."""
+
+    def __init__(self, servers: RedisClusterServers) -> None:
+        self._servers = servers
+
+    def stop(self) -> None:
+        self._servers.stop_all()
+
+    def start(self) -> None:
+        self._servers.start_stopped()
+
+
+@pytest.fixture
+def redis_server(redis_cluster: RedisClusterServers) -> _WholeCluster:
+    return _WholeCluster(redis_cluster)
+
+
+@pytest.fixture
+def hybrid_nodes(redis_cluster_url: str) -> Iterator[Callable[[str], Engine]]:
+    yield from build_hybrid_nodes(redis_cluster_url)
 
 
 @pytest.fixture

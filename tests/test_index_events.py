@@ -5,16 +5,24 @@ resync of the node's whole cached set after a gap, and no resurrection by a late
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 import redis
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
-from kvbridge.connector.index import BlockIndex, IndexNamespace, InMemoryBlockIndex, RedisBlockIndex
+from kvbridge.connector.index import (
+    BlockIndex,
+    IndexNamespace,
+    InMemoryBlockIndex,
+    RedisBlockIndex,
+    RedisClusterBlockIndex,
+)
 from kvbridge.connector.index.redis_index import _PUBLISH
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, Request, SamplingParams
 from kvbridge.kvmanager.engine import Engine, EngineConfig
@@ -206,6 +214,91 @@ def test_after_a_redis_outage_the_resync_makes_the_index_say_exactly_what_the_no
     assert_node_empty(a)
 
 
+class _HeldPublish:
+    """Holds the first ``publish`` the node's index worker makes from now on until ``release``
+    (then it runs on the real server): a server that answers late but within the client's
+    socket timeout, so no call fails and nothing but a full queue can lose a batch meanwhile.
+    ``entered`` is set once the worker is inside that call."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.entered = threading.Event()
+        self._released = threading.Event()
+        publish = index.publish
+
+        def held_publish(*args, **kwargs):
+            if not self.entered.is_set():
+                self.entered.set()
+                self._released.wait(timeout=60.0)
+            return publish(*args, **kwargs)
+
+        index.publish = held_publish  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def evict_cached(engine: Engine, block_hash: bytes) -> None:
+    """Take ``block_hash``'s (group 0) block out of the node's prefix cache, as an eviction
+    does, and run a step, which publishes the "removed" event as a batch of its own."""
+    pool = engine.kv_cache_manager.block_pool
+    pool.evict_blocks({pool.get_cached_block(block_hash, [0])[0].block_id})
+    engine.step()
+
+
+def test_a_batch_dropped_on_a_full_publish_queue_is_repaired_by_a_resync(node):
+    # A long TTL: no registration lapses while the worker is held (that would start a resync
+    # of its own); the full queue must be the only way a batch gets lost here.
+    a = node("node-a", num_blocks=72, ttl_s=60.0)  # 71 usable blocks
+    client = client_of(a)
+    index = client.index
+    old = long_prompt(40 * BLOCK_SIZE + 3)
+    serve(a, "old", old)
+    assert client.flush()
+    assert index.node_entries("node-a") == pool_entries(a)  # 40 blocks
+    old_hashes = hashes_of(a, old)[:40]
+    # One queued op fills the queue (the connector's queue holds 65,536; a real node fills it
+    # only when its worker is stuck for a long time, which ``_HeldPublish`` stands in for).
+    client._worker.max_queued_ops = 1
+    held = _HeldPublish(index)
+    try:
+        # (1) Batch 1 ("removed" of old block 39) is taken by the worker, whose call is held.
+        evict_cached(a, old_hashes[39])
+        assert held.entered.wait(timeout=30.0), "the worker never published batch 1"
+        # (2) Batch 2 ("removed" of old block 38) is queued: the queue is full now.
+        evict_cached(a, old_hashes[38])
+        assert client.stats.publish_batches_dropped_full == 0
+        # (3) The node caches a 50-block prompt (its lookup times out behind the held worker;
+        # the answer is computed locally). The pool has 33 unhashed free blocks, so 18 more
+        # of the old prompt's cached blocks are evicted. Those 68 events are one batch, which
+        # the full queue drops.
+        new = long_prompt(50 * BLOCK_SIZE + 3, salt="While the publish queue was full. ")
+        assert serve(a, "new", new) == reference_greedy(new, MAX_TOKENS, hybrid=False)
+        assert client.stats.publish_batches_dropped_full == 1
+        assert client.stats.publish_ops_dropped_full == 50 + 18
+        assert client.resync_pending
+    finally:
+        held.release()
+    cached = pool_entries(a)
+    new_hashes = hashes_of(a, new)[:50]
+    pool = a.kv_cache_manager.block_pool
+    assert sum(pool.get_cached_block(h, [0]) is not None for h in old_hashes) == 20
+    assert len(cached) == 70
+    # (4) Batch 1 lands; batch 2 is skipped (the resync covers it); once the server answers,
+    # the node re-publishes its whole cached set: the index says exactly what the node holds.
+    step_until_resynced(a, min_resyncs=1)
+    assert client._worker.num_batches_skipped == 1
+    assert index.node_entries("node-a") == pool_entries(a) == cached
+    assert index.longest_prefix(new_hashes).num_blocks == 50
+    assert index.longest_prefix(old_hashes).num_blocks == 20  # its tail went first (rule 7)
+    assert client.stats.publish_batches_dropped_full == 1  # the queue accepts again
+    # (5) Deltas flow again after the resync.
+    evict_cached(a, new_hashes[30])
+    assert client.flush()
+    assert index.node_entries("node-a") == pool_entries(a)
+    assert index.longest_prefix(new_hashes).num_blocks == 30
+    assert_node_empty(a)
+
+
 def _resp(*args: bytes | str | int) -> bytes:
     """One command in the Redis protocol (RESP2 array of bulk strings)."""
     out = [b"*%d\r\n" % len(args)]
@@ -225,6 +318,24 @@ def _read_reply_line(sock: socket.socket) -> bytes:
     return data
 
 
+class _Server(NamedTuple):
+    host: str
+    port: int
+    db: int
+
+
+def server_of_prompt(index: BlockIndex, url: str, first_hash: bytes) -> _Server:
+    """The server that holds the index keys of a prompt whose block 0 has hash ``first_hash``:
+    a ``redis://`` URL's one server, or on a cluster the shard of the prompt's bucket."""
+    if isinstance(index, RedisClusterBlockIndex):
+        name = index.shard_of_prompt(first_hash[: NAMESPACE.key_hash_bytes])
+        host, _, port = name.rpartition(":")
+        return _Server(host, int(port), 0)
+    parsed = urllib.parse.urlparse(url)
+    assert parsed.hostname is not None and parsed.port is not None, url
+    return _Server(parsed.hostname, parsed.port, int(parsed.path.lstrip("/") or 0))
+
+
 class _LateCopy:
     """Keeps a byte-for-byte copy of ``index``'s first PUBLISH script call that carries
     ``block_hash`` (``EVALSHA`` and its arguments, as the node's client sent it), and sends it
@@ -232,12 +343,12 @@ class _LateCopy:
     read (``reply``). That is the publish that times out on the node's client and lands anyway,
     on every server: whether the server runs the command of a client that gave up and closed
     its connection is the server's business (Debian's redis-server and valkey-server differ);
-    this copy's connection never gives up."""
+    this copy's connection never gives up. ``server`` is the one that call goes to
+    (``server_of_prompt``)."""
 
-    def __init__(self, url: str, index: RedisBlockIndex, block_hash: bytes) -> None:
-        parsed = urllib.parse.urlparse(url)
-        self.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=30.0)
-        db = int(parsed.path.lstrip("/") or 0)
+    def __init__(self, server: _Server, index: RedisBlockIndex, block_hash: bytes) -> None:
+        host, port, db = server
+        self.sock = socket.create_connection((host, port), timeout=30.0)
         if db:
             self.sock.sendall(_resp("SELECT", db))
             assert _read_reply_line(self.sock) == b"+OK\r\n"
@@ -282,11 +393,13 @@ def test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block(no
         a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))
         time.sleep(0.001)
         scheduler_output = a.scheduler.schedule()
-    # (2) The server holds every script call (``CLIENT PAUSE ... WRITE``; ended below by
+    # (2) The server (on a cluster: the shard of the prompt's bucket, where that publish goes)
+    # holds every script call (``CLIENT PAUSE ... WRITE``; ended below by
     # ``CLIENT UNPAUSE``, which such a pause lets through): the step's publish (its "stored"
     # events) times out on the client after 0.25 s; a copy of it is kept (``_LateCopy``).
-    late = _LateCopy(redis_url, index, hashes[3][:k])
-    admin = redis.Redis.from_url(redis_url, socket_timeout=30.0)
+    server = server_of_prompt(index, redis_url, hashes[0])
+    late = _LateCopy(server, index, hashes[3][:k])
+    admin = redis.Redis(host=server.host, port=server.port, db=server.db, socket_timeout=30.0)
     admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
     try:
         a.scheduler.update_from_output(scheduler_output, a.runner.execute_model(scheduler_output))

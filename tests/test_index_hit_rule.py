@@ -1,10 +1,12 @@
 """Sliding-window groups through the block index (issue 14, part 3): a lookup finds the longest
 length every group can restore under the local coordinator's rule (``kvmanager.PrefixHitRule``),
-not the run held from block 0 in every group. In-memory and real Redis backends."""
+not the run held from block 0 in every group. In-memory and real Redis backends (and a real
+Redis Cluster: ``tests/test_index_cluster.py`` runs these tests again)."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 
 import pytest
 from _engine_builders import reference_greedy, tiny_model
@@ -42,20 +44,27 @@ def hybrid_node(
     )
 
 
-@pytest.fixture(params=["memory", "redis"])
-def hybrid_nodes(request: pytest.FixtureRequest):
-    url = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
+def build_hybrid_nodes(index_url: str) -> Iterator[Callable[[str], Engine]]:
+    """Yields ``build(engine_id)``, which makes a ``hybrid_node`` on ``index_url`` (all on one
+    loopback network and a model name of their own); shuts every node down after the yield.
+    The body of a ``hybrid_nodes`` fixture (``tests/test_index_cluster.py`` has the cluster's)."""
     model_name = f"hybrid-{next(_model_names)}"  # the in-process index is shared per namespace
     network = LoopbackNetwork()
     made: list[Engine] = []
 
     def build(engine_id: str) -> Engine:
-        made.append(hybrid_node(engine_id, network, url, model_name))
+        made.append(hybrid_node(engine_id, network, index_url, model_name))
         return made[-1]
 
     yield build
     for engine in made:
         engine.shutdown()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def hybrid_nodes(request: pytest.FixtureRequest) -> Iterator[Callable[[str], Engine]]:
+    url = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
+    yield from build_hybrid_nodes(url)
 
 
 def serve(engine: Engine, request_id: str, prompt: list[int]) -> list[int]:

