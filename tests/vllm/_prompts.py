@@ -54,3 +54,4 @@ PROMPTS: dict[str, list[int]] = {
 
 HANDOVER = ["t5", "t31", "t32", "t33", "t64", "t2000", "shared_a", "shared_b", "shared_c"]
 PARTIAL_PREFIX_BLOCKS = len(_PARTIAL) // BLOCK
+SHARED_PREFIX_BLOCKS = len(_SHARED) // BLOCK
