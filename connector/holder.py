@@ -105,6 +105,8 @@ class HolderChecks:
         return {
             "block_validator": self.validate_blocks,
             "lease_validator": self.validate_by_lease,
+            "lease_pin": self.pin_lease,
+            "lease_unpin": self.unpin_lease,
             "on_heartbeat": self.on_heartbeat,
             "on_transfer_done": self.on_transfer_done,
             "serve_unchecked_reads": False,  # every block served needs a hash or the lease
@@ -160,9 +162,10 @@ class HolderChecks:
         lease: LeaseRef | None,
     ) -> list[int]:
         """``validate_blocks`` for a read that copies before the holder checks it
-        (``Read.copy_first``, ``transport.HolderCallbacks.lease_validator``): a position is good
-        only while the read's own lease, with its token, covers its block with the expected
-        hash (``b""``: the partial last block, without one). Loop thread, never blocks."""
+        (``Read.copy_first``, ``transport.HolderCallbacks.lease_validator``; the holder then
+        pins the lease, ``pin_lease``): a position is good only while the read's own lease,
+        with its token, covers its block with the expected hash (``b""``: the partial last
+        block, without one). Loop thread, never blocks."""
         bad: list[int] = []
         for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
             ok = (
@@ -175,6 +178,16 @@ class HolderChecks:
             if not ok:
                 bad.append(pos)
         return bad
+
+    def pin_lease(self, lease: LeaseRef, seconds: float) -> bool:
+        """Keep ``lease`` from ending for ``seconds`` and until ``unpin_lease`` (a copy-first
+        read may be copying its blocks: ``LeaseTable.pin``); False when it is not held with
+        that token. Loop thread."""
+        return self.leases.pin(lease.request_id, lease.token, seconds)
+
+    def unpin_lease(self, lease: LeaseRef) -> None:
+        """Undo one ``pin_lease`` (``LeaseTable.unpin``). Loop thread."""
+        self.leases.unpin(lease.request_id)
 
     def on_heartbeat(self, peer_engine_id: str, request_ids: list[str], tokens: list[str]) -> None:
         """Extend the leases named with their right token (``tokens[i]`` for

@@ -11,6 +11,11 @@ its ticket carries (``secrets.token_urlsafe``, made by the scheduler half); a he
 release or a read of a block the lease alone guards must present it (``token_ok``, ``covers``).
 A lease granted with the token ``""`` (tests, old tickets) accepts only ``""``.
 
+A same-host read that copies before the holder's check (``transport``: ``Read.copy_first``)
+pins its lease (``pin``): until it unpins, the lease neither expires (its expiry is pushed past
+the read's deadline) nor ends by a release (deferred to the last unpin), so its blocks stay as
+they were when the ticket was issued for as long as the reader may copy them.
+
 Thread-safety: the worker half grants (from the step's ``LeaseGrant`` orders) and runs
 ``pop_finished`` on the worker thread; heartbeats, completion notices and the holder's checks
 arrive on the connector's event-loop thread; one lock guards the table.
@@ -38,6 +43,8 @@ class _Lease:
     positions: tuple[dict[int, int], ...]
     block_hashes: tuple[bytes, ...]  # the request's full-block hashes, position order
     token: str = ""  # the ticket's capability (module docstring)
+    num_pins: int = 0  # copy-first reads that may still be copying (``pin``)
+    release_pending: bool = False  # released while pinned: ends at the last unpin
 
 
 def _same_token(granted: str, presented: str) -> bool:
@@ -123,7 +130,7 @@ class LeaseTable:
         with self._lock:
             for request_id in self._block_to_leases.get((group_id, block_id), ()):
                 lease = self._leases[request_id]
-                if lease.expires_at <= self._clock():
+                if lease.expires_at <= self._clock() or lease.release_pending:
                     continue
                 pos = lease.positions[group_id][block_id]
                 if pos < len(lease.block_hashes) and lease.block_hashes[pos] == expected:
@@ -148,6 +155,7 @@ class LeaseTable:
                 lease is None
                 or not _same_token(lease.token, token)
                 or lease.expires_at <= self._clock()
+                or lease.release_pending
                 or group_id >= len(lease.positions)
             ):
                 return False
@@ -172,6 +180,37 @@ class LeaseTable:
                     n += 1
             return n
 
+    def pin(self, request_id: str, token: str, seconds: float) -> bool:
+        """Keep a held lease from ending for at least ``seconds`` from now and until ``unpin``:
+        its expiry moves to ``now + seconds`` if that is later, and a release meanwhile takes
+        effect at the last unpin. False (nothing pinned) when the lease is not held, was
+        released, or ``token`` is not its token."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            now = self._clock()
+            if (
+                lease is None
+                or not _same_token(lease.token, token)
+                or lease.expires_at <= now
+                or lease.release_pending
+            ):
+                return False
+            lease.num_pins += 1
+            lease.expires_at = max(lease.expires_at, now + seconds)
+            return True
+
+    def unpin(self, request_id: str) -> None:
+        """Undo one ``pin``; the last unpin of a lease released meanwhile ends it."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.num_pins == 0:
+                return
+            lease.num_pins -= 1
+            if lease.num_pins == 0 and lease.release_pending:
+                self._drop(request_id)
+                self._released.append(request_id)
+                self._num_released += 1
+
     def token_ok(self, request_id: str, token: str) -> bool:
         """False when ``request_id`` holds a lease whose token is not ``token`` (a heartbeat or
         release from someone without the ticket: refuse it); True otherwise, an unknown id
@@ -184,11 +223,17 @@ class LeaseTable:
         """The puller is done (or gave up): end the lease now, if ``token`` is its token. False
         if it was not held, or the token is wrong (the lease is untouched); an id not held yet
         is remembered with the token (a bounded number), so a grant with that token that
-        arrives after its release notice ends at once instead of waiting out the lease."""
+        arrives after its release notice ends at once instead of waiting out the lease. A
+        pinned lease ends at its last ``unpin`` (True now: it vouches for nothing more)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is not None and not _same_token(lease.token, token):
                 return False
+            if lease is not None and lease.num_pins:
+                if lease.release_pending:
+                    return False
+                lease.release_pending = True
+                return True
             if self._drop(request_id) is None:
                 self._released_early[request_id] = token
                 while len(self._released_early) > _MAX_EARLY_RELEASES:
@@ -202,7 +247,11 @@ class LeaseTable:
         """True while ``request_id``'s lease is granted and not yet expired or released."""
         with self._lock:
             lease = self._leases.get(request_id)
-            return lease is not None and lease.expires_at > self._clock()
+            return (
+                lease is not None
+                and lease.expires_at > self._clock()
+                and not lease.release_pending
+            )
 
     def block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...] | None:
         """The blocks a live lease protects, per group, or None."""

@@ -118,6 +118,8 @@ async def _serve(args: argparse.Namespace) -> None:
     transport.set_callbacks(
         block_validator=make_hash_validator(evict_after_check),
         lease_validator=make_hash_validator(evict_after_check, by_lease=True),
+        lease_pin=lambda lease, seconds: lease == HELPER_LEASE,
+        lease_unpin=lambda lease: None,
     )
     await transport.start()
     print(f"PORT {transport.address.port}", flush=True)

@@ -94,6 +94,31 @@ def test_the_unhashed_block_is_served_only_under_the_tickets_token():
     assert not leases.covers("r1", 0, 4, None)
 
 
+def test_a_pinned_lease_outlives_its_expiry_and_its_release_until_the_last_unpin():
+    """A copy-first read pins its lease (``LeaseTable.pin``): the lease then neither expires
+    nor ends by a release before its last unpin, so its blocks cannot be freed under a copy."""
+    leases, clock = _table()  # r1 expires at 1010
+    assert not leases.pin("r1", "tok-wrong", 30.0)  # a stranger pins nothing
+    assert leases.pin("r1", TOKEN, 30.0) and leases.pin("r1", TOKEN, 5.0)  # two reads
+    clock.now += 20  # past the granted expiry, inside the first pin (1030)
+    assert leases.pop_finished() == (set(), 0) and leases.is_held("r1")
+    assert leases.release("r1", TOKEN)  # D's notice while a read still copies: deferred
+    assert not leases.is_held("r1") and not leases.covers("r1", 0, 4, None, TOKEN)
+    assert not leases.pin("r1", TOKEN, 5.0)  # released: no new read may pin it
+    assert leases.pop_finished() == (set(), 0)  # the blocks stay held
+    leases.unpin("r1")
+    assert leases.pop_finished() == (set(), 0)  # one read is still copying
+    leases.unpin("r1")
+    assert leases.pop_finished() == ({"r1"}, 0)  # the last unpin ended it, once
+    leases.unpin("r1")  # a late unpin of an ended lease changes nothing
+    assert leases.pop_finished() == (set(), 0)
+
+    leases, clock = _table()
+    assert leases.pin("r1", TOKEN, 30.0)
+    clock.now += 31  # the pin's own end: a reader that never unpins cannot hold it forever
+    assert leases.pop_finished() == ({"r1"}, 1)
+
+
 # ----------------------------------------------------------------------------- the holder checks
 
 

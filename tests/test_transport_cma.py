@@ -633,18 +633,28 @@ async def test_a_holder_whose_memory_cannot_be_read_is_read_over_ucx_next(holder
 async def test_a_read_under_its_lease_copies_while_the_holder_checks(monkeypatch):
     """A same-host read under a handoff's lease, with hashes in every group, is copy-first
     (``Read.copy_first``): the requester copies before the holder's ``ReadOk`` (held back here
-    until the requester's first copy call), and the holder vouches for the blocks through the
-    lease alone, at the check and at the re-check. A read without a lease still waits for
-    ``ReadOk`` before it copies."""
+    until the requester's first copy call); the holder vouches for the blocks through the
+    lease alone, pins the lease before ``ReadOk`` and unpins it at ``ReadCopied``, and sends
+    no ``ReadDone``. A read without a lease still waits for ``ReadOk`` before it copies, and
+    for the re-check's ``ReadDone`` after."""
     import kvbridge.transport.ucxx_holder as ucxx_holder
     from _transport_helpers import HELPER_LEASE, make_hash_validator
 
     copied = asyncio.Event()
     read_ok_sent: list[str] = []
     real_write = ucxx_holder.write_message
+    real_serve_write = serve.write_message
+    events: list[str] = []
+
+    async def record_read_done(writer, message):
+        events.append(type(message).__name__)
+        await real_serve_write(writer, message)
+
+    monkeypatch.setattr(serve, "write_message", record_read_done)
 
     async def read_ok_only_after_a_copy(writer, message):
         if isinstance(message, ReadOk):
+            events.append("ReadOk")
             try:
                 await asyncio.wait_for(copied.wait(), 1.0)
                 read_ok_sent.append("after the copy began")
@@ -664,9 +674,15 @@ async def test_a_read_under_its_lease_copies_while_the_holder_checks(monkeypatch
 
     source = make_kv_caches(seed=SEED)
     holder = UcxxTransport(make_metadata("copy-first-holder", source), source)
+    def pin(lease, seconds):
+        events.append(f"pin {seconds:.1f} s")
+        return lease == HELPER_LEASE
+
     holder.set_callbacks(
         block_validator=counted("hash", make_hash_validator(set())),
         lease_validator=counted("lease", make_hash_validator(set(), by_lease=True)),
+        lease_pin=pin,
+        lease_unpin=lambda lease: events.append("unpin"),
     )
     caches = make_kv_caches(seed=0)
     requester = UcxxTransport(make_metadata("copy-first-requester", caches), caches)
@@ -690,14 +706,66 @@ async def test_a_read_under_its_lease_copies_while_the_holder_checks(monkeypatch
         assert read_ok_sent == ["after the copy began"]
         assert (result.num_blocks_landed, result.failed_local_block_ids) == (4, ())
         _assert_landed(caches, source, reads)
-        assert calls == {"hash": 0, "lease": 2}  # the check and the re-check
+        assert calls == {"hash": 0, "lease": 1}  # the check only: the pin replaces a re-check
+        for _ in range(100):  # the serve unpins once the ReadCopied is in
+            if "unpin" in events:
+                break
+            await asyncio.sleep(0.01)
+        assert events == ["pin 22.0 s", "ReadOk", "unpin"]  # deadline 20 s + the grace
 
         copied.clear()
+        events.clear()
         result = await requester.read_blocks(holder.address, "no-lease", reads, deadline_s=20)
         assert read_ok_sent[1:] == ["with no copy begun"]
         assert (result.num_blocks_landed, result.failed_local_block_ids) == (4, ())
-        assert calls == {"hash": 2, "lease": 2}
+        assert calls == {"hash": 2, "lease": 1}
+        assert events == ["ReadOk", "ReadDone"]
         _assert_clean(requester)
     finally:
         await requester.close()
         await holder.close()
+
+
+@in_module_loop
+async def test_a_copy_first_read_that_ends_past_its_deadline_lands_nothing(holder, monkeypatch):
+    """The holder pins a copy-first read's lease only until the read's deadline (plus a
+    grace): a copy that ended later may have read blocks the holder reused meanwhile, so the
+    read fails naming every block, whatever the holder answered."""
+    import kvbridge.transport.cma_read as cma_read
+    from _transport_helpers import HELPER_LEASE
+
+    class _Clock:  # the requester's monotonic clock, which the copy moves past the deadline
+        offset_s = 0.0
+
+        def monotonic(self) -> float:
+            return time.monotonic() + self.offset_s
+
+    clock = _Clock()
+    monkeypatch.setattr(cma_read, "time", clock)
+    caches = make_kv_caches(seed=0)
+    requester = UcxxTransport(make_metadata("copy-late", caches), caches)
+
+    def late_copy() -> None:
+        clock.offset_s = 3600.0
+
+    requester._cma_on_batch = late_copy
+    await requester.start()
+    try:
+        ids = [3, 4]
+        reads = [
+            GroupRead(
+                group_id=0,
+                remote_block_ids=ids,
+                local_block_ids=[20, 21],
+                expected_hashes=[f"0:{b}".encode() for b in ids],
+            )
+        ]
+        with pytest.raises(TransferError, match="past the read's deadline") as info:
+            await requester.read_blocks(
+                holder.address, "late", reads, deadline_s=20, lease=HELPER_LEASE
+            )
+        assert info.value.local_block_ids == (20, 21)
+        assert clock.offset_s == 3600.0  # the same-host copy ran (and its connection dropped)
+        _assert_clean(requester)
+    finally:
+        await requester.close()

@@ -435,18 +435,16 @@ def _hashes(group_id: int, block_ids: list[int]) -> list[bytes]:
     return [f"{group_id}:{b}".encode() for b in block_ids]
 
 
-@pytest.mark.parametrize("path", ["ucx", "cma", "cma-lease"])
+@pytest.mark.parametrize("path", ["ucx", "cma"])
 async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evicting_holder, path):
     """The holder's engine reuses a block after the Read's check passed (index reads are not
     referenced on the holder): the re-check after the copy reports it, on both UCX paths (the
-    zero-copy one and the staged one), after a same-host copy (``ReadCopied``) and after a
-    copy-first one (a read under a lease, copied before the check), and every other block
-    lands bytes-exact."""
+    zero-copy one and the staged one) and after a same-host copy (``ReadCopied``), and every
+    other block lands bytes-exact. (A block under a read's lease cannot be reused while the
+    read runs: ``test_transport_cma``'s copy-first tests.)"""
     caches = make_kv_caches(seed=0, layers_per_group=EVICTING_LAYERS)
-    lease = HELPER_LEASE if path == "cma-lease" else None
-    path = path.removesuffix("-lease")
     requester = UcxxTransport(
-        make_metadata(f"requester-3-{path}-{lease is not None}", caches),
+        make_metadata(f"requester-3-{path}", caches),
         caches,
         chunk_bytes=1 << 13,
         cma=path == "cma",
@@ -478,7 +476,7 @@ async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evictin
             ),
         ]
         result = await requester.read_blocks(
-            evicting_holder.address, f"req-evict-{path}", reads, deadline_s=20, lease=lease
+            evicting_holder.address, f"req-evict-{path}", reads, deadline_s=20
         )
         assert requester.peer_data_path(evicting_holder.address) == path
         # request order: group 0's remote 30 (position 10), then group 1's 40 (late, position
@@ -500,8 +498,7 @@ async def test_block_evicted_between_check_and_copy_is_failed_not_landed(evictin
             ),
         ]
         _assert_landed(requester.kv_caches_by_group, source, landed)
-        if lease is None:  # a copy-first read copied it before the holder refused it
-            assert not any(layer[57].any() for layer in requester.kv_caches_by_group[1])
+        assert not any(layer[57].any() for layer in requester.kv_caches_by_group[1])  # unsent
 
         # Evicted now: a second read of both fails them at the first check; nothing lands.
         again = [

@@ -107,6 +107,8 @@ HeartbeatCallback = Callable[[str, list[str], list[str]], None]
 """``(peer_engine_id, request_ids, tokens) -> None``; ``tokens`` is empty when the peer presented
 none, else one per request id."""
 TransferDoneCallback = Callable[[TransferDoneNotice], None]
+LeasePin = Callable[[LeaseRef, float], bool]
+LeaseUnpin = Callable[[LeaseRef], None]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,12 +120,20 @@ class HolderCallbacks:
     on_transfer_done: TransferDoneCallback | None = None
     block_rechecker: BlockValidator | None = None
     lease_validator: BlockValidator | None = None
-    """Checks and re-checks a ``copy_first`` read: a position is good only while the read's own
-    lease covers its block with the expected hash (the copy may start before the check, so a
-    hash in the prefix cache cannot vouch for the bytes: the block may be reused and recomputed
-    during the copy; a lease held at the re-check was held since before its ticket existed, so
-    its blocks never changed). None, with a ``block_validator`` set: such reads are refused
-    whole."""
+    """Checks a ``copy_first`` read: a position is good only while the read's own lease covers
+    its block with the expected hash (the copy may start before the check, so a hash in the
+    prefix cache cannot vouch for the bytes: the block may be reused and recomputed during the
+    copy; a lease held at the check was held since before its ticket existed). None, with a
+    ``block_validator`` set: such reads are refused whole."""
+    lease_pin: LeasePin | None = None
+    """``(lease, seconds) -> held``: keep a ``copy_first`` read's lease from ending (released
+    or expired) for ``seconds``, until ``lease_unpin``; False when it is not held (the read is
+    refused whole). A pinned lease keeps its blocks unchanged from its ticket until after the
+    requester's last possible copy, so the read needs no re-check. None, with a
+    ``block_validator`` set: ``copy_first`` reads are refused whole."""
+    lease_unpin: LeaseUnpin | None = None
+    """``(lease) -> None``: undo one ``lease_pin`` (the read's ``ReadCopied``, ``Cancel`` or
+    deadline)."""
     serve_unchecked_reads: bool = True
     """Whether a read group sent without expected hashes is served (a raw transport: yes); a
     connector's holder and the store say no, so every block they serve is vouched for by a hash
@@ -136,14 +146,20 @@ class HolderCallbacks:
         return self.block_rechecker if self.block_rechecker is not None else self.block_validator
 
     def validators_for(self, copy_first: bool) -> tuple[BlockValidator | None, ...]:
-        """``(check, re-check)`` validators of a read: a ``copy_first`` read's are both the
-        ``lease_validator`` (or one refusing every position when only a ``block_validator``
-        is set); another read's are ``block_validator`` and ``recheck_validator``."""
+        """``(check, re-check)`` validators of a read: a ``copy_first`` read is checked by the
+        ``lease_validator`` (or refused whole when only a ``block_validator`` is set) and never
+        re-checked; another read's are ``block_validator`` and ``recheck_validator``."""
         if not copy_first:
             return self.block_validator, self.recheck_validator
         if self.lease_validator is not None or self.block_validator is None:
-            return self.lease_validator, self.lease_validator
-        return _refuse_every_position, _refuse_every_position
+            return self.lease_validator, None
+        return _refuse_every_position, None
+
+    @property
+    def vouches(self) -> bool:
+        """Whether this holder checks what it serves (a raw transport with no validator serves
+        every block as it is)."""
+        return self.block_validator is not None or self.lease_validator is not None
 
 
 def _refuse_every_position(
@@ -189,6 +205,8 @@ class Transport(abc.ABC):
         on_transfer_done: TransferDoneCallback | None = None,
         block_rechecker: BlockValidator | None = None,
         lease_validator: BlockValidator | None = None,
+        lease_pin: LeasePin | None = None,
+        lease_unpin: LeaseUnpin | None = None,
         serve_unchecked_reads: bool = True,
     ) -> None:
         """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset.
@@ -200,6 +218,8 @@ class Transport(abc.ABC):
             on_transfer_done=on_transfer_done,
             block_rechecker=block_rechecker,
             lease_validator=lease_validator,
+            lease_pin=lease_pin,
+            lease_unpin=lease_unpin,
             serve_unchecked_reads=serve_unchecked_reads,
         )
 

@@ -11,18 +11,22 @@ with expected hashes sends ``ReadCopied`` and waits for the holder's ``ReadDone`
                    ──> ReadCopied ──> ReadDone(mismatched)      only with expected hashes
 
 A read under a handoff's lease with expected hashes in every group (``Read.copy_first``: the
-prefill-to-decode handoff) saves a round trip: it copies every block while the holder checks
-the read, and both ``ReadOk``'s and ``ReadDone``'s mismatches fail::
+prefill-to-decode handoff) costs one round trip, overlapped with the copy: it copies every
+block while the holder checks the read, and ``ReadOk``'s mismatches fail::
 
-    send Read(cma, copy_first) ──> copy every block ──> probe ──> ReadCopied
-                               ──> ReadOk(mismatched) ──> ReadDone(mismatched)
+    send Read(cma, copy_first) ──> copy every block ──> probe ──> ended before the deadline?
+                               ──> ReadCopied (the holder unpins) ──> ReadOk(mismatched)
 
-That is safe because the holder then vouches for a block only through the read's own lease,
-at the check and again at the re-check after the copy (``HolderCallbacks.lease_validator``): a
-lease still held at the re-check has held its blocks, unchanged, since before its ticket was
-issued, so before the copy began. A block the prefix cache merely still lists is refused then
-(it may have been reused and recomputed during the copy), and a refused block's bytes, landed
-in this node's own block, count as failed.
+Why that is safe without a re-check: the holder vouches for a block of such a read only
+through the read's own lease (``HolderCallbacks.lease_validator``; a block the prefix cache
+merely lists may be reused and recomputed during the copy), and before ``ReadOk`` it pins that
+lease until the read's deadline plus ``serve.DEADLINE_GRACE_S`` after it got the ``Read``
+(``HolderCallbacks.lease_pin``). A lease held at the check has held its blocks, unchanged,
+since before its ticket existed (so since before the copy began), and the pin keeps them so
+past this read's deadline, which was set before the ``Read`` went out: a copy that ended
+before it (checked here after the copy, on the same host's monotonic clock) read unchanged
+blocks whether the check came before the copy or after it. A refused block's bytes did land
+in this node's own block; it counts as failed.
 
 A copy that fails on memory the kernel will not read (not a holder that is gone) adds the
 holder's incarnation to ``unreadable_incarnations``: its later connections go over UCX.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -82,6 +87,8 @@ class CmaReadPath(ReadPath):
             group.expected_hashes is not None for group in read.groups
         )
         read = msgspec.structs.replace(read, cma=True, copy_first=copy_first)
+        # before the Read goes out, so never later than the holder's pin (module docstring)
+        self._copy_deadline_at = time.monotonic() + read.deadline_ms / 1000
         super().__init__(conn, read, state, metadata=metadata, drop_connection=drop_connection)
         self._peer: CmaPeer = conn.cma
         self._caches = kv_caches_by_group
@@ -99,7 +106,6 @@ class CmaReadPath(ReadPath):
     ) -> ReadResult:
         if not self.read.copy_first:
             return await super()._exchange(reply_future, done_future)
-        assert done_future is not None  # copy_first: expected hashes in every group
         read, state = self.read, self.state
         try:
             await self.conn.send(read)
@@ -108,10 +114,14 @@ class CmaReadPath(ReadPath):
         self._plan = self._make_plan(None)
         try:
             await self._land([list(range(len(group.block_ids))) for group in read.groups])
-            await self._before_read_done()
+            if time.monotonic() >= self._copy_deadline_at:
+                raise state.error(
+                    TransferError, "the copy ended past the read's deadline (the holder's pin)"
+                )
+            await self._before_read_done()  # ReadCopied: the holder unpins the lease
             refused = self._check_reply(await reply_future)
             state.refuse_landed(refused, block_nbytes_by_entry(self._metadata, read))
-            await self._apply_read_done(done_future)
+            state.confirmed = True
             return state.result()
         except asyncio.CancelledError:
             raise  # drive_read runs abort()

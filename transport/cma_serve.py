@@ -3,14 +3,17 @@ requester copies the blocks out of this process itself (``cma``; requester side:
 
 A read without expected hashes is done at ``ReadOk``: its serve never runs. With expected
 hashes the serve waits for the requester's ``ReadCopied``, re-checks every block it let through
-at ``ReadOk`` and answers ``ReadDone``. A ``Cancel``, or no word within the deadline plus
-``serve.DEADLINE_GRACE_S``, ends it silently: the holder lent nothing (no staging, no send).
+at ``ReadOk`` and answers ``ReadDone``. A ``copy_first`` read's serve only holds the pin on its
+lease (taken before ``ReadOk``) until ``ReadCopied`` and then unpins: no re-check, no
+``ReadDone``. A ``Cancel``, or no word within the deadline plus ``serve.DEADLINE_GRACE_S``,
+ends a serve silently (and unpins): the holder lent nothing (no staging, no send).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from .base import BlockValidator
 from .plan import expects_read_done, good_positions, recheck_blocks
@@ -21,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 class CmaServe(Serve):
-    """One same-host read (see the module docstring)."""
+    """One same-host read (see the module docstring); ``unpin`` ends the pin a ``copy_first``
+    read's lease got before ``ReadOk`` (None: nothing pinned)."""
 
     def __init__(
         self,
@@ -31,12 +35,15 @@ class CmaServe(Serve):
         *,
         recheck_validator: BlockValidator | None,
         count: ServeCount,
+        unpin: Callable[[], None] | None = None,
     ):
         super().__init__(conn, read, mismatched, recheck_validator=recheck_validator, count=count)
         self._copied = asyncio.Event()  # ReadCopied arrived, or a Cancel
+        self._unpin = unpin
 
     def start(self) -> None:
-        if expects_read_done(self.read):  # otherwise the holder has nothing more to say
+        # otherwise the holder has nothing more to say
+        if expects_read_done(self.read) or self.read.copy_first:
             super().start()
 
     async def cancel(self, num_chunks_posted: int) -> int:
@@ -59,7 +66,10 @@ class CmaServe(Serve):
                 "same-host transfer %d: no ReadCopied before its deadline", read.transfer_id
             )
             return
-        if self.cancelled:
+        finally:
+            if self._unpin is not None:
+                self._unpin()
+        if self.cancelled or read.copy_first:
             return
         late = [
             recheck_blocks(

@@ -225,9 +225,10 @@ def find_mismatched(
 
 def expects_read_done(read: Read) -> bool:
     """Whether the holder ends ``read`` with a ``ReadDone`` (and the requester waits for it):
-    exactly when some group sends expected hashes, so reads without hashes (prefill-to-decode
-    handoffs, whose blocks a lease holds) cost no extra message."""
-    return any(group.expected_hashes is not None for group in read.groups)
+    exactly when some group sends expected hashes, so reads without hashes cost no extra
+    message; never for a ``copy_first`` read, whose lease the holder pins instead of
+    re-checking (``cma_read``)."""
+    return not read.copy_first and any(group.expected_hashes is not None for group in read.groups)
 
 
 def recheck_blocks(

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import ucxx
@@ -33,7 +34,7 @@ from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import check_read, find_mismatched
-from .serve import RequesterConnection, Serve, ServeCount, send_error
+from .serve import DEADLINE_GRACE_S, RequesterConnection, Serve, ServeCount, send_error
 from .staging import StagingPool
 from .ucx_progress import ProgressBooster
 from .ucx_serve import UcxServe
@@ -309,10 +310,13 @@ class UcxxHolder:
         except WireError as exc:
             await send_error(conn.writer, read.transfer_id, "bad_request", str(exc))
             return
+        unpin = None
+        if read.copy_first:
+            mismatched, unpin = self._pin_copy_first(read, mismatched)
         await write_message(
             conn.writer, ReadOk(transfer_id=read.transfer_id, mismatched=mismatched)
         )
-        serve = self._serve_for(conn, read, mismatched)
+        serve = self._serve_for(conn, read, mismatched, unpin)
         conn.serves[read.transfer_id] = serve
         while len(conn.serves) > _MAX_FINISHED_KEPT:
             oldest_id, oldest = next(iter(conn.serves.items()))
@@ -321,14 +325,42 @@ class UcxxHolder:
             del conn.serves[oldest_id]
         serve.start()
 
+    def _pin_copy_first(
+        self, read: Read, mismatched: list[list[int]]
+    ) -> tuple[list[list[int]], Callable[[], None] | None]:
+        """Pin a ``copy_first`` read's lease for its deadline plus ``DEADLINE_GRACE_S``: the
+        requester may be copying already, and counts its copy only if it ended before that
+        deadline (``cma_read``). Returns the read's mismatched positions (every position when
+        the lease cannot be pinned) and the unpin for its serve (None: nothing pinned, also
+        for a raw transport, which vouches for nothing)."""
+        callbacks, lease = self.callbacks, read.lease
+        if not callbacks.vouches:
+            return mismatched, None
+        pin, unpin = callbacks.lease_pin, callbacks.lease_unpin
+        if (
+            lease is not None
+            and pin is not None
+            and unpin is not None
+            and pin(lease, read.deadline_ms / 1000 + DEADLINE_GRACE_S)
+        ):
+            return mismatched, functools.partial(unpin, lease)
+        return [list(range(len(group.block_ids))) for group in read.groups], None
+
     def _serve_for(
-        self, conn: RequesterConnection, read: Read, mismatched: list[list[int]]
+        self,
+        conn: RequesterConnection,
+        read: Read,
+        mismatched: list[list[int]],
+        unpin: Callable[[], None] | None = None,
     ) -> Serve:
         """The serve of ``read``'s data path: the requester copies (``read.cma``) or UCX sends.
-        Its re-checks use the validator registered now."""
+        Its re-checks use the validator registered now; ``unpin`` ends a ``copy_first`` read's
+        pin when its serve ends."""
         validator = self.callbacks.validators_for(read.copy_first)[1]
         if read.cma:
-            return CmaServe(conn, read, mismatched, recheck_validator=validator, count=self._count)
+            return CmaServe(
+                conn, read, mismatched, recheck_validator=validator, count=self._count, unpin=unpin
+            )
         max_block_bytes = max(g.num_layers * g.block_nbytes for g in self.metadata.groups)
         return UcxServe(
             conn,

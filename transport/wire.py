@@ -233,8 +233,9 @@ class Read(_Message):
     (``cma``) and, when it sent expected hashes, ends with ``ReadCopied``. ``lease``: the
     handoff's lease the read is made under (``LeaseRef``), None for a read through the block
     index. ``copy_first`` (a ``cma`` read under a lease, with expected hashes in every group):
-    the requester copies without waiting for ``ReadOk``, so the holder vouches for a position
-    only through the read's own lease, at the check and at the re-check (``cma_read``)."""
+    the requester copies without waiting for ``ReadOk``; the holder vouches for a position
+    only through the read's own lease, pins that lease until ``ReadCopied`` (or the deadline
+    plus a grace) and sends no ``ReadDone`` (``cma_read``)."""
 
     transfer_id: TransferId
     request_id: Text
@@ -256,8 +257,8 @@ class Read(_Message):
             and all(group.expected_hashes is not None for group in self.groups)
         ):
             raise ValueError(
-                "copy_first needs cma, a lease and expected hashes in every group (the "
-                "holder's re-check is the only one that follows the copy)"
+                "copy_first needs cma, a lease and expected hashes in every group (only the "
+                "read's own lease vouches for the bytes it copies before the check)"
             )
 
 
@@ -271,7 +272,8 @@ class ReadOk(_Message):
 
 class ReadCopied(_Message):
     """The requester finished copying a ``cma`` read that sent expected hashes; the holder
-    re-checks the blocks it let through and answers ``ReadDone``."""
+    re-checks the blocks it let through and answers ``ReadDone`` (a ``copy_first`` read: the
+    holder unpins its lease and says nothing)."""
 
     transfer_id: TransferId
 
