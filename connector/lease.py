@@ -12,9 +12,10 @@ release or a read of a block the lease alone guards must present it (``token_ok`
 A lease granted with the token ``""`` (tests, old tickets) accepts only ``""``.
 
 A same-host read that copies before the holder's check (``transport``: ``Read.copy_first``)
-pins its lease (``pin``): until it unpins, the lease neither expires (its expiry is pushed past
-the read's deadline) nor ends by a release (deferred to the last unpin), so its blocks stay as
-they were when the ticket was issued for as long as the reader may copy them.
+pins its lease (``pin``): until it unpins, or the pin's own end passes, the lease neither
+expires nor ends by a release (deferred to the last unpin), so its blocks stay as they were
+when the ticket was issued for as long as the reader may copy them. A pin never moves the
+lease's own expiry.
 
 Thread-safety: the worker half grants (from the step's ``LeaseGrant`` orders) and runs
 ``pop_finished`` on the worker thread; heartbeats, completion notices and the holder's checks
@@ -44,7 +45,11 @@ class _Lease:
     block_hashes: tuple[bytes, ...]  # the request's full-block hashes, position order
     token: str = ""  # the ticket's capability (module docstring)
     num_pins: int = 0  # copy-first reads that may still be copying (``pin``)
+    pinned_until: float = 0.0  # the latest pin's own end (table clock)
     release_pending: bool = False  # released while pinned: ends at the last unpin
+
+    def pinned(self, now: float) -> bool:
+        return self.num_pins > 0 and now < self.pinned_until
 
 
 def _same_token(granted: str, presented: str) -> bool:
@@ -65,10 +70,12 @@ class LeaseTable:
 
     Args:
         lease_s: lease length in seconds; a grant or heartbeat sets expiry to ``now + lease_s``.
-        clock: wall-clock source (seconds since the epoch); injectable for tests.
+        clock: the table's clock (seconds; only differences matter): monotonic, so that a
+            wall-clock step can neither end a lease early nor cut a pin short; injectable for
+            tests.
     """
 
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s = lease_s
@@ -181,10 +188,10 @@ class LeaseTable:
             return n
 
     def pin(self, request_id: str, token: str, seconds: float) -> bool:
-        """Keep a held lease from ending for at least ``seconds`` from now and until ``unpin``:
-        its expiry moves to ``now + seconds`` if that is later, and a release meanwhile takes
-        effect at the last unpin. False (nothing pinned) when the lease is not held, was
-        released, or ``token`` is not its token."""
+        """Keep a held lease from ending (by expiry or release) until ``unpin``, for at most
+        ``seconds`` from now; a release meanwhile takes effect at the last unpin. False
+        (nothing pinned) when the lease is not held, was released, or ``token`` is not its
+        token."""
         with self._lock:
             lease = self._leases.get(request_id)
             now = self._clock()
@@ -196,7 +203,7 @@ class LeaseTable:
             ):
                 return False
             lease.num_pins += 1
-            lease.expires_at = max(lease.expires_at, now + seconds)
+            lease.pinned_until = max(lease.pinned_until, now + seconds)
             return True
 
     def unpin(self, request_id: str) -> None:
@@ -206,6 +213,8 @@ class LeaseTable:
             if lease is None or lease.num_pins == 0:
                 return
             lease.num_pins -= 1
+            if lease.num_pins == 0:
+                lease.pinned_until = 0.0
             if lease.num_pins == 0 and lease.release_pending:
                 self._drop(request_id)
                 self._released.append(request_id)
@@ -264,7 +273,11 @@ class LeaseTable:
         expired. Each id is returned once."""
         with self._lock:
             now = self._clock()
-            expired = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
+            expired = [
+                rid
+                for rid, lease in self._leases.items()
+                if lease.expires_at <= now and not lease.pinned(now)
+            ]
             for rid in expired:
                 self._drop(rid)
             self._num_expired += len(expired)

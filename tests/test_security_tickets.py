@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import time
 
 import torch
 
@@ -101,7 +102,8 @@ def test_a_pinned_lease_outlives_its_expiry_and_its_release_until_the_last_unpin
     assert not leases.pin("r1", "tok-wrong", 30.0)  # a stranger pins nothing
     assert leases.pin("r1", TOKEN, 30.0) and leases.pin("r1", TOKEN, 5.0)  # two reads
     clock.now += 20  # past the granted expiry, inside the first pin (1030)
-    assert leases.pop_finished() == (set(), 0) and leases.is_held("r1")
+    assert leases.pop_finished() == (set(), 0)  # the pin keeps the blocks...
+    assert not leases.is_held("r1") and not leases.pin("r1", TOKEN, 5.0)  # ...for no new read
     assert leases.release("r1", TOKEN)  # D's notice while a read still copies: deferred
     assert not leases.is_held("r1") and not leases.covers("r1", 0, 4, None, TOKEN)
     assert not leases.pin("r1", TOKEN, 5.0)  # released: no new read may pin it
@@ -117,6 +119,24 @@ def test_a_pinned_lease_outlives_its_expiry_and_its_release_until_the_last_unpin
     assert leases.pin("r1", TOKEN, 30.0)
     clock.now += 31  # the pin's own end: a reader that never unpins cannot hold it forever
     assert leases.pop_finished() == ({"r1"}, 1)
+
+    leases, clock = _table()
+    assert leases.pin("r1", TOKEN, 86_400.0)  # a read with a day-long deadline...
+    leases.unpin("r1")  # ...that copied at once
+    clock.now += 11  # past lease_s without a heartbeat: a pin never moved the lease's expiry
+    assert leases.pop_finished() == ({"r1"}, 1)
+
+
+def test_leases_keep_time_on_the_monotonic_clock(monkeypatch):
+    """A wall-clock step (NTP, a resume) must neither end a lease nor cut a pin short: the
+    table's default clock is monotonic (the ticket's ``lease_expires_at`` is wall time, for
+    the puller to read)."""
+    leases = LeaseTable(10.0)
+    leases.grant("r1", [[3]], [b"h3"], TOKEN)
+    assert leases.pin("r1", TOKEN, 5.0)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600.0)
+    assert leases.is_held("r1") and leases.pop_finished() == (set(), 0)
 
 
 # ----------------------------------------------------------------------------- the holder checks

@@ -769,3 +769,63 @@ async def test_a_copy_first_read_that_ends_past_its_deadline_lands_nothing(holde
         _assert_clean(requester)
     finally:
         await requester.close()
+
+
+class _SinkWriter:
+    """A control stream's writer that keeps nothing (the holder's replies go nowhere)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@in_module_loop
+async def test_a_copy_first_pin_outlives_a_dropped_connection_to_its_own_end(monkeypatch):
+    """The requester's connection ends right behind its copy-first ``Read`` (in the same
+    buffer: the holder pins, answers, starts the serve and drops the connection before that
+    serve ever ran). The requester may still be copying, so the pin holds to its own end
+    (the read's window plus the grace), then goes: no pin is leaked, none is cut short."""
+    from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
+    from kvbridge.connector.lease import LeaseTable
+    from kvbridge.connector.stats import KVTransferStats
+    from kvbridge.transport.base import HolderCallbacks
+    from kvbridge.transport.serve import RequesterConnection
+    from kvbridge.transport.ucxx_holder import UcxxHolder
+    from kvbridge.transport.wire import LeaseRef
+
+    monkeypatch.setattr(serve, "DEADLINE_GRACE_S", 0.1)
+    token = "tok-pin-0123456789abcdef"
+    leases = LeaseTable(30.0)
+    leases.grant("p-1", [[3, 4]], [b"h3"], token)
+    checks = HolderChecks(leases=leases, hashes=HeldBlockHashes(), stats=KVTransferStats(),
+                          num_blocks=NUM_BLOCKS, bytes_per_block=[1, 1])
+    caches = make_kv_caches(seed=0)
+    holder = UcxxHolder(make_metadata("pin-holder", caches), caches,
+                        HolderCallbacks(**checks.as_kwargs()), window=4)
+    holder.cma_host = object()  # offers same-host reads (the requester would copy)
+
+    async def no_handshake(reader, writer):
+        return RequesterConnection(peer_engine_id="d", endpoint=None, writer=writer)
+
+    holder._handshake = no_handshake
+    read = Read(transfer_id=1, request_id="d-1", tag_base=0, chunk_bytes=1 << 20,
+                deadline_ms=200, cma=True, copy_first=True,
+                lease=LeaseRef(request_id="p-1", token=token),
+                groups=[GroupReadMsg(group_id=0, block_ids=[3, 4], expected_hashes=[b"h3", b""])])
+    reader = asyncio.StreamReader()
+    reader.feed_data(encode_message(read))
+    reader.feed_eof()
+    started = time.monotonic()
+    await asyncio.wait_for(holder.handle_connection(reader, _SinkWriter()), 5)
+    assert leases._leases["p-1"].num_pins == 1  # the requester may still be copying
+    assert leases.release("p-1", token)  # its notice: deferred while pinned
+    assert leases.pop_finished() == (set(), 0)
+    while leases._leases.get("p-1") is not None and time.monotonic() - started < 5:
+        await asyncio.sleep(0.02)
+    assert time.monotonic() - started >= 0.3 - 0.05  # the 0.2 s window plus the 0.1 s grace
+    assert leases.pop_finished() == ({"p-1"}, 0)  # the last unpin ended the released lease

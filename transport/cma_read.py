@@ -20,11 +20,11 @@ block while the holder checks the read, and ``ReadOk``'s mismatches fail::
 Why that is safe without a re-check: the holder vouches for a block of such a read only
 through the read's own lease (``HolderCallbacks.lease_validator``; a block the prefix cache
 merely lists may be reused and recomputed during the copy), and before ``ReadOk`` it pins that
-lease until the read's deadline plus ``serve.DEADLINE_GRACE_S`` after it got the ``Read``
-(``HolderCallbacks.lease_pin``). A lease held at the check has held its blocks, unchanged,
+lease until the read's copy window (its deadline, at most ``serve.COPY_FIRST_MAX_S``) plus
+``serve.DEADLINE_GRACE_S`` after it got the ``Read`` (``HolderCallbacks.lease_pin``). A lease held at the check has held its blocks, unchanged,
 since before its ticket existed (so since before the copy began), and the pin keeps them so
-past this read's deadline, which was set before the ``Read`` went out: a copy that ended
-before it (checked here after the copy, on the same host's monotonic clock) read unchanged
+past this read's copy window, which started before the ``Read`` went out: a copy that ended
+within it (checked here after the copy, on the same host's monotonic clock) read unchanged
 blocks whether the check came before the copy or after it. A refused block's bytes did land
 in this node's own block; it counts as failed.
 
@@ -49,6 +49,7 @@ from .errors import TransferError, TransportError
 from .metadata import NodeMetadata
 from .plan import block_nbytes_by_entry, pick
 from .read_path import DropConnection, ReadPath
+from .serve import copy_first_window_s
 from .transfer import ReadState
 from .wire import Message, Read, ReadCopied
 
@@ -88,7 +89,7 @@ class CmaReadPath(ReadPath):
         )
         read = msgspec.structs.replace(read, cma=True, copy_first=copy_first)
         # before the Read goes out, so never later than the holder's pin (module docstring)
-        self._copy_deadline_at = time.monotonic() + read.deadline_ms / 1000
+        self._copy_deadline_at = time.monotonic() + copy_first_window_s(read)
         super().__init__(conn, read, state, metadata=metadata, drop_connection=drop_connection)
         self._peer: CmaPeer = conn.cma
         self._caches = kv_caches_by_group

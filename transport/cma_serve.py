@@ -45,6 +45,24 @@ class CmaServe(Serve):
         # otherwise the holder has nothing more to say
         if expects_read_done(self.read) or self.read.copy_first:
             super().start()
+        if self._unpin is not None:
+            assert self.task is not None
+            started_at = asyncio.get_running_loop().time()
+            self.task.add_done_callback(lambda task: self._release_pin(task, started_at))
+
+    def _release_pin(self, task: asyncio.Task[None], started_at: float) -> None:
+        """Unpin once the serve ended (a done callback: it runs also for a task cancelled before
+        its first step). A serve that ended on ``ReadCopied``, ``Cancel`` or its deadline
+        unpins now; one cancelled with its connection (the requester may still be copying)
+        keeps the pin to its own end."""
+        unpin, self._unpin = self._unpin, None
+        if unpin is None:
+            return
+        loop = asyncio.get_running_loop()
+        if task.cancelled():
+            loop.call_at(started_at + self.deadline_s, unpin)
+        else:
+            unpin()
 
     async def cancel(self, num_chunks_posted: int) -> int:
         self.cancelled = True
@@ -66,9 +84,6 @@ class CmaServe(Serve):
                 "same-host transfer %d: no ReadCopied before its deadline", read.transfer_id
             )
             return
-        finally:
-            if self._unpin is not None:
-                self._unpin()
         if self.cancelled or read.copy_first:
             return
         late = [

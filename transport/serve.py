@@ -31,6 +31,17 @@ logger = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 2.0
 """A serve outlives its read's deadline by this much, so the requester's own deadline and Cancel
 come first; past it the requester is not receiving (a UCX serve then drops its connection)."""
+COPY_FIRST_MAX_S = 30.0
+"""A ``copy_first`` read's copy counts only if it ended within this long of the ``Read`` (or its
+deadline, if sooner), and the holder pins the read's lease that long plus
+``DEADLINE_GRACE_S``: a requester cannot keep a lease from ending for longer (a 2 MiB copy
+takes milliseconds)."""
+
+
+def copy_first_window_s(read: Read) -> float:
+    """How long after a ``copy_first`` read went out its copy may end and still count (the
+    requester's side of the pin: ``cma_read``, ``UcxxHolder._pin_copy_first``)."""
+    return min(read.deadline_ms / 1000, COPY_FIRST_MAX_S)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,8 +101,11 @@ class Serve(abc.ABC):
 
     @property
     def deadline_s(self) -> float:
-        """How long this serve may run: the read's deadline plus ``DEADLINE_GRACE_S``."""
-        return self.read.deadline_ms / 1000 + DEADLINE_GRACE_S
+        """How long this serve may run: the read's deadline (a ``copy_first`` read's copy
+        window, ``copy_first_window_s``: its pin) plus ``DEADLINE_GRACE_S``."""
+        read = self.read
+        window_s = copy_first_window_s(read) if read.copy_first else read.deadline_ms / 1000
+        return window_s + DEADLINE_GRACE_S
 
     @property
     def running(self) -> bool:

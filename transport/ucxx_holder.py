@@ -34,7 +34,14 @@ from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import check_read, find_mismatched
-from .serve import DEADLINE_GRACE_S, RequesterConnection, Serve, ServeCount, send_error
+from .serve import (
+    DEADLINE_GRACE_S,
+    RequesterConnection,
+    Serve,
+    ServeCount,
+    copy_first_window_s,
+    send_error,
+)
 from .staging import StagingPool
 from .ucx_progress import ProgressBooster
 from .ucx_serve import UcxServe
@@ -313,9 +320,14 @@ class UcxxHolder:
         unpin = None
         if read.copy_first:
             mismatched, unpin = self._pin_copy_first(read, mismatched)
-        await write_message(
-            conn.writer, ReadOk(transfer_id=read.transfer_id, mismatched=mismatched)
-        )
+        try:
+            await write_message(
+                conn.writer, ReadOk(transfer_id=read.transfer_id, mismatched=mismatched)
+            )
+        except BaseException:
+            if unpin is not None:  # no serve will run to unpin it
+                unpin()
+            raise
         serve = self._serve_for(conn, read, mismatched, unpin)
         conn.serves[read.transfer_id] = serve
         while len(conn.serves) > _MAX_FINISHED_KEPT:
@@ -328,9 +340,9 @@ class UcxxHolder:
     def _pin_copy_first(
         self, read: Read, mismatched: list[list[int]]
     ) -> tuple[list[list[int]], Callable[[], None] | None]:
-        """Pin a ``copy_first`` read's lease for its deadline plus ``DEADLINE_GRACE_S``: the
-        requester may be copying already, and counts its copy only if it ended before that
-        deadline (``cma_read``). Returns the read's mismatched positions (every position when
+        """Pin a ``copy_first`` read's lease for its copy window plus ``DEADLINE_GRACE_S``
+        (``serve.copy_first_window_s``): the requester may be copying already, and counts its
+        copy only if it ended within that window (``cma_read``). Returns the read's mismatched positions (every position when
         the lease cannot be pinned) and the unpin for its serve (None: nothing pinned, also
         for a raw transport, which vouches for nothing)."""
         callbacks, lease = self.callbacks, read.lease
@@ -341,7 +353,7 @@ class UcxxHolder:
             lease is not None
             and pin is not None
             and unpin is not None
-            and pin(lease, read.deadline_ms / 1000 + DEADLINE_GRACE_S)
+            and pin(lease, copy_first_window_s(read) + DEADLINE_GRACE_S)
         ):
             return mismatched, functools.partial(unpin, lease)
         return [list(range(len(group.block_ids))) for group in read.groups], None

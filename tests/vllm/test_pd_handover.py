@@ -209,3 +209,27 @@ def test_kvbridge_logs_read_like_vllms(pair):
     it) is in D's log in vLLM's format: level, date and time, [file:line]."""
     pattern = re.compile(r"INFO \d\d-\d\d [\d:]+ \[[^\]]*worker_half\.py:\d+\] .*listening on")
     assert pattern.search(pair.d.log_path.read_text(errors="replace")), pair.d.log_tail()
+
+
+def test_a_malformed_ticket_is_computed_locally_and_its_error_returned(pair, reference):
+    """P's real ticket for a prompt, with its block size changed: D's admission refuses it
+    (vLLM lets a connector refuse nothing, so D computes the prompt itself: the right tokens),
+    tells P to release the lease, and the request's own returned ``kv_transfer_params`` name
+    the field (``"kvbridge_error"``, through a real engine's ``RequestOutput``)."""
+    name = "t64"
+    (p_out,) = pair.p.generate(prefill_requests([PROMPTS[name]]))
+    ticket = {**p_out["kv_transfer_params"], "remote_block_size": 2 * BLOCK}
+    before = pair.d.stats()
+    (out,) = pair.d.generate([request(PROMPTS[name], N_NEW, ticket)])
+    after = pair.d.stats()
+    assert out["token_ids"] == reference[name]
+    error = (out["kv_transfer_params"] or {}).get("kvbridge_error", "")
+    assert error.startswith("kv_transfer_params.remote_block_size"), out
+    assert error.endswith("; computed locally"), error
+    if after is not None:
+        assert _delta(after, before, "num_rejected_params") == 1, after
+        assert _delta(after, before, "num_loads") == 0, after
+    p_state = pair.p.wait_drained()  # D's release notice ended the lease at once
+    if p_state is not None:
+        assert p_state["requests"] == 0, p_state
+        assert p_state["free_blocks"] == p_state["num_blocks"] - 1, p_state
