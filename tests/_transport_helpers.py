@@ -77,9 +77,9 @@ def make_hash_validator(
         group_id: int, block_ids: list[int], expected: list[bytes], lease: LeaseRef | None
     ) -> list[int]:
         def holds(block_id: int, expected_hash: bytes) -> bool:
-            if not expected_hash or by_lease:  # the read's lease vouches for the block
-                if lease != HELPER_LEASE:
-                    return False
+            needs_lease = not expected_hash or by_lease  # the read's lease vouches for it
+            if needs_lease and lease != HELPER_LEASE:
+                return False
             if not expected_hash:
                 return True
             return expected_hash == f"{group_id}:{block_id}".encode()

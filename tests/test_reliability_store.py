@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 
+import _store_builders
 import pytest
 import torch
 from _engine_builders import reference_greedy, tiny_model
-import _store_builders
 from _pd_builders import assert_node_empty, kv_bytes, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.store.node import StoreNode, close_store_node

@@ -14,15 +14,14 @@ import re
 import time
 
 import torch
-
 from _engine_builders import reference_greedy
 from _pd_builders import assert_pair_empty, decode, long_prompt, make_pd_pair, prefill
 from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
-from kvbridge.connector.metadata import BlockHashDelta
-from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.connector.lease import LeaseTable
+from kvbridge.connector.metadata import BlockHashDelta
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.transfer_params import RemotePrefillParams
+from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.transport import (
     GroupRead,
     LeaseRef,

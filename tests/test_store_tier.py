@@ -14,10 +14,10 @@ import sys
 import threading
 from pathlib import Path
 
+import _store_builders
 import msgpack
 import pytest
 import torch
-import _store_builders
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine

@@ -20,12 +20,13 @@ block while the holder checks the read, and ``ReadOk``'s mismatches fail::
 Why that is safe without a re-check: the holder vouches for a block of such a read only
 through the read's own lease (``HolderCallbacks.lease_validator``; a block the prefix cache
 merely lists may be reused and recomputed during the copy), and before ``ReadOk`` it pins that
-lease until the read's copy window (its deadline, at most ``serve.COPY_FIRST_MAX_S``) plus
-``serve.DEADLINE_GRACE_S`` after it got the ``Read`` (``HolderCallbacks.lease_pin``). A lease held at the check has held its blocks, unchanged,
-since before its ticket existed (so since before the copy began), and the pin keeps them so
-past this read's copy window, which started before the ``Read`` went out: a copy that ended
-within it (checked here after the copy, on the same host's monotonic clock) read unchanged
-blocks whether the check came before the copy or after it. A refused block's bytes did land
+lease for the read's copy window (its deadline, at most ``serve.COPY_FIRST_MAX_S``) plus
+``serve.DEADLINE_GRACE_S`` from when it got the ``Read`` (``HolderCallbacks.lease_pin``). A
+lease held at the check has held its blocks, unchanged, since before its ticket existed (so
+since before the copy began), and the pin keeps them so past this read's copy window, which
+started before the ``Read`` went out: a copy that ended within it (checked here after the
+copy, on the same host's monotonic clock) read unchanged blocks whether the check came before
+the copy or after it. A refused block's bytes did land
 in this node's own block; it counts as failed.
 
 A copy that fails on memory the kernel will not read (not a holder that is gone) adds the

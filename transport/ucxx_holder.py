@@ -342,9 +342,9 @@ class UcxxHolder:
     ) -> tuple[list[list[int]], Callable[[], None] | None]:
         """Pin a ``copy_first`` read's lease for its copy window plus ``DEADLINE_GRACE_S``
         (``serve.copy_first_window_s``): the requester may be copying already, and counts its
-        copy only if it ended within that window (``cma_read``). Returns the read's mismatched positions (every position when
-        the lease cannot be pinned) and the unpin for its serve (None: nothing pinned, also
-        for a raw transport, which vouches for nothing)."""
+        copy only if it ended within that window (``cma_read``). Returns the read's mismatched
+        positions (every position when the lease cannot be pinned) and the unpin for its serve
+        (None: nothing pinned, also for a raw transport, which vouches for nothing)."""
         callbacks, lease = self.callbacks, read.lease
         if not callbacks.vouches:
             return mismatched, None
