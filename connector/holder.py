@@ -22,7 +22,7 @@ scheduler half's block pool.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.transport import LeaseRef, TransferDoneNotice
@@ -137,22 +137,18 @@ class HolderChecks:
             or an id outside this pool. Side-effect free, so it also serves the re-check after
             the bytes were copied.
         """
-        bad: list[int] = []
-        for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
-            if not 0 < block_id < self.num_blocks:
-                bad.append(pos)  # an id from the network out of range
-                continue
+
+        def vouched(block_id: int, expected: bytes) -> bool:
             if expected:
-                ok = self.hashes.holds(
+                return self.hashes.holds(
                     block_id, make_block_hash_with_group_id(expected, group_id)
                 ) or self.leases.covers_hash(group_id, block_id, expected)
-            else:  # a block without a hash: only the read's lease vouches for it
-                ok = lease is not None and self.leases.covers(
-                    lease.request_id, group_id, block_id, None, lease.token
-                )
-            if not ok:
-                bad.append(pos)
-        return bad
+            # a block without a hash: only the read's lease vouches for it
+            return lease is not None and self.leases.covers(
+                lease.request_id, group_id, block_id, None, lease.token
+            )
+
+        return self._refused(block_ids, expected_hashes, vouched)
 
     def validate_by_lease(
         self,
@@ -166,18 +162,27 @@ class HolderChecks:
         pins the lease, ``pin_lease``): a position is good only while the read's own lease,
         with its token, covers its block with the expected hash (``b""``: the partial last
         block, without one). Loop thread, never blocks."""
-        bad: list[int] = []
-        for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
-            ok = (
-                lease is not None
-                and 0 < block_id < self.num_blocks
-                and self.leases.covers(
-                    lease.request_id, group_id, block_id, expected or None, lease.token
-                )
+
+        def vouched(block_id: int, expected: bytes) -> bool:
+            return lease is not None and self.leases.covers(
+                lease.request_id, group_id, block_id, expected or None, lease.token
             )
-            if not ok:
-                bad.append(pos)
-        return bad
+
+        return self._refused(block_ids, expected_hashes, vouched)
+
+    def _refused(
+        self,
+        block_ids: list[int],
+        expected_hashes: list[bytes],
+        vouched: Callable[[int, bytes], bool],
+    ) -> list[int]:
+        """Positions whose id is outside this pool (from the network) or that ``vouched``
+        refuses."""
+        return [
+            pos
+            for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True))
+            if not (0 < block_id < self.num_blocks and vouched(block_id, expected))
+        ]
 
     def pin_lease(self, lease: LeaseRef, seconds: float) -> bool:
         """Keep ``lease`` from ending for ``seconds`` and until ``unpin_lease`` (a copy-first
