@@ -10,14 +10,18 @@ index (``--index-url``: ``memory`` or a ``redis://`` URL). The trace is replayed
   by fewer than ``--min-gain-blocks`` blocks counts as a tie (like the connector's minimum gain:
   otherwise a system prompt shared by every request pins all traffic to the first node);
 - ``round_robin``: request i goes to node i mod N;
-- ``pull``: each request goes to the least-loaded node, which asks the index for the request's
-  longest prefix held anywhere when it admits the request; when that beats its own prefix hit by
+- ``pull``: each request goes to the least-loaded node (among equally loaded ones, the one whose
+  own cache holds the longest prefix of the request according to the index, then node order:
+  affinity as a tie-break, as vLLM's and Dynamo's routers do), which asks the index for the
+  request's longest prefix held anywhere when it admits the request; when that beats its own
+  prefix hit by
   at least ``--min-pull-blocks`` blocks the prefix is pulled from the holder (counted as a hit,
   its blocks taken as external computed tokens, so they become cached on the puller and are
   published to the index like after a real pull). The holder's pool is checked for the blocks
   (a stale index entry would make a shorter pull; counted as ``num_stale_hits``).
 
-Every ``longest_prefix`` call is timed; with a Redis index every fourth lookup is followed by a
+Every ``longest_prefix`` call is timed (with ``pull``, the tie-break's lookup too: one only when
+several nodes share the least load); with a Redis index every fourth lookup is followed by a
 timed PING on a connection of its own, the baseline (``lookup_vs_ping``) measured over the same
 minutes as the lookups, so the cost per lookup compares across node counts on a busy machine.
 
@@ -198,10 +202,10 @@ class Replay:
     def _route(self, i: int, request: Request) -> int:
         if self.policy == "round_robin":
             return i % self.num_nodes
+        if self.policy == "pull":
+            return self._least_loaded_with_affinity(request)  # the pull: at admission
         nodes = range(self.num_nodes)
         least_loaded = min(nodes, key=lambda n: (self.nodes[n].load, n))
-        if self.policy == "pull":
-            return least_loaded  # the lookup happens at admission (_pull_plan)
         hit = self._lookup(request.block_hashes, all_holders=True)
         node_to_run = {h.node_id: h.num_blocks for h in hit.holders}
         runs = [node_to_run.get(node.node_id, 0) for node in self.nodes]
@@ -209,6 +213,22 @@ class Replay:
             return least_loaded
         # Longest prefix first, then lightest load, then node order.
         return min(nodes, key=lambda n: (-runs[n], self.nodes[n].load, n))
+
+    def _least_loaded_with_affinity(self, request: Request) -> int:
+        """The least-loaded node; among several equally loaded, the one whose own cache holds the
+        longest prefix of the request (the index's view: one lookup, capped like the local hit
+        of ``get_computed_blocks``), then node order. Without the tie-break a conversation's
+        next turn lands on the first idle node and pulls its prefix there, leaving a second copy
+        on the holder (a holder serving a pull does not touch its blocks) that takes capacity
+        until it ages out."""
+        least_load = min(node.load for node in self.nodes)
+        candidates = [n for n, node in enumerate(self.nodes) if node.load == least_load]
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if len(candidates) == 1 or max_blocks == 0:
+            return candidates[0]
+        hit = self._lookup(request.block_hashes[:max_blocks], all_holders=True)
+        node_to_run = {h.node_id: h.num_blocks for h in hit.holders}
+        return min(candidates, key=lambda n: (-node_to_run.get(self.nodes[n].node_id, 0), n))
 
     def _pull_plan(self, n: int, request: Request, num_hit_tokens: int) -> tuple[int, int]:
         """(holder node, blocks it serves) of the longest prefix held elsewhere that beats node

@@ -167,9 +167,29 @@ def test_pull_reports_its_counts_next_to_index_routing(tmp_path: Path) -> None:
     assert pull["fraction_of_unbounded"] == 1.0
     assert pull["pulled_blocks_per_request"] == round(2 / 3, 3)
     assert pull["pulls_per_holder"] == [1, 0, 0, 0]
-    # One lookup per request: each had a block its node lacked (the last block is never
-    # looked up: A0 and F look up 1 of their 2 blocks, A1 3 of its 4).
-    assert pull["lookups_per_request"] == 1.0
+    # Two lookups per request: each arrived with several nodes equally least loaded (A0 and F:
+    # all four idle; A1: nodes 1-3), so routing asked which of them holds the longest prefix,
+    # and each had a block its node lacked, so admission asked for a holder to pull from (the
+    # last block is never looked up: A0 and F look up 1 of their 2 blocks, A1 3 of its 4).
+    assert pull["lookups_per_request"] == 2.0
+
+
+def test_pull_breaks_load_ties_by_the_longest_local_prefix(tmp_path: Path) -> None:
+    # (1) t=0: X = [900, 901] takes node 0 (all idle; no prefix anywhere; node order) for
+    #     1000 x 0.02 = 20 s.
+    # (2) t=1: A0 = [0, 1] goes to node 1 (nodes 1-3 idle, none holds a prefix), done at 1.2 s.
+    # (3) t=30: A1 = [0, 1, 2, 3] finds all four nodes idle; node 1 holds its first 2 blocks, so
+    #     it goes there and hits them locally: no pull, no second copy. (Node order alone would
+    #     send it to node 0, which would pull the same 2 blocks from node 1.)
+    trace = _write_records(tmp_path / "tie.jsonl", [
+        (0.0, 1000, [900, 901]), (1.0, 10, [0, 1]), (30.0, 1000, [0, 1, 2, 3]),
+    ])
+    summary = replay.main([str(trace), "--blocks-per-node", "64", "--policies", "pull"])
+    pull = summary["pull"]
+    assert pull["requests_per_node"] == [1, 2, 0, 0]
+    assert (pull["num_pulls"], pull["num_pulled_blocks"]) == (0, 0)
+    # A1's 2 local hits of 2 + 2 + 4 prompt blocks: everything the unbounded cache has.
+    assert pull["hit_ratio"] == summary["unbounded_hit_ratio"] == 0.25
 
 
 _TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
