@@ -12,13 +12,14 @@ index (``--index-url``: ``memory`` or a ``redis://`` URL). The trace is replayed
 - ``round_robin``: request i goes to node i mod N;
 - ``pull``: each request goes to the least-loaded node (among equally loaded ones, the one whose
   own cache holds the longest prefix of the request according to the index, then node order:
-  affinity as a tie-break, as vLLM's and Dynamo's routers do), which asks the index for the
-  request's longest prefix held anywhere when it admits the request; when that beats its own
-  prefix hit by
-  at least ``--min-pull-blocks`` blocks the prefix is pulled from the holder (counted as a hit,
-  its blocks taken as external computed tokens, so they become cached on the puller and are
-  published to the index like after a real pull). The holder's pool is checked for the blocks
-  (a stale index entry would make a shorter pull; counted as ``num_stale_hits``).
+  prefix affinity, which KV-aware routers such as Dynamo's weigh against load, here only breaks
+  ties), which asks the index for the request's longest prefix held anywhere when it admits the
+  request; when that beats its own prefix hit by at least ``--min-pull-blocks`` blocks the prefix
+  is pulled from the holder (counted as a hit, its blocks taken as external computed tokens, so
+  they become cached on the puller and are published to the index like after a real pull). The
+  holder's pool is checked for the blocks (a stale index entry would make a shorter pull;
+  counted as ``num_stale_hits``) and, like a real holder serving a read through the index, its
+  blocks are neither referenced nor touched.
 
 Every ``longest_prefix`` call is timed (with ``pull``, the tie-break's lookup too: one only when
 several nodes share the least load); with a Redis index every fourth lookup is followed by a
