@@ -88,6 +88,7 @@ class LeaseTable:
         self._num_expired = 0
         self._num_released = 0
         self._lock = threading.Lock()
+        self._released_cond = threading.Condition(self._lock)  # notified by ``_end``
 
     def grant(
         self,
@@ -108,8 +109,7 @@ class LeaseTable:
             early_token = self._released_early.pop(request_id, None)
             if early_token is not None and _same_token(token, early_token):
                 # The puller's notice came before the grant: the lease ends as it starts.
-                self._released.append(request_id)
-                self._num_released += 1
+                self._end(request_id)
                 return expires_at
             lease = _Lease(expires_at, held, positions, tuple(block_hashes), token)
             self._leases[request_id] = lease
@@ -117,6 +117,12 @@ class LeaseTable:
                 for block_id in group_positions:
                     self._block_to_leases.setdefault((group_id, block_id), set()).add(request_id)
             return expires_at
+
+    def _end(self, request_id: str) -> None:
+        """Hand ``request_id`` to the next ``pop_finished`` as released (under the lock)."""
+        self._released.append(request_id)
+        self._num_released += 1
+        self._released_cond.notify_all()
 
     def _drop(self, request_id: str) -> _Lease | None:
         lease = self._leases.pop(request_id, None)
@@ -217,8 +223,7 @@ class LeaseTable:
                 lease.pinned_until = 0.0
             if lease.num_pins == 0 and lease.release_pending:
                 self._drop(request_id)
-                self._released.append(request_id)
-                self._num_released += 1
+                self._end(request_id)
 
     def token_ok(self, request_id: str, token: str) -> bool:
         """False when ``request_id`` holds a lease whose token is not ``token`` (a heartbeat or
@@ -248,8 +253,7 @@ class LeaseTable:
                 while len(self._released_early) > _MAX_EARLY_RELEASES:
                     self._released_early.popitem(last=False)
                 return False
-            self._released.append(request_id)
-            self._num_released += 1
+            self._end(request_id)
             return True
 
     def is_held(self, request_id: str) -> bool:
@@ -284,6 +288,15 @@ class LeaseTable:
             finished = set(self._released) | set(expired)
             self._released.clear()
             return finished, len(expired)
+
+    def wait_for_release(self, timeout_s: float) -> bool:
+        """Block the calling (worker) thread until a lease ends by release (a completion notice,
+        or the last unpin of a lease released while pinned) or ``timeout_s`` seconds pass; True
+        when a release is waiting for ``pop_finished`` (at once if one already is). An expiry
+        does not wake it: expiries are found by ``pop_finished``, to a lease's length, not to
+        the millisecond. Holds the table's lock only while it checks."""
+        with self._released_cond:
+            return self._released_cond.wait_for(lambda: bool(self._released), timeout_s)
 
     def __len__(self) -> int:
         with self._lock:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -272,7 +271,8 @@ class KVBridgeWorker:
         waits up to ``config.idle_pull_wait_s`` for one to settle: nothing else is waiting for
         this thread, the pull gets the GIL and the core, and the request it lands is promoted
         in the next step instead of a later one. An idle step of a node that only holds leases
-        sleeps ``config.idle_hold_wait_s`` instead (0: not at all)."""
+        waits up to ``config.idle_hold_wait_s`` instead (0: not at all), returning as soon as a
+        completion notice ends one (``LeaseTable.wait_for_release``)."""
         if self.transport is not None:
             self.puller.cancel_aborted(self.transport, finished_req_ids)
             meta = self._meta
@@ -280,7 +280,8 @@ class KVBridgeWorker:
                 if self.puller.num_inflight:
                     self.puller.wait_for_any(self.config.idle_pull_wait_s)
                 elif len(self.leases) and self.config.idle_hold_wait_s > 0:
-                    time.sleep(self.config.idle_hold_wait_s)  # a holder's idle loop yields
+                    # a holder's idle loop yields; a lease's end is reported at once
+                    self.leases.wait_for_release(self.config.idle_hold_wait_s)
         finished_recving, failed = self.puller.pop_settled()
         self._load_errors.update(failed)
         finished_sending, num_expired = self.leases.pop_finished()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import threading
 import time
 
 import torch
@@ -124,6 +125,32 @@ def test_a_pinned_lease_outlives_its_expiry_and_its_release_until_the_last_unpin
     leases.unpin("r1")  # ...that copied at once
     clock.now += 11  # past lease_s without a heartbeat: a pin never moved the lease's expiry
     assert leases.pop_finished() == ({"r1"}, 1)
+
+
+def test_an_idle_holder_wakes_at_a_release_not_at_its_timeout():
+    """An idle holder's step waits in ``wait_for_release`` (``idle_hold_wait_s``): a completion
+    notice from the loop thread wakes it at once, so the freed blocks reach the scheduler in
+    that step; a release deferred by a pin wakes it only at the last unpin."""
+    leases, _ = _table()
+    assert leases.wait_for_release(0.01) is False  # nothing ended: the wait runs out
+
+    timer = threading.Timer(0.05, leases.release, ("r1", TOKEN))  # D's notice, another thread
+    timer.start()
+    started = time.monotonic()
+    assert leases.wait_for_release(30.0) is True
+    assert time.monotonic() - started < 15.0  # woken by the notice (0.05 s), not at 30 s
+    timer.join()
+    assert leases.pop_finished() == ({"r1"}, 0)
+    assert leases.wait_for_release(0.0) is False  # handed over: nothing is waiting any more
+
+    leases, _ = _table()
+    assert leases.pin("r1", TOKEN, 30.0) and leases.release("r1", TOKEN)
+    assert leases.wait_for_release(0.01) is False  # deferred: the blocks stay held
+    timer = threading.Timer(0.05, leases.unpin, ("r1",))
+    timer.start()
+    assert leases.wait_for_release(30.0) is True
+    timer.join()
+    assert leases.pop_finished() == ({"r1"}, 0)
 
 
 def test_leases_keep_time_on_the_monotonic_clock(monkeypatch):
