@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.transport.limits import MAX_STR_LEN
+
 from .errors import KVTransferParamsError
 from .metadata import ReleaseNotice, Ticket
 
@@ -131,6 +133,16 @@ class RemotePrefillParams:
         ):
             if not value:
                 raise KVTransferParamsError(key, "must be non-empty")
+        for key, value in (
+            ("remote_engine_id", engine_id),
+            ("remote_incarnation", incarnation),
+            ("remote_request_id", request_id),
+            ("remote_host", host),
+        ):  # each travels in the pull's messages, whose schema caps strings (``MAX_STR_LEN``)
+            if len(value) > MAX_STR_LEN:
+                raise KVTransferParamsError(
+                    key, f"at most {MAX_STR_LEN} characters, got {len(value)}"
+                )
         if not 1 <= port <= 65535:
             raise KVTransferParamsError("remote_port", f"must be in [1, 65535], got {port}")
         if not math.isfinite(expires):

@@ -97,6 +97,21 @@ def test_parse_raises_only_params_error_and_accepts_only_bounded_values(params):
     assert all(0 <= b < 2**31 for b in ids)
 
 
+@pytest.mark.parametrize(
+    "key", ["remote_engine_id", "remote_incarnation", "remote_request_id", "remote_host"]
+)
+def test_a_string_longer_than_the_wire_allows_is_refused_at_admission(key):
+    """Each of these travels in the pull's messages, whose schema caps a string at 512
+    characters: a longer one is refused when the request is admitted, naming the field, not
+    when the pull is read (where it would only fail the load)."""
+    params = _good_params()
+    params[key] = "x" * 512
+    RemotePrefillParams.parse(params, num_groups=1, block_size=16)  # at the cap: accepted
+    params[key] = "x" * 513
+    with pytest.raises(KVTransferParamsError, match=f"{key}: at most 512 characters, got 513"):
+        RemotePrefillParams.parse(params, num_groups=1, block_size=16)
+
+
 _POOL_BLOCKS = 32
 
 
