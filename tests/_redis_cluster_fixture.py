@@ -9,7 +9,8 @@ Registered as a pytest plugin from ``tests/conftest.py``. Fixtures:
   (SIGKILL, its data lost) and ``.start(i)`` brings it back on its port with its slots (its
   ``nodes.conf`` survives); ``.stop_all()`` and ``.start_stopped()`` do the same for every
   stopped shard at once (a whole-cluster outage); the fixture restarts stopped shards between
-  tests and kills all at the end.
+  tests and kills all at the end. ``.move_slot(slot, i)`` migrates a slot and its keys to shard
+  ``i`` (a test that moves one moves it back: the fixture does not).
 - ``redis_cluster_url`` (function scope): the URL after ``FLUSHALL`` on every shard.
 
 The servers run with ``cluster-require-full-coverage no`` (the live shards keep serving while one
@@ -148,6 +149,41 @@ class RedisClusterServers:
             if not self.running(i):
                 self._spawn(i)
         self.wait_ok()
+
+    def owner_of(self, slot: int) -> int:
+        """The shard that serves ``slot`` (as shard 0 sees the cluster)."""
+        client = self._client(0)
+        try:
+            for first, last, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                if first <= slot <= last:
+                    return self.ports.index(int(primary[1]))
+        finally:
+            client.close()
+        raise RuntimeError(f"no shard serves slot {slot}")
+
+    def move_slot(self, slot: int, target: int) -> int:
+        """Migrate ``slot`` with its keys to shard ``target`` as ``redis-cli --cluster reshard``
+        does (``SETSLOT IMPORTING``/``MIGRATING``, ``MIGRATE``, then ``SETSLOT NODE`` on every
+        shard); returns the shard that served it. Clients learn of it by a ``MOVED`` reply."""
+        source = self.owner_of(slot)
+        clients = [self._client(i, 5.0) for i in range(_NUM_SHARDS)]
+        try:
+            ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+            if source != target:
+                source_client, target_client = clients[source], clients[target]
+                target_client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+                source_client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+                while keys := source_client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                    source_client.execute_command(
+                        "MIGRATE", "127.0.0.1", self.ports[target], "", 0, 5000, "KEYS", *keys
+                    )
+                others = [i for i in range(_NUM_SHARDS) if i not in (source, target)]
+                for i in (target, source, *others):
+                    clients[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+        finally:
+            for client in clients:
+                client.close()
+        return source
 
     def flushall(self) -> None:
         for i in range(_NUM_SHARDS):

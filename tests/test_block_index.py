@@ -408,3 +408,53 @@ def test_slow_redis_times_out_to_no_hit_then_recovers(redis_url: str) -> None:
     time.sleep(0.4)
     assert index.longest_prefix(prompt).num_blocks == 4
     assert index.stats.reconnects == 1
+
+
+def test_lookups_survive_forgotten_scripts_dropped_connections_and_pinned_clients(
+    redis_url: str,
+) -> None:
+    """The lookups' direct path (``redis_direct``) in the cases it hands to redis-py or meets
+    first: the answers are the generic path's, and none of these is Redis trouble."""
+    index = RedisBlockIndex(_NS, redis_url, retry_interval_s=0.0)
+    prompt = _hashes(8)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    assert index.longest_prefix(prompt).num_blocks == 8
+    admin = redis.Redis.from_url(redis_url)
+    # (1) The server forgot its scripts (as after a restart): EVALSHA answers NOSCRIPT, the
+    # lookup and the block-id read are sent again as EVAL, once each.
+    admin.script_flush()
+    admin.config_resetstat()
+    assert index.longest_prefix(prompt).num_blocks == 8
+    assert index.get_block_ids("A", 1, prompt) == [list(range(1, 9))]
+    calls = {name: s["calls"] for name, s in admin.info("commandstats").items()}
+    assert (calls["cmdstat_evalsha"], calls["cmdstat_eval"]) == (2, 2)
+    # (2) The server dropped the index's connection: the pool finds it closed before sending
+    # and connects again.
+    admin.client_kill_filter(_type="normal", skipme=True)
+    assert index.longest_prefix(prompt).num_blocks == 8
+    # (3) A client pinned to one connection (which its pool never hands out): the generic path.
+    pinned_client = redis.Redis.from_url(redis_url, single_connection_client=True)
+    pinned = RedisBlockIndex(_NS, client=pinned_client)
+    assert pinned.longest_prefix(prompt).num_blocks == 8
+    assert pinned.get_block_ids("A", 1, prompt) == [list(range(1, 9))]
+    for idx in (index, pinned):
+        assert idx.stats.errors_by_kind == {} and idx.available
+        idx.close()
+    admin.close()
+
+
+def test_a_packed_lookup_is_the_command_redis_py_would_send() -> None:
+    from kvbridge.connector.index.redis_direct import ScriptHead
+    from redis.connection import Connection
+
+    args = ("kvbridge:bi:m:16:sha256:k8", 8, bytes(range(256)) * 20, b"", "node-é", 0, -3, 2**40)
+    sha = "ab" * 20
+    connection = Connection()  # not connected: only its packer is used
+    for route in (None, "{p:b1.0}"):
+        head = ["EVALSHA", sha, 0] if route is None else ["EVALSHA", sha, 1, route]
+        assert ScriptHead(sha, route).pack(args) == b"".join(connection.pack_command(*head, *args))
+    # Anything redis-py would write some other way is refused, not guessed.
+    for bad in (True, 1.5, None):
+        with pytest.raises(TypeError):
+            ScriptHead(sha, None).pack((bad,))

@@ -148,12 +148,69 @@ def test_a_lookup_touches_one_slot_and_prompts_spread_over_the_shards(redis_clus
     from test_block_index import _stored
 
     assert index.publish("node-a", 1, [_stored(hashes)]).status == "ok"
-    calls = []
-    execute = index._execute
-    index._execute = lambda *args, **kw: calls.append(args[0]) or execute(*args, **kw)
+    owner = index.shard_of_prompt(hashes[0][:8])
+
+    def scripts_run_per_shard() -> dict[str, dict[str, int]]:
+        """EVALSHA and EVAL calls each shard ran since the last call (script reads not shown:
+        the server counts them as commands of their own)."""
+        out = {
+            shard: {name[len("cmdstat_"):]: stats[name]["calls"]
+                    for name in ("cmdstat_evalsha", "cmdstat_eval") if name in stats}
+            for shard, stats in client.info("commandstats", target_nodes=client.PRIMARIES).items()
+        }
+        client.config_resetstat(target_nodes=client.PRIMARIES)
+        return out
+
+    client.execute_command("SCRIPT", "FLUSH", target_nodes=client.PRIMARIES)
+    scripts_run_per_shard()
+    # The first lookup on a shard that knows no script: EVALSHA, NOSCRIPT, then EVAL.
     assert index.longest_prefix(hashes).num_blocks == 40
-    assert calls == ["EVALSHA"]
+    expected = {shard: {} for shard in shards}
+    assert scripts_run_per_shard() == {**expected, owner: {"evalsha": 1, "eval": 1}}
+    # (4) The next: one EVALSHA on the shard that owns the prompt's bucket, nothing elsewhere.
+    assert index.longest_prefix(hashes).num_blocks == 40
+    assert scripts_run_per_shard() == {**expected, owner: {"evalsha": 1}}
     index.close()
+
+
+def test_a_lookup_follows_its_bucket_to_the_shard_its_slot_moved_to(redis_cluster,
+                                                                     redis_cluster_url):
+    """A lookup goes straight to the shard that owns its bucket by the client's slot map; when
+    the slot has moved, the MOVED reply sends it the generic way (redis-py follows it and
+    updates the map), and the next lookup goes straight to the new owner."""
+    index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url)
+    client = index._client
+    from test_block_index import _stored
+
+    hashes = [bytes([i]) * 32 for i in range(1, 41)]
+    assert index.register_node("node-a", 1, ttl_s=10.0) == "ok"
+    assert index.publish("node-a", 1, [_stored(hashes)]).status == "ok"
+    assert index.longest_prefix(hashes).num_blocks == 40
+    slot = client.keyslot(index.bucket_prefixes[bucket_of(hashes[0][:8], index.num_buckets)])
+    old_owner = redis_cluster.owner_of(slot)
+    new_owner = (old_owner + 1) % 3
+    new_owner_name = f"127.0.0.1:{redis_cluster.ports[new_owner]}"
+    redis_cluster.move_slot(slot, new_owner)
+    try:
+        # (1) The map still names the old owner: MOVED, then the generic path finds the entries
+        # on the new owner (the keys moved with the slot). No Redis trouble.
+        assert index.shard_of_prompt(hashes[0][:8]) != new_owner_name
+        hit = index.longest_prefix(hashes)
+        assert (hit.num_blocks, hit.holders[0].node_id) == (40, "node-a")
+        assert index.stats.errors_by_kind == {} and index.available
+        # (2) The map was updated: the next lookup is one EVALSHA, on the new owner only.
+        assert index.shard_of_prompt(hashes[0][:8]) == new_owner_name
+        client.config_resetstat(target_nodes=client.PRIMARIES)
+        assert index.longest_prefix(hashes).num_blocks == 40
+        evalsha = {
+            shard: stats.get("cmdstat_evalsha", {}).get("calls", 0)
+            for shard, stats in client.info("commandstats", target_nodes=client.PRIMARIES).items()
+        }
+        assert evalsha == {shard: int(shard == new_owner_name) for shard in evalsha}
+        assert index.get_block_ids("node-a", 1, hashes) == [list(range(1, 41))]
+    finally:
+        redis_cluster.move_slot(slot, old_owner)
+        index.close()
 
 
 def hashes_of(engine, prompt: list[int]) -> list[bytes]:

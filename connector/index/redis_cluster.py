@@ -41,6 +41,7 @@ import msgpack
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import ConnectionPool
 from redis.crc import key_slot
 from redis.retry import Retry
 
@@ -172,6 +173,7 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         )
         self._num_route_keys = 1
         self.bucket_prefixes = bucket_prefixes(namespace.key_prefix, self.num_buckets)
+        self._slot_of_prefix = {p: key_slot(p.encode()) for p in self.bucket_prefixes}
         self._publish_lock = threading.Lock()
         # node -> lookup key -> [root key, number of entries]: the bucket of every held block
         self._roots: dict[str, dict[bytes, list[Any]]] = {}
@@ -184,6 +186,14 @@ class RedisClusterBlockIndex(RedisBlockIndex):
 
     def _prompt_prefix(self, first_key: bytes) -> str:
         return self.bucket_prefixes[bucket_of(first_key, self.num_buckets)]
+
+    def _pool_of(self, prefix: str) -> ConnectionPool | None:
+        """The pool of the primary that owns the bucket ``prefix``'s slot, from the client's slot
+        map (no round trip; the map is redis-py's, refreshed by its generic path on a redirect or
+        a broken connection). Raises SlotNotCoveredError for a slot without a known owner."""
+        client = self.client
+        node = client.nodes_manager.get_node_from_slot(self._slot_of_prefix[prefix])
+        return client.get_redis_connection(node).connection_pool
 
     def shard_of_prompt(self, first_key: bytes) -> str:
         """``host:port`` of the primary that holds the bucket of a prompt whose block 0 has

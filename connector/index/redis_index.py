@@ -1,10 +1,13 @@
 """``RedisBlockIndex``: the cross-node block index on a real Redis (redis-py), one round trip.
 
 Contract: ``BlockIndex`` in ``protocol.py`` (DESIGN.md, "Block index"). Every call is one
-``EVALSHA`` of a server-side Lua script through the client's ``execute_command`` (the same path as
-``PING``); a server that does not know the script (restarted, flushed) gets the call again as
-``EVAL`` with the source, which also caches it there. A longest-prefix lookup of any number of
-hashes costs one round trip.
+``EVALSHA`` of a server-side Lua script; a server that does not know the script (restarted,
+flushed) gets the call again as ``EVAL`` with the source, which also caches it there. A
+longest-prefix lookup of any number of hashes costs one round trip. Writes go through the
+client's ``execute_command``; the lookups (``longest_prefix``, ``get_block_ids``) are packed
+here and sent on a connection of the client's pool (``redis_direct.py``: redis-py's generic
+command path cost a lookup about 19 us more), falling back to ``execute_command`` for what only
+it handles (a script the server does not know, a cluster's redirects).
 
 Key layout, scripts and the O(log N) exact lookup: ``redis_scripts.py``. A lookup sends the
 hashes cut to ``IndexNamespace.key_hash_bytes`` (625 x 8 bytes = 5 KB for a 10k-token prompt at
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import ConnectionPool
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
@@ -55,6 +59,7 @@ from .protocol import (
     join_keys,
     sort_holders,
 )
+from .redis_direct import LEFT_TO_GENERIC_PATH, ScriptHead, send
 from .redis_held_lookup import LOOKUP_HELD_LUA, held_lookup_args, holders_of_held_reply
 
 if TYPE_CHECKING:
@@ -128,6 +133,7 @@ class RedisBlockIndex:
         self._available = True
         self._num_route_keys = 0  # scripts name no key (one server); a cluster routes by one
         self._execute = self._client.execute_command
+        self._heads: dict[tuple[str, str], ScriptHead] = {}  # (script sha, prefix) -> its head
 
     # -- Redis trouble -------------------------------------------------------------------------
 
@@ -152,10 +158,12 @@ class RedisBlockIndex:
             )
         self._down_until[prefix] = self._clock() + self._retry_interval_s
 
-    def _call(self, what: str, script: _Script, *args: Any) -> Any:
+    def _call(self, what: str, script: _Script, *args: Any, known: bool = True) -> Any:
         """Run one script (``EVALSHA sha 0 *args``; on a cluster ``EVALSHA sha 1 prefix *args``,
         routed by the key prefix ``args[0]``); None on Redis trouble (counted by the caller,
-        logged here) or while that prefix's server is backed off after trouble."""
+        logged here) or while that prefix's server is backed off after trouble. ``known``:
+        False when the server has just answered that it does not know the script (``EVAL``
+        straight away)."""
         prefix = args[0]
         down_until = self._down_until.get(prefix)
         if down_until is not None and self._clock() < down_until:
@@ -164,6 +172,8 @@ class RedisBlockIndex:
         route = (prefix,) if self._num_route_keys else ()
         try:
             try:
+                if not known:
+                    raise NoScriptError
                 reply = self._execute("EVALSHA", script.sha, self._num_route_keys, *route, *args)
             except NoScriptError:  # EVAL runs and caches it on the server that owns the key
                 reply = self._execute("EVAL", script.source, self._num_route_keys, *route, *args)
@@ -174,6 +184,42 @@ class RedisBlockIndex:
         if down_until is not None:
             self._on_success(prefix)
         return reply
+
+    def _call_direct(self, what: str, script: _Script, *args: Any) -> Any:
+        """``_call`` for the lookups (a few small arguments and the keys' blob) through
+        ``redis_direct``: one pre-packed ``EVALSHA`` on a pooled connection of the server that
+        owns the key prefix ``args[0]`` (``_pool_of``). What that path leaves to the generic one
+        (``LEFT_TO_GENERIC_PATH``) goes through ``_call``, as does every call for a prefix that
+        met trouble until one succeeds (the generic path reconnects, and on a cluster refreshes
+        the slot map after a broken connection); the rest as ``_call``."""
+        prefix = args[0]
+        if prefix in self._down_until:
+            return self._call(what, script, *args)  # backed off, or the first try after it
+        try:
+            pool = self._pool_of(prefix)
+            if pool is None:
+                return self._call(what, script, *args)
+            head = self._heads.get((script.sha, prefix))
+            if head is None:
+                route = prefix if self._num_route_keys else None
+                head = self._heads[(script.sha, prefix)] = ScriptHead(script.sha, route)
+            reply = send(pool, head.pack(args))
+        except NoScriptError:
+            return self._call(what, script, *args, known=False)
+        except LEFT_TO_GENERIC_PATH:
+            return self._call(what, script, *args)
+        except _TROUBLE as exc:
+            self._on_trouble(what, exc, prefix)
+            return None
+        self._available = True
+        return reply
+
+    def _pool_of(self, prefix: str) -> ConnectionPool | None:
+        """The connection pool of the server that owns key prefix ``prefix``; None: go the
+        generic way (a client pinned to one connection, which the pool does not hand out)."""
+        if self._client.connection is not None:
+            return None
+        return self._client.connection_pool
 
     def _prompt_prefix(self, first_key: bytes) -> str:
         """The key prefix of a prompt whose block 0 has lookup key ``first_key`` (one server:
@@ -278,7 +324,7 @@ class RedisBlockIndex:
                 block_hashes, keys, key_len, group_ids, hit_rule, tuple(exclude_node_ids),
                 all_holders,
             )
-        reply = self._call(
+        reply = self._call_direct(
             "lookup", _LOOKUP, self._prompt_prefix(keys[:key_len]), key_len, keys,
             b"1" if all_holders else b"0",
             len(group_ids), *group_ids, *exclude_node_ids,
@@ -313,7 +359,7 @@ class RedisBlockIndex:
         """``longest_prefix`` under a hit rule with a group that is not full attention."""
         prefix = self._prompt_prefix(keys[:key_len])
         args = held_lookup_args(prefix, key_len, keys, group_ids, hit_rule, exclude_node_ids)
-        reply = self._call("lookup", _LOOKUP_HELD, *args)
+        reply = self._call_direct("lookup", _LOOKUP_HELD, *args)
         try:
             garbage, holders = (0, []) if reply is None else holders_of_held_reply(
                 reply, block_hashes, group_ids, hit_rule, key_len, self.namespace.block_size
@@ -373,7 +419,7 @@ class RedisBlockIndex:
         if not block_hashes:
             return [[] for _ in group_ids]
         keys, key_len = join_keys(block_hashes, self.namespace.key_hash_bytes)
-        reply = self._call(
+        reply = self._call_direct(
             "get_block_ids", _GET_BLOCK_IDS,
             self._prompt_prefix(keys[:key_len]), node_id, self._inc_str(incarnation), key_len,
             keys, *group_ids,
