@@ -46,7 +46,7 @@ from .metadata import (
     Ticket,
     WorkerHandshake,
 )
-from .pull_plan import plan_group_pulls
+from .pull_plan import plan_group_pulls, window_gap_groups
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
@@ -120,6 +120,11 @@ class KVBridgeScheduler:
         self._events: list[Any] = []  # for take_events
         self._store_engine_ids: set[str] = set()
         self._hit_rule = kv_cache_config and PrefixHitRule(kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self._sliding_windows: list[int | None] = (
+            [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
+            or [None] * num_groups
+        )
         self._offload: OffloadPlanner | None = None
         if config.offload != "off":
             self._offload = OffloadPlanner(
@@ -206,8 +211,31 @@ class KVBridgeScheduler:
             num_remote_tokens=num_remote,
         )
         num_new = max(num_remote - num_computed_tokens, 0)
+        gaps = num_new and window_gap_groups(
+            remote_block_ids=ticket.remote_block_ids,
+            sliding_windows=self._sliding_windows,
+            num_computed_tokens=num_remote,
+            start_block=num_computed_tokens // self.block_size,
+            block_size=self.block_size,
+        )
+        if gaps:
+            self._compute_despite_ticket(request, f"P no longer holds the start of the last "
+                                                  f"token's window (groups {gaps})")
+            return MatchedTokens(0, False)
         # vLLM: no async load of zero tokens
         return MatchedTokens(num_new, self._load_async and num_new > 0)
+
+    def _compute_despite_ticket(self, request: Request, reason: str) -> None:
+        """A ticket that cannot give D what it needs (``pull_plan.window_gap_groups``): D
+        computes the request itself, P is told to release its blocks now, and the ticket is
+        used up (``num_window_gaps``)."""
+        match = self._matches.pop(request.request_id)
+        self._forget_waiting(request.request_id)
+        if isinstance(request.kv_transfer_params, dict):
+            request.kv_transfer_params["do_remote_prefill"] = False
+        self._meta.notices.append(ReleaseNotice(ticket=match.ticket, success=False, reason=reason))
+        self.stats.add("num_window_gaps")
+        logger.warning("request %s: %s; computing it locally", request.request_id, reason)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
