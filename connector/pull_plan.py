@@ -19,12 +19,39 @@ allocated, so that D can compute the request itself instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from kvbridge.transport import GroupRead
 
-__all__ = ["NO_HASH", "plan_group_pulls", "window_gap_groups"]
+from .metadata import HolderRef, Ticket
+
+__all__ = [
+    "NO_HASH",
+    "RemoteMatch",
+    "cdiv",
+    "plan_group_pulls",
+    "sliding_windows_of",
+    "window_gap_groups",
+]
 
 NULL_BLOCK_ID = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteMatch:
+    """What the scheduler half's ``get_num_new_matched_tokens`` found for a request, until its
+    allocation pairs the blocks (``plan_group_pulls``)."""
+
+    holder: HolderRef
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    ticket: Ticket | None  # a handoff's lease; None for a prefix found through the index
+    num_local_tokens: int
+    num_remote_tokens: int
 NO_HASH = b""
 """Expected value of a position without a hash (the partial last block). A pull under a
 handoff's lease presents that lease in its own field (``PullPlan.lease`` -> ``Read.lease``), and
@@ -89,6 +116,15 @@ def plan_group_pulls(
             )
         )
     return groups, unloadable
+
+
+def sliding_windows_of(kv_cache_config: Any, num_groups: int) -> list[int | None]:
+    """Each group's sliding window in tokens (None: full attention); with no config, every
+    one of ``num_groups`` is taken as full attention."""
+    if kv_cache_config is None:
+        return [None] * num_groups
+    return [getattr(g.kv_cache_spec, "sliding_window", None)
+            for g in kv_cache_config.kv_cache_groups]
 
 
 def window_gap_groups(
