@@ -12,18 +12,46 @@ local hit simply trims the remote list from the front::
 
 A position whose local block is the null block (outside a sliding window on D) is skipped; a
 position where D needs a block but P holds only its null block cannot be loaded and is reported
-as a load error up front.
+as a load error up front. ``window_gap_groups`` finds such positions before anything is
+allocated, so that D can compute the request itself instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from kvbridge.transport import GroupRead
 
-__all__ = ["NO_HASH", "plan_group_pulls"]
+from .metadata import HolderRef, Ticket
+
+__all__ = [
+    "NO_HASH",
+    "RemoteMatch",
+    "cdiv",
+    "plan_group_pulls",
+    "sliding_windows_of",
+    "window_gap_groups",
+]
 
 NULL_BLOCK_ID = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteMatch:
+    """What the scheduler half's ``get_num_new_matched_tokens`` found for a request, until its
+    allocation pairs the blocks (``plan_group_pulls``)."""
+
+    holder: HolderRef
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    ticket: Ticket | None  # a handoff's lease; None for a prefix found through the index
+    num_local_tokens: int
+    num_remote_tokens: int
 NO_HASH = b""
 """Expected value of a position without a hash (the partial last block). A pull under a
 handoff's lease presents that lease in its own field (``PullPlan.lease`` -> ``Read.lease``), and
@@ -88,3 +116,53 @@ def plan_group_pulls(
             )
         )
     return groups, unloadable
+
+
+def sliding_windows_of(kv_cache_config: Any, num_groups: int) -> list[int | None]:
+    """Each group's sliding window in tokens (None: full attention); with no config, every
+    one of ``num_groups`` is taken as full attention."""
+    if kv_cache_config is None:
+        return [None] * num_groups
+    return [getattr(g.kv_cache_spec, "sliding_window", None)
+            for g in kv_cache_config.kv_cache_groups]
+
+
+def window_gap_groups(
+    *,
+    remote_block_ids: Sequence[Sequence[int]],
+    sliding_windows: Sequence[int | None],
+    num_computed_tokens: int,
+    start_block: int,
+    block_size: int,
+) -> list[int]:
+    """Groups in which D would need a block that P's table holds only as its null block.
+
+    Once ``num_computed_tokens`` (local hit + pulled tokens) are computed, D keeps in a group
+    with window ``w`` every block from the one holding position
+    ``max(num_computed_tokens - w + 1, 0)`` on (the next token's window; the blocks before
+    it are D's null block: ``get_num_skipped_tokens`` of vLLM and ``kvmanager``); a full
+    attention group (window None) keeps every block. The pull fills positions
+    ``[start_block, cdiv(num_computed_tokens, block_size))``::
+
+        position:   0 ...       first_kept ...          end_block
+        D:          null blocks | kept (pulled from P)  |
+        P:          null ... null X ...                   X = a null block D needs: a gap
+
+    vLLM's prefill node drops out-of-window blocks for *its* next token (one past D's), so
+    when that window starts exactly on a block boundary P no longer holds the block D's
+    window starts in (e.g. window 64, block 32, a 319-token prompt: P drops block 7,
+    positions 224-255, and D computing token 318 reads position 255).
+
+    Returns:
+        The ids of the groups with such a position, in order (empty: the ticket covers D).
+    """
+    end_block = -(-num_computed_tokens // block_size)
+    gaps = []
+    for group_id, (remote, window) in enumerate(
+        zip(remote_block_ids, sliding_windows, strict=True)
+    ):
+        first_kept = 0 if window is None else max(num_computed_tokens - window + 1, 0)
+        first = max(start_block, first_kept // block_size)
+        if any(block_id == NULL_BLOCK_ID for block_id in remote[first:end_block]):
+            gaps.append(group_id)
+    return gaps

@@ -33,7 +33,7 @@ from .loop_thread import get_loop_thread
 from .metadata import PullPlan, ReleaseNotice, Ticket
 from .stats import KVTransferStats
 
-__all__ = ["PullOutcome", "Puller", "WaitingTickets", "send_notice"]
+__all__ = ["PullOutcome", "Puller", "Settled", "WaitingTickets", "send_notice"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,16 @@ async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
         )
     except Exception as exc:
         logger.info("release notice for %s not delivered: %s", ticket.remote_request_id, exc)
+
+
+class Settled(NamedTuple):
+    """What ``Puller.pop_settled`` reports: ``request_ids`` of async pulls that settled
+    (landed or not), the local blocks that did not land (sync pulls' too), and
+    ``failed_request_ids``, the async pulls among ``request_ids`` with such blocks."""
+
+    request_ids: set[str]
+    failed_block_ids: set[int]
+    failed_request_ids: set[str]
 
 
 class WaitingTickets:
@@ -210,21 +220,23 @@ class Puller:
         )
         return bool(done)
 
-    def pop_settled(self) -> tuple[set[str], set[int]]:
+    def pop_settled(self) -> Settled:
         """Requests whose async pull settled since the last call, and the local blocks (of
         every pull settled, sync ones too) that did not land. Each request is reported once; a
         sync pull's request never is (vLLM expects no ``finished_recving`` for it)."""
-        settled: set[str] = set()
-        failed: set[int] = set()
+        settled = Settled(set(), set(), set())
         for req_id, future in list(self._inflight.items()):
             if future.done():
                 del self._inflight[req_id]
-                failed.update(future.result().failed_local_block_ids)
+                failed = future.result().failed_local_block_ids
+                settled.failed_block_ids.update(failed)
                 if req_id in self._sync:
                     self._sync.discard(req_id)
                 else:
-                    settled.add(req_id)
-        return settled, failed
+                    settled.request_ids.add(req_id)
+                    if failed:
+                        settled.failed_request_ids.add(req_id)
+        return settled
 
     async def close(self) -> None:
         """Stop heart-beating (on the connector loop)."""

@@ -25,7 +25,6 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishedResult
@@ -46,7 +45,7 @@ from .metadata import (
     Ticket,
     WorkerHandshake,
 )
-from .pull_plan import plan_group_pulls
+from .pull_plan import RemoteMatch, cdiv, plan_group_pulls, sliding_windows_of, window_gap_groups
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
@@ -68,21 +67,6 @@ __all__ = ["KVBridgeScheduler"]
 logger = logging.getLogger(__name__)
 
 _PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True, slots=True)
-class _Match:
-    """What ``get_num_new_matched_tokens`` found for a request, until its allocation."""
-
-    holder: HolderRef
-    remote_block_ids: tuple[tuple[int, ...], ...]
-    ticket: Ticket | None  # a handoff's lease; None for a prefix found through the index
-    num_local_tokens: int
-    num_remote_tokens: int
 
 
 class KVBridgeScheduler:
@@ -113,13 +97,14 @@ class KVBridgeScheduler:
         self._take_pool_events: Any = None
         self._tickets: dict[str, RemotePrefillParams] = {}  # parsed once, at admission
         self._waiting: dict[str, Ticket] = {}  # admitted, their pull not planned yet
-        self._matches: dict[str, _Match] = {}
+        self._matches: dict[str, RemoteMatch] = {}
         self._lookups: set[str] = set()  # requests with an index lookup started
         self._meta = KVBridgeConnectorMetadata()
         self._unpublished: list[Any] = []  # this step's block events, published after forward
         self._events: list[Any] = []  # for take_events
         self._store_engine_ids: set[str] = set()
         self._hit_rule = kv_cache_config and PrefixHitRule(kv_cache_config)
+        self._sliding_windows = sliding_windows_of(kv_cache_config, num_groups)
         self._offload: OffloadPlanner | None = None
         if config.offload != "off":
             self._offload = OffloadPlanner(
@@ -193,7 +178,21 @@ class KVBridgeScheduler:
         # The last prompt token is recomputed for its logits anyway: never plan it as external
         # (a sliding-window group then keeps the block that token's window starts in).
         num_remote = min(ticket.remote_num_tokens, request.num_prompt_tokens - 1)
-        self._matches[request.request_id] = _Match(
+        num_new = max(num_remote - num_computed_tokens, 0)
+        gaps = num_new and window_gap_groups(
+            remote_block_ids=ticket.remote_block_ids, sliding_windows=self._sliding_windows,
+            num_computed_tokens=num_remote, start_block=num_computed_tokens // self.block_size,
+            block_size=self.block_size)
+        if gaps:  # D computes it itself, P releases now, and the ticket is used up
+            reason = f"P no longer holds the start of the last token's window (groups {gaps})"
+            logger.warning("request %s: %s; computing it locally", request.request_id, reason)
+            self._forget_waiting(request.request_id)
+            params["do_remote_prefill"] = False  # type: ignore[index]
+            self._meta.notices.append(ReleaseNotice(ticket=ticket_of(ticket), success=False,
+                                                    reason=reason))
+            self.stats.add("num_window_gaps")
+            return MatchedTokens(0, False)
+        self._matches[request.request_id] = RemoteMatch(
             holder=HolderRef(
                 engine_id=ticket.remote_engine_id,
                 incarnation=ticket.remote_incarnation,
@@ -205,7 +204,6 @@ class KVBridgeScheduler:
             num_local_tokens=num_computed_tokens,
             num_remote_tokens=num_remote,
         )
-        num_new = max(num_remote - num_computed_tokens, 0)
         # vLLM: no async load of zero tokens
         return MatchedTokens(num_new, self._load_async and num_new > 0)
 
@@ -240,7 +238,7 @@ class KVBridgeScheduler:
         if num_remote_tokens <= num_computed_tokens:
             return MatchedTokens(0, False)
         tier = found.holder.tier
-        self._matches[request_id] = _Match(
+        self._matches[request_id] = RemoteMatch(
             holder=HolderRef(
                 engine_id=found.holder.node_id,
                 incarnation=str(found.holder.incarnation),
@@ -286,7 +284,7 @@ class KVBridgeScheduler:
             hit_tokens = "store_hit_tokens" if match.holder.tier == "store" else "remote_hit_tokens"
             self.stats.add(hit_tokens, num_external_tokens)
         start_block = match.num_local_tokens // self.block_size
-        end_block = _cdiv(match.num_local_tokens + num_external_tokens, self.block_size)
+        end_block = cdiv(match.num_local_tokens + num_external_tokens, self.block_size)
         groups, unloadable = plan_group_pulls(
             local_block_ids=blocks.get_block_ids(),
             remote_block_ids=match.remote_block_ids,
@@ -408,7 +406,7 @@ class KVBridgeScheduler:
         if request.status not in _PRODUCER_DONE or self.worker is None:
             return RequestFinishedResult(False, None)  # aborted or failed: nothing to hand over
         num_tokens = request.num_prompt_tokens
-        num_blocks = _cdiv(num_tokens, self.block_size)
+        num_blocks = cdiv(num_tokens, self.block_size)
         held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
         grant = LeaseGrant(
             request_id=request_id,

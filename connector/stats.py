@@ -37,7 +37,9 @@ class KVTransferStats:
     ``bytes_received_same_host`` (the part of ``bytes_received`` pulled by a same-host copy,
     ``kvbridge.transport.cma``), ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens
     planned from another node's device/host blocks, or from the store tier),
-    ``num_released_leases`` (completion notices), ``num_refused_lease_tokens`` (heartbeats and
+    ``num_released_leases`` (completion notices), ``num_window_gaps`` (tickets D computed
+    itself because P had already dropped a sliding-window block D's window needs:
+    ``pull_plan.window_gap_groups``), ``num_refused_lease_tokens`` (heartbeats and
     release notices naming a lease without its ticket's token: refused, the lease untouched),
     ``num_offloaded_blocks`` / ``bytes_offloaded`` (blocks the store tier now holds from this
     node's writes), ``num_offload_failures`` (writes that failed: store unreachable or refused),
@@ -63,6 +65,7 @@ class KVTransferStats:
     num_released_leases: int = 0
     num_refused_lease_tokens: int = 0
     num_rejected_params: int = 0
+    num_window_gaps: int = 0
     num_index_lookups: int = 0
     num_index_hits: int = 0
     remote_hit_tokens: int = 0

@@ -122,6 +122,10 @@ class KVBridgeWorker:
         self._meta: KVBridgeConnectorMetadata | None = None
         self._stores_after_forward: BlockHashDelta | None = None
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        self.report_failed_recving = False
+        """Keep the failed pulls' request ids for ``take_failed_recving`` (vLLM's adapter
+        sets it for several KV cache groups; nobody else takes them)."""
 
     # ------------------------------------------------------------------ start
     def register_kv_caches(
@@ -282,8 +286,11 @@ class KVBridgeWorker:
                 elif len(self.leases) and self.config.idle_hold_wait_s > 0:
                     # a holder's idle loop yields; a lease's end is reported at once
                     self.leases.wait_for_release(self.config.idle_hold_wait_s)
-        finished_recving, failed = self.puller.pop_settled()
-        self._load_errors.update(failed)
+        settled = self.puller.pop_settled()
+        finished_recving = settled.request_ids
+        self._load_errors.update(settled.failed_block_ids)
+        if self.report_failed_recving:
+            self._failed_recving.update(settled.failed_request_ids)
         finished_sending, num_expired = self.leases.pop_finished()
         if num_expired:
             self.stats.add("num_expired_leases", num_expired)
@@ -293,6 +300,14 @@ class KVBridgeWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_recving(self) -> set[str]:
+        """The async pulls reported in ``get_finished`` since the last call whose blocks did
+        not all land (their blocks are in ``get_block_ids_with_load_errors`` too): vLLM's
+        ``failed_recving``, the only load-error report it takes with several KV cache
+        groups."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMeta:
         """The statistics since the last call."""

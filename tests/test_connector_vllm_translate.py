@@ -9,11 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kvbridge.connector import KVTransferConfigError
+from kvbridge.connector.pull_plan import window_gap_groups
 from kvbridge.connector.vllm.translate import (
     RequestView,
     blocks_first_views,
     config_from_vllm,
     kv_cache_config_from_vllm,
+    kv_cache_regions,
     kv_layout_name,
 )
 from kvbridge.kvmanager.request import RequestStatus
@@ -37,6 +39,10 @@ class FullAttentionSpec(SimpleNamespace):
 
 
 class MambaSpec(SimpleNamespace):
+    pass
+
+
+class SlidingWindowSpec(SimpleNamespace):
     pass
 
 
@@ -131,6 +137,74 @@ def test_peers_whose_cache_layouts_differ_are_refused_naming_the_layout():
     check_compatible(cpu, _metadata(kv_layout_name("cpu-attn", cache)))  # same: accepted
     with pytest.raises(HandshakeError, match="kv_layout"):
         check_compatible(cpu, other)
+
+
+def _hybrid_cache_config(window: int = 64):
+    """vLLM's hybrid allocator for four layers, sliding-window and full taking turns: two
+    groups, sliding first, sharing the block pool."""
+    geometry = dict(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                    dtype=torch.float32)
+    layer = "model.layers.{}.self_attn.attn".format
+    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+        SimpleNamespace(layer_names=[layer(0), layer(2)],
+                        kv_cache_spec=SlidingWindowSpec(**geometry, sliding_window=window)),
+        SimpleNamespace(layer_names=[layer(1), layer(3)],
+                        kv_cache_spec=FullAttentionSpec(**geometry)),
+    ])
+
+
+def test_hybrid_groups_share_tensors_and_name_their_kinds_in_the_layout():
+    """vLLM's CPU runner binds layer i of each group to one shared tensor (a block id belongs
+    to one group at a time): each layer's region is that tensor, and the layout name ends
+    with the groups' kinds; a single group's name is the one it always was."""
+    config = kv_cache_config_from_vllm(_hybrid_cache_config())
+    assert [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups] == [
+        "SlidingWindowSpec", "FullAttentionSpec"]
+    shared = [_cpu_cache(), _cpu_cache()]
+    caches = {f"model.layers.{i}.self_attn.attn": shared[i // 2] for i in range(4)}
+    regions = kv_cache_regions(caches, config, backend="cpu-attn")
+    (r0,), (r1,) = (regions.regions_by_layer[f"model.layers.{i}.self_attn.attn"] for i in (0, 1))
+    assert r0.data_ptr() == r1.data_ptr() == shared[0].data_ptr()
+    plain = kv_layout_name("cpu-attn", shared[0])
+    assert regions.kv_layout == plain + "|groups=sw64:2,full:2"
+    single = kv_cache_config_from_vllm(_vllm_cache_config())
+    one = {"model.layers.0.self_attn.attn": shared[0]}
+    assert kv_cache_regions(one, single, backend="cpu-attn").kv_layout == plain
+    other = kv_cache_regions(caches, kv_cache_config_from_vllm(_hybrid_cache_config(128)),
+                             backend="cpu-attn")
+    with pytest.raises(HandshakeError, match="kv_layout"):
+        check_compatible(_metadata(regions.kv_layout), _metadata(other.kv_layout))
+
+
+# window 64, block 32: D computing token e - 1 next keeps sliding blocks from (e - 64) // 32
+@pytest.mark.parametrize(
+    ("num_prompt_tokens", "sliding", "gaps"),
+    [
+        (300, [0] * 7 + [7, 8, 9], []),  # D needs blocks 7-9 (positions 235..298): P has them
+        (319, [0] * 8 + [8, 9], [0]),  # D needs block 7 (position 255); P dropped it
+        (320, [0] * 8 + [8, 9], []),  # D needs positions 256..318: blocks 8-9
+        (40, [1, 2], []),  # inside the window: every block, none null
+    ],
+)
+def test_window_gap_groups_finds_a_window_start_p_dropped(num_prompt_tokens, sliding, gaps):
+    n_blocks = -(-num_prompt_tokens // BLOCK_SIZE)
+    full = list(range(50, 50 + n_blocks))
+    assert window_gap_groups(
+        remote_block_ids=[sliding, full],
+        sliding_windows=[64, None],
+        num_computed_tokens=num_prompt_tokens - 1,  # the last token is recomputed on D
+        start_block=0,
+        block_size=BLOCK_SIZE,
+    ) == gaps
+
+
+def test_window_gap_groups_ignores_positions_before_a_local_hit_and_sees_full_groups():
+    # D's own prefix cache covers blocks 0-7: the null at 7 is not pulled
+    assert window_gap_groups(remote_block_ids=[[0] * 8 + [8, 9]], sliding_windows=[64],
+                             num_computed_tokens=318, start_block=8, block_size=32) == []
+    # a full-attention group needs every position: a null there is a gap too
+    assert window_gap_groups(remote_block_ids=[[1, 0, 3]], sliding_windows=[None],
+                             num_computed_tokens=90, start_block=0, block_size=32) == [0]
 
 
 class _VllmStatus(enum.Enum):

@@ -25,11 +25,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..errors import KVTransferParamsError
+from ..errors import KVTransferConfigError, KVTransferParamsError
 from ..metadata import (
     WorkerHandshake,
     decode_metadata,
@@ -96,7 +98,7 @@ class _Handshake(KVConnectorHandshakeMetadata):
         self.payload = payload
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge as a vLLM KV connector (one half per instance, chosen by ``role``).
 
     Args:
@@ -124,6 +126,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         model_name = str(vllm_config.model_config.served_model_name or "vllm")
         self.config = config_from_vllm(vllm_config.kv_transfer_config, model_name=model_name)
         self._ours = kv_cache_config_from_vllm(kv_cache_config)
+        # Several groups (vLLM's hybrid allocator): a failed pull is reported by request
+        # (``failed_recving``), since vLLM refuses block-level load errors there.
+        self._hybrid = len(self._ours.kv_cache_groups) > 1
+        if self._hybrid and self.config.load_mode == "sync":
+            raise KVTransferConfigError(
+                "kv_connector_extra_config.load_mode='sync' with several KV cache groups: vLLM "
+                "takes a failed sync load only as block ids, which it refuses for a hybrid "
+                "model; use 'async'"
+            )
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
         self._scheduler: KVBridgeScheduler | None = None
         self._worker: KVBridgeWorker | None = None
@@ -141,6 +152,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._tap = StatsTap(self._scheduler.stats)
         else:
             self._worker = KVBridgeWorker(self.config, self._ours, hash_fn_name=hash_fn_name)
+            self._worker.report_failed_recving = self._hybrid
 
     @property
     def stats(self) -> KVTransferStats:
@@ -227,10 +239,24 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """kvbridge's ``request_finished``; a request whose params were refused at admission
-        also returns ``{PARAMS_ERROR_KEY: message}`` (beside P's ticket, if it is one)."""
+        """A single-group engine's ``request_finished_all_groups`` (vLLM calls this one only
+        for a connector that is not ``SupportsHMA``; kept for callers that still do)."""
+        return self.request_finished_all_groups(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """kvbridge's ``request_finished`` with every KV cache group's blocks (vLLM's
+        ``SupportsHMA``: the hybrid allocator stays on). ``block_ids`` is one list per group,
+        by position from the request's first token; a sliding-window group's positions that
+        fell out of the window are vLLM's null block (id 0), and the ticket keeps them so
+        (``remote_block_ids`` per group, DESIGN.md step 2). A request whose params were
+        refused at admission also returns ``{PARAMS_ERROR_KEY: message}`` (beside P's
+        ticket, if it is one)."""
         self._hit_tiers.pop(request.request_id, None)  # vLLM skips the sources when not logging
-        result = self._sched().request_finished(RequestView.of(request), (list(block_ids),))
+        result = self._sched().request_finished(
+            RequestView.of(request), tuple(list(ids) for ids in block_ids)
+        )
         params = result.kv_transfer_params
         error = self._params_errors.pop(request.request_id, None)
         if error is not None:
@@ -311,8 +337,23 @@ class KVBridgeConnector(KVConnectorBase_V1):
     ) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``, plus (several KV cache groups only) the requests whose pull failed
+        as ``failed_recving``: vLLM then applies ``kv_load_failure_policy`` to the whole
+        request (``recompute``: from its first token)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._work().take_failed_recving() if self._hybrid else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().get_block_ids_with_load_errors()
+        """The blocks that did not land; with several KV cache groups none (vLLM raises on
+        them there): those requests are in ``get_transfer_results``' ``failed_recving``."""
+        errors = self._work().get_block_ids_with_load_errors()
+        return set() if self._hybrid else errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         meta = self._work().build_connector_worker_meta()

@@ -40,6 +40,7 @@ __all__ = [
     "config_from_vllm",
     "kv_cache_config_from_vllm",
     "kv_cache_regions",
+    "kv_groups_name",
     "kv_layout_name",
 ]
 
@@ -203,10 +204,12 @@ def kv_cache_regions(
     """
     first_name = config.kv_cache_groups[0].layer_names[0]
     first = kv_caches[first_name]
+    groups = kv_groups_name(config)
     if not _is_kv_split(first, config.num_blocks):
         views = blocks_first_views(kv_caches, config)
         return KVCacheRegions(
-            {name: (view,) for name, view in views.items()}, kv_layout_name(backend, first)
+            {name: (view,) for name, view in views.items()},
+            kv_layout_name(backend, first) + groups,
         )
     regions: dict[str, tuple[torch.Tensor, ...]] = {}
     first_order = None
@@ -227,7 +230,31 @@ def kv_cache_regions(
                 )
     block_shape = ",".join(str(s) for s in first.shape[2:])
     dtype = str(first.dtype).removeprefix("torch.")
-    return KVCacheRegions(regions, f"vllm:{backend}:kv_split[{block_shape}]:{first_order}:{dtype}")
+    return KVCacheRegions(
+        regions, f"vllm:{backend}:kv_split[{block_shape}]:{first_order}:{dtype}{groups}"
+    )
+
+
+def kv_groups_name(config: KVCacheConfig) -> str:
+    """The handshake's name of a hybrid node's KV cache groups, appended to its ``kv_layout``:
+    ``"|groups=sw64:2,full:2"`` (each group's attention kind, window and number of layers, in
+    group order), so that two nodes whose group ``g`` holds different layers' kinds refuse
+    each other; ``""`` for one group (the name a single-group node always had).
+
+    Several groups are vLLM's hybrid allocator, whose layers of different groups may share one
+    tensor (``KVCacheConfig.kv_cache_tensors``: one tensor per layer position, shared by a
+    layer of each group). That is safe to move per group: a block id belongs to one group at
+    a time, and a read of group ``g``'s block ``b`` moves row ``b`` of ``g``'s layers only.
+    """
+    if len(config.kv_cache_groups) < 2:
+        return ""
+    kinds = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        kind = "full" if window is None else f"sw{window}"
+        kinds.append(f"{kind}:{len(group.layer_names)}")
+    return "|groups=" + ",".join(kinds)
 
 
 def _is_kv_split(tensor: torch.Tensor, num_blocks: int) -> bool:

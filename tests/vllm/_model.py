@@ -34,6 +34,15 @@ GEOMETRY = dict(
     head_dim=32,
     max_position_embeddings=4096,  # the suite's longest prompt is about 2,000 tokens
 )
+# The hybrid variant (``hybrid=True``): four layers, sliding-window and full attention taking
+# turns (vLLM's Llama reads ``layer_types``), so vLLM's hybrid allocator makes two KV cache
+# groups, one per kind. A 64-token window is two 32-token blocks: prompts of a few hundred
+# tokens leave most of a sliding layer's blocks outside the window.
+HYBRID = dict(
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=64,
+)
 TOKENIZER_VOCAB = 1024
 # A wide initialisation makes the logits peaked, so greedy decoding does not hinge on
 # float-rounding ties between vLLM's kernels and transformers' eager attention.
@@ -49,11 +58,11 @@ _DOC_MODULES = (
 )
 
 
-def _config_key(vocab_size: int, tokenizer: bool) -> str:
-    blob = json.dumps(
-        [GEOMETRY, vocab_size, tokenizer, SEED, INITIALIZER_RANGE, TOKENIZER_VOCAB],
-        sort_keys=True,
-    )
+def _config_key(vocab_size: int, tokenizer: bool, hybrid: bool = False) -> str:
+    parts = [GEOMETRY, vocab_size, tokenizer, SEED, INITIALIZER_RANGE, TOKENIZER_VOCAB]
+    if hybrid:
+        parts.append(HYBRID)  # the plain key is the one earlier runs wrote
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -95,8 +104,9 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
 
 
 def write_tiny_llama(path: str | os.PathLike, *, vocab_size: int = 512,
-                     tokenizer: bool = False) -> Path:
-    """Write the checkpoint into ``path`` (created) and return it."""
+                     tokenizer: bool = False, hybrid: bool = False) -> Path:
+    """Write the checkpoint into ``path`` (created) and return it; ``hybrid``: the
+    sliding-window / full-attention variant (``HYBRID``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -119,7 +129,7 @@ def write_tiny_llama(path: str | os.PathLike, *, vocab_size: int = 512,
         bos_token_id=bos,
         eos_token_id=eos,
         torch_dtype="float32",
-        **GEOMETRY,
+        **{**GEOMETRY, **(HYBRID if hybrid else {})},
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
@@ -127,15 +137,17 @@ def write_tiny_llama(path: str | os.PathLike, *, vocab_size: int = 512,
     return path
 
 
-def tiny_llama(root: str | os.PathLike | None = None, *, tokenizer: bool = False) -> Path:
+def tiny_llama(root: str | os.PathLike | None = None, *, tokenizer: bool = False,
+               hybrid: bool = False) -> Path:
     """The checkpoint under ``root`` (default: the kvbridge cache), written once per config."""
     if root is None:
         cache = os.environ.get("KVBRIDGE_CACHE", os.path.expanduser("~/.cache/kvbridge-vllm"))
         root = Path(cache) / "models"
-    path = Path(root) / f"tiny-llama-{_config_key(512, tokenizer)}"
+    kind = "tiny-hybrid-llama" if hybrid else "tiny-llama"
+    path = Path(root) / f"{kind}-{_config_key(512, tokenizer, hybrid)}"
     if not (path / "model.safetensors").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        write_tiny_llama(tmp, tokenizer=tokenizer)
+        write_tiny_llama(tmp, tokenizer=tokenizer, hybrid=hybrid)
         try:
             os.rename(tmp, path)
         except OSError:  # another process got there first

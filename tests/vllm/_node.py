@@ -23,9 +23,10 @@ Then, one JSON object per line in, one out:
   both modes), counters named ``vllm:kvbridge_*``, ``vllm:external_prefix_cache_hits`` and
   ``vllm:prompt_tokens_cached_by_source:<source>`` (summed over their other labels), and the
   histogram ``vllm:kvbridge_load_time_seconds`` as ``..._count`` and ``..._sum``.
-- ``{"cmd": "state"}`` -> ``{"ok": true, "state": {"requests", "free_blocks", "num_blocks"} |
-  null}``: the scheduler's request count (held requests included) and free KV blocks
-  (in-process only).
+- ``{"cmd": "state"}`` -> ``{"ok": true, "state": {"requests", "free_blocks", "num_blocks",
+  "kv_cache_groups"} | null}``: the scheduler's request count (held requests included), free
+  KV blocks and its KV cache groups' spec kinds (``"FullAttentionSpec"``, ...; in-process
+  only).
 - ``{"cmd": "stop"}`` -> ``{"ok": true}``, then the engine is shut down and the process exits 0.
 
 Any failure of a command answers ``{"ok": false, "error", "traceback"}`` and the node goes on.
@@ -156,9 +157,11 @@ class _Engine:
         if sched is None:
             return {"state": None}
         pool = sched.kv_cache_manager.block_pool
+        groups = sched.kv_cache_config.kv_cache_groups
         return {"state": {"requests": len(sched.requests),
                           "free_blocks": pool.get_num_free_blocks(),
-                          "num_blocks": pool.num_gpu_blocks}}
+                          "num_blocks": pool.num_gpu_blocks,
+                          "kv_cache_groups": [type(g.kv_cache_spec).__name__ for g in groups]}}
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

@@ -55,3 +55,14 @@ PROMPTS: dict[str, list[int]] = {
 HANDOVER = ["t5", "t31", "t32", "t33", "t64", "t2000", "shared_a", "shared_b", "shared_c"]
 PARTIAL_PREFIX_BLOCKS = len(_PARTIAL) // BLOCK
 SHARED_PREFIX_BLOCKS = len(_SHARED) // BLOCK
+
+# The hybrid model's prompts (``test_pd_hybrid.py``, window 64 = two blocks): shorter than the
+# window, longer by far, and 319 tokens, where P's sliding-window table at finish no longer
+# holds the block in which the last prompt token's window starts (vLLM frees what the next
+# token's window leaves behind: positions 0..319-64, block 7 ends at 255 = 319 - 64).
+HYBRID_PROMPTS: dict[str, list[int]] = {
+    "h40": tokens(60, 40),
+    "h300": tokens(61, 300),
+    "h319": tokens(62, 319),
+    "h1000": tokens(63, 1000),
+}

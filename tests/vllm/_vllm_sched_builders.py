@@ -52,7 +52,12 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -60,6 +65,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 __all__ = [
     "BLOCK_SIZE",
     "NUM_BLOCKS",
+    "WINDOW",
     "Step",
     "assert_scheduler_empty",
     "connector_of",
@@ -79,15 +85,16 @@ EOS_TOKEN_ID = 2
 HASH_ALGO = "sha256"
 WORKER_HOST, WORKER_PORT = "127.0.0.1", 47001
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+WINDOW = 64  # the hybrid scheduler's sliding window (_model.HYBRID)
 
 _ids = itertools.count(1)
 
 
 def _vllm_config(
-    role: str, engine_id: str, policy: str, extra: dict[str, Any] | None
+    role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False
 ) -> VllmConfig:
     model_config = ModelConfig(
-        model=str(_model.tiny_llama()),
+        model=str(_model.tiny_llama(hybrid=hybrid)),
         dtype="float32",
         seed=0,
         skip_tokenizer_init=True,
@@ -126,22 +133,31 @@ def make_scheduler(
     engine_id: str | None = None,
     policy: str = "fail",
     extra: dict[str, Any] | None = None,
+    hybrid: bool = False,
 ) -> Scheduler:
     """A real vLLM ``Scheduler`` whose connector is ``KVBridgeConnector``'s scheduler half.
 
     The KV cache is one full-attention group of the tiny Llama's two layers (2 KV heads,
-    head size 32, float32), ``NUM_BLOCKS`` blocks of ``BLOCK_SIZE`` tokens. The worker half's
-    handshake (host, port, incarnation) is delivered the way EngineCore does at start-up.
+    head size 32, float32), ``NUM_BLOCKS`` blocks of ``BLOCK_SIZE`` tokens. ``hybrid``: the
+    hybrid Llama's two groups as vLLM's hybrid allocator makes them, sliding-window
+    (``WINDOW`` tokens; layers 0 and 2) then full attention (layers 1 and 3), sharing the
+    ``NUM_BLOCKS`` blocks. The worker half's handshake (host, port, incarnation) is
+    delivered the way EngineCore does at start-up.
     """
     engine_id = engine_id or role.removeprefix("kv_")
-    vllm_config = _vllm_config(role, engine_id, policy, extra)
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
-    )
+    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid)
+    geometry = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(**geometry))]
+    if hybrid:
+        assert not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        layer = "model.layers.{}.self_attn.attn".format
+        groups = [
+            KVCacheGroupSpec([layer(0), layer(2)],
+                             SlidingWindowSpec(**geometry, sliding_window=WINDOW)),
+            KVCacheGroupSpec([layer(1), layer(3)], FullAttentionSpec(**geometry)),
+        ]
     kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
     )
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
     scheduler = Scheduler(
@@ -229,6 +245,7 @@ def model_runner_output(
     *,
     finished_sending: Iterable[str] | None = None,
     finished_recving: Iterable[str] | None = None,
+    failed_recving: Iterable[str] | None = None,
     invalid_block_ids: Iterable[int] | None = None,
     worker_meta: Any = None,
     token_id: int = 7,
@@ -236,13 +253,13 @@ def model_runner_output(
     """What the worker would answer to ``scheduler_output``: one sampled token per scheduled
     request, and the connector's finished ids / failed blocks as given."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
-    has_kv = any(
-        x is not None for x in (finished_sending, finished_recving, invalid_block_ids, worker_meta)
-    )
+    kv = (finished_sending, finished_recving, failed_recving, invalid_block_ids, worker_meta)
+    has_kv = any(x is not None for x in kv)
     kv_output = (
         KVConnectorOutput(
             finished_sending=None if finished_sending is None else set(finished_sending),
             finished_recving=None if finished_recving is None else set(finished_recving),
+            failed_recving=set(failed_recving or ()),
             invalid_block_ids=set(invalid_block_ids or ()),
             kv_connector_worker_meta=worker_meta,
         )
@@ -318,9 +335,9 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     assert not scheduler.finished_recving_kv_req_ids
     assert not scheduler.failed_recving_kv_req_ids
     assert not scheduler._inflight_prefills
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    assert not manager.req_to_blocks, f"block tables left: {list(manager.req_to_blocks)}"
-    assert not manager.num_cached_block
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        assert not manager.req_to_blocks, f"block tables left: {list(manager.req_to_blocks)}"
+        assert not manager.num_cached_block
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)

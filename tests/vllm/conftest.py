@@ -2,6 +2,8 @@
 
 - ``tiny_llama``: the seeded tiny Llama checkpoint with its tokenizer (``_model.py``), written
   once under ``$KVBRIDGE_CACHE/models`` and reused by later runs.
+- ``tiny_hybrid_llama``: its sliding-window / full-attention variant (``_model.HYBRID``, no
+  tokenizer), for the hybrid allocator's tests.
 - ``log_dir``: where every node's log goes (a pytest temporary folder, printed on failure).
 - ``reference``: each prompt of ``_prompts.PROMPTS`` -> the greedy tokens of a single plain vLLM
   instance (no connector), decoded once per session by a node that is stopped before anything
@@ -59,6 +61,13 @@ def tiny_llama(cache_dir: Path) -> Path:
     import _model
 
     return _model.tiny_llama(cache_dir / "models", tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_llama(cache_dir: Path) -> Path:
+    import _model
+
+    return _model.tiny_llama(cache_dir / "models", hybrid=True)
 
 
 @pytest.fixture(scope="session")
