@@ -20,7 +20,11 @@ weighs on every case alike):
 - ``kvbridge_small`` / ``recompute_small``: a Llama shaped like kvbridge's ``small`` model (six
   layers, hidden 384, 6 heads over 2 KV heads of 64), whose prefill costs as much per KV byte
   as the main job's, with kvbridge and with D computing the prompt itself;
-- the CPU an idle kvbridge P engine uses (all its processes, over ``--idle-s`` seconds).
+- the CPU an idle kvbridge P engine uses (all its processes, over ``--idle-s`` seconds);
+- ``P cores`` / ``p_holding_cores``: the CPU P's processes use while D serves the prompts, from
+  P's tickets to D's last answer (a P that holds blocks for D keeps stepping: vLLM steps an
+  engine while it holds finished requests' blocks, and its multiprocess engine spins between
+  steps; on a small host that takes the cores D's forward and pulls need).
 
 Prints a table and, last, one JSON object with the ratios and their targets.
 """
@@ -176,7 +180,7 @@ def run_case(args: argparse.Namespace, name: str, connector: str, model: str,
     base = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     procs = []
-    idle_cores = None
+    idle_cores = holding_cores = None
     args = argparse.Namespace(**{**vars(args), "kvbridge_extra": json.dumps(
         {**json.loads(args.kvbridge_extra), **extra})})
     try:
@@ -187,10 +191,18 @@ def run_case(args: argparse.Namespace, name: str, connector: str, model: str,
                             {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                              "VLLM_NIXL_SIDE_CHANNEL_PORT": "5621"}))
         deadline = time.monotonic() + args.case_timeout_s
+        holding_from: tuple[float, dict[int, float]] | None = None
         while not (out / "results.json").exists():
             if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
                 raise RuntimeError(f"case {name} failed; logs in {out}")
-            time.sleep(0.2)
+            if holding_from is None and connector != "none" and (out / "tickets.json").exists():
+                holding_from = (time.monotonic(), _cpu_seconds(procs[0].pid))
+            time.sleep(0.05)
+        if holding_from is not None:  # P held the prompts' blocks while D served them
+            started, before = holding_from
+            after = _cpu_seconds(procs[0].pid)
+            holding_cores = sum(after[p] - before[p] for p in before.keys() & after.keys()) / (
+                time.monotonic() - started)
         if name == "kvbridge" and args.idle_s > 0:
             time.sleep(1.0)  # the last lease released, P idle
             idle_cores = _idle_cores(procs[0].pid, args.idle_s)
@@ -200,7 +212,8 @@ def run_case(args: argparse.Namespace, name: str, connector: str, model: str,
             print(f"{name}: D pulled {stats['num_loads']} time(s), {stats['num_failed_loads']} "
                   f"failed, transfer p50 {stats['transfer_s_p50']}, "
                   f"same-host bytes {stats['bytes_received_same_host']}", flush=True)
-        return {"results": results, "idle_cores": idle_cores, "stats": stats}
+        return {"results": results, "idle_cores": idle_cores, "holding_cores": holding_cores,
+                "stats": stats}
     finally:
         (out / "done").write_text("1")
         for proc in procs:
@@ -256,7 +269,8 @@ def main() -> int:
                                                       ("recompute_small", "small")) if r in runs}
     mismatches = 0
     medians: dict[str, float] = {}
-    print(f"\n{'case':16s} {'D TTFT p50 ms':>14s} {'min':>8s} {'max':>8s}  tokens")
+    holding_cores: dict[str, float] = {}
+    print(f"\n{'case':16s} {'D TTFT p50 ms':>14s} {'min':>8s} {'max':>8s} {'P cores':>8s}  tokens")
     for name, case_runs in runs.items():
         # prompt 0 of each round warmed D up
         ttfts = [r["ttft_s"] for run in case_runs for r in run["results"][1:]]
@@ -267,12 +281,16 @@ def main() -> int:
             for run in case_runs for a, b in zip(run["results"], ref, strict=True))
         mismatches += 0 if equal or ref is None else 1
         verdict = "n/a" if ref is None else ("equal" if equal else "DIFFER")
+        holding = [run["holding_cores"] for run in case_runs if run["holding_cores"] is not None]
+        if holding:
+            holding_cores[name] = round(statistics.median(holding), 2)
         print(f"{name:16s} {medians[name] * 1e3:14.1f} {min(ttfts) * 1e3:8.1f} "
-              f"{max(ttfts) * 1e3:8.1f}  {verdict}")
+              f"{max(ttfts) * 1e3:8.1f} {holding_cores.get(name, float('nan')):8.2f}  {verdict}")
     report: dict = {"benchmark": "vllm_pd", "prompts": args.prompts, "rounds": args.rounds,
                     "tokens": args.tokens,
                     "kvbridge_extra": json.loads(args.kvbridge_extra),
-                    "ttft_p50_s": medians, "mismatches": mismatches, "targets": TARGETS}
+                    "ttft_p50_s": medians, "p_holding_cores": holding_cores,
+                    "mismatches": mismatches, "targets": TARGETS}
     for key, (a, b) in {"kvbridge_over_nixl": ("kvbridge", "nixl"),
                         "kvbridge_over_example": ("kvbridge", "example"),
                         "kvbridge_sync_over_example": ("kvbridge_sync", "example"),
