@@ -44,12 +44,14 @@ key                          default   meaning
                                        0 never waits
 ``idle_hold_wait_s``         0.001     on a step that computes no token while this node only
                                        holds leases for pullers (nothing of its own in flight),
-                                       ``get_finished`` sleeps this long: vLLM steps a holder
-                                       without pause while it holds blocks, and on a small host
-                                       that loop takes the core the pullers' reads need (in
-                                       vLLM, D's first token of a 2,048-token handoff: 12-22 ms
-                                       with 0, 9-12 ms with 0.001); a lease's end, and a new
-                                       request, wait at most this much longer; 0: no sleep
+                                       ``get_finished`` waits up to this long: vLLM steps a
+                                       holder without pause while it holds blocks, and on a
+                                       small host that loop takes the core the pullers' reads
+                                       need (in vLLM, D's first token of a 2,048-token handoff:
+                                       12-22 ms with 0, 9-12 ms with 0.001); a completion
+                                       notice ends the wait at once (the lease's blocks are
+                                       freed in that step); a new request waits at most this
+                                       much longer; 0: no wait
 ``index_lookup_timeout_s``   0.5       a request waits at most this long (over scheduling
                                        steps, never inside one) for its index lookup, then
                                        goes on with its local prefix hit alone
