@@ -107,7 +107,9 @@ def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int]:
 
 def _ping_on_pool(pool: redis.ConnectionPool) -> object:
     """A PING sent as the index sends a lookup (``redis_direct.send``): pre-packed, on a
-    connection taken from ``pool`` and given back, the reply read with the client's parser."""
+    connection taken from ``pool`` and given back, the reply read with the client's parser
+    (the same three calls as ``redis_direct.send``, written out: benchmarks import only
+    kvbridge's public names, ``tests/test_import_graph.py``)."""
     conn = pool.get_connection()
     try:
         conn.send_packed_command((_PING,))
