@@ -17,6 +17,8 @@ weighs on every case alike):
   ``NixlConnector`` and vLLM's ``ExampleConnector`` (shared-storage files);
 - ``kvbridge_sync``: kvbridge with ``load_mode`` "sync" (the pull inside the step that
   computes the request, as ``ExampleConnector`` loads);
+- ``kvbridge_asked``: kvbridge with P's block board off (``cma_board: false``): every pull
+  waits for P's answer, as before one-sided reads (``kvbridge.transport.cma_board``);
 - ``kvbridge_small`` / ``recompute_small``: a Llama shaped like kvbridge's ``small`` model (six
   layers, hidden 384, 6 heads over 2 KV heads of 64), whose prefill costs as much per KV byte
   as the main job's, with kvbridge and with D computing the prompt itself;
@@ -211,7 +213,9 @@ def run_case(args: argparse.Namespace, name: str, connector: str, model: str,
         if stats is not None:
             print(f"{name}: D pulled {stats['num_loads']} time(s), {stats['num_failed_loads']} "
                   f"failed, transfer p50 {stats['transfer_s_p50']}, "
-                  f"same-host bytes {stats['bytes_received_same_host']}", flush=True)
+                  f"same-host bytes {stats['bytes_received_same_host']}, one-sided "
+                  f"{stats['num_one_sided_loads']} (fell back {stats['num_board_fallbacks']})",
+                  flush=True)
         return {"results": results, "idle_cores": idle_cores, "holding_cores": holding_cores,
                 "stats": stats}
     finally:
@@ -227,6 +231,7 @@ CASES = {  # name -> (connector, model, kvbridge extra config of the case)
     "reference": ("none", "tiny", {}),
     "kvbridge": ("kvbridge", "tiny", {}),
     "kvbridge_sync": ("kvbridge", "tiny", {"load_mode": "sync"}),
+    "kvbridge_asked": ("kvbridge", "tiny", {"cma_board": False}),
     "nixl": ("nixl", "tiny", {}),
     "example": ("example", "tiny", {}),
     "recompute_small": ("none", "small", {}),
@@ -294,6 +299,7 @@ def main() -> int:
     for key, (a, b) in {"kvbridge_over_nixl": ("kvbridge", "nixl"),
                         "kvbridge_over_example": ("kvbridge", "example"),
                         "kvbridge_sync_over_example": ("kvbridge_sync", "example"),
+                        "kvbridge_asked_over_example": ("kvbridge_asked", "example"),
                         "kvbridge_over_recompute_small": ("kvbridge_small",
                                                           "recompute_small")}.items():
         if a in medians and b in medians:

@@ -14,6 +14,11 @@ key                          default   meaning
                                        cross-memory attach (``process_vm_readv``, one copy;
                                        ``kvbridge.transport.cma``); false: every read over UCX;
                                        None: on unless the environment has ``KVBRIDGE_CMA=0``
+``cma_board``                true      holder side, with ``cma``: publish the blocks held under
+                                       leases on a block board in this process's memory, so that
+                                       a same-host decode node reads a handoff without a round
+                                       trip to this node (``kvbridge.transport.cma_board``);
+                                       false: every read asks this node
 ``load_timeout_s``           30.0      deadline of one remote load (decode side)
 ``load_mode``                async     ``"async"``: a pull runs over later engine steps (the request
                                        waits in ``WAITING_FOR_REMOTE_KVS``; no step waits for the
@@ -119,6 +124,7 @@ class KVTransferConfig:
     port: int = 0
     transport: str = "ucxx"
     cma: bool | None = None
+    cma_board: bool = True
     load_timeout_s: float = 30.0
     load_mode: str = "async"
     sync_load_timeout_s: float = 2.0
@@ -149,6 +155,8 @@ class KVTransferConfig:
             )
         if self.cma is not None and type(self.cma) is not bool:
             raise KVTransferConfigError(f"cma must be true, false or null, got {self.cma!r}")
+        if type(self.cma_board) is not bool:
+            raise KVTransferConfigError(f"cma_board must be true or false, got {self.cma_board!r}")
         if self.load_failure_policy not in _POLICIES:
             raise KVTransferConfigError(
                 f"load_failure_policy must be one of {_POLICIES}, got {self.load_failure_policy!r}"

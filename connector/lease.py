@@ -11,6 +11,12 @@ its ticket carries (``secrets.token_urlsafe``, made by the scheduler half); a he
 release or a read of a block the lease alone guards must present it (``token_ok``, ``covers``).
 A lease granted with the token ``""`` (tests, old tickets) accepts only ``""``.
 
+With a block board (``attach_board``; ``transport.cma_board``), the table also publishes, in
+this process's memory, the tag of every block a live lease holds (its block hash, or for the
+lease's partial last block the lease itself), so that a same-host reader can check a handoff
+without a round trip. An entry is cleared before the lease that holds its block ends, under the
+table's lock, so before ``pop_finished`` can hand the request back for its blocks to be freed.
+
 A same-host read that copies before the holder's check (``transport``: ``Read.copy_first``)
 pins its lease (``pin``): until it unpins, or the pin's own end passes, the lease neither
 expires nor ends by a release (deferred to the last unpin), so its blocks stay as they were
@@ -30,6 +36,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from kvbridge.transport import BlockBoard, full_block_tag, lease_block_tag
 
 __all__ = ["LeaseTable"]
 
@@ -89,6 +97,36 @@ class LeaseTable:
         self._num_released = 0
         self._lock = threading.Lock()
         self._released_cond = threading.Condition(self._lock)  # notified by ``_end``
+        self._board: BlockBoard | None = None
+
+    def attach_board(self, board: BlockBoard | None) -> None:
+        """Publish held blocks on ``board`` from now on (module docstring); call before the
+        first ``grant``. Raises RuntimeError when leases are already held."""
+        with self._lock:
+            if self._leases:
+                raise RuntimeError("attach_board after leases were granted")
+            self._board = board
+
+    def _publish(self, group_id: int, block_id: int) -> None:
+        """Bring the board's entry of one block in line with the leases holding it (under the
+        lock): their common tag, or cleared when none holds it or they disagree."""
+        board = self._board
+        if board is None:
+            return
+        tags = set()
+        for request_id in self._block_to_leases.get((group_id, block_id), ()):
+            lease = self._leases[request_id]
+            pos = lease.positions[group_id][block_id]
+            if pos < len(lease.block_hashes):
+                tags.add(full_block_tag(lease.block_hashes[pos]))
+            else:
+                tags.add(lease_block_tag(request_id, lease.token))
+        tag = tags.pop() if len(tags) == 1 else None
+        try:
+            if board.tag(group_id, block_id) != tag:
+                board.set(group_id, block_id, tag)
+        except IndexError:
+            pass  # a block outside the board is never published, so never read one-sided
 
     def grant(
         self,
@@ -116,6 +154,7 @@ class LeaseTable:
             for group_id, group_positions in enumerate(positions):
                 for block_id in group_positions:
                     self._block_to_leases.setdefault((group_id, block_id), set()).add(request_id)
+                    self._publish(group_id, block_id)
             return expires_at
 
     def _end(self, request_id: str) -> None:
@@ -134,6 +173,7 @@ class LeaseTable:
                         ids.discard(request_id)
                         if not ids:
                             del self._block_to_leases[(group_id, block_id)]
+                    self._publish(group_id, block_id)
         return lease
 
     def covers_hash(self, group_id: int, block_id: int, expected: bytes) -> bool:

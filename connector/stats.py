@@ -35,7 +35,10 @@ class KVTransferStats:
     land), ``num_expired_leases`` (blocks held for a puller that never came back),
     ``num_index_lookups`` / ``num_index_hits`` (cross-node prefix lookups and pulls they started),
     ``bytes_received_same_host`` (the part of ``bytes_received`` pulled by a same-host copy,
-    ``kvbridge.transport.cma``), ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens
+    ``kvbridge.transport.cma``), ``num_one_sided_loads`` / ``num_board_fallbacks`` (same-host
+    handoff pulls checked on the holder's block board alone, and those the board did not vouch
+    for, which then asked the holder: ``kvbridge.transport.cma_board``),
+    ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens
     planned from another node's device/host blocks, or from the store tier),
     ``num_released_leases`` (completion notices), ``num_window_gaps`` (tickets D computed
     itself because P had already dropped a sliding-window block D's window needs:
@@ -56,6 +59,8 @@ class KVTransferStats:
 
     bytes_received: int = 0
     bytes_received_same_host: int = 0
+    num_one_sided_loads: int = 0
+    num_board_fallbacks: int = 0
     bytes_sent: int = 0
     num_loads: int = 0
     num_failed_loads: int = 0

@@ -123,6 +123,7 @@ class KVBridgeWorker:
         self._stores_after_forward: BlockHashDelta | None = None
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
+        self._board_counts_seen = (0, 0)  # transport.board_counts moved into stats so far
         self.report_failed_recving = False
         """Keep the failed pulls' request ids for ``take_failed_recving`` (vLLM's adapter
         sets it for several KV cache groups; nobody else takes them)."""
@@ -171,6 +172,7 @@ class KVBridgeWorker:
         if self.offload_sender is not None:
             self.offload_sender.bind(by_group, metadata.compat_hash)
         transport = self._make_transport(metadata, by_group)
+        self.leases.attach_board(transport.block_board)
         checks = HolderChecks(
             leases=self.leases,
             hashes=self.hashes,
@@ -216,6 +218,7 @@ class KVBridgeWorker:
             host=config.host,
             port=config.port,
             cma=config.cma,
+            cma_board=config.cma_board,
             auth_key=config.auth_key_bytes(),
         )
 
@@ -311,12 +314,27 @@ class KVBridgeWorker:
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMeta:
         """The statistics since the last call."""
+        self._count_board_reads()
         outcomes = [] if self.offload_sender is None else self.offload_sender.take_outcomes()
         counters, transfer_s, queue_s = self.stats.take_report()
         return KVBridgeWorkerMeta(
             stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s),
             offload_outcomes=[tuple(outcome) for outcome in outcomes],
         )
+
+    def _count_board_reads(self) -> None:
+        """Move the transport's one-sided read counts (kept on its loop thread; ints, read
+        whole) into ``stats``."""
+        counts = getattr(self.transport, "board_counts", None)
+        if counts is None:
+            return
+        one_sided, fallbacks = counts.one_sided, counts.fallbacks
+        seen_one_sided, seen_fallbacks = self._board_counts_seen
+        if one_sided > seen_one_sided:
+            self.stats.add("num_one_sided_loads", one_sided - seen_one_sided)
+        if fallbacks > seen_fallbacks:
+            self.stats.add("num_board_fallbacks", fallbacks - seen_fallbacks)
+        self._board_counts_seen = (one_sided, fallbacks)
 
     def get_handshake_metadata(self) -> WorkerHandshake | None:
         """The transport's identity and address once ``register_kv_caches`` started it."""

@@ -65,7 +65,7 @@ def test_unknown_outer_key_is_refused():
 )
 def test_kvbridge_cma_environment_values(monkeypatch, value, on):
     pytest.importorskip("ucxx")
-    from kvbridge.transport.ucxx_transport import cma_from_environment
+    from kvbridge.transport.cma import cma_from_environment
 
     monkeypatch.setenv("KVBRIDGE_CMA", value)
     assert cma_from_environment() is on

@@ -94,12 +94,18 @@ def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid, path):
             assert output.num_cached_tokens == num_tokens - 1  # the last token is recomputed
         transport = d.runner.connector.worker_half.transport
         assert {transport.peer_data_path(peer) for peer in transport._conns} == {path}
+        # Every same-host pull is checked on P's block board alone (P granted the lease before
+        # answering, and nothing changes P's blocks meanwhile), none falls back to asking P.
+        one_sided = 4 if path == "cma" else 0
+        counts = transport.board_counts
+        assert (counts.one_sided, counts.fallbacks) == (one_sided, 0)
         stats = d.scheduler.connector.stats.snapshot()
         # The 1-token prompt has nothing to pull (D only tells P to release); 4 pulls landed.
         assert (stats["num_loads"], stats["num_failed_loads"]) == (4, 0)
         assert stats["bytes_received"] > 0
         same_host = stats["bytes_received"] if path == "cma" else 0
         assert stats["bytes_received_same_host"] == same_host
+        assert (stats["num_one_sided_loads"], stats["num_board_fallbacks"]) == (one_sided, 0)
         assert_node_empty(d)
         # (3) Every completion notice reached P: it ends with nothing held, every block free.
         parent.send(("stop",))

@@ -22,6 +22,7 @@ from .base import (
     TransferDoneNotice,
     Transport,
 )
+from .cma_board import BlockBoard, BoardCounts, full_block_tag, lease_block_tag
 from .errors import (
     HandshakeError,
     TransferCancelledError,
@@ -47,7 +48,9 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "KV_LAYOUT_NAME",
     "WIRE_VERSION",
+    "BlockBoard",
     "BlockValidator",
+    "BoardCounts",
     "GroupRead",
     "HandshakeError",
     "HeartbeatCallback",
@@ -70,4 +73,6 @@ __all__ = [
     "UcxxTransport",
     "WireError",
     "check_compatible",
+    "full_block_tag",
+    "lease_block_tag",
 ]

@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import torch
 
+from .cma_board import BlockBoard
 from .metadata import NodeMetadata
 from .wire import LeaseRef, TransferDoneNotice
 
@@ -187,6 +188,9 @@ class Transport(abc.ABC):
 
     metadata: NodeMetadata
     callbacks: HolderCallbacks
+    block_board: BlockBoard | None = None
+    """Where this holder publishes its leased blocks for one-sided same-host reads
+    (``cma_board``; the lease table writes it), or None when it offers none."""
 
     @property
     def engine_id(self) -> str:

@@ -116,15 +116,30 @@ def host_id() -> str:
         return ""
 
 
+def cma_from_environment() -> bool:
+    """Same-host reads unless ``KVBRIDGE_CMA`` says ``0``, ``false``, ``off`` or ``no``."""
+    return os.environ.get("KVBRIDGE_CMA", "1").strip().lower() not in {"0", "false", "off", "no"}
+
+
 def available() -> bool:
     """Whether this process can make ``process_vm_readv`` calls at all."""
     return _process_vm_readv is not None and bool(host_id())
 
 
 class CmaHost:
-    """Holder side: the offer, and the probe buffer it points to (kept alive here)."""
+    """Holder side: the offer, and the probe buffer it points to (kept alive here).
 
-    def __init__(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]]):
+    Args:
+        kv_caches_by_group: the holder's ``[group][layer]`` KV tensors.
+        board_address: the holder's block board (``cma_board.BlockBoard``, kept alive by the
+            caller), or None to offer none.
+    """
+
+    def __init__(
+        self,
+        kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+        board_address: int | None = None,
+    ):
         self._probe = ctypes.create_string_buffer(os.urandom(PROBE_BYTES), PROBE_BYTES)
         self._offer = CmaOffer(
             host_id=host_id(),
@@ -132,6 +147,7 @@ class CmaHost:
             probe_address=ctypes.addressof(self._probe),
             probe=self._probe.raw,
             regions=[[int(t.data_ptr()) for t in caches] for caches in kv_caches_by_group],
+            board_address=board_address,
         )
 
     @property
@@ -145,11 +161,15 @@ class CmaHost:
         return self._offer
 
     @classmethod
-    def for_caches(cls, kv_caches_by_group: Sequence[Sequence[torch.Tensor]]) -> CmaHost | None:
+    def for_caches(
+        cls,
+        kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+        board_address: int | None = None,
+    ) -> CmaHost | None:
         """A host for these KV tensors, or None when they are not all in host memory or this
         system has no ``process_vm_readv``."""
         on_host = all(t.device.type == "cpu" for caches in kv_caches_by_group for t in caches)
-        return cls(kv_caches_by_group) if on_host and available() else None
+        return cls(kv_caches_by_group, board_address) if on_host and available() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,13 +363,24 @@ def _copy_part(
         by_bytes = int(np.searchsorted(ends, copied + MAX_BYTES_PER_CALL, side="right"))
         stop_row = max(start + 1, min(len(local), start + IOV_MAX, by_bytes))
         want = int(ends[stop_row - 1]) - copied
-        count = stop_row - start
-        local_iov = local[start:stop_row].ctypes.data
-        remote_iov = remote[start:stop_row].ctypes.data
-        got = _process_vm_readv(pid, local_iov, count, remote_iov, count, 0)
-        if got != want:
-            raise _read_error(got, want, f"ranges {start}..{stop_row - 1}")
+        rows = slice(start, stop_row)
+        read_ranges(pid, local[rows], remote[rows], want, f"ranges {start}..{stop_row - 1}")
         start, copied = stop_row, copied + want
+
+
+def read_ranges(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int, what: str) -> None:
+    """One ``process_vm_readv`` call: the ``(address, length)`` rows of ``remote`` in process
+    ``pid`` into those of ``local`` (C-contiguous ``uint64`` ``[n, 2]``, at most ``IOV_MAX``
+    rows, ``nbytes`` in all). Runs on any thread; ctypes releases the GIL for the call.
+
+    Raises:
+        CmaReadError: the call failed or copied short (``what`` names the ranges).
+    """
+    assert _process_vm_readv is not None
+    count = len(local)
+    got = _process_vm_readv(pid, local.ctypes.data, count, remote.ctypes.data, count, 0)
+    if got != nbytes:
+        raise _read_error(got, nbytes, what)
 
 
 def _read_error(got: int, want: int, what: str) -> CmaReadError:

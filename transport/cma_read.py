@@ -29,6 +29,12 @@ copy, on the same host's monotonic clock) read unchanged blocks whether the chec
 the copy or after it. A refused block's bytes did land
 in this node's own block; it counts as failed.
 
+With a holder that offers a block board (``CmaOffer.board_address``), a ``copy_first`` read
+first tries without the holder at all (``cma_board``): it checks the board, copies, and checks
+the board again; only when a check does not pass does it send the ``Read`` as above::
+
+    board entries match? ──> copy every block ──> probe ──> board unchanged? ──> landed
+
 A copy that fails on memory the kernel will not read (not a holder that is gone) adds the
 holder's incarnation to ``unreadable_incarnations``: its later connections go over UCX.
 """
@@ -39,12 +45,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import msgspec
 import torch
 
 from .base import ReadResult
 from .cma import CmaPeer, CmaPlan, CmaReadError
+from .cma_board import BoardCheck, BoardCounts, full_block_tag, lease_block_tag
 from .control import HolderConnection
 from .errors import TransferError, TransportError
 from .metadata import NodeMetadata
@@ -67,6 +75,7 @@ class CmaReadPath(ReadPath):
         unreadable_incarnations: incarnations of holders whose memory could not be read; this
             read adds its holder's when that happens (mutated).
         on_batch: runs before every copy call (tests interleave failures with it).
+        board_counts: the transport's count of one-sided reads and fallbacks (mutated).
     """
 
     name = "cma"
@@ -83,6 +92,7 @@ class CmaReadPath(ReadPath):
         kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
         unreadable_incarnations: set[str],
         on_batch: Callable[[], None] | None = None,
+        board_counts: BoardCounts | None = None,
     ):
         assert isinstance(conn.cma, CmaPeer)
         copy_first = read.lease is not None and all(
@@ -97,6 +107,7 @@ class CmaReadPath(ReadPath):
         self._unreadable = unreadable_incarnations
         self._on_batch = on_batch
         self._plan: CmaPlan | None = None
+        self._board_counts = board_counts if board_counts is not None else BoardCounts()
 
     def _before_reply(self) -> None:
         self._plan = self._make_plan(None)  # while the holder checks the read
@@ -108,6 +119,11 @@ class CmaReadPath(ReadPath):
     ) -> ReadResult:
         if not self.read.copy_first:
             return await super()._exchange(reply_future, done_future)
+        if self._peer.offer.board_address is not None:
+            if await self._one_sided():
+                self._board_counts.one_sided += 1
+                return self.state.result()
+            self._board_counts.fallbacks += 1
         read, state = self.read, self.state
         try:
             await self.conn.send(read)
@@ -133,6 +149,63 @@ class CmaReadPath(ReadPath):
                 raise state.error(TransferError, str(exc)) from None
             raise
 
+    async def _one_sided(self) -> bool:
+        """The read checked on the holder's board alone (module docstring). True: every block
+        landed and ``state`` says so; False: nothing counted (bytes may have been written into
+        this read's own local blocks), ask the holder.
+
+        Raises:
+            TransferError: the holder is gone, or its memory could not be copied.
+        """
+        read, state, peer = self.read, self.state, self._peer
+        lease = read.lease
+        assert lease is not None and peer.offer.board_address is not None  # copy_first
+        partial_tag = lease_block_tag(lease.request_id, lease.token)
+        check = BoardCheck(
+            peer.offer.pid,
+            peer.offer.board_address,
+            [group.num_blocks for group in self.conn.remote.groups],
+            [
+                (
+                    group.group_id,
+                    group.block_ids,
+                    [full_block_tag(h) if h else partial_tag for h in group.expected_hashes or ()],
+                )
+                for group in read.groups
+            ],
+        )
+        try:
+            if not check.before_copy():
+                return False
+            self._plan = self._make_plan(None)
+            await peer.copy(self._plan, self._on_batch)
+            if peer.read_probe() != peer.offer.probe:
+                raise CmaReadError("the holder's probe changed: another process has its pid")
+            if not check.after_copy():
+                return False
+        except CmaReadError as exc:
+            self._copy_failed(exc)
+        for entry, group in enumerate(read.groups):
+            state.landed[entry].update(range(len(group.block_ids)))
+        state.num_bytes_landed += self._plan.nbytes
+        state.confirmed = True
+        return True
+
+    def _copy_failed(self, exc: CmaReadError) -> NoReturn:
+        """Raise the read's ``TransferError`` for a failed copy; a holder whose memory is
+        unreadable (not gone) is read over UCX from now on."""
+        remote = self.conn.remote
+        if exc.errno_name != "ESRCH":  # not "the holder is gone": its memory is unreadable
+            logger.warning(
+                "same-host copy from %s failed (%s); its reads go over UCX from now on",
+                remote.engine_id,
+                exc,
+            )
+            self._unreadable.add(remote.incarnation)
+        raise self.state.error(
+            TransferError, f"same-host copy from {remote.engine_id!r} failed: {exc}"
+        ) from None
+
     async def _land(self, good: list[list[int]]) -> None:
         """Copy the ``good`` blocks, then re-read the holder's probe. Mutates ``state`` (landed,
         bytes) only once every block of ``good`` is in.
@@ -143,22 +216,13 @@ class CmaReadPath(ReadPath):
         plan = self._plan
         if plan is None or any(self.state.mismatched):
             plan = self._make_plan(good)
-        peer, remote = self._peer, self.conn.remote
+        peer = self._peer
         try:
             await peer.copy(plan, self._on_batch)
             if peer.read_probe() != peer.offer.probe:
                 raise CmaReadError("the holder's probe changed: another process has its pid")
         except CmaReadError as exc:
-            if exc.errno_name != "ESRCH":  # not "the holder is gone": its memory is unreadable
-                logger.warning(
-                    "same-host copy from %s failed (%s); its reads go over UCX from now on",
-                    remote.engine_id,
-                    exc,
-                )
-                self._unreadable.add(remote.incarnation)
-            raise self.state.error(
-                TransferError, f"same-host copy from {remote.engine_id!r} failed: {exc}"
-            ) from None
+            self._copy_failed(exc)
         for entry, positions in enumerate(good):
             self.state.landed[entry].update(positions)
         self.state.num_bytes_landed += plan.nbytes

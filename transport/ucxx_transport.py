@@ -48,7 +48,8 @@ from .base import (
     Transport,
     check_kv_caches_match,
 )
-from .cma import CmaHost, CmaPeer
+from .cma import CmaPeer, cma_from_environment
+from .cma_board import BoardCounts, offer_same_host_reads
 from .cma_read import CmaReadPath
 from .control import HolderConnection, read_frame, write_message
 from .errors import HandshakeError, TransferError, TransportError, WireError
@@ -110,11 +111,6 @@ def init_ucx(progress_mode: str | None = None) -> None:
         ucxx.init(options=dict(UCX_OPTIONS), progress_mode=mode)
 
 
-def cma_from_environment() -> bool:
-    """Same-host reads unless ``KVBRIDGE_CMA`` says ``0``, ``false``, ``off`` or ``no``."""
-    return os.environ.get("KVBRIDGE_CMA", "1").strip().lower() not in {"0", "false", "off", "no"}
-
-
 def current_progress_mode() -> str:
     """The progress mode ucxx runs in (whoever initialised it first decided)."""
     return str(ucxx.core._get_ctx().progress_mode)
@@ -134,6 +130,8 @@ class UcxxTransport(Transport):
         cma: same-host reads by cross-memory attach (``cma``): offered to peers and used with
             peers that offer them. None (default): on unless the environment variable
             ``KVBRIDGE_CMA`` is ``0``. Off, every read goes over UCX.
+        cma_board: with ``cma``, offer a block board (``cma_board``; ``block_board``, written
+            by the caller's lease table) for one-sided handoff reads.
         auth_key: the cluster key (``auth``; at least ``MIN_KEY_BYTES``): peers must prove it
             at handshake and this node proves it to the holders it reads from. None: no
             authentication (anyone who reaches the port is served).
@@ -150,6 +148,7 @@ class UcxxTransport(Transport):
         window: int = 4,
         progress_mode: str | None = None,
         cma: bool | None = None,
+        cma_board: bool = True,
         auth_key: bytes | None = None,
     ):
         check_kv_caches_match(metadata, kv_caches_by_group)
@@ -171,9 +170,12 @@ class UcxxTransport(Transport):
         )
         self.cma_enabled = cma_from_environment() if cma is None else cma
         if self.cma_enabled:
-            self._holder.cma_host = CmaHost.for_caches(self.kv_caches_by_group)
+            self._holder.cma_host, self.block_board = offer_same_host_reads(
+                self.kv_caches_by_group, board=cma_board
+            )
         self._cma_on_batch: Callable[[], None] | None = None  # tests: runs before each copy call
         self._cma_failed: set[str] = set()  # incarnations whose memory a copy could not read
+        self.board_counts = BoardCounts()  # this node's one-sided handoff reads (cma_board)
         self._conns: dict[PeerAddress, HolderConnection] = {}
         self._connect_locks: dict[PeerAddress, asyncio.Lock] = {}
         self._reads: dict[int, ReadState] = {}
@@ -426,6 +428,7 @@ class UcxxTransport(Transport):
                 kv_caches_by_group=self.kv_caches_by_group,
                 unreadable_incarnations=self._cma_failed,
                 on_batch=self._cma_on_batch,
+                board_counts=self.board_counts,
             )
         return UcxReadPath(
             conn,

@@ -146,6 +146,9 @@ class CmaOffer(msgspec.Struct, frozen=True, kw_only=True):
         probe_address, probe: a live 16-byte buffer in the holder and its content.
         regions: ``[group][layer]`` address of each KV tensor's first byte
             (``[num_blocks, *block_shape]``, contiguous, as ``NodeMetadata`` describes).
+        board_address: the holder's block board (``cma_board``: one entry per block of each
+            group, ``NodeMetadata``'s ``num_blocks``), which lets a handoff read skip the
+            holder's round trip; None: no board (every read asks the holder).
     """
 
     host_id: ShortText
@@ -153,6 +156,7 @@ class CmaOffer(msgspec.Struct, frozen=True, kw_only=True):
     probe_address: Address
     probe: Probe
     regions: AddressesByGroup
+    board_address: Address | None = None
 
 
 def _check_compat_hash(metadata: NodeMetadata, compat_hash: str) -> None:

@@ -103,6 +103,14 @@ def test_d_decodes_single_instance_tokens(pair, reference):
         same_host = _delta(after, before, "bytes_received_same_host")
         assert received > 0
         assert same_host == (received if pair.cma else 0)
+        # same-host pulls are checked on P's block board alone; one whose lease P's worker
+        # had not yet been handed (its next step) asks P instead
+        one_sided = _delta(after, before, "num_one_sided_loads")
+        asked = _delta(after, before, "num_board_fallbacks")
+        if pair.cma:
+            assert one_sided >= 1 and one_sided + asked == _delta(after, before, "num_loads")
+        else:
+            assert one_sided == asked == 0
     p_state = pair.p.wait_drained()
     if p_state is not None:
         assert p_state["requests"] == 0, p_state
