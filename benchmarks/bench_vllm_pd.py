@@ -15,10 +15,12 @@ case, and each figure is the median over every round, so a host that drifts duri
 weighs on every case alike):
 - ``kvbridge`` / ``nixl`` / ``example``: the tiny Llama with kvbridge's connector, vLLM's
   ``NixlConnector`` and vLLM's ``ExampleConnector`` (shared-storage files);
-- ``kvbridge_sync``: kvbridge with ``load_mode`` "sync" (the pull inside the step that
-  computes the request, as ``ExampleConnector`` loads);
+- ``kvbridge`` runs the defaults (``load_mode`` "auto": a handoff D reads one-sided from P's
+  block board loads inside the step that computes it); ``kvbridge_async`` / ``kvbridge_sync``:
+  every pull over later steps / inside the step (as ``ExampleConnector`` loads);
 - ``kvbridge_asked``: kvbridge with P's block board off (``cma_board: false``): every pull
-  waits for P's answer, as before one-sided reads (``kvbridge.transport.cma_board``);
+  waits for P's answer and runs over later steps, as before one-sided reads
+  (``kvbridge.transport.cma_board``);
 - ``kvbridge_small`` / ``recompute_small``: a Llama shaped like kvbridge's ``small`` model (six
   layers, hidden 384, 6 heads over 2 KV heads of 64), whose prefill costs as much per KV byte
   as the main job's, with kvbridge and with D computing the prompt itself;
@@ -214,7 +216,8 @@ def run_case(args: argparse.Namespace, name: str, connector: str, model: str,
             print(f"{name}: D pulled {stats['num_loads']} time(s), {stats['num_failed_loads']} "
                   f"failed, transfer p50 {stats['transfer_s_p50']}, "
                   f"same-host bytes {stats['bytes_received_same_host']}, one-sided "
-                  f"{stats['num_one_sided_loads']} (fell back {stats['num_board_fallbacks']})",
+                  f"{stats['num_one_sided_loads']} (fell back {stats['num_board_fallbacks']}), "
+                  f"in the step {stats['num_sync_loads']}",
                   flush=True)
         return {"results": results, "idle_cores": idle_cores, "holding_cores": holding_cores,
                 "stats": stats}
@@ -230,6 +233,7 @@ def run_case(args: argparse.Namespace, name: str, connector: str, model: str,
 CASES = {  # name -> (connector, model, kvbridge extra config of the case)
     "reference": ("none", "tiny", {}),
     "kvbridge": ("kvbridge", "tiny", {}),
+    "kvbridge_async": ("kvbridge", "tiny", {"load_mode": "async"}),
     "kvbridge_sync": ("kvbridge", "tiny", {"load_mode": "sync"}),
     "kvbridge_asked": ("kvbridge", "tiny", {"cma_board": False}),
     "nixl": ("nixl", "tiny", {}),
@@ -300,6 +304,7 @@ def main() -> int:
                         "kvbridge_over_example": ("kvbridge", "example"),
                         "kvbridge_sync_over_example": ("kvbridge_sync", "example"),
                         "kvbridge_asked_over_example": ("kvbridge_asked", "example"),
+                        "kvbridge_async_over_example": ("kvbridge_async", "example"),
                         "kvbridge_over_recompute_small": ("kvbridge_small",
                                                           "recompute_small")}.items():
         if a in medians and b in medians:

@@ -20,14 +20,18 @@ key                          default   meaning
                                        trip to this node (``kvbridge.transport.cma_board``);
                                        false: every read asks this node
 ``load_timeout_s``           30.0      deadline of one remote load (decode side)
-``load_mode``                async     ``"async"``: a pull runs over later engine steps (the request
+``load_mode``                auto      ``"async"``: a pull runs over later engine steps (the request
                                        waits in ``WAITING_FOR_REMOTE_KVS``; no step waits for the
                                        network). ``"sync"``: the pull runs inside the step that
                                        computes the request (vLLM's synchronous external load,
                                        as its ``ExampleConnector`` and LMCache do): the first
                                        token comes one step sooner, but that step's forward,
                                        and so every request batched with it, waits for the
-                                       pull, at most ``sync_load_timeout_s``
+                                       pull, at most ``sync_load_timeout_s``. ``"auto"``: sync
+                                       for a handoff the worker half reads one-sided from a
+                                       same-host holder's block board (a memory copy of at most
+                                       ``AUTO_SYNC_MAX_BYTES``, no network wait), async for
+                                       every other pull and for several KV cache groups
 ``sync_load_timeout_s``      2.0       deadline of one pull under ``load_mode`` ``"sync"``
 ``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
                                        a heartbeat
@@ -101,7 +105,11 @@ __all__ = ["KVTransferConfig"]
 _TRANSPORTS = ("ucxx", "loopback")
 _POLICIES = ("recompute", "fail")
 _OFFLOAD = ("off", "evict", "write_through")
-_LOAD_MODES = ("async", "sync")
+_LOAD_MODES = ("auto", "async", "sync")
+AUTO_SYNC_MAX_BYTES = 4 << 20
+"""``load_mode`` ``"auto"`` loads a one-sided handoff of at most this many KV bytes inside the
+step (``kvbridge.transport.cma.INLINE_COPY_MAX_BYTES``: the worker thread copies that much in
+about 0.3 ms here); a larger one runs over later steps."""
 _OUTER_KEYS = frozenset(
     {
         "kv_connector",
@@ -126,7 +134,7 @@ class KVTransferConfig:
     cma: bool | None = None
     cma_board: bool = True
     load_timeout_s: float = 30.0
-    load_mode: str = "async"
+    load_mode: str = "auto"
     sync_load_timeout_s: float = 2.0
     lease_s: float = 30.0
     heartbeat_interval_s: float = 2.0

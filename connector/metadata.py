@@ -185,12 +185,15 @@ class StatsDelta(msgspec.Struct, kw_only=True):
 
 class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     """What the worker half reports each step besides finished ids and load errors: its
-    statistics since its last report, and what became of the offload items it was given
-    (``store.offload_items.OffloadOutcome`` records)."""
+    statistics since its last report, what became of the offload items it was given
+    (``store.offload_items.OffloadOutcome`` records), and, when they changed, the holders
+    (engine id, incarnation) it can read handoffs from one-sided
+    (``Transport.one_sided_holders``; None: unchanged), for ``load_mode`` ``"auto"``."""
 
     version: int = METADATA_SCHEMA_VERSION
     stats: StatsDelta = msgspec.field(default_factory=StatsDelta)
     offload_outcomes: list[tuple[int, bytes, bool]] = msgspec.field(default_factory=list)
+    one_sided_holders: list[tuple[str, str]] | None = None
 
 
 class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):

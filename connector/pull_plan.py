@@ -52,6 +52,9 @@ class RemoteMatch:
     ticket: Ticket | None  # a handoff's lease; None for a prefix found through the index
     num_local_tokens: int
     num_remote_tokens: int
+    load_async: bool = True  # what get_num_new_matched_tokens told the scheduler
+
+
 NO_HASH = b""
 """Expected value of a position without a hash (the partial last block). A pull under a
 handoff's lease presents that lease in its own field (``PullPlan.lease`` -> ``Read.lease``), and

@@ -164,13 +164,47 @@ class Puller:
         )
 
     def submit(self, transport: Transport, plan: PullPlan) -> None:
-        """Start pulling ``plan`` (returns at once). Raises RuntimeError if that request
-        already has a pull in flight."""
+        """Start pulling ``plan``: a handoff the transport can read one-sided from a holder it
+        knows lands here and now (``_pull_here``); any other pull starts on the connector loop
+        (returns at once). Raises RuntimeError if that request already has a pull in flight."""
         if plan.request_id in self._inflight:
             raise RuntimeError(f"request {plan.request_id!r} already has a pull in flight")
-        self._inflight[plan.request_id] = get_loop_thread().submit(self._pull(transport, plan))
+        outcome = self._pull_here(transport, plan)
+        if outcome is not None:
+            landed: Future[PullOutcome] = Future()
+            landed.set_result(outcome)
+            self._inflight[plan.request_id] = landed
+        else:
+            self._inflight[plan.request_id] = get_loop_thread().submit(
+                self._pull(transport, plan)
+            )
         if plan.sync:
             self._sync.add(plan.request_id)
+
+    def _pull_here(self, transport: Transport, plan: PullPlan) -> PullOutcome | None:
+        """A handoff read on the calling (worker) thread, checked on the holder's block board
+        alone (``Transport.read_one_sided``): no hop to the connector loop and back, so the
+        request is reported by this step's ``get_finished``. None: the pull must go through
+        ``_pull`` (nothing counted)."""
+        if plan.lease is None or plan.unloadable_block_ids:
+            return None
+        holder = plan.holder
+        started = time.monotonic()
+        result = transport.read_one_sided(
+            PeerAddress(holder.host, holder.port),
+            plan.request_id,
+            [g for g in plan.groups if g.local_block_ids],
+            lease=plan.lease.lease_ref(),
+            incarnation=holder.incarnation,
+        )
+        if result is None:
+            return None
+        self._record(plan, started, set(), result.num_bytes_landed, None)
+        self.stats.add("bytes_received_same_host", result.num_bytes_landed)
+        # the holder may free its blocks now
+        notice = ReleaseNotice(ticket=plan.lease, success=True, reason="")
+        get_loop_thread().submit(send_notice(transport, notice))
+        return PullOutcome(plan.request_id, (), result.num_bytes_landed, None)
 
     def wait_settled(self, request_ids: list[str]) -> None:
         """Block the calling (worker) thread until the pulls of ``request_ids`` settled (landed

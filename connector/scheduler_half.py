@@ -35,6 +35,7 @@ from .block_events import hash_delta_of
 from .config import KVTransferConfig
 from .errors import KVTransferParamsError
 from .index import IndexClient, IndexNamespace, RemotePrefix, open_index
+from .load_mode import LoadModePolicy
 from .metadata import (
     HolderRef,
     KVBridgeConnectorMetadata,
@@ -89,8 +90,10 @@ class KVBridgeScheduler:
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
         self.stats = KVTransferStats()
-        # "sync": a pull runs inside the step that computes its request (config.load_mode)
-        self._load_async = config.load_mode == "async"
+        # "sync": a pull runs inside the step that computes its request (config.load_mode);
+        # "auto": only a one-sided handoff does (``LoadModePolicy``), the rest are async
+        self._load_async = config.load_mode != "sync"
+        self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
         self.worker: WorkerHandshake | None = None
         self.index_client: IndexClient | None = None
         self._block_pool: BlockPool | None = None
@@ -192,20 +195,17 @@ class KVBridgeScheduler:
                                                     reason=reason))
             self.stats.add("num_window_gaps")
             return MatchedTokens(0, False)
-        self._matches[request.request_id] = RemoteMatch(
-            holder=HolderRef(
-                engine_id=ticket.remote_engine_id,
-                incarnation=ticket.remote_incarnation,
-                host=ticket.remote_host,
-                port=ticket.remote_port,
-            ),
-            remote_block_ids=ticket.remote_block_ids,
-            ticket=ticket_of(ticket),
-            num_local_tokens=num_computed_tokens,
-            num_remote_tokens=num_remote,
-        )
+        holder = HolderRef(engine_id=ticket.remote_engine_id, port=ticket.remote_port,
+                           incarnation=ticket.remote_incarnation, host=ticket.remote_host)
         # vLLM: no async load of zero tokens
-        return MatchedTokens(num_new, self._load_async and num_new > 0)
+        num_blocks = cdiv(num_remote, self.block_size) - num_computed_tokens // self.block_size
+        load_async = num_new > 0 and self._load_async and not self._load_policy.loads_in_step(
+            holder, num_blocks)
+        self._matches[request.request_id] = RemoteMatch(
+            holder=holder, remote_block_ids=ticket.remote_block_ids, ticket=ticket_of(ticket),
+            num_local_tokens=num_computed_tokens, num_remote_tokens=num_remote,
+            load_async=load_async)
+        return MatchedTokens(num_new, load_async)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
@@ -301,7 +301,7 @@ class KVBridgeScheduler:
                 unloadable_block_ids=unloadable,
                 num_external_tokens=num_external_tokens,
                 created_at=time.monotonic(),
-                sync=not self._load_async,
+                sync=not match.load_async,
             )
         )
         self.stats.record_pull_planned(match.holder.engine_id, via_index=match.ticket is None,
@@ -337,6 +337,7 @@ class KVBridgeScheduler:
         if worker_meta is not None:
             delta = worker_meta.stats
             self.stats.apply_report(delta.counters, delta.transfer_s, delta.queue_s)
+            self._load_policy.observe(worker_meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
             events, self._unpublished = self._unpublished, []
             self.index_client.publish(events)
@@ -446,3 +447,4 @@ class KVBridgeScheduler:
         client, self.index_client = self.index_client, None
         if client is not None:
             client.close()
+

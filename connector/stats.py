@@ -37,7 +37,9 @@ class KVTransferStats:
     ``bytes_received_same_host`` (the part of ``bytes_received`` pulled by a same-host copy,
     ``kvbridge.transport.cma``), ``num_one_sided_loads`` / ``num_board_fallbacks`` (same-host
     handoff pulls checked on the holder's block board alone, and those the board did not vouch
-    for, which then asked the holder: ``kvbridge.transport.cma_board``),
+    for, which then asked the holder: ``kvbridge.transport.cma_board``), ``num_sync_loads``
+    (pulls that fed the step that planned them: ``load_mode`` "sync", or "auto"'s one-sided
+    handoffs),
     ``remote_hit_tokens`` / ``store_hit_tokens`` (prompt tokens
     planned from another node's device/host blocks, or from the store tier),
     ``num_released_leases`` (completion notices), ``num_window_gaps`` (tickets D computed
@@ -61,6 +63,7 @@ class KVTransferStats:
     bytes_received_same_host: int = 0
     num_one_sided_loads: int = 0
     num_board_fallbacks: int = 0
+    num_sync_loads: int = 0
     bytes_sent: int = 0
     num_loads: int = 0
     num_failed_loads: int = 0

@@ -15,7 +15,8 @@ and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
     wait_for_save      hash stores (the forward has computed those blocks)
     get_finished       pulls settled -> finished_recving; leases ended -> finished_sending
                        (an idle step first waits briefly for a pull in flight)
-    build_connector_worker_meta   the transport's identity, the step's statistics
+    build_connector_worker_meta   the step's statistics; the holders this node reads
+                                  one-sided, when they changed (``load_mode`` "auto")
 
 Pulls are whole-request (not layer by layer): ``wait_for_layer_load`` / ``save_kv_layer`` have
 nothing to wait for, since a request only runs after its load settled.
@@ -124,6 +125,7 @@ class KVBridgeWorker:
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
         self._board_counts_seen = (0, 0)  # transport.board_counts moved into stats so far
+        self._one_sided_reported: list[tuple[str, str]] | None = []  # the last report's holders
         self.report_failed_recving = False
         """Keep the failed pulls' request ids for ``take_failed_recving`` (vLLM's adapter
         sets it for several KV cache groups; nobody else takes them)."""
@@ -261,6 +263,7 @@ class KVBridgeWorker:
             self.offload_sender.submit([OffloadItem(*item) for item in meta.offload_items])
         sync_pulls = [plan.request_id for plan in meta.pulls if plan.sync]
         if sync_pulls:  # this step's forward reads their blocks (``load_mode`` "sync")
+            self.stats.add("num_sync_loads", len(sync_pulls))
             self.puller.wait_settled(sync_pulls)
 
     def wait_for_save(self) -> None:
@@ -317,9 +320,15 @@ class KVBridgeWorker:
         self._count_board_reads()
         outcomes = [] if self.offload_sender is None else self.offload_sender.take_outcomes()
         counters, transfer_s, queue_s = self.stats.take_report()
+        holders = None if self.transport is None else self.transport.one_sided_holders()
+        if holders == self._one_sided_reported:
+            holders = None  # unchanged since the last report
+        else:
+            self._one_sided_reported = holders
         return KVBridgeWorkerMeta(
             stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s),
             offload_outcomes=[tuple(outcome) for outcome in outcomes],
+            one_sided_holders=holders,
         )
 
     def _count_board_reads(self) -> None:

@@ -20,6 +20,7 @@ from kvbridge.connector.index import (
     PrefixHit,
     RedisBlockIndex,
 )
+from kvbridge.connector.index.redis_scripts import LOOKUP_SAMPLE_HOLDERS
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 _NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
@@ -458,3 +459,33 @@ def test_a_packed_lookup_is_the_command_redis_py_would_send() -> None:
     for bad in (True, 1.5, None):
         with pytest.raises(TypeError):
             ScriptHead(sha, None).pack((bad,))
+
+
+def test_a_deepest_run_lookup_reads_a_bounded_sample_of_a_popular_blocks_holders(
+    redis_url: str,
+) -> None:
+    """Twelve nodes hold the same prompt whole (a shared system prompt): a lookup for the deepest
+    run reads at most ``LOOKUP_SAMPLE_HOLDERS`` of each block's holders, so its cost and its
+    answer stay the same size however many nodes hold it; every holder it names is a real one
+    with the whole run. A lookup of every holder still reads them all."""
+    index = RedisBlockIndex(_NS, redis_url, retry_interval_s=0.0)
+    try:
+        prompt = _hashes(5, prompt="system")
+        nodes = [f"n{i:02d}" for i in range(12)]
+        for node_id in nodes:
+            index.register_node(node_id, 1, ttl_s=_TTL_S)
+            index.publish(node_id, 1, [_stored(prompt)])
+        for _ in range(5):  # random samples: each must hold
+            runs = _runs(index.longest_prefix(prompt))
+            assert 1 <= len(runs) <= LOOKUP_SAMPLE_HOLDERS < len(nodes)
+            assert len({node for node, _ in runs}) == len(runs)
+            assert all(node in nodes and num_blocks == 5 for node, num_blocks in runs)
+            # a prompt that goes on past the shared part: the deepest run is still found
+            runs = _runs(index.longest_prefix(prompt + _hashes(3, prompt="user")))
+            assert 1 <= len(runs) <= LOOKUP_SAMPLE_HOLDERS
+            assert all(num_blocks == 5 for _, num_blocks in runs)
+        assert sorted(_runs(index.longest_prefix(prompt, all_holders=True))) == [
+            (node, 5) for node in nodes
+        ]
+    finally:
+        index.close()

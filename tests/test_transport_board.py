@@ -10,6 +10,7 @@ leases at a chosen point of the requester's copy.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -221,7 +222,6 @@ def test_attach_board_after_a_grant_is_refused():
 # ------------------------------------------------------------ reads between two transports
 
 HOLDER_SEED = 31
-LEASE = LeaseRef(request_id="p-1", token="tok")
 
 
 class _Holder:
@@ -258,7 +258,7 @@ async def pair():
 
 
 def _handoff(local_ids: list[int], hashes=HASHES) -> list[GroupRead]:
-    """Group 0 of the holder's lease ``p-1`` (blocks 3, 4, 5; block 5 is partial)."""
+    """Group 0 of the holder's lease (blocks 3, 4, 5; block 5 is partial)."""
     return [
         GroupRead(
             group_id=0,
@@ -269,11 +269,18 @@ def _handoff(local_ids: list[int], hashes=HASHES) -> list[GroupRead]:
     ]
 
 
-def _fresh_lease(holder: _Holder) -> None:
-    if holder.leases.block_ids("p-1") is not None:  # (a release of an unheld id is remembered)
-        holder.leases.release("p-1", "tok")
+_lease_ids = itertools.count()
+
+
+def _fresh_lease(holder: _Holder) -> LeaseRef:
+    """End every lease of the holder and grant a new one on blocks 3, 4, 5 (a new name each
+    time: a release of a name not held is remembered, and would end a later grant of it)."""
+    for request_id in list(holder.leases._leases):
+        holder.leases.release(request_id, "tok")
     holder.leases.pop_finished()
-    holder.leases.grant("p-1", [[3, 4, 5]], HASHES, token="tok")
+    lease = LeaseRef(request_id=f"p-{next(_lease_ids)}", token="tok")
+    holder.leases.grant(lease.request_id, [[3, 4, 5]], HASHES, token="tok")
+    return lease
 
 
 def _zero(requester: UcxxTransport, ids: list[int]) -> None:
@@ -295,14 +302,14 @@ def _counts(requester: UcxxTransport) -> tuple[int, int]:
 @in_module_loop
 async def test_a_handoff_read_lands_on_the_board_alone(pair):
     holder, requester = pair
-    _fresh_lease(holder)
+    lease = _fresh_lease(holder)
     await requester.connect(holder.transport.address)
     assert requester.peer_data_path(holder.transport.address) == "cma"
     before = _counts(requester)
     serves_before = holder.transport.num_active_serves
     _zero(requester, [10, 11, 12])
     result = await requester.read_blocks(
-        holder.transport.address, "d-1", _handoff([10, 11, 12]), deadline_s=20, lease=LEASE
+        holder.transport.address, "d-1", _handoff([10, 11, 12]), deadline_s=20, lease=lease
     )
     assert (result.num_blocks_landed, result.failed_local_block_ids) == (3, ())
     _assert_rows_equal(requester, holder.transport, [(10, 3), (11, 4), (12, 5)])
@@ -318,14 +325,14 @@ async def test_a_handoff_read_lands_on_the_board_alone(pair):
 async def test_a_read_the_board_does_not_vouch_for_asks_the_holder(pair, case):
     """The holder's own checks then decide, and name what is wrong."""
     holder, requester = pair
-    _fresh_lease(holder)
-    hashes, lease = HASHES, LEASE
+    lease = _fresh_lease(holder)
+    hashes = HASHES
     if case == "another prompt's hashes":
         hashes = [HASHES[0], b"another prompt"]
     elif case == "another token":
-        lease = LeaseRef(request_id="p-1", token="guess")
+        lease = LeaseRef(request_id=lease.request_id, token="guess")
     else:
-        holder.leases.release("p-1", "tok")
+        holder.leases.release(lease.request_id, "tok")
         holder.leases.pop_finished()
     before = _counts(requester)
     result = await requester.read_blocks(
@@ -347,18 +354,18 @@ async def test_a_lease_that_ends_during_the_copy_is_caught_by_the_second_check(p
     """The release lands between the copy's calls: the board moved, so the requester asks the
     holder, which no longer holds the lease, and nothing counts as landed."""
     holder, requester = pair
-    _fresh_lease(holder)
+    lease = _fresh_lease(holder)
     calls = []
 
     def release_during_the_copy() -> None:
         calls.append(1)
-        holder.leases.release("p-1", "tok")
+        holder.leases.release(lease.request_id, "tok")
 
     requester._cma_on_batch = release_during_the_copy
     before = _counts(requester)
     try:
         result = await requester.read_blocks(
-            holder.transport.address, "d-3", _handoff([16, 17, 18]), deadline_s=20, lease=LEASE
+            holder.transport.address, "d-3", _handoff([16, 17, 18]), deadline_s=20, lease=lease
         )
     finally:
         requester._cma_on_batch = None
@@ -377,12 +384,78 @@ async def test_a_holder_without_a_board_is_asked_every_time(pair):
     await plain.start()
     try:
         holder = _Holder(plain)
-        holder.leases.grant("p-1", [[3, 4, 5]], HASHES, token="tok")
+        lease = LeaseRef(request_id="p-plain", token="tok")
+        holder.leases.grant(lease.request_id, [[3, 4, 5]], HASHES, token="tok")
         before = _counts(requester)
         result = await requester.read_blocks(
-            plain.address, "d-4", _handoff([19, 20, 21]), deadline_s=20, lease=LEASE
+            plain.address, "d-4", _handoff([19, 20, 21]), deadline_s=20, lease=lease
         )
         assert (result.num_blocks_landed, result.failed_local_block_ids) == (3, ())
         assert _counts(requester) == before  # never tried: nothing offered
     finally:
         await plain.close()
+
+
+# ------------------------------------------------- read_one_sided: on the caller's thread
+
+
+def _incarnation(holder: _Holder) -> str:
+    return holder.transport.metadata.incarnation
+
+
+@in_module_loop
+async def test_read_one_sided_lands_on_the_calling_thread_without_a_message(pair):
+    """No event loop turn between the call and its result: the copy ran here, and the holder
+    saw no read."""
+    holder, requester = pair
+    lease = _fresh_lease(holder)
+    await requester.connect(holder.transport.address)
+    before = _counts(requester)
+    _zero(requester, [22, 23, 24])
+    result = requester.read_one_sided(
+        holder.transport.address, "d-5", _handoff([22, 23, 24]), lease=lease,
+        incarnation=_incarnation(holder),
+    )
+    assert result is not None
+    assert (result.num_blocks_landed, result.failed_local_block_ids) == (3, ())
+    assert result.num_bytes_landed == 3 * sum(
+        t[0].nbytes for t in holder.transport.kv_caches_by_group[0]
+    )
+    _assert_rows_equal(requester, holder.transport, [(22, 3), (23, 4), (24, 5)])
+    assert _counts(requester) == (before[0] + 1, before[1])
+
+
+@in_module_loop
+@pytest.mark.parametrize(
+    "case",
+    ["unknown holder", "another incarnation", "another prompt's hashes", "no lease granted",
+     "too large to copy here", "remote id outside the holder"],
+)
+async def test_read_one_sided_declines_what_it_cannot_vouch_for(pair, monkeypatch, case):
+    """None and nothing counted: the caller reads through ``read_blocks``, which says what is
+    wrong."""
+    holder, requester = pair
+    lease = _fresh_lease(holder)
+    await requester.connect(holder.transport.address)
+    address, incarnation = holder.transport.address, _incarnation(holder)
+    groups = _handoff([25, 26, 27])
+    if case == "unknown holder":
+        address = ("127.0.0.1", 1)
+    elif case == "another incarnation":
+        incarnation = "not-" + incarnation
+    elif case == "another prompt's hashes":
+        groups = _handoff([25, 26, 27], [HASHES[0], b"another prompt"])
+    elif case == "no lease granted":
+        holder.leases.release(lease.request_id, "tok")
+        holder.leases.pop_finished()
+    elif case == "too large to copy here":
+        monkeypatch.setattr("kvbridge.transport.ucxx_transport.INLINE_COPY_MAX_BYTES", 1)
+    else:
+        groups = [GroupRead(group_id=0, remote_block_ids=[3, 4, 1 << 20],
+                            local_block_ids=[25, 26, 27], expected_hashes=[*HASHES, b""])]
+    before = _counts(requester)
+    result = requester.read_one_sided(
+        address, "d-6", groups, lease=lease, incarnation=incarnation
+    )
+    assert result is None
+    assert _counts(requester) == before

@@ -201,6 +201,30 @@ class Transport(abc.ABC):
     def address(self) -> PeerAddress:
         """Host and port peers connect to (valid after ``start``)."""
 
+    def one_sided_holders(self) -> list[tuple[str, str]]:
+        """``(engine_id, incarnation)`` of the connected holders ``read_one_sided`` may read
+        (a hint: a read can still be declined); any thread. This default: none."""
+        return []
+
+    def read_one_sided(
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_id: str,
+        groups: Sequence[GroupRead],
+        *,
+        lease: LeaseRef,
+        incarnation: str,
+    ) -> ReadResult | None:
+        """A handoff read done on the calling thread (any thread) with no message to the
+        holder, where the transport can vouch for it by itself (``UcxxTransport``: a same-host
+        holder with a block board, ``cma_board``); every block lands, bytes-exact, before it
+        returns. None, with nothing counted, where it cannot (no connection to ``peer`` yet, a
+        peer whose incarnation is not ``incarnation``, no board, a board that does not vouch
+        for every block, a read too large to copy without stalling the caller): the caller
+        then uses ``read_blocks``, and the read's own local blocks may hold partial bytes
+        meanwhile. This default never can."""
+        return None
+
     def set_callbacks(
         self,
         *,

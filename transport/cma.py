@@ -309,6 +309,17 @@ class CmaPeer:
         await join_threads(futures, stop)
 
 
+    def copy_here(self, plan: CmaPlan) -> None:
+        """Run ``plan`` on the calling thread (any thread), part after part.
+
+        Raises:
+            CmaReadError: a call failed or copied short.
+        """
+        never = threading.Event()
+        for local, remote in plan.parts:
+            _copy_part(self.offer.pid, local, remote, never, None)
+
+
 def _merge_runs(
     remote: np.ndarray, local: np.ndarray, length: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

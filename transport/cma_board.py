@@ -17,10 +17,10 @@ Layout: ``[num_groups][num_blocks]`` entries of ``ENTRY_WORDS`` ``uint64`` words
     word 3: unused (an entry is 32 bytes, so entries never straddle a cache line)
 
 Tags (``full_block_tag``, ``lease_block_tag``): a full block held under a lease is tagged with
-its block hash (the hash names the block's tokens, so every lease holding the block agrees on
-it); a lease's partial last block (no hash) with the lease's request id and token, so that only
-that ticket's reader matches it. The holder's lease table (``connector.lease``) writes the tags;
-the transport only compares them.
+its block hash's first 16 bytes (the hash names the block's tokens, so every lease holding the
+block agrees on it); a lease's partial last block (no hash) with a digest of the lease's
+request id and token, so that only that ticket's reader matches it. The holder's lease table
+(``connector.lease``) writes the tags; the transport only compares them.
 
 A read (``BoardCheck``), requester side::
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -72,27 +72,35 @@ _EMPTY_TAG = bytes(TAG_BYTES)
 
 @dataclass(slots=True)
 class BoardCounts:
-    """A requester's handoff reads by how they ended (mutated by the reads, on the transport's
-    event loop thread): ``one_sided`` checked on the board alone, ``fallbacks`` tried the board
-    and then asked the holder (a tag did not match, an entry moved during the copy)."""
+    """A requester's handoff reads by how they ended: ``one_sided`` checked on the board alone,
+    ``fallbacks`` tried the board and then asked the holder (a tag did not match, an entry
+    moved during the copy). Reads on any thread count through ``add``; the fields are read
+    whole."""
 
     one_sided: int = 0
     fallbacks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, one_sided: int = 0, fallbacks: int = 0) -> None:
+        with self._lock:
+            self.one_sided += one_sided
+            self.fallbacks += fallbacks
 
 
 def full_block_tag(block_hash: bytes) -> bytes:
-    """The board tag of a full block whose hash is ``block_hash`` (16 bytes, never zero)."""
-    return _tag(b"kvb-full", block_hash)
+    """The board tag of a full block whose hash is ``block_hash``: its first 16 bytes (padded
+    with ``0x01`` when shorter; never zero). A block hash is already a digest of the block's
+    tokens and its parent, and the tag is computed for every block of every read, so it is
+    not hashed again; a lease tag is a keyed BLAKE2b digest, so the two domains do not meet."""
+    tag = bytes(block_hash[:TAG_BYTES]).ljust(TAG_BYTES, b"\x01")
+    return tag if tag != _EMPTY_TAG else b"\x01" + tag[1:]
 
 
 def lease_block_tag(request_id: str, token: str) -> bytes:
     """The board tag of the partial last block of the lease ``request_id`` granted with
     ``token`` (16 bytes, never zero)."""
-    return _tag(b"kvb-lease", request_id.encode() + b"\0" + token.encode())
-
-
-def _tag(person: bytes, data: bytes) -> bytes:
-    tag = hashlib.blake2b(data, digest_size=TAG_BYTES, person=person).digest()
+    data = request_id.encode() + b"\0" + token.encode()
+    tag = hashlib.blake2b(data, digest_size=TAG_BYTES, person=b"kvb-lease").digest()
     return tag if tag != _EMPTY_TAG else b"\x01" + tag[1:]
 
 

@@ -52,7 +52,8 @@ import torch
 
 from .base import ReadResult
 from .cma import CmaPeer, CmaPlan, CmaReadError
-from .cma_board import BoardCheck, BoardCounts, full_block_tag, lease_block_tag
+from .cma_board import BoardCounts
+from .cma_one_sided import OneSidedRead
 from .control import HolderConnection
 from .errors import TransferError, TransportError
 from .metadata import NodeMetadata
@@ -121,9 +122,9 @@ class CmaReadPath(ReadPath):
             return await super()._exchange(reply_future, done_future)
         if self._peer.offer.board_address is not None:
             if await self._one_sided():
-                self._board_counts.one_sided += 1
+                self._board_counts.add(one_sided=1)
                 return self.state.result()
-            self._board_counts.fallbacks += 1
+            self._board_counts.add(fallbacks=1)
         read, state = self.read, self.state
         try:
             await self.conn.send(read)
@@ -157,37 +158,24 @@ class CmaReadPath(ReadPath):
         Raises:
             TransferError: the holder is gone, or its memory could not be copied.
         """
-        read, state, peer = self.read, self.state, self._peer
-        lease = read.lease
-        assert lease is not None and peer.offer.board_address is not None  # copy_first
-        partial_tag = lease_block_tag(lease.request_id, lease.token)
-        check = BoardCheck(
-            peer.offer.pid,
-            peer.offer.board_address,
-            [group.num_blocks for group in self.conn.remote.groups],
-            [
-                (
-                    group.group_id,
-                    group.block_ids,
-                    [full_block_tag(h) if h else partial_tag for h in group.expected_hashes or ()],
-                )
-                for group in read.groups
-            ],
+        read, state = self.read, self.state
+        assert read.lease is not None  # copy_first
+        one = OneSidedRead(
+            self._peer, self.conn.remote, self._caches, read.groups, state.local_block_ids,
+            read.lease,
         )
         try:
-            if not check.before_copy():
+            if not one.before_copy():
                 return False
-            self._plan = self._make_plan(None)
-            await peer.copy(self._plan, self._on_batch)
-            if peer.read_probe() != peer.offer.probe:
-                raise CmaReadError("the holder's probe changed: another process has its pid")
-            if not check.after_copy():
+            assert one.plan is not None
+            await self._peer.copy(one.plan, self._on_batch)
+            if not one.after_copy():
                 return False
         except CmaReadError as exc:
             self._copy_failed(exc)
         for entry, group in enumerate(read.groups):
             state.landed[entry].update(range(len(group.block_ids)))
-        state.num_bytes_landed += self._plan.nbytes
+        state.num_bytes_landed += one.plan.nbytes
         state.confirmed = True
         return True
 

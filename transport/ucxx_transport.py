@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,15 +47,18 @@ from .base import (
     Transport,
     check_kv_caches_match,
 )
-from .cma import CmaPeer, cma_from_environment
+from .cma import INLINE_COPY_MAX_BYTES, CmaPeer, CmaReadError, cma_from_environment
 from .cma_board import BoardCounts, offer_same_host_reads
+from .cma_one_sided import OneSidedRead
 from .cma_read import CmaReadPath
 from .control import HolderConnection, read_frame, write_message
 from .errors import HandshakeError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
+from .plan import build_group_msgs
 from .read_path import ReadPath
 from .staging import StagingPool
 from .transfer import ReadState, begin_read, drive_read
+from .ucx_init import current_progress_mode, init_ucx
 from .ucx_progress import ProgressBooster, booster_for_running_loop
 from .ucx_read import UcxReadPath
 from .ucxx_holder import UcxxHolder, check_worker_address, endpoint_from_worker_address
@@ -76,45 +78,7 @@ from .wire import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROGRESS_MODE = "blocking"
 HANDSHAKE_TIMEOUT_S = 10.0
-
-
-UCX_OPTIONS: dict[str, str] = {}
-"""UCX context options this package sets (``ucxx.init(options=...)``; a ``UCX_<NAME>`` environment
-variable still wins). Deliberately empty, measured on these 2-core hosts (64 MiB, two processes):
-
-- ``TLS``: UCX's default (all transports) picks shared memory (cma) on one host, the network
-  across hosts and cuda_copy / cuda_ipc for device memory; restricting it to ``sm,self`` gained
-  nothing on one host and would break cross-host and CUDA.
-- ``MEMTYPE_CACHE``: ``import ucxx`` sets ``UCX_MEMTYPE_CACHE=n``; UCX 1.21 no longer knows the
-  variable (it only prints "unused environment variable"), so there is nothing to set.
-- progress mode: ``DEFAULT_PROGRESS_MODE`` below, not a UCX option.
-- Intra-host protocol (``UCX_PROTO_INFO=y``): messages of 8 KiB and more go as rendezvous
-  zero-copy reads over ``cma`` (``process_vm_readv`` by the receiver, 512 KiB per call); sysv
-  carries the small ones; no xpmem or knem here. Raw ucxx (two processes, worker-address
-  endpoint, one 64 MiB tag message, quiet host) moved 16-19 GB/s from numpy buffers (huge pages)
-  but 6.6-8.8 GB/s from torch tensors (4 KiB pages): page size, not a UCX option, decides, hence
-  ``kvbridge.kernels.host_memory`` (KV tensors and staging on huge pages).
-  ``RNDV_FRAG_SIZE`` (512K..64M), ``RNDV_SCHEME=put_zcopy`` and ``TLS=sm,self`` /
-  ``posix,self`` changed nothing measurable or made it worse.
-"""
-
-
-def init_ucx(progress_mode: str | None = None) -> None:
-    """Initialise UCX for this process once (later calls are no-ops): ``UCX_OPTIONS`` and the
-    progress mode (``progress_mode``, else ``UCXPY_PROGRESS_MODE``, else ``"blocking"``:
-    "blocking" and "polling" moved 64 MiB at about twice the rate of "thread" here, and
-    "polling" keeps a core busy even when idle)."""
-    mode = progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", DEFAULT_PROGRESS_MODE)
-    with contextlib.suppress(RuntimeError):  # already initialised by an earlier transport
-        ucxx.init(options=dict(UCX_OPTIONS), progress_mode=mode)
-
-
-def current_progress_mode() -> str:
-    """The progress mode ucxx runs in (whoever initialised it first decided)."""
-    return str(ucxx.core._get_ctx().progress_mode)
-
 
 class UcxxTransport(Transport):
     """``Transport`` over ucxx. See ``Transport`` for the contract.
@@ -414,6 +378,42 @@ class UcxxTransport(Transport):
                 return await drive_read(state, path.run(), lambda _: path.abort(), deadline_s)
         finally:
             del self._reads[transfer_id]
+
+    def one_sided_holders(self) -> list[tuple[str, str]]:
+        return sorted(
+            (conn.remote.engine_id, conn.remote.incarnation)
+            for conn in list(self._conns.values())  # a copy: safe from any thread
+            if conn.cma is not None and conn.cma.offer.board_address is not None
+        )
+
+    def read_one_sided(
+        self,
+        peer: PeerAddress | tuple[str, int],
+        request_id: str,
+        groups: Sequence[GroupRead],
+        *,
+        lease: LeaseRef,
+        incarnation: str,
+    ) -> ReadResult | None:
+        """See ``Transport.read_one_sided``: for a connected same-host holder with a board, a
+        read of at most ``cma.INLINE_COPY_MAX_BYTES`` (``cma_one_sided``)."""
+        conn = self._conns.get(PeerAddress(*peer))  # one dict read: safe from any thread
+        if conn is None or conn.cma is None or conn.remote.incarnation != incarnation:
+            return None
+        try:
+            msgs, local_block_ids = build_group_msgs(self.metadata, groups)
+            one = OneSidedRead(
+                conn.cma, conn.remote, self.kv_caches_by_group, msgs, local_block_ids, lease
+            )
+            if not one.before_copy() or one.plan.nbytes > INLINE_COPY_MAX_BYTES:
+                return None
+            conn.cma.copy_here(one.plan)
+            if not one.after_copy():
+                return None
+        except (ValueError, CmaReadError):  # read_blocks reports what is wrong
+            return None
+        self.board_counts.add(one_sided=1)
+        return ReadResult(request_id, one.num_blocks, one.plan.nbytes, ())
 
     def _read_path(self, conn: HolderConnection, read: Read, state: ReadState) -> ReadPath:
         """The data path of one read from ``conn``: a same-host copy when the holder's offer

@@ -338,7 +338,9 @@ class BlockIndex(Protocol):
     - ``longest_prefix``: ``block_hashes[i]`` is block i's hash (one length for all); a holder's run
       is the longest ``k`` such that it holds blocks ``0..k-1`` in every group of ``group_ids``.
       Returns the holders of the deepest run (ties: all of them, for the caller to break by
-      load), or with ``all_holders=True`` every holder with its own run. With ``hit_rule`` (a
+      load; the Redis backends read at most ``redis_scripts.LOOKUP_SAMPLE_HOLDERS`` random
+      holders of a block, so a block held by more nodes reports at most that many), or with
+      ``all_holders=True`` every holder with its own run. With ``hit_rule`` (a
       ``kvmanager.PrefixHitRule`` for groups ``0..n-1``) a holder's run is what that rule
       restores from the holder's entries (``hit_rule.hit_of_holder``), with its block ids.
       Never raises for backend trouble (answers ``NO_HIT`` and counts it); raises ValueError

@@ -189,11 +189,21 @@ end
 return 1
 """
 
+LOOKUP_SAMPLE_HOLDERS = 8
+"""A lookup for the deepest run (not every holder) reads at most this many holders of a block,
+drawn at random (``HRANDFIELD``), so that its cost stays flat in the number of nodes holding
+a popular prefix (issue 14: 64 nodes each holding a shared system prompt made every probe read
+64 entries and check 64 incarnations). A block with more holders is judged on the sample: a
+popular prefix's holders nearly all hold it as a full run, so one in the sample is enough; if
+none in the sample does, the lookup reports a shallower hit (advisory, never wrong bytes).
+Lookups of every holder (``all``) read every holder."""
+
 # ARGV: P, key_len, keys (concatenated), all ('1': every holder; '0': the holders of the
 # deepest run), num_groups, group ids..., excluded node ids...
 # -> {garbage, then per holder: node, inc, run, slowest tier code}.
-# Cost (benchmarks/bench_index.py): a prompt held whole by one node, one group: HGETALL, GET,
-# HGET, EXISTS (the fast path). Otherwise one HGETALL per probed position and group, one GET/MGET
+# Cost (benchmarks/bench_index.py): a prompt held whole by one node, one group: HRANDFIELD, GET,
+# HGET, EXISTS (the fast path). Otherwise one HRANDFIELD (at most LOOKUP_SAMPLE_HOLDERS holders;
+# HGETALL for every holder) per probed position and group, one GET/MGET
 # for the incarnations of the nodes met there, EXISTS (and ZRANGEBYSCORE where holes exist) per
 # candidate holder. Every ARGV byte costs about 1 ns in Redis's Lua string creation (5 us for
 # 625 keys), so nothing is copied out of the blob but the probed keys; no string is built per
@@ -201,6 +211,12 @@ return 1
 LOOKUP_LUA = """
 local P, L, blob, ng = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
 local all = ARGV[4] == '1'
+local sample_only = not all
+-- the holders of one block: all of them, or at most SAMPLE drawn at random (a flat list)
+local function holders_of(key)
+  if sample_only then return redis.pcall('HRANDFIELD', key, SAMPLE, 'WITHVALUES') end
+  return redis.pcall('HGETALL', key)
+end
 local n = #blob / L
 local groups, excluded = {}, {}
 for i = 1, ng do groups[i] = ARGV[5 + i] end
@@ -216,7 +232,7 @@ local memo = {}
 -- counted here and the general path decides.
 if not all and ng == 1 and n > 0 then
   local prefix = P .. ':e:' .. groups[1] .. ':'
-  local flat = redis.pcall('HGETALL', prefix .. sub(blob, n * L - L + 1, n * L))
+  local flat = holders_of(prefix .. sub(blob, n * L - L + 1, n * L))
   if not flat.err then
     if flat[1] == nil then memo[n - 1] = {} end  -- nobody holds the last block
     local out, seen_garbage, key0 = {0}, 0, nil
@@ -293,7 +309,7 @@ local function at(pos)
   local key_hash = sub(blob, pos * L + 1, pos * L + L)
   for gi = 1, ng do
     local key = P .. ':e:' .. groups[gi] .. ':' .. key_hash
-    local flat = redis.pcall('HGETALL', key)
+    local flat = holders_of(key)
     if flat.err then
       garbage = garbage + 1
       flat = {}
@@ -423,7 +439,7 @@ if n > 0 then
 end
 out[1] = garbage
 return out
-"""
+""".replace("SAMPLE", str(LOOKUP_SAMPLE_HOLDERS))
 
 # ARGV: P, node, inc, key_len, keys (concatenated), group ids...
 # -> per group the block ids (4 bytes each, concatenated), or nil if any is not held.

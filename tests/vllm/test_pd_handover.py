@@ -5,7 +5,10 @@ contract users write (``kv_connector: KVBridgeConnector``, ``kv_connector_module
 kvbridge.connector.vllm``). P prefills with ``{"do_remote_decode": true}`` and one token; D
 decodes with P's ticket. One P/D pair per variant (module-scoped, shared by the tests below):
 
-- ``cma``: the same-host copy path, both engines in-process;
+- ``cma``: the same-host copy path, both engines in-process, D's ``load_mode`` the default
+  "auto" (once D is connected to P, a handoff it reads one-sided from P's block board loads
+  inside the step that computes it);
+- ``cma-async``: the same, with every pull over later steps (``load_mode`` "async");
 - ``ucx``: ``cma: false`` (every read over UCX), P on vLLM's multiprocess executor (its worker
   half in another process than its scheduler half), D in-process;
 - ``cma-mp-d``: the same-host copy path, D on the multiprocess executor;
@@ -26,9 +29,10 @@ from _harness import BLOCK, Node, kvbridge_config, prefill_requests, request, st
 from _prompts import HANDOVER, N_NEW, PARTIAL_PREFIX_BLOCKS, PROMPTS, SHARED_PREFIX_BLOCKS
 
 VARIANTS = {
-    "cma": dict(cma=True, p_mode="inproc", d_mode="inproc"),
-    "ucx": dict(cma=False, p_mode="mp", d_mode="inproc"),
-    "cma-mp-d": dict(cma=True, p_mode="inproc", d_mode="mp"),
+    "cma": dict(cma=True, p_mode="inproc", d_mode="inproc", load_mode="auto"),
+    "cma-async": dict(cma=True, p_mode="inproc", d_mode="inproc", load_mode="async"),
+    "ucx": dict(cma=False, p_mode="mp", d_mode="inproc", load_mode="auto"),
+    "cma-mp-d": dict(cma=True, p_mode="inproc", d_mode="mp", load_mode="auto"),
     "cma-sync": dict(cma=True, p_mode="inproc", d_mode="inproc", load_mode="sync"),
 }
 
@@ -38,7 +42,12 @@ class Pair:
     p: Node
     d: Node
     cma: bool
-    sync: bool  # D's load_mode is "sync"
+    load_mode: str
+
+    @property
+    def sync(self) -> bool:
+        """D may load a handoff inside the step ("sync", or "auto" over the same-host path)."""
+        return self.load_mode == "sync" or (self.load_mode == "auto" and self.cma)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -50,9 +59,9 @@ def pair(request, tiny_llama, log_dir, reference):  # reference first: its engin
     d = Node(f"{tag}-d", model=tiny_llama, log_dir=log_dir, mode=v["d_mode"],
              kv_transfer_config=kvbridge_config("consumer", "decode-0", cma=v["cma"],
                                                 load_timeout_s=30.0,
-                                                load_mode=v.get("load_mode", "async")))
+                                                load_mode=v["load_mode"]))
     start_nodes(p, d)
-    yield Pair(p, d, v["cma"], v.get("load_mode") == "sync")
+    yield Pair(p, d, v["cma"], v["load_mode"])
     d.stop()
     p.stop()
 
@@ -135,6 +144,12 @@ def test_partial_local_hit_pulls_only_the_rest(pair, reference):
         pulled = _delta(after, before, "num_blocks_received")
         assert 0 < pulled <= n_blocks - PARTIAL_PREFIX_BLOCKS, (pulled, n_blocks)
         assert _delta(after, before, "num_failed_loads") == 0
+        # D is connected to P by now: under "auto" the same-host handoff is read one-sided
+        # and loads inside the step that computes it; under "async" it never does
+        in_step = {"auto": int(pair.cma), "async": 0, "sync": 1}[pair.load_mode]
+        assert _delta(after, before, "num_sync_loads") == in_step, after
+        if pair.cma:
+            assert _delta(after, before, "num_one_sided_loads") == 1, after
 
 
 def test_wrong_ticket_is_recomputed(pair, reference):

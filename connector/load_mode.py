@@ -1,0 +1,70 @@
+"""Which pulls load inside the engine step that computes their request (``load_mode``).
+
+vLLM offers two ways to load external KV (``get_num_new_matched_tokens`` returns
+``load_kv_async``): async, where the request waits in ``WAITING_FOR_REMOTE_KVS`` over later
+steps and no step waits for the network, and sync, where the step that computes the request
+first waits for the load (as vLLM's ``ExampleConnector`` and LMCache load). Sync gives the
+first token one step sooner, and a step of vLLM costs milliseconds of scheduling and input
+preparation even for a one-token forward (measured here: 4-7 ms per step of the tests' tiny
+Llama, against a 0.3-1.3 ms one-sided read of a 2,048-token handoff), but a sync load stalls
+every request batched with it for as long as it takes.
+
+``load_mode`` ``"auto"`` (the default) takes sync only where the stall is a bounded memory copy:
+a handoff the worker half reads one-sided from a same-host holder's block board
+(``kvbridge.transport.cma_board``: no message, no network wait), of at most
+``AUTO_SYNC_MAX_BYTES``, for a model with one KV cache group (vLLM takes a failed sync load
+only as block ids, which it refuses with several groups). Every other pull is async.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .config import AUTO_SYNC_MAX_BYTES
+from .metadata import HolderRef
+
+if TYPE_CHECKING:
+    from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
+
+__all__ = ["LoadModePolicy"]
+
+
+class LoadModePolicy:
+    """The scheduler half's choice of sync loads under ``load_mode`` ``"auto"``.
+
+    Owner: the scheduler half (the scheduler's thread).
+
+    Args:
+        load_mode: the node's ``load_mode``; anything but ``"auto"`` never loads in the step
+            here (``"sync"`` is the caller's own rule).
+        num_groups: KV cache groups of the model.
+        kv_cache_config: the groups' specs (bytes per block); None: sizes unknown, never sync.
+    """
+
+    def __init__(
+        self, load_mode: str, num_groups: int, kv_cache_config: KVCacheConfig | None
+    ) -> None:
+        self._auto = load_mode == "auto" and num_groups == 1
+        self._block_nbytes = None
+        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            group = kv_cache_config.kv_cache_groups[0]
+            self._block_nbytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        self._one_sided_holders: set[tuple[str, str]] = set()
+
+    def observe(self, one_sided_holders: Iterable[Iterable[str]] | None) -> None:
+        """The worker half's report (``KVBridgeWorkerMeta.one_sided_holders``; None:
+        unchanged)."""
+        if one_sided_holders is not None:
+            self._one_sided_holders = {(str(e), str(i)) for e, i in one_sided_holders}
+
+    def loads_in_step(self, holder: HolderRef, num_blocks: int) -> bool:
+        """Whether a handoff of ``num_blocks`` blocks from ``holder`` loads inside the step.
+        The worker's report is a hint: a read it cannot do one-sided after all is read the
+        usual way, within ``sync_load_timeout_s``."""
+        return (
+            self._auto
+            and self._block_nbytes is not None
+            and num_blocks * self._block_nbytes <= AUTO_SYNC_MAX_BYTES
+            and (holder.engine_id, holder.incarnation) in self._one_sided_holders
+        )

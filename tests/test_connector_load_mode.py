@@ -1,0 +1,68 @@
+"""``load_mode`` ``"auto"`` (``connector.load_mode.LoadModePolicy``): a handoff loads inside
+the step that computes it only when the worker half reads its holder one-sided, the model has
+one KV cache group and the copy is small; every other pull runs over later steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvbridge.connector.config import AUTO_SYNC_MAX_BYTES
+from kvbridge.connector.load_mode import LoadModePolicy
+from kvbridge.connector.metadata import HolderRef
+from kvbridge.kvmanager.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+BLOCK_NBYTES_PER_LAYER = 1024  # 2 x 16 tokens x 2 heads x 8 dims x 2 bytes
+P = HolderRef(engine_id="prefill-0", incarnation="7", host="127.0.0.1", port=9)
+
+
+def _config(num_layers: int = 2) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    assert spec.page_size_bytes == BLOCK_NBYTES_PER_LAYER
+    layers = [f"layer.{i}" for i in range(num_layers)]
+    return KVCacheConfig(num_blocks=64, kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def _policy(load_mode: str = "auto", num_groups: int = 1) -> LoadModePolicy:
+    policy = LoadModePolicy(load_mode, num_groups, _config())
+    policy.observe([("prefill-0", "7")])
+    return policy
+
+
+# the largest handoff that still loads in the step: 2 layers x 1 KiB per block
+MAX_BLOCKS = AUTO_SYNC_MAX_BYTES // (2 * BLOCK_NBYTES_PER_LAYER)
+
+
+def test_a_small_handoff_from_a_one_sided_holder_loads_in_the_step():
+    policy = _policy()
+    assert policy.loads_in_step(P, 1)
+    assert policy.loads_in_step(P, MAX_BLOCKS)
+    assert not policy.loads_in_step(P, MAX_BLOCKS + 1)  # a bigger copy would stall the step
+
+
+@pytest.mark.parametrize(
+    "case", ["another incarnation", "not reported", "report withdrawn", "async", "sync",
+             "several groups", "no config"]
+)
+def test_anything_else_runs_over_later_steps(case):
+    policy = _policy()
+    holder = P
+    if case == "another incarnation":  # P restarted: its new process is not known yet
+        holder = HolderRef(engine_id="prefill-0", incarnation="8", host="127.0.0.1", port=9)
+    elif case == "not reported":
+        policy = LoadModePolicy("auto", 1, _config())
+    elif case == "report withdrawn":  # the worker dropped its connection to P
+        policy.observe([])
+    elif case in ("async", "sync"):  # "sync" is the scheduler half's own rule, not this one
+        policy = _policy(load_mode=case)
+    elif case == "several groups":  # vLLM refuses block-level sync load errors there
+        policy = _policy(num_groups=2)
+    else:
+        policy = LoadModePolicy("auto", 1, None)
+        policy.observe([("prefill-0", "7")])
+    assert not policy.loads_in_step(holder, 1)
+
+
+def test_an_unchanged_report_keeps_the_last_one():
+    policy = _policy()
+    policy.observe(None)
+    assert policy.loads_in_step(P, 1)

@@ -1,0 +1,119 @@
+"""``Puller.submit`` lands a handoff on the worker thread when the transport can read it
+one-sided (``Transport.read_one_sided``), and otherwise starts the pull on the connector loop;
+either way the request is reported once by ``pop_settled`` and the holder gets its release
+notice."""
+
+from __future__ import annotations
+
+import time
+
+from kvbridge.connector.metadata import HolderRef, PullPlan, Ticket
+from kvbridge.connector.puller import Puller
+from kvbridge.connector.stats import KVTransferStats
+from kvbridge.transport import GroupRead, ReadResult
+
+BYTES_PER_BLOCK = 1024
+
+
+class _FakeTransport:
+    """Answers ``read_one_sided`` with ``one_sided`` (None: cannot) and ``read_blocks`` by
+    landing every block; records what the puller asked of it."""
+
+    def __init__(self, one_sided: bool):
+        self.one_sided = one_sided
+        self.calls: list[str] = []
+        self.notices: list[tuple[str, bool, str]] = []
+
+    def read_one_sided(self, peer, request_id, groups, *, lease, incarnation):
+        self.calls.append(f"one_sided:{incarnation}:{lease.request_id}")
+        if not self.one_sided:
+            return None
+        num = sum(len(g.local_block_ids) for g in groups)
+        return ReadResult(request_id, num, num * BYTES_PER_BLOCK, ())
+
+    async def connect(self, peer):
+        self.calls.append("connect")
+
+        class _Meta:
+            engine_id, incarnation = "p", "inc-1"
+
+        return _Meta()
+
+    async def read_blocks(self, peer, request_id, groups, *, deadline_s, lease=None):
+        self.calls.append("read_blocks")
+        num = sum(len(g.local_block_ids) for g in groups)
+        return ReadResult(request_id, num, num * BYTES_PER_BLOCK, ())
+
+    def peer_data_path(self, peer):
+        return "cma"
+
+    async def notify_transfer_done(self, peer, request_id, *, success, reason, token):
+        self.notices.append((request_id, success, token))
+
+
+def _plan(request_id: str, *, sync: bool = False) -> PullPlan:
+    return PullPlan(
+        request_id=request_id,
+        holder=HolderRef(engine_id="p", incarnation="inc-1", host="127.0.0.1", port=9),
+        lease=Ticket("127.0.0.1", 9, "p-" + request_id, "tok"),
+        groups=[GroupRead(group_id=0, remote_block_ids=[3, 4], local_block_ids=[7, 8],
+                          expected_hashes=[b"h0", b""])],
+        unloadable_block_ids=[],
+        num_external_tokens=40,
+        created_at=time.monotonic(),
+        sync=sync,
+    )
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_one_sided_handoff_is_settled_when_submit_returns():
+    stats = KVTransferStats()
+    puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=1.0, stats=stats)
+    transport = _FakeTransport(one_sided=True)
+    puller.submit(transport, _plan("d-1"))
+    # settled before any loop turn: this step's get_finished reports it
+    settled = puller.pop_settled()
+    assert settled.request_ids == {"d-1"} and not settled.failed_block_ids
+    assert puller.num_inflight == 0
+    assert transport.calls == ["one_sided:inc-1:p-d-1"]  # never the loop's read
+    snapshot = stats.snapshot()
+    assert (snapshot["num_loads"], snapshot["num_blocks_received"]) == (1, 2)
+    assert snapshot["bytes_received_same_host"] == 2 * BYTES_PER_BLOCK
+    _wait_for(lambda: transport.notices)  # the release notice goes out on the loop
+    assert transport.notices == [("p-d-1", True, "tok")]
+
+
+def test_a_sync_one_sided_pull_reports_nothing_but_its_failures():
+    puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=1.0, stats=KVTransferStats())
+    puller.submit(_FakeTransport(one_sided=True), _plan("d-2", sync=True))
+    puller.wait_settled(["d-2"])  # returns at once
+    assert puller.pop_settled().request_ids == set()
+
+
+def test_a_pull_the_transport_cannot_read_one_sided_goes_to_the_loop():
+    puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=1.0, stats=KVTransferStats())
+    transport = _FakeTransport(one_sided=False)
+    puller.submit(transport, _plan("d-3"))
+    assert puller.wait_for_any(5.0)
+    assert puller.pop_settled().request_ids == {"d-3"}
+    assert transport.calls == ["one_sided:inc-1:p-d-3", "connect", "read_blocks"]
+    _wait_for(lambda: transport.notices)
+    assert transport.notices == [("p-d-3", True, "tok")]
+
+
+def test_an_index_pull_never_tries_one_sided():
+    """Without a lease nothing guards a block on the holder's board."""
+    puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=1.0, stats=KVTransferStats())
+    transport = _FakeTransport(one_sided=True)
+    plan = _plan("d-4")
+    puller.submit(transport, PullPlan(**{**{f: getattr(plan, f) for f in plan.__struct_fields__},
+                                         "lease": None}))
+    assert puller.wait_for_any(5.0)
+    assert puller.pop_settled().request_ids == {"d-4"}
+    assert "read_blocks" in transport.calls and not transport.calls[0].startswith("one_sided")
