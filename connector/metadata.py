@@ -195,6 +195,13 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     offload_outcomes: list[tuple[int, bytes, bool]] = msgspec.field(default_factory=list)
     one_sided_holders: list[tuple[str, str]] | None = None
 
+    def is_empty(self) -> bool:
+        """Nothing to tell the scheduler half (an engine may skip sending such a report; a
+        report that only changes ``one_sided_holders`` is not empty)."""
+        stats = self.stats
+        return not (stats.counters or stats.transfer_s or self.offload_outcomes
+                    or self.one_sided_holders is not None)
+
 
 class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):
     """The worker half's transport, told once to the scheduler half when the transport has

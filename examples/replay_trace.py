@@ -179,20 +179,20 @@ class Replay:
         return min(nodes, key=lambda n: (-runs[n], self.nodes[n].load, n))
 
     def _least_loaded_with_affinity(self, request: Request) -> int:
-        """The least-loaded node; among several equally loaded, the one whose own cache holds the
-        longest prefix of the request (the index's view: one lookup, capped like the local hit
-        of ``get_computed_blocks``), then node order. Without the tie-break a conversation's
-        next turn lands on the first idle node and pulls its prefix there, leaving a second copy
-        on the holder (a holder serving a pull does not touch its blocks) that takes capacity
-        until it ages out."""
+        """The least-loaded node; among several equally loaded, one that holds the request's
+        deepest prefix (the index's deepest-run lookup, capped like the local hit of
+        ``get_computed_blocks``: a bounded answer, whatever the number of nodes), then node
+        order. Without the tie-break a conversation's next turn lands on the first idle node
+        and pulls its prefix there, leaving a second copy on the holder (a holder serving a
+        pull does not touch its blocks) that takes capacity until it ages out."""
         least_load = min(node.load for node in self.nodes)
         candidates = [n for n, node in enumerate(self.nodes) if node.load == least_load]
         max_blocks = (request.num_tokens - 1) // self.block_size
         if len(candidates) == 1 or max_blocks == 0:
             return candidates[0]
-        hit = self._lookup(request.block_hashes[:max_blocks], all_holders=True)
-        node_to_run = {h.node_id: h.num_blocks for h in hit.holders}
-        return min(candidates, key=lambda n: (-node_to_run.get(self.nodes[n].node_id, 0), n))
+        hit = self._lookup(request.block_hashes[:max_blocks], all_holders=False)
+        deepest = {h.node_id for h in hit.holders}
+        return min(candidates, key=lambda n: (self.nodes[n].node_id not in deepest, n))
 
     def _pull_plan(self, n: int, request: Request, num_hit_tokens: int) -> tuple[int, int]:
         """(holder node, blocks it serves) of the longest prefix held elsewhere that beats node

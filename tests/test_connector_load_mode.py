@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvbridge.connector.config import AUTO_SYNC_MAX_BYTES
+from kvbridge.connector.config import AUTO_SYNC_MAX_BYTES, KVTransferConfig
 from kvbridge.connector.load_mode import LoadModePolicy
-from kvbridge.connector.metadata import HolderRef
+from kvbridge.connector.metadata import HolderRef, decode_worker_meta, encode_worker_meta
+from kvbridge.connector.worker_half import KVBridgeWorker
 from kvbridge.kvmanager.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 BLOCK_NBYTES_PER_LAYER = 1024  # 2 x 16 tokens x 2 heads x 8 dims x 2 bytes
@@ -66,3 +67,35 @@ def test_an_unchanged_report_keeps_the_last_one():
     policy = _policy()
     policy.observe(None)
     assert policy.loads_in_step(P, 1)
+
+
+class _HolderListTransport:
+    """Stands in for the worker's transport: only the holders it reads one-sided."""
+
+    def __init__(self) -> None:
+        self.holders: list[tuple[str, str]] = []
+
+    def one_sided_holders(self) -> list[tuple[str, str]]:
+        return list(self.holders)
+
+
+def test_the_worker_half_reports_its_one_sided_holders_once_per_change():
+    """Even in a step with nothing else to report (an engine drops empty reports), and through
+    the wire encoding, into the scheduler half's policy."""
+    worker = KVBridgeWorker(KVTransferConfig(transport="loopback"), _config(),
+                            hash_fn_name="sha256")
+    transport = _HolderListTransport()
+    worker.transport = transport  # type: ignore[assignment]
+    assert worker.build_connector_worker_meta().is_empty()  # none yet, none before
+    transport.holders = [("prefill-0", "7")]
+    meta = worker.build_connector_worker_meta()
+    assert not meta.is_empty() and meta.one_sided_holders == [("prefill-0", "7")]
+    assert worker.build_connector_worker_meta().is_empty()  # unchanged: not sent again
+    policy = LoadModePolicy("auto", 1, _config())
+    policy.observe(decode_worker_meta(encode_worker_meta(meta)).one_sided_holders)
+    assert policy.loads_in_step(P, 1)
+    transport.holders = []  # the connection to P was dropped
+    meta = worker.build_connector_worker_meta()
+    assert not meta.is_empty() and meta.one_sided_holders == []
+    policy.observe(meta.one_sided_holders)
+    assert not policy.loads_in_step(P, 1)

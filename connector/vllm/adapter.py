@@ -357,8 +357,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         meta = self._work().build_connector_worker_meta()
-        stats = meta.stats
-        if not (stats.counters or stats.transfer_s or meta.offload_outcomes):
+        if meta.is_empty():
             return None  # nothing to report (vLLM may skip empty outputs)
         return _WorkerReport([encode_worker_meta(meta)])
 
