@@ -30,6 +30,8 @@ from kvbridge.transport import (
     BlockBoard,
     GroupRead,
     LeaseRef,
+    PeerAddress,
+    TransferError,
     UcxxTransport,
     full_block_tag,
     lease_block_tag,
@@ -459,3 +461,63 @@ async def test_read_one_sided_declines_what_it_cannot_vouch_for(pair, monkeypatc
     )
     assert result is None
     assert _counts(requester) == before
+
+
+def test_a_tag_that_moved_under_an_unchanged_version_fails_the_second_check():
+    """What a first read torn between two writes could look like: the second check compares
+    the tags again, not only the versions."""
+    board = BlockBoard([8])
+    tag = full_block_tag(b"a")
+    board.set(0, 2, tag)
+    check = _check(board, [(0, [2], [tag])])
+    assert check.before_copy()
+    board._words[board.entry_index(0, 2), 1:3] = 0  # cleared, version left as it was
+    assert not check.after_copy()
+
+
+@in_module_loop
+async def test_ids_beyond_the_holders_blocks_are_never_copied_before_its_check(pair):
+    """A ticket's block ids are network input: a read naming a block the holder does not have
+    is not copied first (no read of the holder's memory past its KV tensors); the holder
+    refuses it, and the holder stays readable by the same-host path."""
+    holder, requester = pair
+    lease = _fresh_lease(holder)
+    address = holder.transport.address
+    await requester.connect(address)
+    beyond = holder.transport.metadata.groups[0].num_blocks + 1000
+    groups = [GroupRead(group_id=0, remote_block_ids=[3, beyond], local_block_ids=[28, 29],
+                        expected_hashes=[HASHES[0], HASHES[1]])]
+    before = _counts(requester)
+    with pytest.raises(TransferError, match="holder refused the read"):
+        await requester.read_blocks(address, "d-7", groups, deadline_s=20, lease=lease)
+    assert _counts(requester) == before  # not tried on the board either
+    assert not requester._cma_failed
+    assert requester.peer_data_path(address) == "cma"
+
+
+@in_module_loop
+async def test_a_failed_one_sided_copy_drops_the_connection_and_marks_the_holder(
+    pair, monkeypatch
+):
+    """Memory the kernel will not copy (not a holder that is gone): the read fails naming its
+    blocks, the connection is dropped, and the next connection to that holder goes over UCX."""
+    holder, requester = pair
+    lease = _fresh_lease(holder)
+    address = holder.transport.address
+    await requester.connect(address)
+
+    async def refuse(self, plan, on_batch=None):
+        raise cma.CmaReadError("process_vm_readv failed: EFAULT", "EFAULT")
+
+    monkeypatch.setattr(cma.CmaPeer, "copy", refuse)
+    with pytest.raises(TransferError, match="same-host copy"):
+        await requester.read_blocks(address, "d-8", _handoff([30, 31, 32]), deadline_s=20,
+                                    lease=lease)
+    assert requester.peer_data_path(address) is None  # dropped
+    monkeypatch.undo()
+    try:
+        await requester.connect(address)
+        assert requester.peer_data_path(address) == "ucx"
+    finally:
+        requester._cma_failed.clear()  # later tests of this module read the same holder
+        await requester._drop_connection(requester._conns[PeerAddress(*address)])

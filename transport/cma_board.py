@@ -25,16 +25,17 @@ request id and token, so that only that ticket's reader matches it. The holder's
 A read (``BoardCheck``), requester side::
 
     read entries (one process_vm_readv)  ──> every tag matches, every version even?
-      ──> copy the blocks  ──> read the entries again  ──> every version unchanged?
+      ──> copy the blocks  ──> read the entries again  ──> every entry unchanged?
 
 Why that is enough: the holder clears a block's entry (its version changes) before the lease
 that holds it ends, and the block can be reused only after that end. A copy that saw a reused
 block's new bytes was therefore followed by a second board read that sees the change (the two
 reads are separate system calls, in order; the holder's stores are ordered, see
-``BlockBoard.set``). Nothing matches when the lease is not granted yet, was released, or holds
-other hashes: then the read takes the holder's own checks (``cma_read``), which name what is
-wrong. A version is never reused (64 bits, only incremented), so a block released and held
-again between the two reads fails the second check.
+``BlockBoard.set``; on x86-64 the CPU itself keeps loads and stores in order, TSO). Nothing
+matches when the lease is not granted yet, was released, or holds other hashes: then the read
+takes the holder's own checks (``cma_read``), which name what is wrong. A version is never
+reused (64 bits, only incremented), so a block released and held again between the two reads
+fails the second check.
 
 Thread-safety: ``BlockBoard`` has one writer at a time (its caller's lock: the lease table's);
 readers are other processes.
@@ -151,7 +152,8 @@ class BlockBoard:
             entry[0] = version + 1
         with self._fence:
             entry[1:3] = np.frombuffer(tag or _EMPTY_TAG, dtype=np.uint64)
-        entry[0] = version + 2
+        with self._fence:
+            entry[0] = version + 2
 
 
 def offer_same_host_reads(
@@ -231,7 +233,10 @@ class BoardCheck:
         return True
 
     def after_copy(self) -> bool:
-        """Read the entries again; True when no version moved since ``before_copy``.
+        """Read the entries again; True when every entry is as ``before_copy`` read it, its
+        version and its (expected) tag. The tag is compared again because the first read
+        copies an entry's words in no promised order: a version from one write and a tag from
+        an earlier one would pass the first check alone.
 
         Raises:
             CmaReadError: as ``before_copy``.
@@ -240,7 +245,10 @@ class BoardCheck:
         if self._versions is None:
             raise RuntimeError("BoardCheck.after_copy before a passing before_copy")
         self._read()
-        return bool(np.array_equal(self._local[:, 0], self._versions))
+        return bool(
+            np.array_equal(self._local[:, 0], self._versions)
+            and np.array_equal(self._local[:, 1:3], self._expected)
+        )
 
     def _read(self) -> None:
         n = len(self._local)

@@ -96,8 +96,16 @@ class CmaReadPath(ReadPath):
         board_counts: BoardCounts | None = None,
     ):
         assert isinstance(conn.cma, CmaPeer)
-        copy_first = read.lease is not None and all(
-            group.expected_hashes is not None for group in read.groups
+        # Copy before the holder's check only from blocks its layout has: a ticket's ids are
+        # network input, and the holder refuses the others before anything is copied.
+        copy_first = (
+            read.lease is not None
+            and all(group.expected_hashes is not None for group in read.groups)
+            and all(
+                not group.block_ids
+                or max(group.block_ids) < conn.remote.groups[group.group_id].num_blocks
+                for group in read.groups
+            )
         )
         read = msgspec.structs.replace(read, cma=True, copy_first=copy_first)
         # before the Read goes out, so never later than the holder's pin (module docstring)
@@ -121,7 +129,12 @@ class CmaReadPath(ReadPath):
         if not self.read.copy_first:
             return await super()._exchange(reply_future, done_future)
         if self._peer.offer.board_address is not None:
-            if await self._one_sided():
+            try:
+                landed = await self._one_sided()
+            except TransferError:
+                await self._fail()  # the next read reconnects (over UCX if memory was unreadable)
+                raise
+            if landed:
                 self._board_counts.add(one_sided=1)
                 return self.state.result()
             self._board_counts.add(fallbacks=1)

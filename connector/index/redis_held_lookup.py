@@ -16,7 +16,26 @@ from .protocol import CODE_TO_TIER, TIER_RANK, Holder
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
 
-__all__ = ["LOOKUP_HELD_LUA", "held_lookup_args", "holders_of_held_reply"]
+__all__ = ["GET_BLOCK_IDS_LUA", "LOOKUP_HELD_LUA", "held_lookup_args", "holders_of_held_reply"]
+
+# ARGV: P, node, inc, key_len, keys (concatenated), group ids...
+# -> per group the block ids (4 bytes each, concatenated), or nil if any is not held.
+GET_BLOCK_IDS_LUA = """
+local P, node, inc, L, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+if redis.call('GET', P .. ':node:' .. node) ~= inc then return false end
+local out = {}
+for gi = 6, #ARGV do
+  local ids = {}
+  for pos = 0, #blob / L - 1 do
+    local key = P .. ':e:' .. ARGV[gi] .. ':' .. string.sub(blob, pos * L + 1, (pos + 1) * L)
+    local v = redis.call('HGET', key, node)
+    if not v or #v < 30 or string.sub(v, 1, 20) ~= inc then return false end
+    ids[pos + 1] = string.sub(v, 21, 24)
+  end
+  out[#out + 1] = table.concat(ids)
+end
+return out
+"""
 
 # ARGV: P, key_len, keys (concatenated), num_groups, then per group: id, full ('1': a
 # full-attention group, whose hit needs every block from block 0), then excluded node ids.

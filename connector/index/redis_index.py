@@ -9,16 +9,15 @@ here and sent on a connection of the client's pool (``redis_direct.py``: redis-p
 command path cost a lookup about 19 us more), falling back to ``execute_command`` for what only
 it handles (a script the server does not know, a cluster's redirects).
 
-Key layout, scripts and the O(log N) exact lookup: ``redis_scripts.py``. A lookup sends the
-hashes cut to ``IndexNamespace.key_hash_bytes`` (625 x 8 bytes = 5 KB for a 10k-token prompt at
-block size 16, under redis-py's 6,000-byte single-buffer cut-off).
+Key layout, scripts and the O(log N) lookup: ``redis_scripts.py`` (reads of a holder's own
+entries: ``redis_held_lookup.py``). A lookup sends the hashes cut to ``key_hash_bytes`` (5 KB
+for 625 hashes, under redis-py's 6,000-byte single-buffer cut-off).
 
 Redis trouble (unreachable, slower than ``socket_timeout_s``, erroring) never raises out of this
-class: a lookup answers ``NO_HIT``, a publish is dropped, both counted in ``stats`` with a logged
-warning; for ``retry_interval_s`` after a failure calls are answered the same way without trying,
-then the next call tries again (redis-py reconnects). Garbage found in the namespace (entries of the
-wrong length or tier, records of the wrong type) is skipped and counted in
-``stats.garbage_entries``.
+class: a lookup answers ``NO_HIT``, a publish is dropped, both counted in ``stats``, logged; for
+``retry_interval_s`` after a failure calls are answered so without trying, then the next call
+tries again (redis-py reconnects). Garbage in the namespace (entries of the wrong length or tier,
+records of the wrong type) is skipped and counted in ``stats.garbage_entries``.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from redis.connection import ConnectionPool
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from . import redis_held_lookup as held
 from . import redis_scripts as scripts
 from .protocol import (
     CODE_TO_TIER,
@@ -60,7 +60,6 @@ from .protocol import (
     sort_holders,
 )
 from .redis_direct import LEFT_TO_GENERIC_PATH, ScriptHead, send
-from .redis_held_lookup import LOOKUP_HELD_LUA, held_lookup_args, holders_of_held_reply
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
@@ -92,8 +91,8 @@ _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 _PUBLISH = _script(scripts.PUBLISH_LUA)
 _LOOKUP = _script(scripts.LOOKUP_LUA)
-_GET_BLOCK_IDS = _script(scripts.GET_BLOCK_IDS_LUA)
-_LOOKUP_HELD = _script(LOOKUP_HELD_LUA)
+_GET_BLOCK_IDS = _script(held.GET_BLOCK_IDS_LUA)
+_LOOKUP_HELD = _script(held.LOOKUP_HELD_LUA)
 _PUBLISH_REPLY_TO_STATUS: dict[Any, str] = {1: "ok", 0: "fenced", 2: "gap", 3: "replayed"}
 
 
@@ -358,10 +357,10 @@ class RedisBlockIndex:
     ) -> PrefixHit:
         """``longest_prefix`` under a hit rule with a group that is not full attention."""
         prefix = self._prompt_prefix(keys[:key_len])
-        args = held_lookup_args(prefix, key_len, keys, group_ids, hit_rule, exclude_node_ids)
+        args = held.held_lookup_args(prefix, key_len, keys, group_ids, hit_rule, exclude_node_ids)
         reply = self._call_direct("lookup", _LOOKUP_HELD, *args)
         try:
-            garbage, holders = (0, []) if reply is None else holders_of_held_reply(
+            garbage, holders = (0, []) if reply is None else held.holders_of_held_reply(
                 reply, block_hashes, group_ids, hit_rule, key_len, self.namespace.block_size
             )
         except (ValueError, KeyError, IndexError, TypeError) as exc:

@@ -440,22 +440,3 @@ end
 out[1] = garbage
 return out
 """.replace("SAMPLE", str(LOOKUP_SAMPLE_HOLDERS))
-
-# ARGV: P, node, inc, key_len, keys (concatenated), group ids...
-# -> per group the block ids (4 bytes each, concatenated), or nil if any is not held.
-GET_BLOCK_IDS_LUA = """
-local P, node, inc, L, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-if redis.call('GET', P .. ':node:' .. node) ~= inc then return false end
-local out = {}
-for gi = 6, #ARGV do
-  local ids = {}
-  for pos = 0, #blob / L - 1 do
-    local key = P .. ':e:' .. ARGV[gi] .. ':' .. string.sub(blob, pos * L + 1, (pos + 1) * L)
-    local v = redis.call('HGET', key, node)
-    if not v or #v < 30 or string.sub(v, 1, 20) ~= inc then return false end
-    ids[pos + 1] = string.sub(v, 21, 24)
-  end
-  out[#out + 1] = table.concat(ids)
-end
-return out
-"""
