@@ -25,7 +25,8 @@ class ReplayResult:
     num_pulls: int = 0
     num_stale_hits: int = 0  # the index named more blocks than the holder's pool had
     pulls_per_holder: list[int] = field(default_factory=list)
-    num_lookups: int = 0
+    num_lookups: int = 0  # every timed longest_prefix call, re-lookups included
+    num_relookups: int = 0  # pull: a request that waited asked again at admission
     num_lookup_hashes: int = 0
     lookup_s: float = 0.0
     num_pings: int = 0
@@ -48,7 +49,6 @@ class ReplayResult:
         return 1e6 * self.ping_s / self.num_pings if self.num_pings else None
 
 
-
 def _per_node(counts: list[int]) -> str:
     if len(counts) <= 8:
         return str(counts)
@@ -59,10 +59,12 @@ def row(result: ReplayResult, oracle_ratio: float) -> str:
     fraction = result.hit_ratio / oracle_ratio if oracle_ratio else 0.0
     wait = result.total_wait_s / max(1, result.num_requests)
     pulled = result.num_pulled_blocks / max(1, result.num_requests)
+    lookups = result.num_lookups / max(1, result.num_requests)
     ping = result.ping_us
     vs_ping = f"{result.lookup_us / ping:>8.2f}" if ping and result.num_lookups else f"{'-':>8}"
     return (f"{result.policy:<12}{result.hit_ratio:>10.4f}{fraction:>12.3f}{pulled:>12.2f}"
-            f"{result.lookup_us:>11.1f}{vs_ping}{wait:>10.3f}{result.num_dropped:>8}   "
+            f"{lookups:>13.3f}{result.lookup_us:>11.1f}{vs_ping}{wait:>10.3f}"
+            f"{result.num_dropped:>8}   "
             f"{_per_node(result.requests_per_node)}")
 
 
@@ -89,6 +91,8 @@ def summary_of(result: ReplayResult, oracle_ratio: float) -> dict:
             num_pulls=result.num_pulls,
             num_pulled_blocks=result.num_pulled_blocks,
             num_stale_hits=result.num_stale_hits,
+            num_relookups=result.num_relookups,
+            relookups_per_request=round(result.num_relookups / num_requests, 3),
             pulls_per_holder=result.pulls_per_holder,
         )
     return out

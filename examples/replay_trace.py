@@ -10,21 +10,25 @@ index (``--index-url``: ``memory`` or a ``redis://`` URL). The trace is replayed
   by fewer than ``--min-gain-blocks`` blocks counts as a tie (like the connector's minimum gain:
   otherwise a system prompt shared by every request pins all traffic to the first node);
 - ``round_robin``: request i goes to node i mod N;
-- ``pull``: each request goes to the least-loaded node (among equally loaded ones, the one whose
-  own cache holds the longest prefix of the request according to the index, then node order:
-  prefix affinity, which KV-aware routers such as Dynamo's weigh against load, here only breaks
-  ties), which asks the index for the request's longest prefix held anywhere when it admits the
-  request; when that beats its own prefix hit by at least ``--min-pull-blocks`` blocks the prefix
-  is pulled from the holder (counted as a hit, its blocks taken as external computed tokens, so
-  they become cached on the puller and are published to the index like after a real pull). The
-  holder's pool is checked for the blocks (a stale index entry would make a shorter pull;
-  counted as ``num_stale_hits``) and, like a real holder serving a read through the index, its
-  blocks are neither referenced nor touched.
+- ``pull``: each request asks the index once, at arrival, for the deepest run of its prompt held
+  anywhere (capped like ``get_computed_blocks``: never the last token's block) and goes to the
+  least-loaded node (among equally loaded ones, one the answer names as a holder of that run,
+  then node order: prefix affinity, which KV-aware routers such as Dynamo's weigh against load,
+  here only breaks ties). The answer travels with the request: when the node admits it at
+  arrival, that same answer names the holder to pull from; when the run beats the node's own
+  prefix hit by at least ``--min-pull-blocks`` blocks the prefix is pulled from the holder
+  (counted as a hit, its blocks taken as external computed tokens, so they become cached on the
+  puller and are published to the index like after a real pull). A request that had to wait
+  (admitted after other nodes may have published) asks again at admission, counted as
+  ``num_relookups``. The holder's pool is checked for the blocks (a stale index entry would make
+  a shorter pull; counted as ``num_stale_hits``) and, like a real holder serving a read through
+  the index, its blocks are neither referenced nor touched.
 
-Every ``longest_prefix`` call is timed (with ``pull``, the tie-break's lookup too: one only when
-several nodes share the least load); with a Redis index every fourth lookup is followed by a
-timed PING on a connection of its own, the baseline (``lookup_vs_ping``) measured over the same
-minutes as the lookups, so the cost per lookup compares across node counts on a busy machine.
+Every ``longest_prefix`` call is timed: ``index`` and ``pull`` make one a request (none for a
+one-block prompt under ``pull``) plus, under ``pull``, the re-lookups of requests that waited.
+With a Redis index every fourth lookup is followed by a timed PING on a connection of its own,
+the baseline (``lookup_vs_ping``) measured over the same minutes as the lookups, so the cost per
+lookup compares across node counts on a busy machine.
 
 Trace format (the Mooncake FAST'25 trace release, kvcache-ai/Mooncake, FAST25-release/traces,
 e.g. its ``conversation_trace.jsonl``): one JSON object a line with ``timestamp`` (ms),
@@ -142,6 +146,8 @@ class Replay:
         self._done: list[tuple[float, int, int, Request]] = []  # (end_s, seq, node, request)
         self._arrival_s: dict[str, float] = {}
         self._trace: dict[str, TraceRequest] = {}
+        # pull: the routing lookup's answer, valid until the admission right after routing.
+        self._routed_hit: dict[str, PrefixHit] = {}
         self._seq = 0
 
     def _publish(self, node: Node) -> None:
@@ -167,7 +173,10 @@ class Replay:
         if self.policy == "round_robin":
             return i % self.num_nodes
         if self.policy == "pull":
-            return self._least_loaded_with_affinity(request)  # the pull: at admission
+            n, hit = self._least_loaded_with_affinity(request)
+            if hit is not None:  # the pull's answer too, if admitted at once (_pull_plan)
+                self._routed_hit[request.request_id] = hit
+            return n
         nodes = range(self.num_nodes)
         least_loaded = min(nodes, key=lambda n: (self.nodes[n].load, n))
         hit = self._lookup(request.block_hashes, all_holders=True)
@@ -178,32 +187,41 @@ class Replay:
         # Longest prefix first, then lightest load, then node order.
         return min(nodes, key=lambda n: (-runs[n], self.nodes[n].load, n))
 
-    def _least_loaded_with_affinity(self, request: Request) -> int:
-        """The least-loaded node; among several equally loaded, one that holds the request's
-        deepest prefix (the index's deepest-run lookup, capped like the local hit of
-        ``get_computed_blocks``: a bounded answer, whatever the number of nodes), then node
-        order. Without the tie-break a conversation's next turn lands on the first idle node
-        and pulls its prefix there, leaving a second copy on the holder (a holder serving a
-        pull does not touch its blocks) that takes capacity until it ages out."""
+    def _least_loaded_with_affinity(self, request: Request) -> tuple[int, PrefixHit | None]:
+        """(node, the index's answer): the least-loaded node; among several equally loaded, one
+        that holds the request's deepest prefix, then node order. The answer is the index's
+        deepest-run lookup over the blocks ``get_computed_blocks`` could hit (a bounded answer,
+        whatever the number of nodes), made for every request with such a block (None for a
+        one-block prompt), since ``_pull_plan`` asks the same question. Without the tie-break a
+        conversation's next turn lands on the first idle node and pulls its prefix there,
+        leaving a second copy on the holder (a holder serving a pull does not touch its
+        blocks) that takes capacity until it ages out."""
         least_load = min(node.load for node in self.nodes)
         candidates = [n for n, node in enumerate(self.nodes) if node.load == least_load]
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if len(candidates) == 1 or max_blocks == 0:
-            return candidates[0]
+        if max_blocks == 0:
+            return candidates[0], None
         hit = self._lookup(request.block_hashes[:max_blocks], all_holders=False)
         deepest = {h.node_id for h in hit.holders}
-        return min(candidates, key=lambda n: (self.nodes[n].node_id not in deepest, n))
+        return min(candidates, key=lambda n: (self.nodes[n].node_id not in deepest, n)), hit
 
     def _pull_plan(self, n: int, request: Request, num_hit_tokens: int) -> tuple[int, int]:
         """(holder node, blocks it serves) of the longest prefix held elsewhere that beats node
         ``n``'s own ``num_hit_tokens`` by ``--min-pull-blocks``; (-1, 0) when none does. Like
-        the connector, never the last token's block: it is recomputed for its logits."""
+        the connector, never the last token's block: it is recomputed for its logits. The
+        routing lookup's answer when the request is admitted right after routing (the same
+        query over the same index state); a new lookup, counted in ``num_relookups``, when it
+        waited."""
+        routed_hit = self._routed_hit.pop(request.request_id, None)
         num_local_blocks = num_hit_tokens // self.block_size
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks - num_local_blocks < self.args.min_pull_blocks:
             return -1, 0
         hashes = request.block_hashes[:max_blocks]
-        hit = self._lookup(hashes, all_holders=False)
+        hit = routed_hit
+        if hit is None:
+            hit = self._lookup(hashes, all_holders=False)
+            self.result.num_relookups += 1
         holder = hit.best_holder
         if holder is None or hit.num_blocks - num_local_blocks < self.args.min_pull_blocks:
             return -1, 0
@@ -276,6 +294,8 @@ class Replay:
             self._arrival_s[request.request_id] = trace.arrival_s
             self.nodes[n].waiting.append((i, request))
             self._admit(n, trace.arrival_s)
+            # Still waiting: other nodes publish before it is admitted, so it asks again then.
+            self._routed_hit.pop(request.request_id, None)
         self._finish_until(math.inf)
         for node in self.nodes:
             node.manager.check_integrity()
@@ -363,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           f"(block size {args.block_size}), {args.nodes} nodes x {args.blocks_per_node} blocks")
     print(f"unbounded-cache hit ratio (same file): {oracle_ratio:.4f}")
     print(f"{'policy':<12}{'hit ratio':>10}{'/ unbounded':>12}{'pulled/req':>12}"
-          f"{'lookup us':>11}{'/ PING':>8}{'avg wait':>10}{'dropped':>8}   requests per node")
+          f"{'lookups/req':>13}{'lookup us':>11}{'/ PING':>8}{'avg wait':>10}{'dropped':>8}"
+          f"   requests per node")
     for result in results:
         print(row(result, oracle_ratio))
     summary: dict[str, object] = {

@@ -167,11 +167,71 @@ def test_pull_reports_its_counts_next_to_index_routing(tmp_path: Path) -> None:
     assert pull["fraction_of_unbounded"] == 1.0
     assert pull["pulled_blocks_per_request"] == round(2 / 3, 3)
     assert pull["pulls_per_holder"] == [1, 0, 0, 0]
-    # Two lookups per request: each arrived with several nodes equally least loaded (A0 and F:
-    # all four idle; A1: nodes 1-3), so routing asked which of them holds the longest prefix,
-    # and each had a block its node lacked, so admission asked for a holder to pull from (the
-    # last block is never looked up: A0 and F look up 1 of their 2 blocks, A1 3 of its 4).
-    assert pull["lookups_per_request"] == 2.0
+    # One lookup per request: routing asks for the deepest run (A0 and F look up 1 of their 2
+    # blocks, A1 3 of its 4: the last block is never looked up), and admission, right after
+    # routing, takes the holder to pull from out of that same answer.
+    assert pull["lookups_per_request"] == 1.0
+    assert pull["num_relookups"] == 0
+
+
+def _pull_replay(
+    trace: Path, *flags: str
+) -> tuple[object, replay.InMemoryBlockIndex, list[replay.TraceRequest]]:
+    """A ``pull`` replay of ``trace`` on a memory index, run; (its Replay, the index, the
+    requests). The index's own ``stats.lookups`` counts every ``longest_prefix`` call."""
+    args = replay.parse_args([str(trace), "--policies", "pull", *flags])
+    requests = replay.read_trace(trace)
+    expander = replay.TokenExpander(args.block_size)
+    args.max_model_len = max(expander.num_tokens(r) for r in requests) + 1
+    index = replay.InMemoryBlockIndex(replay.IndexNamespace(
+        model_name="replay", block_size=args.block_size, hash_fn_name=args.hash_fn
+    ))
+    run = replay.Replay(args, index, "pull")
+    run.run(requests, expander)
+    return run, index, requests
+
+
+def test_pull_admitted_at_arrival_reuses_the_routing_lookup(tmp_path: Path) -> None:
+    # The pull trace above, plus a one-block prompt G (t=60; nothing to look up: its only block
+    # is recomputed for its logits). A0, F and A1 are admitted the moment they arrive, so the
+    # routing lookup is the admission's too: 3 lookups for 4 requests. An admission that asked
+    # again would make A0, F and A1 (each missing a block locally) look up twice: 6.
+    trace = _write_records(tmp_path / "pull.jsonl", [
+        (0.0, 1000, [0, 1]), (30.0, 1000, [900, 901]), (31.0, 1000, [0, 1, 2, 3]),
+        (60.0, 10, [700]),
+    ])
+    run, index, _ = _pull_replay(trace, "--blocks-per-node", "64")
+    result = run.result
+    assert index.stats.lookups == result.num_lookups == 3
+    assert result.num_relookups == 0
+    # The reused answer still names node 0 as A1's holder: the same pull as before.
+    assert (result.num_pulls, result.num_pulled_blocks) == (1, 2)
+    assert result.pulls_per_holder == [1, 0, 0, 0]
+    index.close()
+
+
+def test_pull_looks_up_again_for_a_request_that_waited(tmp_path: Path) -> None:
+    # 2 nodes x 4 blocks; X, Y and A decode for 1000 x 0.02 = 20 s, each holding 2 blocks.
+    # (1) t=0: X = [900, 901] on node 0; t=0.5: Y = [800, 801] on node 1 (least loaded).
+    # (2) t=1: B = [0, 1, 2, 3] ties on load; nothing holds its prefix (the routing answer:
+    #     no hit), so node 0 by order, where only 2 of its 4 blocks are free: B waits.
+    # (3) t=2: A = [0, 1] goes to node 1 (load 1 against node 0's 2) and is cached there.
+    # (4) t=20: X ends, B is admitted on node 0: its routing answer is stale, so it asks again
+    #     and pulls A's 2 blocks from node 1. Reusing the stale answer would pull nothing.
+    trace = _write_records(tmp_path / "wait.jsonl", [
+        (0.0, 1000, [900, 901]), (0.5, 1000, [800, 801]), (1.0, 10, [0, 1, 2, 3]),
+        (2.0, 1000, [0, 1]),
+    ])
+    run, index, _ = _pull_replay(trace, "--nodes", "2", "--blocks-per-node", "4")
+    result = run.result
+    assert result.requests_per_node == [2, 2]
+    # One routing lookup per request plus B's re-lookup.
+    assert index.stats.lookups == result.num_lookups == 4 + 1
+    assert result.num_relookups == 1
+    assert (result.num_pulls, result.num_pulled_blocks) == (1, 2)
+    assert result.pulls_per_holder == [0, 1]
+    assert result.num_stale_hits == 0
+    index.close()
 
 
 def test_pull_breaks_load_ties_by_the_longest_local_prefix(tmp_path: Path) -> None:
@@ -210,4 +270,8 @@ def test_pull_on_a_slice_of_the_conversation_trace() -> None:
     assert summary["pull"]["fraction_of_unbounded"] == 1.0
     assert summary["pull"]["num_pulled_blocks"] > 0
     assert summary["pull"]["num_stale_hits"] == 0
+    # Nothing waits in pools this large: one lookup a request at most (none for a one-block
+    # prompt), each both the routing's and the admission's.
+    assert summary["pull"]["num_relookups"] == 0
+    assert summary["pull"]["lookups_per_request"] <= 1.0
     assert sum(summary["pull"]["pulls_per_holder"]) == summary["pull"]["num_pulls"]

@@ -1,0 +1,232 @@
+"""How much of the unbounded cache's hit ratio any cache of C blocks can reach on a trace.
+
+Issue 14, part 4 asks ``examples/replay_trace.py``'s ``pull`` policy for 0.85 of the unbounded
+cache on the Mooncake conversation trace with 4 nodes x 4,096 blocks. Pulling from any holder
+makes the four pools act, at best, as one cache of 16,384 blocks (less: a pulled prefix is held
+twice, and running requests pin theirs). This script asks whether 0.85 is reachable at all at
+that size, whatever the placement and eviction, by replaying the trace's block-id streams (the
+hash ids, which the replay expands into token blocks: ``examples/replay_input.py``) through one
+cache of ``C`` blocks in arrival order:
+
+- ``lru``: least recently used eviction; a request touches its blocks last to first, so its
+  first block is the most recently used (a vLLM request frees its blocks in reverse order, so
+  the tail of a prefix is evicted before the head);
+- ``belady``: Belady's offline-optimal rule (MIN): evict the cached block whose next use (the
+  next request that contains it) is farthest in the future, ties the deeper block first;
+- ``belady_any_block``: the same run counting every requested block found in the cache, not
+  only a request's leading run up to the cap (a ceiling, see below).
+
+A request's hit is the leading run of its blocks found in the cache, capped like
+``KVCacheManager.get_computed_blocks`` at ``(num_tokens - 1) // block_size`` blocks (the last
+token's block is recomputed for its logits). After a request all its blocks are in the cache;
+then blocks are evicted down to ``C`` (so an incoming block whose next use is the farthest goes
+at once). With ``C`` above the number of distinct blocks both rules give exactly the unbounded
+cache of ``replay_trace.py`` (``oracle_hit_blocks``: a request's leading hash ids seen in any
+earlier request, same cap), the reference of every ratio printed.
+
+Why ``belady_any_block`` is a ceiling for any policy of ``C`` blocks, including N pools that
+pull from one another (their union holds at most ``C`` distinct blocks, each seen before): MIN
+maximises the number of requested blocks found in a cache of ``C`` over all eviction choices
+(Belady 1966, Mattson et al. 1970), and a policy's capped leading-run hits are a subset of its
+block hits. ``belady`` itself is what MIN gives under the replay's hit rule. (The trace's ids are
+prefix-chained, every id always has the same parent, so a block is needed no later than its
+descendants and MIN, deeper blocks first on ties, keeps every cached block's prefix cached: its
+block hits are leading runs, and the two differ only by the capped last blocks.)
+
+Also printed, ``max_live_blocks``: the most blocks that are, between two requests, both seen
+already and held by a later request. A cache of that many blocks that keeps exactly those serves
+every hit of the unbounded cache, so MIN reaches it at any ``C`` from there on.
+
+    python benchmarks/bench_replay_bound.py /path/to/conversation_trace.jsonl
+
+Prints a table (hit ratio as a fraction of the unbounded cache per capacity); the last line is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from replay_input import TokenExpander, TraceRequest, oracle_hit_blocks, read_trace
+
+DEFAULT_CAPACITIES = (4096, 16384, 65536)
+_NEVER = math.inf
+
+
+class BlockRequest(NamedTuple):
+    """One request's block ids in prompt order and the most blocks its hit may cover."""
+
+    block_ids: tuple[int, ...]
+    max_hit_blocks: int
+
+
+class CacheHits(NamedTuple):
+    """Blocks served over the whole stream: ``leading`` under the replay's hit rule (leading
+    run, capped), ``any_block`` every requested block found in the cache."""
+
+    leading: int
+    any_block: int
+
+
+def block_requests(requests: Sequence[TraceRequest], expander: TokenExpander) -> list[BlockRequest]:
+    """The trace's block-id streams with ``get_computed_blocks``'s cap at ``expander``'s block
+    size: ``(num_tokens - 1) // block_size``, ``num_tokens`` as the replay cuts the prompt."""
+    return [
+        BlockRequest(r.hash_ids, (expander.num_tokens(r) - 1) // expander.block_size)
+        for r in requests
+    ]
+
+
+def _leading_run(cached: dict[int, object] | OrderedDict[int, None], req: BlockRequest) -> int:
+    k = 0
+    while k < req.max_hit_blocks and k < len(req.block_ids) and req.block_ids[k] in cached:
+        k += 1
+    return k
+
+
+def lru_hits(stream: Sequence[BlockRequest], capacity: int) -> CacheHits:
+    """One LRU cache of ``capacity`` blocks; a request touches its blocks last to first."""
+    cache: OrderedDict[int, None] = OrderedDict()  # least recently used first
+    leading = any_block = 0
+    for req in stream:
+        leading += _leading_run(cache, req)
+        any_block += sum(1 for b in req.block_ids if b in cache)
+        for b in reversed(req.block_ids):
+            cache[b] = None
+            cache.move_to_end(b)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return CacheHits(leading, any_block)
+
+
+def _next_uses(stream: Sequence[BlockRequest]) -> list[list[float]]:
+    """``next_use[r][j]``: the index of the next request after ``r`` that holds block
+    ``stream[r].block_ids[j]`` (``inf``: none)."""
+    id_to_next: dict[int, float] = {}
+    next_use: list[list[float]] = [[] for _ in stream]
+    for r in range(len(stream) - 1, -1, -1):
+        ids = stream[r].block_ids
+        next_use[r] = [id_to_next.get(b, _NEVER) for b in ids]
+        for b in ids:
+            id_to_next[b] = r
+    return next_use
+
+
+def belady_hits(stream: Sequence[BlockRequest], capacity: int) -> CacheHits:
+    """One cache of ``capacity`` blocks under Belady's MIN (farthest next use evicted first,
+    the deeper block first on ties); the request's own blocks are candidates too."""
+    next_use = _next_uses(stream)
+    cache: dict[int, float] = {}  # block id -> its next use
+    # (-next use, -position, id): the heap's smallest is the farthest next use, then the
+    # deepest; an entry whose next use no longer matches ``cache`` is stale and skipped.
+    heap: list[tuple[float, int, int]] = []
+    leading = any_block = 0
+    for r, req in enumerate(stream):
+        leading += _leading_run(cache, req)
+        any_block += sum(1 for b in req.block_ids if b in cache)
+        for j, b in enumerate(req.block_ids):
+            cache[b] = next_use[r][j]
+            heapq.heappush(heap, (-next_use[r][j], -j, b))
+        while len(cache) > capacity:
+            neg_next, _, b = heapq.heappop(heap)
+            if cache.get(b) == -neg_next:
+                del cache[b]
+        if len(heap) > 4 * max(capacity, 1024):  # drop stale entries now and then
+            heap = [e for e in heap if cache.get(e[2]) == -e[0]]
+            heapq.heapify(heap)
+    return CacheHits(leading, any_block)
+
+
+def max_live_blocks(stream: Sequence[BlockRequest]) -> int:
+    """The largest number of blocks that, just after some request, were seen at or before it
+    and are held by a later request."""
+    first_seen: dict[int, int] = {}
+    last_seen: dict[int, int] = {}
+    for r, req in enumerate(stream):
+        for b in req.block_ids:
+            first_seen.setdefault(b, r)
+            last_seen[b] = r
+    delta = [0] * (len(stream) + 1)  # live from just after first_seen to just before last_seen
+    for b, first in first_seen.items():
+        if last_seen[b] > first:
+            delta[first] += 1
+            delta[last_seen[b]] -= 1
+    live = most = 0
+    for d in delta:
+        live += d
+        most = max(most, live)
+    return most
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
+    parser.add_argument("--limit", type=int, default=None, help="the first N requests")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (512 -> N)")
+    parser.add_argument("--capacities", default=",".join(map(str, DEFAULT_CAPACITIES)),
+                        help="comma-separated cache sizes in blocks")
+    args = parser.parse_args(argv)
+    args.capacities = [int(c) for c in args.capacities.split(",") if c.strip()]
+    if not args.capacities or min(args.capacities) < 1 or args.block_size < 1:
+        parser.error("--capacities and --block-size must be positive")
+    if not args.trace.is_file():
+        parser.error(f"trace file not found: {args.trace}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    requests = read_trace(args.trace, args.limit)
+    expander = TokenExpander(args.block_size)
+    stream = block_requests(requests, expander)
+    oracle = sum(oracle_hit_blocks(requests, expander))
+    total_blocks = sum(math.ceil(expander.num_tokens(r) / args.block_size) for r in requests)
+    print(f"trace {args.trace}: {len(requests)} requests, {total_blocks} prompt blocks, "
+          f"{len({b for req in stream for b in req.block_ids})} distinct block ids "
+          f"(block size {args.block_size})")
+    num_live = max_live_blocks(stream)
+    print(f"unbounded cache: {oracle} hit blocks, hit ratio {oracle / total_blocks:.4f}; "
+          f"at most {num_live} blocks seen and needed again at once (max_live_blocks)")
+    print(f"{'capacity':>9}{'lru':>8}{'belady':>8}{'belady_any_block':>18}   (/ unbounded)")
+    rows = []
+    for capacity in args.capacities:
+        lru = lru_hits(stream, capacity)
+        belady = belady_hits(stream, capacity)
+        rows.append({
+            "capacity_blocks": capacity,
+            "lru": round(lru.leading / oracle, 4) if oracle else 0.0,
+            "belady": round(belady.leading / oracle, 4) if oracle else 0.0,
+            "belady_any_block": round(belady.any_block / oracle, 4) if oracle else 0.0,
+            "lru_hit_ratio": round(lru.leading / total_blocks, 4),
+            "belady_hit_ratio": round(belady.leading / total_blocks, 4),
+        })
+        r = rows[-1]
+        print(f"{capacity:>9}{r['lru']:>8.3f}{r['belady']:>8.3f}{r['belady_any_block']:>18.3f}")
+    summary: dict[str, object] = {
+        "benchmark": "replay_bound",
+        "trace": str(args.trace),
+        "num_requests": len(requests),
+        "block_size": args.block_size,
+        "unbounded_hit_ratio": round(oracle / total_blocks, 4) if total_blocks else 0.0,
+        "max_live_blocks": num_live,
+        "capacities": rows,
+        "wall_s": round(time.perf_counter() - start, 2),
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
