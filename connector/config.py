@@ -51,16 +51,17 @@ key                          default   meaning
                                        pull, and the request is promoted a step sooner: in vLLM
                                        D's first token of a 2,048-token handoff ~25 -> ~10 ms);
                                        0 never waits
-``idle_hold_wait_s``         0.001     on a step that computes no token while this node only
+``idle_hold_wait_s``         0.01      on a step that computes no token while this node only
                                        holds leases for pullers (nothing of its own in flight),
-                                       ``get_finished`` waits up to this long: vLLM steps a
+                                       ``get_finished`` waits: 1 ms, doubled at each further
+                                       idle step in a row, up to this long (vLLM steps a
                                        holder without pause while it holds blocks, and on a
-                                       small host that loop takes the core the pullers' reads
-                                       need (in vLLM, D's first token of a 2,048-token handoff:
-                                       12-22 ms with 0, 9-12 ms with 0.001); a completion
-                                       notice ends the wait at once (the lease's blocks are
-                                       freed in that step); a new request waits at most this
-                                       much longer; 0: no wait
+                                       small host that loop takes the cores the pullers'
+                                       reads and forwards need); a completion notice ends the
+                                       wait at once (the lease's blocks are freed in that
+                                       step); a request reaching the engine in a lull waits
+                                       at most about as long as the lull has lasted, and
+                                       never more than this; 0: no wait
 ``index_lookup_timeout_s``   0.5       a request waits at most this long (over scheduling
                                        steps, never inside one) for its index lookup, then
                                        goes on with its local prefix hit alone
@@ -144,7 +145,7 @@ class KVTransferConfig:
     index_lookup_timeout_s: float = 0.5
     gil_switch_interval_s: float | None = 0.0005
     idle_pull_wait_s: float = 0.02
-    idle_hold_wait_s: float = 0.001
+    idle_hold_wait_s: float = 0.01
     index_ttl_s: float = 10.0
     model_name: str = "kvbridge"
     store_url: str | None = None

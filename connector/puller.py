@@ -77,6 +77,11 @@ async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
         logger.info("release notice for %s not delivered: %s", ticket.remote_request_id, exc)
 
 
+async def send_notices(transport: Transport, notices: list[ReleaseNotice]) -> None:
+    """Deliver release notices at once (``send_notice`` each)."""
+    await asyncio.gather(*(send_notice(transport, notice) for notice in notices))
+
+
 class Settled(NamedTuple):
     """What ``Puller.pop_settled`` reports: ``request_ids`` of async pulls that settled
     (landed or not), the local blocks that did not land (sync pulls' too), and
@@ -155,6 +160,7 @@ class Puller:
         self._heartbeat_targets: dict[str, Ticket] = {}  # request id here -> its lease
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._notices: set[asyncio.Task[None]] = set()
+        self._notices_after_step: list[ReleaseNotice] = []  # this step's one-sided loads'
 
     # ------------------------------------------------------------------ engine thread
     def start_heartbeats(self, transport: Transport, timeout_s: float) -> None:
@@ -201,10 +207,18 @@ class Puller:
             return None
         self._record(plan, started, set(), result.num_bytes_landed, None)
         self.stats.add("bytes_received_same_host", result.num_bytes_landed)
-        # the holder may free its blocks now
-        notice = ReleaseNotice(ticket=plan.lease, success=True, reason="")
-        get_loop_thread().submit(send_notice(transport, notice))
+        # the holder may free its blocks now; told after this step's forward, because waking
+        # the connector loop here would take the GIL from the step (send_deferred_notices)
+        self._notices_after_step.append(ReleaseNotice(ticket=plan.lease, success=True, reason=""))
         return PullOutcome(plan.request_id, (), result.num_bytes_landed, None)
+
+    def send_deferred_notices(self, transport: Transport) -> None:
+        """Hand the release notices of the one-sided loads since the last call to the
+        connector loop, with one wake-up for all. The worker thread calls it once the step's
+        forward is done (``get_finished``): their holders free the blocks a step later."""
+        if self._notices_after_step:
+            notices, self._notices_after_step = self._notices_after_step, []
+            get_loop_thread().submit(send_notices(transport, notices))
 
     def wait_settled(self, request_ids: list[str]) -> None:
         """Block the calling (worker) thread until the pulls of ``request_ids`` settled (landed

@@ -65,6 +65,9 @@ __all__ = ["KVBridgeWorker"]
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
+IDLE_HOLD_FIRST_WAIT_S = 0.001
+"""An idle holder's first wait; each further idle step in a row doubles it, up to
+``config.idle_hold_wait_s`` (``KVBridgeWorker.get_finished``)."""
 
 
 def _regions(kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -121,6 +124,7 @@ class KVBridgeWorker:
                 stats=self.stats,
             )
         self._meta: KVBridgeConnectorMetadata | None = None
+        self._idle_hold_wait_s = min(IDLE_HOLD_FIRST_WAIT_S, config.idle_hold_wait_s)
         self._stores_after_forward: BlockHashDelta | None = None
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
@@ -281,9 +285,16 @@ class KVBridgeWorker:
         waits up to ``config.idle_pull_wait_s`` for one to settle: nothing else is waiting for
         this thread, the pull gets the GIL and the core, and the request it lands is promoted
         in the next step instead of a later one. An idle step of a node that only holds leases
-        waits up to ``config.idle_hold_wait_s`` instead (0: not at all), returning as soon as a
-        completion notice ends one (``LeaseTable.wait_for_release``)."""
+        waits instead (``config.idle_hold_wait_s`` 0: not at all), returning as soon as a
+        completion notice ends one (``LeaseTable.wait_for_release``): 1 ms
+        (``IDLE_HOLD_FIRST_WAIT_S``), doubled on each further idle step in a row up to
+        ``config.idle_hold_wait_s``, so a request that reaches the engine in a lull waits at
+        most about as long as the lull has lasted, and never more than that cap.
+
+        It first sends the release notices of this step's one-sided loads (held back so that
+        the connector loop does not wake during the forward)."""
         if self.transport is not None:
+            self.puller.send_deferred_notices(self.transport)  # the forward is done
             self.puller.cancel_aborted(self.transport, finished_req_ids)
             meta = self._meta
             if meta is not None and meta.num_scheduled_tokens == 0:
@@ -291,7 +302,11 @@ class KVBridgeWorker:
                     self.puller.wait_for_any(self.config.idle_pull_wait_s)
                 elif len(self.leases) and self.config.idle_hold_wait_s > 0:
                     # a holder's idle loop yields; a lease's end is reported at once
-                    self.leases.wait_for_release(self.config.idle_hold_wait_s)
+                    self.leases.wait_for_release(self._idle_hold_wait_s)
+                    self._idle_hold_wait_s = min(2 * self._idle_hold_wait_s,
+                                                 self.config.idle_hold_wait_s)
+            elif meta is not None:  # the engine computes again: a new lull starts short
+                self._idle_hold_wait_s = min(IDLE_HOLD_FIRST_WAIT_S, self.config.idle_hold_wait_s)
         settled = self.puller.pop_settled()
         finished_recving = settled.request_ids
         self._load_errors.update(settled.failed_block_ids)

@@ -190,27 +190,42 @@ def test_a_sync_load_lands_inside_the_step_that_computes_the_request(
     assert_pair_empty(pair)
 
 
-# Long beside a tiny-model step (ms), so that "slept" and "did not" stay apart on a loaded host.
+# Long beside a tiny-model step (ms), so that "waited" and "did not" stay apart on a loaded host.
 _IDLE_HOLD_WAIT_S = 0.5
 
 
-def test_idle_holder_step_sleeps_only_while_it_holds_a_lease(pair_factory):
-    """With ``idle_hold_wait_s`` an idle step of P sleeps while P holds a lease for D (vLLM
-    would otherwise step it without pause), and not once the lease has ended."""
-    pair = pair_factory(idle_hold_wait_s=_IDLE_HOLD_WAIT_S)
-    prompt = long_prompt(70)
-    params = prefill(pair, "req-0", prompt)  # (1) P holds req-0's blocks under a lease
+def _timed_step(engine) -> float:
+    started = time.monotonic()
+    engine.step()
+    return time.monotonic() - started
 
-    started = time.monotonic()
-    pair.p.step()
-    assert time.monotonic() - started >= _IDLE_HOLD_WAIT_S
-    # (2) D pulls; its completion notice ends the lease; P's steps no longer sleep.
-    output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
-    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+
+def test_idle_holder_waits_grow_with_the_lull_and_end_with_its_leases(pair_factory):
+    """An idle step of P waits while P holds a lease for D (vLLM would otherwise step it
+    without pause): 1 ms at first, twice as long at each further idle step in a row, up to
+    ``idle_hold_wait_s``. A step that computes starts the next lull at 1 ms again, and once no
+    lease is held an idle step does not wait at all."""
+    pair = pair_factory(idle_hold_wait_s=_IDLE_HOLD_WAIT_S)
+    prompts = {"req-0": long_prompt(70), "req-1": long_prompt(70, salt="other ")}
+    params = {"req-0": prefill(pair, "req-0", prompts["req-0"])}  # (1) P holds req-0's blocks
+
+    # (2) a lull: each step lasts at least its wait, 1, 2, 4, ... 256 ms, then the cap; the
+    # step_after of prefill() was already one idle step, so each wait may be one doubling on
+    waits = [min(0.001 * 2**i, _IDLE_HOLD_WAIT_S) for i in range(11)]
+    durations = [_timed_step(pair.p) for _ in waits]
+    assert all(d >= w for d, w in zip(durations, waits, strict=True)), durations
+    assert durations[-1] >= _IDLE_HOLD_WAIT_S
+
+    # (3) P computes another prompt: its next lull starts short (1 ms, not the cap)
+    params["req-1"] = prefill(pair, "req-1", prompts["req-1"], step_after=False)
+    assert _timed_step(pair.p) < _IDLE_HOLD_WAIT_S
+
+    # (4) D pulls both; its notices end the leases; P's idle steps no longer wait
+    for request_id, prompt in prompts.items():
+        output = decode(pair, request_id, prompt, params[request_id], MAX_TOKENS)
+        assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     assert_pair_empty(pair)
-    started = time.monotonic()
-    pair.p.step()
-    assert time.monotonic() - started < _IDLE_HOLD_WAIT_S  # a step of the tiny model: ms
+    assert _timed_step(pair.p) < _IDLE_HOLD_WAIT_S  # a step of the tiny model: ms
 
 
 _STALL_CASES = {  # load mode -> (the pair's deadlines, the bound D's request ends within)

@@ -85,7 +85,15 @@ def test_a_one_sided_handoff_is_settled_when_submit_returns():
     snapshot = stats.snapshot()
     assert (snapshot["num_loads"], snapshot["num_blocks_received"]) == (1, 2)
     assert snapshot["bytes_received_same_host"] == 2 * BYTES_PER_BLOCK
-    _wait_for(lambda: transport.notices)  # the release notice goes out on the loop
+    # the release notice waits for the end of the step (the forward must not share the GIL
+    # with the loop), then goes out on the loop
+    time.sleep(0.2)
+    assert transport.notices == []
+    puller.send_deferred_notices(transport)
+    _wait_for(lambda: transport.notices)
+    assert transport.notices == [("p-d-1", True, "tok")]
+    puller.send_deferred_notices(transport)  # sent once
+    time.sleep(0.2)
     assert transport.notices == [("p-d-1", True, "tok")]
 
 
