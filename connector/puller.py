@@ -216,9 +216,14 @@ class Puller:
         """Hand the release notices of the one-sided loads since the last call to the
         connector loop, with one wake-up for all. The worker thread calls it once the step's
         forward is done (``get_finished``): their holders free the blocks a step later."""
-        if self._notices_after_step:
-            notices, self._notices_after_step = self._notices_after_step, []
+        notices = self.take_deferred_notices()
+        if notices:
             get_loop_thread().submit(send_notices(transport, notices))
+
+    def take_deferred_notices(self) -> list[ReleaseNotice]:
+        """The release notices not yet handed to the loop (for a worker shutting down)."""
+        notices, self._notices_after_step = self._notices_after_step, []
+        return notices
 
     def wait_settled(self, request_ids: list[str]) -> None:
         """Block the calling (worker) thread until the pulls of ``request_ids`` settled (landed

@@ -54,7 +54,7 @@ from .metadata import (
     StatsDelta,
     WorkerHandshake,
 )
-from .puller import Puller, send_notice
+from .puller import Puller, send_notice, send_notices
 from .stats import KVTransferStats
 from .store.offload_items import OffloadItem
 from .store.sender import OffloadSender
@@ -376,8 +376,10 @@ class KVBridgeWorker:
         if transport is None:
             return
         puller = self.puller
+        notices = puller.take_deferred_notices()  # this step's one-sided loads' holders
 
         async def _close() -> None:
+            await send_notices(transport, notices)
             await puller.close()
             await transport.close()
 

@@ -97,6 +97,20 @@ def test_a_one_sided_handoff_is_settled_when_submit_returns():
     assert transport.notices == [("p-d-1", True, "tok")]
 
 
+def test_notices_not_yet_sent_are_taken_by_a_worker_shutting_down():
+    """``KVBridgeWorker.shutdown`` sends the notices of the last step's one-sided loads
+    itself (their holders would otherwise keep the blocks until the leases expire)."""
+    puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=1.0, stats=KVTransferStats())
+    transport = _FakeTransport(one_sided=True)
+    puller.submit(transport, _plan("d-9"))
+    notices = puller.take_deferred_notices()
+    assert [(n.ticket.remote_request_id, n.success) for n in notices] == [("p-d-9", True)]
+    assert puller.take_deferred_notices() == []
+    puller.send_deferred_notices(transport)  # nothing left to send
+    time.sleep(0.2)
+    assert transport.notices == []
+
+
 def test_a_sync_one_sided_pull_reports_nothing_but_its_failures():
     puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=1.0, stats=KVTransferStats())
     puller.submit(_FakeTransport(one_sided=True), _plan("d-2", sync=True))
