@@ -6,6 +6,12 @@ and share it. D runs vLLM's ``kv_load_failure_policy: "fail"`` (the handover mod
 land ends its request with ``finish_reason == "error"`` within the deadline, and D goes on
 serving. P listens on a fixed port so that its restart, under the same engine id, is reached
 by tickets of the dead incarnation too.
+
+P's block board is off (``cma_board: false``): every read here asks P and so needs P to answer.
+With the board on, a P stopped after its worker had published a lease's blocks is still read
+one-sided, correctly (the lease keeps those blocks as they were), and whether that happens
+depends on whether P stepped once more before the stop: the deadline path would then be
+tested by chance only.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ class Scenario:
     def new_p(self, tag: str) -> Node:
         return Node(f"fail-{tag}", model=self.model, log_dir=self.log_dir,
                     kv_transfer_config=kvbridge_config("producer", "prefill-0",
-                                                       port=self.port))
+                                                       port=self.port, cma_board=False))
 
     def timed_generate(self, name: str, ticket: dict | None, *, kill_p_mid_pull=False):
         """D decodes ``name`` with ``ticket``: (its output, seconds). ``kill_p_mid_pull``
