@@ -148,8 +148,10 @@ def test_partial_local_hit_pulls_only_the_rest(pair, reference):
         # and loads inside the step that computes it; under "async" it never does
         in_step = {"auto": int(pair.cma), "async": 0, "sync": 1}[pair.load_mode]
         assert _delta(after, before, "num_sync_loads") == in_step, after
-        if pair.cma:
-            assert _delta(after, before, "num_one_sided_loads") == 1, after
+        if pair.cma:  # one-sided, or asked P when its worker had not yet been handed the
+            # lease (P's next step publishes it; the test harness steps P every 2 ms)
+            assert _delta(after, before, "num_one_sided_loads") + _delta(
+                after, before, "num_board_fallbacks") == 1, after
 
 
 def test_wrong_ticket_is_recomputed(pair, reference):
