@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from replay_input import TokenExpander, TraceRequest, oracle_hit_blocks, read_trace
+from replay_input import TokenExpander, TraceRequest, load_trace
 
 DEFAULT_CAPACITIES = (4096, 16384, 65536)
 _NEVER = math.inf
@@ -188,11 +188,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parse_args(argv)
     start = time.perf_counter()
-    requests = read_trace(args.trace, args.limit)
-    expander = TokenExpander(args.block_size)
+    requests, expander, oracle_hits, total_blocks = load_trace(
+        args.trace, args.limit, args.block_size)
     stream = block_requests(requests, expander)
-    oracle = sum(oracle_hit_blocks(requests, expander))
-    total_blocks = sum(math.ceil(expander.num_tokens(r) / args.block_size) for r in requests)
+    oracle = sum(oracle_hits)
     print(f"trace {args.trace}: {len(requests)} requests, {total_blocks} prompt blocks, "
           f"{len({b for req in stream for b in req.block_ids})} distinct block ids "
           f"(block size {args.block_size})")

@@ -13,6 +13,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = [
     "TRACE_BLOCK_TOKENS",
@@ -96,3 +97,21 @@ def oracle_hit_blocks(requests: list[TraceRequest], expander: TokenExpander) -> 
         hits.append(min(k, (expander.num_tokens(req) - 1) // expander.block_size))
         seen.update(req.hash_ids)
     return hits
+
+
+class LoadedTrace(NamedTuple):
+    """A trace read for a replay: its requests, their token expander, the unbounded cache's
+    hit blocks per request (``oracle_hit_blocks``) and all prompt blocks (the ratios' base)."""
+
+    requests: list[TraceRequest]
+    expander: TokenExpander
+    oracle_hit_blocks: list[int]
+    total_blocks: int
+
+
+def load_trace(path: Path, limit: int | None, block_size: int) -> LoadedTrace:
+    """``read_trace`` with everything each replay derives from it at ``block_size``."""
+    requests = read_trace(path, limit)
+    expander = TokenExpander(block_size)
+    total_blocks = sum(math.ceil(expander.num_tokens(r) / block_size) for r in requests)
+    return LoadedTrace(requests, expander, oracle_hit_blocks(requests, expander), total_blocks)

@@ -88,8 +88,9 @@ from replay_input import (
     TRACE_BLOCK_TOKENS,
     TokenExpander,
     TraceRequest,
-    oracle_hit_blocks,
-    read_trace,
+    load_trace,
+    oracle_hit_blocks,  # noqa: F401 - the replay's trace API, used from here by its tests
+    read_trace,  # noqa: F401
 )
 from replay_report import ReplayResult, row, summary_of
 
@@ -356,11 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parse_args(argv)
     start = time.perf_counter()
-    requests = read_trace(args.trace, args.limit)
-    expander = TokenExpander(args.block_size)
+    requests, expander, oracle_hits, total_blocks = load_trace(
+        args.trace, args.limit, args.block_size)
     args.max_model_len = max(expander.num_tokens(r) for r in requests) + 1
-    oracle_hits = oracle_hit_blocks(requests, expander)
-    total_blocks = sum(math.ceil(expander.num_tokens(r) / args.block_size) for r in requests)
     oracle_ratio = sum(oracle_hits) / total_blocks
     run_tag = new_incarnation()  # a namespace per run and policy: no other run's entries
     ping_client = _ping_client(args.index_url)
