@@ -14,7 +14,15 @@ cache of ``C`` blocks in arrival order:
 - ``belady``: Belady's offline-optimal rule (MIN): evict the cached block whose next use (the
   next request that contains it) is farthest in the future, ties the deeper block first;
 - ``belady_any_block``: the same run counting every requested block found in the cache, not
-  only a request's leading run up to the cap (a ceiling, see below).
+  only a request's leading run up to the cap (a ceiling, see below);
+- ``s3fifo``: the online, scan-resistant reference, S3-FIFO (Yang et al., "FIFO queues are all
+  you need for cache eviction", SOSP 2023) as published: a small FIFO (10 % of ``C``) takes new
+  blocks, a main FIFO the rest; each block has a frequency counter (0-3) bumped on a hit. A
+  block leaving the small FIFO moves to the main FIFO if it was hit there, otherwise it is
+  evicted and its id kept in a ghost FIFO (as many ids as the main FIFO holds blocks); a missed
+  block whose id is in the ghost goes straight to the main FIFO. The main FIFO evicts from its
+  tail, reinserting a block with a non-zero counter (decremented) instead: lazy promotion, no
+  reordering on a hit. Requests touch their blocks last to first, as under ``lru``.
 
 A request's hit is the leading run of its blocks found in the cache, capped like
 ``KVCacheManager.get_computed_blocks`` at ``(num_tokens - 1) // block_size`` blocks (the last
@@ -110,6 +118,66 @@ def lru_hits(stream: Sequence[BlockRequest], capacity: int) -> CacheHits:
     return CacheHits(leading, any_block)
 
 
+def s3fifo_hits(stream: Sequence[BlockRequest], capacity: int) -> CacheHits:
+    """One S3-FIFO cache of ``capacity`` blocks (module docstring): a small FIFO of
+    ``max(1, round(capacity / 10))`` blocks, a main FIFO of the rest and a ghost FIFO of as
+    many ids as the main FIFO's share. Evicting: from the small FIFO while it holds at least
+    its share (or the main FIFO is empty), else from the main FIFO."""
+    small_capacity = max(1, round(capacity / 10))
+    main_capacity = capacity - small_capacity
+    small: OrderedDict[int, None] = OrderedDict()  # oldest first, as each FIFO below
+    main: OrderedDict[int, None] = OrderedDict()
+    ghost: OrderedDict[int, None] = OrderedDict()
+    freq: dict[int, int] = {}  # cached block -> its counter
+
+    def evict_main() -> None:
+        while main:
+            b = next(iter(main))
+            if freq[b]:  # lazy promotion: reinserted at the head, one count spent
+                freq[b] -= 1
+                main.move_to_end(b)
+            else:
+                del main[b], freq[b]
+                return
+
+    def evict_small() -> None:
+        while small:
+            b, _ = small.popitem(last=False)
+            if freq[b]:  # hit while in the small FIFO: kept, in the main FIFO
+                freq[b] = 0
+                main[b] = None
+                if len(main) > main_capacity:
+                    evict_main()
+            else:  # quick demotion: gone, its id remembered
+                del freq[b]
+                ghost[b] = None
+                while len(ghost) > main_capacity:
+                    ghost.popitem(last=False)
+                return
+        evict_main()  # every small block moved to main: one of main's goes instead
+
+    leading = any_block = 0
+    for req in stream:
+        leading += _leading_run(freq, req)
+        any_block += sum(1 for b in req.block_ids if b in freq)
+        for b in reversed(req.block_ids):
+            if b in freq:
+                freq[b] = min(freq[b] + 1, 3)
+            elif b in ghost:
+                del ghost[b]
+                freq[b] = 0
+                main[b] = None
+            else:
+                freq[b] = 0
+                small[b] = None
+        while len(freq) > capacity:
+            if len(small) >= small_capacity or not main:
+                evict_small()
+            else:
+                evict_main()
+    return CacheHits(leading, any_block)
+
+
 def _next_uses(stream: Sequence[BlockRequest]) -> list[list[float]]:
     """``next_use[r][j]``: the index of the next request after ``r`` that holds block
     ``stream[r].block_ids[j]`` (``inf``: none)."""
@@ -198,21 +266,26 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     num_live = max_live_blocks(stream)
     print(f"unbounded cache: {oracle} hit blocks, hit ratio {oracle / total_blocks:.4f}; "
           f"at most {num_live} blocks seen and needed again at once (max_live_blocks)")
-    print(f"{'capacity':>9}{'lru':>8}{'belady':>8}{'belady_any_block':>18}   (/ unbounded)")
+    print(f"{'capacity':>9}{'lru':>8}{'s3fifo':>8}{'belady':>8}{'belady_any_block':>18}"
+          f"   (/ unbounded)")
     rows = []
     for capacity in args.capacities:
         lru = lru_hits(stream, capacity)
+        s3fifo = s3fifo_hits(stream, capacity)
         belady = belady_hits(stream, capacity)
         rows.append({
             "capacity_blocks": capacity,
             "lru": round(lru.leading / oracle, 4) if oracle else 0.0,
+            "s3fifo": round(s3fifo.leading / oracle, 4) if oracle else 0.0,
             "belady": round(belady.leading / oracle, 4) if oracle else 0.0,
             "belady_any_block": round(belady.any_block / oracle, 4) if oracle else 0.0,
             "lru_hit_ratio": round(lru.leading / total_blocks, 4),
+            "s3fifo_hit_ratio": round(s3fifo.leading / total_blocks, 4),
             "belady_hit_ratio": round(belady.leading / total_blocks, 4),
         })
         r = rows[-1]
-        print(f"{capacity:>9}{r['lru']:>8.3f}{r['belady']:>8.3f}{r['belady_any_block']:>18.3f}")
+        print(f"{capacity:>9}{r['lru']:>8.3f}{r['s3fifo']:>8.3f}{r['belady']:>8.3f}"
+              f"{r['belady_any_block']:>18.3f}")
     summary: dict[str, object] = {
         "benchmark": "replay_bound",
         "trace": str(args.trace),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ReplayResult", "row", "summary_of"]
+__all__ = ["ReplayResult", "row", "store_row", "summary_of"]
 
 
 @dataclass
@@ -31,10 +31,20 @@ class ReplayResult:
     lookup_s: float = 0.0
     num_pings: int = 0
     ping_s: float = 0.0
+    # pull with --store-blocks: the store's label (its node id), capacity and counts. Its
+    # pulls are counted in pulls_per_holder too, as the entry after the nodes'.
+    store_label: str | None = None
+    num_store_blocks: int = 0
+    num_store_pulls: int = 0
+    num_store_pulled_blocks: int = 0
+    num_offloaded_blocks: int = 0  # evicted blocks written to the store (new there)
+    num_store_dropped_blocks: int = 0  # the store's own LRU evictions
+    num_store_held_blocks: int = 0  # at the end of the replay
+    num_store_listed_blocks: int = 0  # of those, listed in the index (anchored chains)
 
     def __post_init__(self) -> None:
         self.requests_per_node = [0] * self.num_nodes
-        self.pulls_per_holder = [0] * self.num_nodes
+        self.pulls_per_holder = [0] * (self.num_nodes + (self.store_label is not None))
 
     @property
     def hit_ratio(self) -> float:
@@ -68,6 +78,18 @@ def row(result: ReplayResult, oracle_ratio: float) -> str:
             f"{_per_node(result.requests_per_node)}")
 
 
+def store_row(result: ReplayResult) -> str:
+    """The store's line to print under a policy's table row ("" without a store)."""
+    if result.store_label is None:
+        return ""
+    return (f"\n  {result.store_label}: {result.num_store_blocks} blocks; pulls "
+            f"{result.num_store_pulls} of {result.num_pulls} ({result.num_store_pulled_blocks} "
+            f"of {result.num_pulled_blocks} pulled blocks); offloaded "
+            f"{result.num_offloaded_blocks}, dropped {result.num_store_dropped_blocks}, held "
+            f"{result.num_store_held_blocks} ({result.num_store_listed_blocks} listed in the "
+            f"index) at the end")
+
+
 def summary_of(result: ReplayResult, oracle_ratio: float) -> dict:
     num_requests = max(1, result.num_requests)
     ping = result.ping_us
@@ -95,4 +117,15 @@ def summary_of(result: ReplayResult, oracle_ratio: float) -> dict:
             relookups_per_request=round(result.num_relookups / num_requests, 3),
             pulls_per_holder=result.pulls_per_holder,
         )
+    if result.store_label is not None:
+        out["store"] = {
+            "label": result.store_label,  # pulls_per_holder's last entry
+            "num_store_blocks": result.num_store_blocks,
+            "num_pulls": result.num_store_pulls,
+            "num_pulled_blocks": result.num_store_pulled_blocks,
+            "num_offloaded_blocks": result.num_offloaded_blocks,
+            "num_dropped_blocks": result.num_store_dropped_blocks,
+            "num_held_blocks": result.num_store_held_blocks,
+            "num_listed_blocks": result.num_store_listed_blocks,
+        }
     return out

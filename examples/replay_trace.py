@@ -22,7 +22,10 @@ index (``--index-url``: ``memory`` or a ``redis://`` URL). The trace is replayed
   (admitted after other nodes may have published) asks again at admission, counted as
   ``num_relookups``. The holder's pool is checked for the blocks (a stale index entry would make
   a shorter pull; counted as ``num_stale_hits``) and, like a real holder serving a read through
-  the index, its blocks are neither referenced nor touched.
+  the index, its blocks are neither referenced nor touched. ``--store-blocks N`` adds a store
+  tier (``replay_store.py``): a store node of N blocks to which each node writes the cached
+  blocks it evicts, listed in the index as tier ``store`` and pulled from like a node (a node
+  holding as deep a run is preferred); ``index`` and ``round_robin`` never pull and ignore it.
 
 Every ``longest_prefix`` call is timed: ``index`` and ``pull`` make one a request (none for a
 one-block prompt under ``pull``) plus, under ``pull``, the re-lookups of requests that waited.
@@ -92,7 +95,8 @@ from replay_input import (
     oracle_hit_blocks,  # noqa: F401 - the replay's trace API, used from here by its tests
     read_trace,  # noqa: F401
 )
-from replay_report import ReplayResult, row, summary_of
+from replay_report import ReplayResult, row, store_row, summary_of
+from replay_store import ReplayStore
 
 POLICIES = ("index", "round_robin", "pull")
 _TTL_S = 3600.0
@@ -143,7 +147,14 @@ class Replay:
             self.nodes.append(node)
         self.node_id_to_index = {node.node_id: i for i, node in enumerate(self.nodes)}
         self.hasher = self.nodes[0].manager.request_block_hasher
+        self.store: ReplayStore | None = None
+        if policy == "pull" and args.store_blocks:
+            self.store = ReplayStore(index, f"{policy}-store", num_store_blocks=args.store_blocks,
+                                     block_size=self.block_size, ttl_s=_TTL_S)
         self.result = ReplayResult(policy, self.num_nodes)
+        if self.store is not None:
+            self.result = ReplayResult(policy, self.num_nodes, store_label=self.store.node_id,
+                                       num_store_blocks=args.store_blocks)
         self._done: list[tuple[float, int, int, Request]] = []  # (end_s, seq, node, request)
         self._arrival_s: dict[str, float] = {}
         self._trace: dict[str, TraceRequest] = {}
@@ -154,6 +165,8 @@ class Replay:
     def _publish(self, node: Node) -> None:
         events = node.manager.take_events()
         if events:
+            if self.store is not None:  # evicted blocks reach the store before the removals
+                self.store.offload(events)
             self.index.publish(node.node_id, node.incarnation, events)
 
     def _lookup(self, block_hashes: list[bytes], *, all_holders: bool) -> PrefixHit:
@@ -207,9 +220,9 @@ class Replay:
         return min(candidates, key=lambda n: (self.nodes[n].node_id not in deepest, n)), hit
 
     def _pull_plan(self, n: int, request: Request, num_hit_tokens: int) -> tuple[int, int]:
-        """(holder node, blocks it serves) of the longest prefix held elsewhere that beats node
-        ``n``'s own ``num_hit_tokens`` by ``--min-pull-blocks``; (-1, 0) when none does. Like
-        the connector, never the last token's block: it is recomputed for its logits. The
+        """(holder node, ``num_nodes`` for the store; blocks it serves) of the longest prefix
+        held elsewhere that beats node ``n``'s own ``num_hit_tokens`` by ``--min-pull-blocks``;
+        (-1, 0) when none does. Like the connector, never the last token's block. The
         routing lookup's answer when the request is admitted right after routing (the same
         query over the same index state); a new lookup, counted in ``num_relookups``, when it
         waited."""
@@ -223,13 +236,16 @@ class Replay:
         if hit is None:
             hit = self._lookup(hashes, all_holders=False)
             self.result.num_relookups += 1
-        holder = hit.best_holder
-        if holder is None or hit.num_blocks - num_local_blocks < self.args.min_pull_blocks:
+        if not hit.holders or hit.num_blocks - num_local_blocks < self.args.min_pull_blocks:
             return -1, 0
-        h = self.node_id_to_index[holder.node_id]
-        # What the holder's pool really has: a pull of an evicted block would be a load error.
-        pool = self.nodes[h].manager.block_pool
-        num_held = len(pool.get_cached_prefix(hashes, (0,), hit.num_blocks)[0])
+        holder = min(hit.holders, key=lambda h: h.tier == "store")  # a node before the store
+        # What the holder really has: a pull of an evicted block would be a load error.
+        if self.store is not None and holder.node_id == self.store.node_id:
+            h, num_held = self.num_nodes, self.store.held_prefix(hashes, hit.num_blocks)
+        else:
+            h = self.node_id_to_index[holder.node_id]
+            pool = self.nodes[h].manager.block_pool
+            num_held = len(pool.get_cached_prefix(hashes, (0,), hit.num_blocks)[0])
         if num_held < hit.num_blocks:
             self.result.num_stale_hits += 1
         if num_held - num_local_blocks < self.args.min_pull_blocks:
@@ -264,6 +280,8 @@ class Replay:
                 self.result.num_pulls += 1
                 self.result.num_pulled_blocks += num_external // self.block_size
                 self.result.pulls_per_holder[holder] += 1
+                if holder == self.num_nodes:  # the store serves the blocks past the local hit
+                    self._read_store(request, num_hit_tokens, num_pulled_blocks)
             num_computed = num_hit_tokens + num_external
             self.result.hit_blocks += num_computed // self.block_size
             trace = self._trace.pop(request.request_id)
@@ -274,6 +292,13 @@ class Replay:
             self.result.total_wait_s += now_s - self._arrival_s.pop(request.request_id)
             heapq.heappush(self._done, (now_s + duration_s, seq, n, request))
         self._publish(node)
+
+    def _read_store(self, request: Request, num_hit_tokens: int, num_pulled_blocks: int) -> None:
+        """A pull from the store reads the blocks past the puller's own hit (touching them)."""
+        first = num_hit_tokens // self.block_size
+        self.store.read(request.block_hashes[first:num_pulled_blocks])  # type: ignore[union-attr]
+        self.result.num_store_pulls += 1
+        self.result.num_store_pulled_blocks += num_pulled_blocks - first
 
     def _finish_until(self, now_s: float) -> None:
         while self._done and self._done[0][0] <= now_s:
@@ -305,6 +330,12 @@ class Replay:
                     f"{node.node_id}: {len(node.waiting)} waiting, {node.num_running} running "
                     f"after the replay"
                 )
+        if self.store is not None:
+            self.store.check_integrity()
+            self.result.num_offloaded_blocks = self.store.num_offloaded_blocks
+            self.result.num_store_dropped_blocks = self.store.num_dropped_blocks
+            self.result.num_store_held_blocks = self.store.num_held_blocks
+            self.result.num_store_listed_blocks = self.store.num_listed_blocks
         return self.result
 
 
@@ -337,6 +368,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-pull-blocks", type=int, default=1,
                         help="pull: blocks a remote prefix must beat the local hit by "
                              "(the connector's min_remote_hit_blocks)")
+    parser.add_argument("--store-blocks", type=int, default=0,
+                        help="pull: a store tier of N blocks that nodes write evicted blocks to "
+                             "(0: none; index and round_robin ignore it)")
     parser.add_argument("--hash-fn", default="sha256_cbor")
     parser.add_argument("--index-url", default="memory", help="'memory', redis://host:port/db or redis-cluster://HOST:PORT[,...]")
     parser.add_argument("--prefill-s-per-token", type=float, default=1e-4)
@@ -345,6 +379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.blocks_per_node, args.block_size, args.nodes, args.min_pull_blocks) < 1:
         parser.error("--blocks-per-node, --block-size, --nodes and --min-pull-blocks must be "
                      "positive")
+    if args.store_blocks < 0:
+        parser.error("--store-blocks must be >= 0")
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown or not args.policies:
@@ -385,13 +421,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           f"{'lookups/req':>13}{'lookup us':>11}{'/ PING':>8}{'avg wait':>10}{'dropped':>8}"
           f"   requests per node")
     for result in results:
-        print(row(result, oracle_ratio))
+        print(row(result, oracle_ratio) + store_row(result))
     summary: dict[str, object] = {
         "benchmark": "trace_replay",
         "trace": str(args.trace),
         "num_requests": len(requests),
         "num_nodes": args.nodes,
         "blocks_per_node": args.blocks_per_node,
+        **({"store_blocks": args.store_blocks} if args.store_blocks else {}),
         "block_size": args.block_size,
         "index_url": args.index_url.partition("://")[0] or "memory",
         "index_namespaces": namespaces,  # each policy's model_name in the index

@@ -1,4 +1,4 @@
-"""benchmarks/bench_replay_bound.py: LRU and Belady's MIN on hand-made block streams whose
+"""benchmarks/bench_replay_bound.py: LRU, S3-FIFO and Belady's MIN on hand-made block streams whose
 answers are worked out below (issue 14, part 4)."""
 
 from __future__ import annotations
@@ -54,6 +54,36 @@ def test_lru_loses_each_root_to_the_tails_in_between() -> None:
     assert bench.lru_hits(_STREAM, 4) == (3, 3)
 
 
+def _scan(first_id: int, num_requests: int) -> list:
+    """``num_requests`` one-shot requests of two new blocks each (ids from ``first_id``)."""
+    return [bench.BlockRequest((first_id + 2 * k, first_id + 2 * k + 1), 1)
+            for k in range(num_requests)]
+
+
+def test_s3fifo_keeps_a_block_hit_twice_through_a_scan_that_flushes_lru() -> None:
+    # 10 blocks: a small FIFO of 1, a main FIFO of 9. [1, 2] then [1, 3]: block 1 is hit once
+    # while in the small FIFO. Five one-shot requests (10 new blocks) follow, then [1, 4].
+    # LRU: 3 + 10 blocks push 2, 3 and then 1 out: only [1, 3]'s hit. S3-FIFO: leaving the
+    # small FIFO, 1 (hit there) moves to the main FIFO while 2, 3 and the scan's blocks (never
+    # hit) are evicted from the small one, which always holds its share of 1 again, so the main
+    # FIFO never evicts: [1, 4] hits too.
+    stream = [bench.BlockRequest((1, 2), 1), bench.BlockRequest((1, 3), 1), *_scan(10, 5),
+              bench.BlockRequest((1, 4), 1)]
+    assert bench.lru_hits(stream, 10) == (1, 1)
+    assert bench.s3fifo_hits(stream, 10) == (2, 2)
+
+
+def test_s3fifo_sends_a_ghost_hit_to_the_main_fifo() -> None:
+    # [1, 2], five one-shot requests: 1 leaves the small FIFO never hit, so it is evicted and
+    # its id goes to the ghost FIFO. [1, 3] misses it (LRU too), but the ghost sends it to the
+    # main FIFO, where the next five one-shot requests do not reach it: [1, 4] hits. Inserted
+    # into the small FIFO instead, it would be evicted by the scan as before; LRU loses it.
+    stream = [bench.BlockRequest((1, 2), 1), *_scan(10, 5), bench.BlockRequest((1, 3), 1),
+              *_scan(30, 5), bench.BlockRequest((1, 4), 1)]
+    assert bench.lru_hits(stream, 10) == (0, 0)
+    assert bench.s3fifo_hits(stream, 10) == (1, 1)
+
+
 def test_the_cap_and_the_leading_run() -> None:
     # r1 repeats r0 whole: with a cap of 2 (of 3 blocks) it hits 2; block 9 found after a
     # missing block 8 is a block hit but not part of the leading run.
@@ -77,3 +107,7 @@ def test_main_reports_fractions_of_the_unbounded_cache(tmp_path: Path) -> None:
     rows = {r["capacity_blocks"]: r for r in summary["capacities"]}
     assert [rows[c]["belady"] for c in (1, 2, 1000)] == [round(2 / 3, 4), 1.0, 1.0]
     assert [rows[c]["lru"] for c in (1, 2, 1000)] == [0.0, 0.0, 1.0]
+    # S3-FIFO at 2 blocks (small 1, main 1, ghost 1): r1 evicts 2 and 1 from the small FIFO
+    # (the ghost keeps 1); r2 misses 1 but the ghost puts it in the main FIFO, r3 does the same
+    # for 3 (main: 1, 3), and r4 finds 1 there: 1 hit of 3. At 1 block nothing survives.
+    assert [rows[c]["s3fifo"] for c in (1, 2, 1000)] == [0.0, round(1 / 3, 4), 1.0]

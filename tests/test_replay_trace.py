@@ -275,3 +275,125 @@ def test_pull_on_a_slice_of_the_conversation_trace() -> None:
     assert summary["pull"]["num_relookups"] == 0
     assert summary["pull"]["lookups_per_request"] <= 1.0
     assert sum(summary["pull"]["pulls_per_holder"]) == summary["pull"]["num_pulls"]
+
+
+# A conversation whose second turn finds its node's pool reused by an unrelated request:
+# 1 node x 4 blocks. (1) t=0: A0 = [0, 1] runs and frees its 2 blocks (free queue: the 2 never
+# used, then A0's tail, then its head). (2) t=10: F = [900, 901, 902, 903] takes all 4 blocks,
+# evicting A0's 2: the node writes them to the store (tail first, so the store publishes them
+# once A0's first block, the chain's anchor, arrives). (3) t=20: A1 = [0, 1, 2, 3] has no local
+# hit; the index names the store with A0's 2 blocks, so A1 pulls them from there, and its 4
+# blocks evict F's, which the node writes to the store too.
+_STORE_RECORDS = [(0.0, 10, [0, 1]), (10.0, 10, [900, 901, 902, 903]), (20.0, 10, [0, 1, 2, 3])]
+
+
+def test_pull_takes_a_second_turn_from_the_store(tmp_path: Path) -> None:
+    trace = _write_records(tmp_path / "store.jsonl", _STORE_RECORDS)
+    run, index, requests = _pull_replay(trace, "--nodes", "1", "--blocks-per-node", "4",
+                                        "--store-blocks", "8")
+    result = run.result
+    assert (result.num_pulls, result.num_pulled_blocks) == (1, 2)
+    assert (result.num_store_pulls, result.num_store_pulled_blocks) == (1, 2)
+    assert result.pulls_per_holder == [0, 1]  # node 0, then the store
+    assert result.num_stale_hits == 0
+    # A1's 2 pulled blocks of 2 + 4 + 4 prompt blocks: the unbounded cache's 2 as well.
+    assert (result.hit_blocks, result.total_blocks) == (2, 10)
+    # Written: A0's 2 (evicted by F) and F's 4 (evicted by A1); nothing dropped in 8 blocks.
+    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (6, 0)
+    assert result.num_store_held_blocks == result.num_store_listed_blocks == 6  # all anchored
+    assert run.store.num_unknown_parent == 0  # every evicted block's parent was learned
+    # The index lists the store as a holder of tier "store", besides node 0 (A1's 4 blocks).
+    a1 = replay.Request("probe", replay.TokenExpander(16).prompt(requests[2]),
+                        block_hasher=run.hasher)
+    hit = index.longest_prefix(a1.block_hashes, all_holders=True)
+    assert [(h.node_id, h.num_blocks, h.tier) for h in hit.holders] == [
+        ("pull-node0", 4, "device"), ("pull-store", 2, "store"),
+    ]
+    index.close()
+
+
+def test_without_a_store_the_second_turn_misses(tmp_path: Path) -> None:
+    # The same trace, --store-blocks 0 (the default): A0's evicted blocks are gone, so nothing
+    # hits, and the report is the one without a store (no store entry, a holder per node).
+    trace = _write_records(tmp_path / "store.jsonl", _STORE_RECORDS)
+    flags = ["--nodes", "1", "--blocks-per-node", "4", "--policies", "pull"]
+    summary = replay.main([str(trace), *flags, "--store-blocks", "0"])
+    assert summary["unbounded_hit_ratio"] == 0.2  # A1's 2 of 10 prompt blocks
+    pull = summary["pull"]
+    assert (pull["hit_ratio"], pull["num_pulls"]) == (0.0, 0)
+    assert pull["pulls_per_holder"] == [0]
+    assert "store" not in pull and "store_blocks" not in summary
+    default = replay.main([str(trace), *flags])
+    assert _without_timings(default) == _without_timings(summary)
+    # With the store: everything the unbounded cache has.
+    with_store = replay.main([str(trace), *flags, "--store-blocks", "8"])
+    assert with_store["pull"]["fraction_of_unbounded"] == 1.0
+    assert with_store["pull"]["store"]["num_pulled_blocks"] == 2
+
+
+def _without_timings(summary: dict) -> dict:
+    """A replay summary without what differs from run to run (times, namespaces)."""
+    out = {k: v for k, v in summary.items() if k not in ("wall_s", "index_namespaces")}
+    for policy in ("index", "round_robin", "pull"):
+        if policy in out:
+            out[policy] = {k: v for k, v in out[policy].items() if "_us" not in k}
+    return out
+
+
+def test_index_and_round_robin_ignore_the_store(tmp_path: Path) -> None:
+    # They never pull, so a store changes nothing of theirs (only pull gets one).
+    trace = _write_records(tmp_path / "store.jsonl", _STORE_RECORDS)
+    flags = ["--nodes", "1", "--blocks-per-node", "4", "--policies", "index,round_robin"]
+    plain = replay.main([str(trace), *flags])
+    with_store = replay.main([str(trace), *flags, "--store-blocks", "8"])
+    assert with_store["store_blocks"] == 8
+    del with_store["store_blocks"]
+    assert _without_timings(with_store) == _without_timings(plain)
+    assert "store" not in with_store["index"] and "store" not in with_store["round_robin"]
+
+
+def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
+    tmp_path: Path,
+) -> None:
+    # The trace above plus F1 = F at t=30, with a store of 2 blocks (LRU). F's admission
+    # writes A0's 2 blocks; A1 pulls them (touching them) and evicts F's 4, written tail
+    # first: f3 and f2 drop A0's 2, then f1 and f0 drop f3 and f2. The store keeps f0 and f1
+    # (a chain's head: the pool evicts a request's tail first), so F1, with no local hit (the
+    # node holds A1), pulls 2 of the 3 blocks it may hit (the unbounded cache: 3), and its
+    # admission writes A1's 4 blocks, which drop 4 more: 10 written, 8 dropped, 2 held.
+    trace = _write_records(tmp_path / "store.jsonl", [
+        *_STORE_RECORDS, (30.0, 10, [900, 901, 902, 903]),
+    ])
+    run, index, _ = _pull_replay(trace, "--nodes", "1", "--blocks-per-node", "4",
+                                 "--store-blocks", "2")
+    result = run.result
+    assert result.num_store_held_blocks == run.store.num_held_blocks == 2
+    assert result.num_store_listed_blocks == 2  # a1 and a0, A1's head (written last)
+    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (6 + 4, 4 + 4)
+    assert (result.num_store_pulls, result.num_store_pulled_blocks) == (2, 2 + 2)
+    assert result.hit_blocks == 2 + 2
+    run.store.check_integrity()
+    index.close()
+
+
+def test_a_pull_from_the_store_touches_what_it_reads(tmp_path: Path) -> None:
+    # 1 node x 4 blocks, a store of 5. A0 = [0, 1] and B0 = [500, 501] run one after the other;
+    # F = [900, 901, 902, 903] evicts both: the store holds, coldest first, a1 a0 b1 b0.
+    # A1 = [0, 1, 2] pulls a0, a1 from the store (its first 2 blocks, the most it may hit):
+    # the read makes them the most recently used, b1 b0 a0 a1, so the 3 F blocks A1's
+    # admission writes (f3 into the free block, f2, f1) drop b1 and b0. B1 = [500, 501, 502]
+    # then finds nothing; had the read not touched A0's blocks, a1 and a0 would have gone
+    # instead and B1 would have pulled 2.
+    trace = _write_records(tmp_path / "touch.jsonl", [
+        (0.0, 10, [0, 1]), (10.0, 10, [500, 501]), (20.0, 10, [900, 901, 902, 903]),
+        (30.0, 10, [0, 1, 2]), (40.0, 10, [500, 501, 502]),
+    ])
+    run, index, _ = _pull_replay(trace, "--nodes", "1", "--blocks-per-node", "4",
+                                 "--store-blocks", "5")
+    result = run.result
+    assert (result.num_store_pulls, result.num_store_pulled_blocks) == (1, 2)
+    assert (result.hit_blocks, result.total_blocks) == (2, 14)  # unbounded: B1's 2 too
+    # Written: F's admission 4, A1's 3, B1's 3 (f0, a2, a1: its 3 new blocks evict the
+    # node's coldest); dropped: b1, b0 at A1, then a0, a1, f3 at B1.
+    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (10, 5)
+    index.close()
