@@ -31,13 +31,13 @@ from kvbridge.transport import GroupRead, PeerAddress, TransferError, Transport
 from .errors import KVConnectorError
 from .loop_thread import get_loop_thread
 from .metadata import PullPlan, ReleaseNotice, Ticket
+from .release_notices import NOTIFY_TIMEOUT_S, DeferredNotices, send_notice, send_notices
 from .stats import KVTransferStats
 
-__all__ = ["PullOutcome", "Puller", "Settled", "WaitingTickets", "send_notice"]
+__all__ = ["PullOutcome", "Puller", "Settled", "WaitingTickets"]
 
 logger = logging.getLogger(__name__)
 
-NOTIFY_TIMEOUT_S = 5.0
 LEASE_GRANT_RETRY_S = (0.01, 0.02, 0.05, 0.1, 0.2)
 """Waits before reading refused blocks again under a lease the holder may not have been
 granted yet (its next step hands the grant over; vLLM's engine steps every millisecond while
@@ -57,29 +57,6 @@ class PullOutcome(NamedTuple):
     failed_local_block_ids: tuple[int, ...]
     num_bytes: int
     error: str | None
-
-
-async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
-    """Deliver a release notice; best effort (an unreachable holder releases at lease expiry)."""
-    ticket = notice.ticket
-    try:
-        await asyncio.wait_for(
-            transport.notify_transfer_done(
-                PeerAddress(ticket.host, ticket.port),
-                ticket.remote_request_id,
-                success=notice.success,
-                reason=notice.reason,
-                token=ticket.token,
-            ),
-            NOTIFY_TIMEOUT_S,
-        )
-    except Exception as exc:
-        logger.info("release notice for %s not delivered: %s", ticket.remote_request_id, exc)
-
-
-async def send_notices(transport: Transport, notices: list[ReleaseNotice]) -> None:
-    """Deliver release notices at once (``send_notice`` each)."""
-    await asyncio.gather(*(send_notice(transport, notice) for notice in notices))
 
 
 class Settled(NamedTuple):
@@ -160,7 +137,7 @@ class Puller:
         self._heartbeat_targets: dict[str, Ticket] = {}  # request id here -> its lease
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._notices: set[asyncio.Task[None]] = set()
-        self._notices_after_step: list[ReleaseNotice] = []  # this step's one-sided loads'
+        self._deferred_notices = DeferredNotices()  # one-sided loads' holders, told a step late
 
     # ------------------------------------------------------------------ engine thread
     def start_heartbeats(self, transport: Transport, timeout_s: float) -> None:
@@ -207,23 +184,22 @@ class Puller:
             return None
         self._record(plan, started, set(), result.num_bytes_landed, None)
         self.stats.add("bytes_received_same_host", result.num_bytes_landed)
-        # the holder may free its blocks now; told after this step's forward, because waking
-        # the connector loop here would take the GIL from the step (send_deferred_notices)
-        self._notices_after_step.append(ReleaseNotice(ticket=plan.lease, success=True, reason=""))
+        # the holder may free its blocks now; told a step later, because waking the connector
+        # loop in this step would take the GIL from it (``DeferredNotices``)
+        self._deferred_notices.add(ReleaseNotice(ticket=plan.lease, success=True, reason=""))
         return PullOutcome(plan.request_id, (), result.num_bytes_landed, None)
 
     def send_deferred_notices(self, transport: Transport) -> None:
-        """Hand the release notices of the one-sided loads since the last call to the
-        connector loop, with one wake-up for all. The worker thread calls it once the step's
-        forward is done (``get_finished``): their holders free the blocks a step later."""
-        notices = self.take_deferred_notices()
+        """End of a step (``get_finished``, after its forward): hand the release notices of the
+        previous step's one-sided loads to the connector loop, with one wake-up for all
+        (``DeferredNotices``: why a step late)."""
+        notices = self._deferred_notices.end_step()
         if notices:
             get_loop_thread().submit(send_notices(transport, notices))
 
     def take_deferred_notices(self) -> list[ReleaseNotice]:
         """The release notices not yet handed to the loop (for a worker shutting down)."""
-        notices, self._notices_after_step = self._notices_after_step, []
-        return notices
+        return self._deferred_notices.take_all()
 
     def wait_settled(self, request_ids: list[str]) -> None:
         """Block the calling (worker) thread until the pulls of ``request_ids`` settled (landed
@@ -407,9 +383,13 @@ class Puller:
 
     async def _heartbeat_loop(self, transport: Transport) -> None:
         """Extend the leases of every pull in flight and of every admitted request still
-        waiting for its pull, one message per holder."""
+        waiting for its pull, one message per holder; and send the release notices that no
+        step has sent since the last tick (an engine that stopped stepping: ``DeferredNotices``)."""
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
+            notices = self._deferred_notices.take_all()
+            if notices:
+                await send_notices(transport, notices)
             by_peer: dict[PeerAddress, list[Ticket]] = {}
             for ticket in [*self._heartbeat_targets.values(), *self.waiting_tickets.snapshot()]:
                 by_peer.setdefault(PeerAddress(ticket.host, ticket.port), []).append(ticket)

@@ -54,7 +54,8 @@ from .metadata import (
     StatsDelta,
     WorkerHandshake,
 )
-from .puller import Puller, send_notice, send_notices
+from .puller import Puller
+from .release_notices import send_notice, send_notices
 from .stats import KVTransferStats
 from .store.offload_items import OffloadItem
 from .store.sender import OffloadSender
@@ -291,10 +292,11 @@ class KVBridgeWorker:
         ``config.idle_hold_wait_s``, so a request that reaches the engine in a lull waits at
         most about as long as the lull has lasted, and never more than that cap.
 
-        It first sends the release notices of this step's one-sided loads (held back so that
-        the connector loop does not wake during the forward)."""
+        It first sends the release notices of the previous step's one-sided loads (held back so
+        that the connector loop does not wake in the step that computes the handed-off
+        request's first token: ``DeferredNotices``)."""
         if self.transport is not None:
-            self.puller.send_deferred_notices(self.transport)  # the forward is done
+            self.puller.send_deferred_notices(self.transport)  # the previous step's
             self.puller.cancel_aborted(self.transport, finished_req_ids)
             meta = self._meta
             if meta is not None and meta.num_scheduled_tokens == 0:
@@ -376,7 +378,7 @@ class KVBridgeWorker:
         if transport is None:
             return
         puller = self.puller
-        notices = puller.take_deferred_notices()  # this step's one-sided loads' holders
+        notices = puller.take_deferred_notices()  # the last steps' one-sided loads' holders
 
         async def _close() -> None:
             await send_notices(transport, notices)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from kvbridge.connector.loop_thread import get_loop_thread
 from kvbridge.connector.metadata import HolderRef, PullPlan, Ticket
 from kvbridge.connector.puller import Puller
 from kvbridge.connector.stats import KVTransferStats
@@ -50,6 +51,9 @@ class _FakeTransport:
     async def notify_transfer_done(self, peer, request_id, *, success, reason, token):
         self.notices.append((request_id, success, token))
 
+    async def send_heartbeat(self, peer, request_ids, tokens):
+        self.calls.append("heartbeat")
+
 
 def _plan(request_id: str, *, sync: bool = False) -> PullPlan:
     return PullPlan(
@@ -85,16 +89,56 @@ def test_a_one_sided_handoff_is_settled_when_submit_returns():
     snapshot = stats.snapshot()
     assert (snapshot["num_loads"], snapshot["num_blocks_received"]) == (1, 2)
     assert snapshot["bytes_received_same_host"] == 2 * BYTES_PER_BLOCK
-    # the release notice waits for the end of the step (the forward must not share the GIL
-    # with the loop), then goes out on the loop
+    # The release notice waits until the end of the next step: the end of this one
+    # (``get_finished`` -> ``send_deferred_notices``) still belongs to the step that computes
+    # the request's first token, and waking the loop there takes the GIL from it.
     time.sleep(0.2)
     assert transport.notices == []
-    puller.send_deferred_notices(transport)
+    puller.send_deferred_notices(transport)  # end of the step that read the handoff
+    time.sleep(0.2)
+    assert transport.notices == []
+    puller.send_deferred_notices(transport)  # end of the next step
     _wait_for(lambda: transport.notices)
     assert transport.notices == [("p-d-1", True, "tok")]
     puller.send_deferred_notices(transport)  # sent once
+    puller.send_deferred_notices(transport)
     time.sleep(0.2)
     assert transport.notices == [("p-d-1", True, "tok")]
+
+
+def test_each_steps_notices_go_out_at_the_end_of_the_step_after_it():
+    """Two handoffs read in consecutive steps: each notice leaves one step after its read."""
+    puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=1.0, stats=KVTransferStats())
+    transport = _FakeTransport(one_sided=True)
+    puller.submit(transport, _plan("d-1"))
+    puller.send_deferred_notices(transport)  # step 1 ends: d-1 held
+    puller.submit(transport, _plan("d-2"))
+    puller.send_deferred_notices(transport)  # step 2 ends: d-1 sent, d-2 held
+    _wait_for(lambda: transport.notices)
+    time.sleep(0.1)
+    assert transport.notices == [("p-d-1", True, "tok")]
+    puller.send_deferred_notices(transport)  # step 3 ends: d-2 sent
+    _wait_for(lambda: len(transport.notices) == 2)
+    assert transport.notices[1] == ("p-d-2", True, "tok")
+
+
+def test_a_heartbeat_tick_sends_the_notices_of_an_engine_that_stopped_stepping():
+    """An offline engine whose caller stops stepping once no request is unfinished never
+    ends the step after the read: the connector loop's heartbeat tick sends the notice, so
+    the holder does not keep the blocks until the lease expires."""
+    puller = Puller(load_timeout_s=5.0, heartbeat_interval_s=0.05, stats=KVTransferStats())
+    transport = _FakeTransport(one_sided=True)
+    puller.start_heartbeats(transport, timeout_s=5.0)
+    try:
+        puller.submit(transport, _plan("d-3"))
+        puller.send_deferred_notices(transport)  # the read's step ends; no step follows
+        _wait_for(lambda: transport.notices, timeout_s=2.0)
+        assert transport.notices == [("p-d-3", True, "tok")]
+        assert puller.take_deferred_notices() == []  # the tick took it: nothing sent twice
+        time.sleep(0.2)
+        assert transport.notices == [("p-d-3", True, "tok")]
+    finally:
+        get_loop_thread().run(puller.close(), 5.0)
 
 
 def test_notices_not_yet_sent_are_taken_by_a_worker_shutting_down():

@@ -113,11 +113,14 @@ def test_d_decodes_single_instance_tokens(pair, reference):
         assert received > 0
         assert same_host == (received if pair.cma else 0)
         # same-host pulls are checked on P's block board alone; one whose lease P's worker
-        # had not yet been handed (its next step) asks P instead
+        # had not yet been handed (its next step) asks P instead, and one that P then refused
+        # for the same reason tries again (``LEASE_GRANT_RETRY_S``), maybe one-sided: a load
+        # counts at most one one-sided read and at least one of the two
         one_sided = _delta(after, before, "num_one_sided_loads")
         asked = _delta(after, before, "num_board_fallbacks")
+        num_loads = _delta(after, before, "num_loads")
         if pair.cma:
-            assert one_sided >= 1 and one_sided + asked == _delta(after, before, "num_loads")
+            assert 1 <= one_sided <= num_loads <= one_sided + asked
         else:
             assert one_sided == asked == 0
     p_state = pair.p.wait_drained()
@@ -149,9 +152,12 @@ def test_partial_local_hit_pulls_only_the_rest(pair, reference):
         in_step = {"auto": int(pair.cma), "async": 0, "sync": 1}[pair.load_mode]
         assert _delta(after, before, "num_sync_loads") == in_step, after
         if pair.cma:  # one-sided, or asked P when its worker had not yet been handed the
-            # lease (P's next step publishes it; the test harness steps P every 2 ms)
-            assert _delta(after, before, "num_one_sided_loads") + _delta(
-                after, before, "num_board_fallbacks") == 1, after
+            # lease (P's next step publishes it; the test harness steps P every 2 ms), and
+            # after a refusal for that reason maybe one-sided on the retry
+            one_sided = _delta(after, before, "num_one_sided_loads")
+            asked = _delta(after, before, "num_board_fallbacks")
+            assert _delta(after, before, "num_loads") == 1, after
+            assert one_sided <= 1 <= one_sided + asked, after
 
 
 def test_wrong_ticket_is_recomputed(pair, reference):
