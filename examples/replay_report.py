@@ -37,7 +37,8 @@ class ReplayResult:
     num_store_blocks: int = 0
     num_store_pulls: int = 0
     num_store_pulled_blocks: int = 0
-    num_offloaded_blocks: int = 0  # evicted blocks written to the store (new there)
+    num_offloaded_blocks: int = 0  # blocks written to the store (new there)
+    num_ancestor_blocks: int = 0  # of those, ancestors written before an evicted block
     num_store_dropped_blocks: int = 0  # the store's own LRU evictions
     num_store_held_blocks: int = 0  # at the end of the replay
     num_store_listed_blocks: int = 0  # of those, listed in the index (anchored chains)
@@ -85,7 +86,8 @@ def store_row(result: ReplayResult) -> str:
     return (f"\n  {result.store_label}: {result.num_store_blocks} blocks; pulls "
             f"{result.num_store_pulls} of {result.num_pulls} ({result.num_store_pulled_blocks} "
             f"of {result.num_pulled_blocks} pulled blocks); offloaded "
-            f"{result.num_offloaded_blocks}, dropped {result.num_store_dropped_blocks}, held "
+            f"{result.num_offloaded_blocks} ({result.num_ancestor_blocks} ancestors of evicted "
+            f"blocks), dropped {result.num_store_dropped_blocks}, held "
             f"{result.num_store_held_blocks} ({result.num_store_listed_blocks} listed in the "
             f"index) at the end")
 
@@ -124,6 +126,7 @@ def summary_of(result: ReplayResult, oracle_ratio: float) -> dict:
             "num_pulls": result.num_store_pulls,
             "num_pulled_blocks": result.num_store_pulled_blocks,
             "num_offloaded_blocks": result.num_offloaded_blocks,
+            "num_ancestor_blocks": result.num_ancestor_blocks,
             "num_dropped_blocks": result.num_store_dropped_blocks,
             "num_held_blocks": result.num_store_held_blocks,
             "num_listed_blocks": result.num_store_listed_blocks,

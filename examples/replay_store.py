@@ -12,16 +12,26 @@ never calls ``evict_blocks``, whose removals drop blocks of a failed load: not w
 ``offload`` puts those hashes before the node's events are published, so the index lists the
 store as a holder before it drops the node: it never lacks a block's last holder.
 
-The store is what ``connector/store/node.py`` runs: a ``StoreCache`` (LRU, one layer of
-float16 ``[num_store_blocks + 1, 2, block_size, 1, 1]``, written from zeros: the replay has no
-KV bytes) registered in the index as its own node with its own incarnation, whose events (a
-block is published once its chain back to block 0 is held, ``cache.py``) are published with
-default tier ``"store"`` as the store node's ``IndexClient`` does. A put names each block's
-parent, learned from the nodes' ``BlockStored`` events (the first hash's parent is the event's
-``parent_block_hash``, block 0's is ``b""``, the cache's ``ROOT_PARENT``; each next hash's is
-the one before). A pull from the store checks the prefix with ``block_id_of`` and reads it
-through ``StoreCache.validate``, the store's real read check (it touches the blocks' LRU
-order); the read guard is 0 (the simulated pull lands within the step).
+What a node writes is decided by a real ``OffloadPlanner`` per node (policy ``evict``), fed
+with that node's KV events in order: ``plan_evicted`` names an evicted block's ancestors that
+the store is not known to hold and the node still caches, root first, then the block (a chain's
+head, such as the trace's shared first block, is hot and never evicted, and the store publishes
+only chains it holds back to block 0), with the planner's memory: a block this node wrote
+(reported held) is not written again by it while remembered, even after the store dropped it,
+as on a real node. The replay has no ``blocks_per_step`` limit: a block and its ancestors go
+in the put of the eviction's step. Parents come from the planner (``BlockStored`` events: the
+first hash's parent is the event's ``parent_block_hash``, block 0's is ``b""``, the cache's
+``ROOT_PARENT``; each next hash's is the one before).
+
+The store is what ``connector/store/node.py`` runs: a ``StoreCache`` (LRU keeping a chain's
+head at least as recent as its descendants, one layer of float16 ``[num_store_blocks + 1, 2,
+block_size, 1, 1]``, written from zeros: the replay has no KV bytes) registered in the index as
+its own node with its own incarnation, whose events (a block is published once its chain back
+to block 0 is held, ``cache.py``) are published with default tier ``"store"`` as the store
+node's ``IndexClient`` does. A pull from the store checks the prefix with ``block_id_of`` and
+reads it through ``StoreCache.validate``, the store's real read check (it touches the blocks'
+LRU order and their ancestors'); the read guard is 0 (the simulated pull lands within the
+step).
 
 Owner: the replay's one thread; not thread-safe.
 """
@@ -32,12 +42,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from kvbridge.connector.index import BlockIndex, new_incarnation
-from kvbridge.connector.store import StoreCache
-from kvbridge.kvmanager import BlockRemoved, BlockStored
+from kvbridge.connector.store import OffloadItem, OffloadOutcome, OffloadPlanner, StoreCache
+from kvbridge.kvmanager import BlockPool, BlockRemoved
+from replay_report import ReplayResult
 
 __all__ = ["ReplayStore"]
 
-_ROOT_PARENT = b""  # StoreCache's parent of block 0 (connector/store/cache.py, ROOT_PARENT)
 _GROUP_ID = 0  # the replay's nodes have one KV cache group
 
 
@@ -45,9 +55,10 @@ class ReplayStore:
     """One simulated store node of ``num_store_blocks`` blocks, registered in ``index`` as
     ``node_id`` (a fresh incarnation, alive for ``ttl_s``).
 
-    Counters: ``num_offloaded_blocks`` evicted blocks written (new to the store),
-    ``num_present_blocks`` written again while still held (touched only),
-    ``num_dropped_blocks`` the store's own LRU evictions, ``num_unknown_parent`` evicted blocks
+    Counters: ``num_offloaded_blocks`` blocks written that were new to the store (evicted
+    blocks and their ancestors), of which ``num_ancestor_blocks`` ancestors;
+    ``num_present_blocks`` written again while still held (touched only);
+    ``num_dropped_blocks`` the store's own LRU evictions; ``num_unknown_parent`` evicted blocks
     skipped because no ``BlockStored`` named their parent (none in a replay: a node caches a
     block, with its event, before it can evict it).
 
@@ -70,10 +81,9 @@ class ReplayStore:
         kv_cache = torch.zeros(num_store_blocks + 1, 2, block_size, 1, 1, dtype=torch.float16)
         self.cache = StoreCache([[kv_cache]], read_guard_s=0.0)
         self._zeros = torch.zeros(1, 0, 2, block_size, 1, 1, dtype=torch.float16)
-        # Every hash a node cached -> its parent. A hash commits to its parent's, so one map
-        # serves all nodes (the real planner keeps its own node's).
-        self._parent_of: dict[bytes, bytes] = {}
+        self._planners: dict[str, OffloadPlanner] = {}  # node id -> its writer's planner
         self.num_offloaded_blocks = 0
+        self.num_ancestor_blocks = 0
         self.num_present_blocks = 0
         self.num_dropped_blocks = 0
         self.num_unknown_parent = 0
@@ -93,42 +103,59 @@ class ReplayStore:
         blocks whose chain back to block 0 the store holds are published. O(entries)."""
         return len(self.index.node_entries(self.node_id) or ())
 
-    def offload(self, events: Iterable[object]) -> None:
-        """Learn parents from one node's KV ``events`` (in recorded order) and write every
-        block they remove to the store, then publish the store's index events. Call it with a
-        node's events before publishing them. Mutates the store and the index."""
-        block_hashes: list[bytes] = []
-        parent_hashes: list[bytes] = []
+    def offload(self, node_id: str, block_pool: BlockPool, events: Iterable[object]) -> None:
+        """Feed node ``node_id``'s KV ``events`` (in recorded order) to its planner and write
+        what it plans for every block they remove (``OffloadPlanner.plan_evicted``, against
+        the node's ``block_pool`` as it is after the events), then publish the store's index
+        events and report the outcomes to the planner. Call it with a node's events before
+        publishing them. Mutates the planner, the store and the index."""
+        planner = self._planners.get(node_id)
+        if planner is None:  # the per-step limits do not apply here (see the module docstring)
+            planner = OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=1)
+            self._planners[node_id] = planner
+        items: list[OffloadItem] = []
         for event in events:
-            if isinstance(event, BlockStored):
-                parent = bytes(event.parent_block_hash or _ROOT_PARENT)
-                for block_hash in event.block_hashes:
-                    self._parent_of[bytes(block_hash)] = parent
-                    parent = bytes(block_hash)
-            elif isinstance(event, BlockRemoved):
-                for block_hash in map(bytes, event.block_hashes):
-                    parent = self._parent_of.get(block_hash)
-                    if parent is None:
+            if isinstance(event, BlockRemoved):  # planned before its removal is observed
+                for block_hash, block_id in zip(event.block_hashes, event.block_ids, strict=True):
+                    block_hash = bytes(block_hash)
+                    if planner.parent_of(_GROUP_ID, block_hash) is None:
                         self.num_unknown_parent += 1
                         continue
-                    block_hashes.append(block_hash)
-                    parent_hashes.append(parent)
-        if not block_hashes:
-            return
-        if self._zeros.shape[1] < len(block_hashes):
+                    chain = planner.plan_evicted(block_pool, block_id, _GROUP_ID, block_hash)
+                    self.num_ancestor_blocks += sum(
+                        self.cache.block_id_of(_GROUP_ID, item.block_hash) is None
+                        for item in chain[:-1]
+                    )
+                    items.extend(chain)
+            planner.observe((event,))
+        if items:
+            self._put(planner, items)
+
+    def _put(self, planner: OffloadPlanner, items: list[OffloadItem]) -> None:
+        if self._zeros.shape[1] < len(items):
             self._zeros = torch.zeros(
-                1, 2 * len(block_hashes), *self._zeros.shape[2:], dtype=self._zeros.dtype
+                1, 2 * len(items), *self._zeros.shape[2:], dtype=self._zeros.dtype
             )
         put = self.cache.put(
-            _GROUP_ID, block_hashes, parent_hashes, self._zeros[:, : len(block_hashes)]
+            _GROUP_ID, [item.block_hash for item in items], [item.parent_hash for item in items],
+            self._zeros[:, : len(items)],
         )
         if put.refused:  # only a read guard refuses, and it is 0 here
             raise RuntimeError(f"store {self.node_id} refused {len(put.refused)} blocks")
+        planner.apply_outcomes(OffloadOutcome(_GROUP_ID, item.block_hash, True) for item in items)
         self.num_offloaded_blocks += put.num_stored
         self.num_present_blocks += put.num_present
         self.num_dropped_blocks += put.num_dropped
         if put.events:
             self.index.publish(self.node_id, self.incarnation, put.events, default_tier="store")
+
+    def report_to(self, result: ReplayResult) -> None:
+        """Copy the store's counts into a policy's ``result`` (at the end of a replay)."""
+        result.num_offloaded_blocks = self.num_offloaded_blocks
+        result.num_ancestor_blocks = self.num_ancestor_blocks
+        result.num_store_dropped_blocks = self.num_dropped_blocks
+        result.num_store_held_blocks = self.num_held_blocks
+        result.num_store_listed_blocks = self.num_listed_blocks
 
     def held_prefix(self, block_hashes: Sequence[bytes], max_blocks: int) -> int:
         """How many of ``block_hashes[:max_blocks]`` the store holds from block 0 on (what a

@@ -166,7 +166,7 @@ class Replay:
         events = node.manager.take_events()
         if events:
             if self.store is not None:  # evicted blocks reach the store before the removals
-                self.store.offload(events)
+                self.store.offload(node.node_id, node.manager.block_pool, events)
             self.index.publish(node.node_id, node.incarnation, events)
 
     def _lookup(self, block_hashes: list[bytes], *, all_holders: bool) -> PrefixHit:
@@ -332,10 +332,7 @@ class Replay:
                 )
         if self.store is not None:
             self.store.check_integrity()
-            self.result.num_offloaded_blocks = self.store.num_offloaded_blocks
-            self.result.num_store_dropped_blocks = self.store.num_dropped_blocks
-            self.result.num_store_held_blocks = self.store.num_held_blocks
-            self.result.num_store_listed_blocks = self.store.num_listed_blocks
+            self.store.report_to(self.result)
         return self.result
 
 

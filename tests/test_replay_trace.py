@@ -312,6 +312,38 @@ def test_pull_takes_a_second_turn_from_the_store(tmp_path: Path) -> None:
     index.close()
 
 
+def test_a_shared_first_block_that_no_node_evicts_still_anchors_the_stores_chains(
+    tmp_path: Path,
+) -> None:
+    # The bug the Mooncake trace showed, in small: every request starts with block 0 (a
+    # system prompt), which each touches, so the node never evicts it. 1 node x 4 blocks, a
+    # store of 8. (1) t=0: A0 = [0, 1, 2] runs; freed in reverse, the free queue is the unused
+    # block, a2, a1, s0. (2) t=10: B0 = [0, 5, 6] hits s0 and evicts the unused block and a2:
+    # the node writes a2's ancestors that it still caches, s0 (in use by B0) and a1, root
+    # first, then a2, so the store anchors the chain at s0 and lists all 3. (3) t=20:
+    # C = [0, 7, 8] hits s0 and evicts a1 (remembered as offloaded: not written again) and b6,
+    # written after its ancestor b5 (s0 is remembered). (4) t=30: A1 = [0, 1, 2, 3] hits s0 on
+    # the node; the index names the store with s0, a1, a2, so A1 pulls a1, a2 from it. Its 3
+    # new blocks evict b5 (remembered), c8 and c7 (whose parent s0 is remembered): written.
+    # (A writer of evicted blocks alone never writes s0, so the store lists nothing and A1
+    # hits s0 only.)
+    trace = _write_records(tmp_path / "shared.jsonl", [
+        (0.0, 10, [0, 1, 2]), (10.0, 10, [0, 5, 6]), (20.0, 10, [0, 7, 8]),
+        (30.0, 10, [0, 1, 2, 3]),
+    ])
+    run, index, _ = _pull_replay(trace, "--nodes", "1", "--blocks-per-node", "4",
+                                 "--store-blocks", "8")
+    result = run.result
+    assert (result.num_store_pulls, result.num_store_pulled_blocks) == (1, 2)
+    # Hits: s0 for B0, C and A1, and A1's 2 pulled blocks; the unbounded cache's 5 as well.
+    assert (result.hit_blocks, result.total_blocks) == (1 + 1 + 3, 3 + 3 + 3 + 4)
+    # Written: 3 (s0, a1 as ancestors), 2 (b5 as an ancestor), 2; nothing dropped in 8.
+    assert (result.num_offloaded_blocks, result.num_ancestor_blocks) == (3 + 2 + 2, 2 + 1)
+    assert result.num_store_dropped_blocks == 0
+    assert result.num_store_held_blocks == result.num_store_listed_blocks == 7  # all anchored
+    index.close()
+
+
 def test_without_a_store_the_second_turn_misses(tmp_path: Path) -> None:
     # The same trace, --store-blocks 0 (the default): A0's evicted blocks are gone, so nothing
     # hits, and the report is the one without a store (no store entry, a holder per node).
@@ -357,10 +389,13 @@ def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
 ) -> None:
     # The trace above plus F1 = F at t=30, with a store of 2 blocks (LRU). F's admission
     # writes A0's 2 blocks; A1 pulls them (touching them) and evicts F's 4, written tail
-    # first: f3 and f2 drop A0's 2, then f1 and f0 drop f3 and f2. The store keeps f0 and f1
-    # (a chain's head: the pool evicts a request's tail first), so F1, with no local hit (the
-    # node holds A1), pulls 2 of the 3 blocks it may hit (the unbounded cache: 3), and its
-    # admission writes A1's 4 blocks, which drop 4 more: 10 written, 8 dropped, 2 held.
+    # first (none has a cached ancestor left to write before it): f3 and f2 drop A0's 2,
+    # then f1 and f0 drop f3 and f2. The store keeps f0 and f1 (a chain's head: the pool
+    # evicts a request's tail first), so F1, with no local hit (the node holds A1), pulls 2 of
+    # the 3 blocks it may hit (the unbounded cache: 3). Its admission evicts A1's 4 blocks,
+    # but the node's planner remembers a0 and a1 as offloaded (the store reported them held;
+    # it learns nothing of their drop, as a real node's), so only a3 and a2 are written: they
+    # drop f1 and f0 and are held unlisted (their parent a1 is gone). 8 written, 6 dropped.
     trace = _write_records(tmp_path / "store.jsonl", [
         *_STORE_RECORDS, (30.0, 10, [900, 901, 902, 903]),
     ])
@@ -368,8 +403,9 @@ def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
                                  "--store-blocks", "2")
     result = run.result
     assert result.num_store_held_blocks == run.store.num_held_blocks == 2
-    assert result.num_store_listed_blocks == 2  # a1 and a0, A1's head (written last)
-    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (6 + 4, 4 + 4)
+    assert result.num_store_listed_blocks == 0  # a3 and a2, under the missing a1
+    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (2 + 4 + 2, 4 + 2)
+    assert result.num_ancestor_blocks == 0
     assert (result.num_store_pulls, result.num_store_pulled_blocks) == (2, 2 + 2)
     assert result.hit_blocks == 2 + 2
     run.store.check_integrity()
@@ -378,12 +414,14 @@ def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
 
 def test_a_pull_from_the_store_touches_what_it_reads(tmp_path: Path) -> None:
     # 1 node x 4 blocks, a store of 5. A0 = [0, 1] and B0 = [500, 501] run one after the other;
-    # F = [900, 901, 902, 903] evicts both: the store holds, coldest first, a1 a0 b1 b0.
-    # A1 = [0, 1, 2] pulls a0, a1 from the store (its first 2 blocks, the most it may hit):
-    # the read makes them the most recently used, b1 b0 a0 a1, so the 3 F blocks A1's
-    # admission writes (f3 into the free block, f2, f1) drop b1 and b0. B1 = [500, 501, 502]
-    # then finds nothing; had the read not touched A0's blocks, a1 and a0 would have gone
-    # instead and B1 would have pulled 2.
+    # F = [900, 901, 902, 903] evicts both: the store holds, coldest first, a1 a0 b1 b0 (each
+    # chain's head after its tail). A1 = [0, 1, 2] pulls a0, a1 from the store (its first 2
+    # blocks, the most it may hit): the read makes them the most recently used, head last:
+    # b1 b0 a1 a0. A1's admission evicts f3, f2, f1; f0, still cached on the node, is written
+    # before f1 (its ancestor: the store anchors F's chain with it), so 4 writes (f3 into the
+    # free block, f2, f0, f1) drop b1, b0, then a1. B1 = [500, 501, 502] then finds nothing;
+    # had the read not touched A0's blocks, a1, a0 and b1 would have gone instead and B1 would
+    # have pulled b0.
     trace = _write_records(tmp_path / "touch.jsonl", [
         (0.0, 10, [0, 1]), (10.0, 10, [500, 501]), (20.0, 10, [900, 901, 902, 903]),
         (30.0, 10, [0, 1, 2]), (40.0, 10, [500, 501, 502]),
@@ -393,7 +431,9 @@ def test_a_pull_from_the_store_touches_what_it_reads(tmp_path: Path) -> None:
     result = run.result
     assert (result.num_store_pulls, result.num_store_pulled_blocks) == (1, 2)
     assert (result.hit_blocks, result.total_blocks) == (2, 14)  # unbounded: B1's 2 too
-    # Written: F's admission 4, A1's 3, B1's 3 (f0, a2, a1: its 3 new blocks evict the
-    # node's coldest); dropped: b1, b0 at A1, then a0, a1, f3 at B1.
-    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (10, 5)
+    # Written: F's admission 4, A1's 4 (f0 as f1's ancestor), B1's 1: of f0, a2, a1, which
+    # its 3 new blocks evict, the node's planner remembers f0 and a1 as offloaded. Dropped:
+    # b1, b0, a1 at A1, then a0 at B1.
+    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (4 + 4 + 1, 3 + 1)
+    assert result.num_ancestor_blocks == 1
     index.close()

@@ -23,6 +23,7 @@ from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.loop_thread import LoopThread, get_loop_thread
 from kvbridge.connector.stats import KVTransferStats
+from kvbridge.connector.store.cache import ROOT_PARENT, StoreCache
 from kvbridge.connector.store.node import (
     StoreNode,
     close_store_node,
@@ -38,7 +39,14 @@ from kvbridge.connector.store.planner import OffloadPlanner
 from kvbridge.connector.store.sender import OffloadSender
 from kvbridge.connector.store.wire import PutGroup, PutRequest, StoreWireError
 from kvbridge.connector.store.writer import StoreWriter
-from kvbridge.kvmanager import BlockPool, Request, SamplingParams, get_request_block_hasher
+from kvbridge.kvmanager import (
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    Request,
+    SamplingParams,
+    get_request_block_hasher,
+)
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.transport import LoopbackNetwork
 
@@ -196,6 +204,45 @@ def test_evicted_prefix_is_offloaded_then_restored_with_equal_greedy_tokens(
     # The model only ran the 5 tokens past the 320 cached ones (a recompute would run 325).
     assert out.num_cached_tokens == 20 * BLOCK_SIZE
     assert store.stats.num_blocks_hit == 18 and store.stats.hit_ratio == 1.0
+    assert_node_empty(node)
+
+
+def test_a_shared_first_block_in_use_is_offloaded_so_a_prefix_below_it_comes_back(
+    network, redis_url, cleanup
+):
+    store, node = store_and_node(network, redis_url, cleanup, capacity_blocks=64)
+    system = long_prompt(BLOCK_SIZE, salt="You are a helpful assistant. ")  # one whole block
+    prompt_s = system + long_prompt(BLOCK_SIZE + 5, salt="Keep talking. ")
+    prompt_a = system + long_prompt(9 * BLOCK_SIZE + 5)
+    prompt_c = long_prompt(16 * BLOCK_SIZE + 5, salt="Another document entirely. ")
+    hashes_a = hashes_of(node, prompt_a)[:10]
+    # (1) S, a long request, holds the shared first block for the whole test.
+    node.add_request("s", prompt_s, SamplingParams(max_tokens=40))
+    node.step()
+    # (2) A (the system block and 9 blocks of its own) runs and finishes: its 9 blocks go
+    # cold; the first block, in use by S, is written too, before them, so the store anchors
+    # A's chain and the index lists all 10 of its blocks on the store. (Cold blocks alone
+    # were held but never listed: depth 0.)
+    out = serve(node, "a-0", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    assert stats(node)["num_offloaded_blocks"] == 10
+    assert store_depth(store, hashes_a) == 10
+    pool = node.kv_cache_manager.block_pool
+    assert pool.get_cached_block(hashes_a[0], [0])[0].ref_cnt == 1  # still S's, never cold
+    # (3) C (17 blocks) takes A's partial block (unhashed: the queue's front) and the 10
+    # never-used blocks, then 6 of A's hashed ones from the queue's head, where A's tail is
+    # (A freed in reverse): blocks 9..4. S's 3 blocks are not free; A's blocks 1..3 stay.
+    serve(node, "c-0", prompt_c)
+    cached = [pool.get_cached_block(h, [0]) is not None for h in hashes_a]
+    assert cached == [True] * 4 + [False] * 6
+    # (4) A again: 4 blocks from local APC, the other 6 pulled from the store.
+    out = serve(node, "a-1", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    s = stats(node)
+    assert (s["store_hit_tokens"], s["num_restored_blocks"]) == (6 * BLOCK_SIZE, 6)
+    assert s["num_failed_loads"] == 0
+    out = run_to_completion(node, "s")
+    assert out.token_ids == reference_greedy(prompt_s, 40, hybrid=False)
     assert_node_empty(node)
 
 
@@ -525,15 +572,17 @@ def _item(block_id: int, hashes: list[bytes], position: int) -> OffloadItem:
     return OffloadItem(block_id, 0, hashes[position], parent)
 
 
-def test_planner_picks_cold_blocks_from_the_queue_head_once_each_until_reported():
+def test_planner_picks_cold_chains_root_first_once_each_until_reported():
     pool, h, events = _cold_pool()
     planner = OffloadPlanner(policy="evict", blocks_per_step=2, scan_blocks=100)
     assert planner.plan(pool) == []  # no BlockStored observed: parents unknown, nothing planned
     planner.observe(events)
-    # (1) The queue's hashed blocks from its head: 4, 3 (the chain's tail is evicted first).
-    assert planner.plan(pool) == [_item(4, h, 3), _item(3, h, 2)]
-    # (2) 4 and 3 are in flight: the next plan goes on with 2, 1; then nothing is left.
-    assert planner.plan(pool) == [_item(2, h, 1), _item(1, h, 0)]
+    # (1) The queue's first hashed block is 4 (the chain's tail is evicted first), but its
+    # cached ancestors come before it, root first, so the store can anchor the chain: 1, 2;
+    # the rest of the chain (3, then 4) does not fit in this step and is planned next.
+    assert planner.plan(pool) == [_item(1, h, 0), _item(2, h, 1)]
+    # (2) 1 and 2 are in flight: the next plan goes on with 3, 4; then nothing is left.
+    assert planner.plan(pool) == [_item(3, h, 2), _item(4, h, 3)]
     assert planner.plan(pool) == [] and planner.num_in_flight == 4
     # (3) The worker reports: 3 skipped (back-pressure), the others held. Only 3 comes back.
     planner.apply_outcomes(
@@ -552,13 +601,16 @@ def test_planner_scans_at_most_scan_blocks_entries_and_forgets_evicted_parents()
     planner.observe(events)
     assert planner.plan(pool) == []  # 5 entries looked at: 5, 6, 7, 8, 9, none hashed
     planner.scan_blocks = 7
-    assert planner.plan(pool) == [_item(4, h, 3), _item(3, h, 2)]  # ... then 4 and 3
-    planner.apply_outcomes([OffloadOutcome(0, h[3], False), OffloadOutcome(0, h[2], False)])
+    # ... then 4, which brings its whole chain, root first (8 per step: all of it fits).
+    assert planner.plan(pool) == [_item(i + 1, h, i) for i in range(4)]
+    planner.apply_outcomes([OffloadOutcome(0, h[3], False), OffloadOutcome(0, h[2], False),
+                            OffloadOutcome(0, h[1], True), OffloadOutcome(0, h[0], True)])
     # The next schedule takes 6 blocks: 5..9 and block 4 (its hash dropped, BlockRemoved).
     pool.get_new_blocks(6)
     planner.observe(pool.take_events())
     planner.scan_blocks = 100
-    assert planner.plan(pool) == [_item(3, h, 2), _item(2, h, 1), _item(1, h, 0)]
+    # Block 4's write is forgotten with its hash; block 3's comes again (its parent is held).
+    assert planner.plan(pool) == [_item(3, h, 2)]
 
 
 def test_planner_write_through_plans_new_cached_blocks_first_even_while_held():
@@ -578,6 +630,117 @@ def test_planner_write_through_plans_new_cached_blocks_first_even_while_held():
         OffloadPlanner(policy="lru", blocks_per_step=1, scan_blocks=1)
     with pytest.raises(ValueError, match="scan_blocks must be >= 1, got 0"):
         OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=0)
+
+
+def _pool_with_a_hot_first_block() -> tuple[BlockPool, list[bytes], list]:
+    """A 10-block pool with events on: request R cached a 3-block chain in blocks 1, 2, 3 (and
+    a partial block 4) and finished, freed in reverse, while request S, whose prompt starts
+    with the same block (a shared system prompt), still runs and holds block 1. Queue:
+    ``[4, 5, 6, 7, 8, 9, 3, 2]`` (unhashed 4 at the front); block 1 is hot (ref_cnt 1), never
+    cold. Returns the pool, R's chain hashes and the events."""
+    pool = BlockPool(10, enable_caching=True, enable_kv_cache_events=True)
+    request = Request(
+        "r",
+        long_prompt(3 * BLOCK_SIZE + 3),
+        SamplingParams(max_tokens=1),
+        block_hasher=get_request_block_hasher(BLOCK_SIZE),
+    )
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(request, blocks, request.block_hashes, 0, 3, BLOCK_SIZE, 0)
+    pool.touch(blocks[:1])  # S's prefix hit on the shared first block
+    pool.free_blocks(reversed(blocks))  # R finishes
+    return pool, list(request.block_hashes), pool.take_events()
+
+
+def _store_cache(num_blocks: int, **kw) -> StoreCache:
+    """A store cache of ``num_blocks`` one-layer blocks (no bytes worth checking)."""
+    return StoreCache([[torch.zeros(num_blocks + 1, 2, BLOCK_SIZE, 1, 1)]], **kw)
+
+
+def _put(cache: StoreCache, hashes: list[bytes], parents: list[bytes]):
+    return cache.put(0, hashes, parents, torch.zeros(1, len(hashes), 2, BLOCK_SIZE, 1, 1))
+
+
+def test_planner_plans_a_hot_first_block_before_its_cold_descendants_so_the_store_publishes():
+    pool, h, events = _pool_with_a_hot_first_block()
+    assert pool.get_block(1).ref_cnt == 1  # the shared first block is in use: never cold
+    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=100)
+    planner.observe(events)
+    # The first cold block from the queue's head is 3 (R's tail); its ancestors that the pool
+    # caches come first, root first, the hot block 1 included. (A planner of cold blocks only
+    # planned 3, 2 and never block 1, so the store never anchored R's chain.)
+    items = planner.plan(pool)
+    assert items == [_item(1, h, 0), _item(2, h, 1), _item(3, h, 2)]
+    # The fence after the next schedule keeps the in-use block: it still holds its hash.
+    assert planner.drop_reused([tuple(item) for item in items], pool) == [
+        tuple(item) for item in items
+    ]
+    # The store anchors at the root and publishes the chain, parents first.
+    put = _put(_store_cache(4, read_guard_s=0.0), [it.block_hash for it in items],
+               [it.parent_hash for it in items])
+    assert [(e.block_hashes, e.parent_block_hash) for e in put.events] == [
+        ([h[0]], None), ([h[1]], h[0]), ([h[2]], h[1])
+    ]
+    # Why block 1 matters: the cold blocks alone are held but published by no store.
+    cold_only = _put(_store_cache(4, read_guard_s=0.0), [h[2], h[1]], [h[1], h[0]])
+    assert (cold_only.num_stored, cold_only.events) == (2, ())
+
+
+@pytest.mark.parametrize("policy", ["evict", "write_through"])
+def test_planner_continues_a_chain_next_step_and_retries_a_hot_ancestor_not_held(policy):
+    pool, h, events = _pool_with_a_hot_first_block()
+    planner = OffloadPlanner(policy=policy, blocks_per_step=2, scan_blocks=100)
+    planner.observe(events)
+    # Two per step: the chain root first (evict: block 3's ancestors; write_through: the
+    # blocks in the order they were cached, the same order), the rest in the next step.
+    assert planner.plan(pool) == [_item(1, h, 0), _item(2, h, 1)]
+    assert planner.plan(pool) == [_item(3, h, 2)]
+    # The hot block 1 is skipped (back-pressure), its descendants held. No cold block leads to
+    # it any more (its child is remembered as offloaded) and it is never cold itself, so it is
+    # planned again from the planner's due list, or the store never anchors the chain.
+    planner.apply_outcomes([OffloadOutcome(0, h[0], False), OffloadOutcome(0, h[1], True),
+                            OffloadOutcome(0, h[2], True)])
+    assert planner.plan(pool) == [_item(1, h, 0)]
+    planner.apply_outcomes([OffloadOutcome(0, h[0], True)])
+    assert planner.plan(pool) == [] and planner.num_in_flight == 0
+
+
+def test_store_lru_keeps_a_chains_head_after_its_descendants_on_writes_and_reads():
+    r, a, b, x, y, z = (bytes([i]) * 32 for i in b"rabxyz")
+    # (1) Writes. The store holds root r; unrelated roots x, y come; then r's children a, b
+    # (written later, as a node writes a shared head's descendants). The put touches r after
+    # them, so the coldest block is x, not r (a plain LRU would drop r, unlisting a and b).
+    cache = _store_cache(5, read_guard_s=0.0)
+    for block_hash in (r, x, y):
+        _put(cache, [block_hash], [ROOT_PARENT])
+    _put(cache, [a, b], [r, a])
+    assert cache.lru_hashes(0) == [x, y, b, a, r]  # each block after its descendants
+    put = _put(cache, [z], [ROOT_PARENT])
+    assert isinstance(put.events[0], BlockRemoved) and put.events[0].block_hashes == [x]
+    assert cache.lru_hashes(0) == [y, b, a, r, z]
+
+    # (2) Reads. The chain r, a, b is written first, then x, y; a puller that holds r reads
+    # a and b: the read touches r after them (not stamped for the read guard: not read).
+    now = [0.0]
+    cache = _store_cache(5, read_guard_s=1.0, clock=lambda: now[0])
+    _put(cache, [r, a, b], [ROOT_PARENT, r, a])
+    assert cache.lru_hashes(0) == [b, a, r]  # one put: the same order, head last
+    for block_hash in (x, y):
+        _put(cache, [block_hash], [ROOT_PARENT])
+    now[0] = 5.0
+    ids = [cache.block_id_of(0, block_hash) for block_hash in (a, b)]
+    assert cache.validate(0, ids, [a, b]) == []
+    assert cache.lru_hashes(0) == [x, y, b, a, r]
+    served_at = cache.groups[0].served_at
+    assert [served_at[cache.block_id_of(0, k)] for k in (r, a, b)] == [float("-inf"), 5.0, 5.0]
+    # The next write drops x (a plain LRU would drop r); one more drops y; the one after
+    # would drop b, read 0 s ago: the read guard refuses it, as before.
+    put = _put(cache, [z], [ROOT_PARENT])
+    assert isinstance(put.events[0], BlockRemoved) and put.events[0].block_hashes == [x]
+    assert isinstance(put.events[1], BlockStored) and put.events[1].block_hashes == [z]
+    _put(cache, [bytes(32)], [ROOT_PARENT])
+    assert _put(cache, [bytes([1]) * 32], [ROOT_PARENT]).refused == (bytes([1]) * 32,)
+    assert cache.lru_hashes(0) == [b, a, r, z, bytes(32)]
 
 
 def test_offload_records_round_trip_msgpack_and_bad_fields_are_named():
@@ -711,12 +874,13 @@ def test_planner_and_sender_across_msgpack_offload_a_whole_chain(network, redis_
         sender.wait_idle()
         outcomes_wire = msgpack.packb(sender.take_outcomes())
         planned = len(msgpack.unpackb(metadata_wire))
-        # Steps: blocks 4, 3, 2 (queue head first), then block 1, then nothing.
+        # Steps: blocks 1, 2, 3 (block 4 at the queue's head brings its ancestors, root
+        # first), then block 4, then nothing.
         assert planned == [3, 1, 0][step]
     planner.apply_outcomes(outcomes_from_wire(msgpack.unpackb(outcomes_wire)))
     assert planner.num_in_flight == 0 and all(planner.is_offloaded(0, x) for x in h)
     for position, block_id in enumerate([1, 2, 3, 4]):
         _assert_store_holds(store, caches[0], block_id, h[position])
-    # Children (4, 3, 2) were stored before their parent (1); the index lists the whole chain.
+    # Parents were stored before their children; the index lists the whole chain.
     assert store_depth(store, h) == 4
     sender.close()

@@ -14,6 +14,17 @@ a parent arrives, publishes its held descendants after it, parents first. A drop
 removed from the index; its descendants stay listed but unreachable (the index cuts a run at a
 removed hash) until the block comes back.
 
+Chain recency. A chain is only reachable through its head (the index's runs start at block 0),
+so the LRU order keeps every held block at least as recent as each of its held descendants: a
+put (stored or present blocks) and a read (the blocks that pass ``validate``) touch the blocks
+and all their held ancestors, each block after its descendants, so a shared head (a system
+prompt's first block, which a puller never reads because it holds it already) is dropped only
+after every block below it. ``_touch_chains`` does it per batch: a walk up from each block
+stops at an ancestor this batch already reached, so a batch costs about the blocks it touches
+(a chain's head and the path to it are walked once per batch, not once per block). A put that
+may have to evict touches the held ancestors of its blocks first as well, so none of them is
+the victim that makes room for its own descendants.
+
 Read guard. A read is validated first and its bytes are copied afterwards, chunk by chunk; the
 validator stamps the blocks it passes, and a block stamped less than ``read_guard_s`` ago is never
 overwritten: if the coldest block is that fresh, the write is refused (no room) instead.
@@ -127,7 +138,9 @@ class StoreCache:
         staging: torch.Tensor,
     ) -> GroupPutResult:
         """Store ``block_hashes[i]`` with bytes ``staging[:, i]`` (mutates the tensors, the map,
-        the LRU order). A hash already held is touched, not rewritten.
+        the LRU order). A hash already held is touched, not rewritten. The stored and present
+        blocks and their held ancestors end up the most recent, each after its descendants
+        (module docstring, "Chain recency").
 
         Args:
             staging: ``[num_layers, n, 2, block_size, num_kv_heads, head_size]``, the caches'
@@ -149,6 +162,8 @@ class StoreCache:
         refused: list[bytes] = []
         block_id_to_row: dict[int, int] = {}
         num_present = num_dropped = 0
+        if len(block_hashes) > len(group.free_block_ids):  # may evict: shield the ancestors
+            self._touch_chains(group, [*parent_hashes, *block_hashes])
         for row, (block_hash, parent) in enumerate(zip(block_hashes, parent_hashes, strict=True)):
             if block_hash in group.hash_to_block_id:
                 group.hash_to_block_id.move_to_end(block_hash)
@@ -173,8 +188,39 @@ class StoreCache:
             if rows != list(range(len(block_hashes))):  # some rows skipped or reordered
                 staging = staging.index_select(1, torch.tensor(rows, dtype=torch.int64))
             scatter_blocks(staging.contiguous(), group.kv_caches, ids)
+        self._touch_chains(group, block_hashes)  # refused ones are not held: skipped
         num_stored = len(block_hashes) - num_present - len(refused)
         return GroupPutResult(num_stored, num_present, tuple(refused), num_dropped, tuple(events))
+
+    @staticmethod
+    def _touch_chains(group: _GroupCache, block_hashes: Sequence[bytes]) -> None:
+        """Move the held ``block_hashes`` and all their held ancestors to the recent end of
+        ``group``'s LRU order, every block after its held descendants among them (so the
+        chain heads come last). Unheld hashes are skipped. O(blocks moved): each walk up stops
+        at a block this call reached already; then Kahn's order, children before parents."""
+        held, parent_of = group.hash_to_block_id, group.parent_of
+        # reached block -> its reached children not moved yet (-1: moved); insertion-ordered
+        pending: dict[bytes, int] = {}
+        for block_hash in block_hashes:
+            if block_hash in pending or block_hash not in held:
+                continue
+            pending[block_hash] = 0
+            current = block_hash
+            while (parent := parent_of[current]) in held:  # ROOT_PARENT is never held
+                if parent in pending:
+                    pending[parent] += 1
+                    break
+                pending[parent] = 1
+                current = parent
+        move_to_end = held.move_to_end
+        for block_hash in list(pending):
+            current = block_hash
+            while pending.get(current) == 0:  # every reached child moved: move it, go up
+                move_to_end(current)
+                pending[current] = -1
+                current = parent_of[current]
+                if current in pending:
+                    pending[current] -= 1
 
     def _take_block(self, group_id: int, events: list[KVCacheEvent]) -> int | None:
         group = self.groups[group_id]
@@ -250,18 +296,21 @@ class StoreCache:
     ) -> list[int]:
         """Positions whose store block does not hold the expected hash (an empty expected hash
         never passes: the store serves by hash only, so a read's ``lease`` is ignored: the store
-        grants none). Passing blocks are touched (LRU) and stamped for the read guard.
-        A ``transport.BlockValidator``; runs on the transport's loop thread."""
+        grants none). Passing blocks are stamped for the read guard and touched (LRU), with
+        their held ancestors after them (not stamped: they are not read); module docstring,
+        "Chain recency". A ``transport.BlockValidator``; runs on the transport's loop thread."""
         if not 0 <= group_id < len(self.groups):
             return list(range(len(block_ids)))
         group = self.groups[group_id]
         now = self._clock()
         bad: list[int] = []
+        passed: list[bytes] = []
         for pos, (block_id, expected) in enumerate(zip(block_ids, expected_hashes, strict=True)):
             held = group.block_id_to_hash[block_id] if 0 < block_id < len(group.served_at) else None
             if not expected or held != expected:
                 bad.append(pos)
                 continue
             group.served_at[block_id] = now
-            group.hash_to_block_id.move_to_end(expected)
+            passed.append(expected)
+        self._touch_chains(group, passed)
         return bad

@@ -4,10 +4,11 @@ tier this step (DESIGN.md, "One disaggregated request", the store tier paragraph
 A block that is hashed and has ``ref_cnt == 0`` waits in the ``BlockPool`` free queue, still
 findable by its hash, until ``get_new_blocks`` pops it and drops the hash (seed 000: the free
 queue is the LRU eviction order, its head goes first). ``OffloadPlanner.plan`` runs once per
-step after the step's schedule (``build_connector_meta``) and names up to ``blocks_per_step``
-such blocks, read through ``BlockPool.iter_cold_cached_blocks`` from the head (at most
-``scan_blocks`` queue entries). The worker half snapshots their bytes at the next step's
-``start_load_kv``, before its forward (``sender.py``). That step's schedule runs in between and
+step after the step's schedule and forward (``update_connector_output``) and names up to
+``blocks_per_step`` such blocks, read through ``BlockPool.iter_cold_cached_blocks`` from the
+head (at most ``scan_blocks`` queue entries), each after its ancestors ("Ancestors" below).
+The worker half snapshots their bytes at the next step's ``start_load_kv``, before its forward
+(``sender.py``). That step's schedule runs in between and
 may pop a planned block for another request, whose pull may land in it before the snapshot, so
 ``drop_reused`` (called after that schedule, in ``build_connector_meta``) withdraws every item
 whose block no longer holds the planned hash; a block that still holds it is never written (a
@@ -19,14 +20,42 @@ became cached (a ``BlockStored`` event), if it still holds that hash, then cold 
 Parents. The store publishes a block to the index only once its chain back to the first block
 is held (``cache.py``), so each item carries its parent hash, learned from the pool's
 ``BlockStored`` events (``observe``). Only blocks whose event was observed are planned; events
-are observed after the forward that computed their blocks (``update_connector_output``), so a
-block hashed by this step's schedule, whose KV is not computed yet, is never planned.
+are observed in ``build_connector_meta`` and ``plan`` runs in ``update_connector_output``, after
+the forward that computed their blocks, so a block hashed by this step's schedule, whose KV is
+not computed yet, is never planned.
+
+Ancestors. A chain's head is often hot: a system prompt shared by every request is touched by
+each one and never becomes cold, so a planner that wrote cold blocks only would never write it
+and the store would never anchor (never publish) any chain below it (found by the Mooncake
+conversation trace replay, ``examples/replay_store.py``). So before a block, ``plan`` plans its
+ancestors that the store is not known to hold (not remembered as offloaded, not in flight) and
+that the pool still caches under that hash (``BlockPool.get_cached_block``), root first, hot or
+cold. The walk up ``_parent_of`` stops at the first ancestor that is known held, in flight,
+planned this step, not cached, or whose parent is unknown (its removal was observed), and looks
+at most ``num_gpu_blocks`` ancestors (each is a distinct cached block). Ancestors count against
+``blocks_per_step``; what does not fit (the rest of the chain, root first, then the block) is
+planned first by the next ``plan`` (``_due``), so each ancestor is walked over about once while
+it is remembered and a step's walk is about as long as what it plans. The store anchors the
+chain when its root arrives, whatever the order (it already takes children before parents).
+
+An ancestor may be held by running requests (ref_cnt > 0). Its bytes are still safe to
+snapshot: a full block's KV is written before it is hashed (a schedule hashes only the blocks
+its own forward computes, a sync load lands before that forward, an async load's blocks are
+hashed only once it is confirmed), and a block holding its hash is never written again by a
+forward or a pull (a recompute after a load error rewrites the blocks past the bad one with the
+same KV; the bad ones lose their hash in ``update_from_output`` before this ``plan``). A block in
+use is not in the free queue, so no schedule can pop it; if its request frees it and the next
+schedule pops and reuses it before the snapshot, ``drop_reused`` withdraws it as for a cold one.
 
 Feedback. A planned item is *in flight* (never planned twice) until the worker reports its
-``OffloadOutcome``: held -> remembered as offloaded (never planned again while remembered);
-not held (the worker skipped it for back-pressure, the write failed, the store had no room)
--> forgotten, so a later ``plan`` picks it again if it is still cold. The planner does not
+``OffloadOutcome``: held -> remembered as offloaded (never planned again while remembered); not
+held (the worker skipped it for back-pressure, the write failed, the store had no room, the
+fence withdrew it) -> forgotten and queued to be planned first next time (``_due``) if the pool
+still caches it: a block's descendants may be remembered as offloaded already, so no later walk
+would reach a hot ancestor again, and the store would never anchor them. The planner does not
 know the worker's back-pressure rule; it only needs every submitted item to be reported once.
+It does not learn of the store's own evictions either: a block the store dropped stays
+remembered as offloaded (up to ``max_remembered`` keys) and is not written again by this node.
 """
 
 from __future__ import annotations
@@ -62,9 +91,9 @@ class OffloadPlanner:
         policy: ``"evict"`` or ``"write_through"``.
         blocks_per_step: most items one ``plan`` returns (>= 1).
         scan_blocks: most free-queue entries one ``plan`` looks at (>= 1).
-        max_remembered: most offloaded (and, separately, in-flight) keys kept; the oldest are
-            forgotten first (a forgotten offloaded block may be written again: the store
-            answers "present").
+        max_remembered: most offloaded (and, separately, in-flight and due) keys kept; the
+            oldest are forgotten first (a forgotten offloaded block may be written again: the
+            store answers "present").
 
     Raises:
         ValueError: an unknown policy or a count below 1.
@@ -99,6 +128,9 @@ class OffloadPlanner:
         )
         self._in_flight: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
         self._offloaded: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
+        # planned first by the next plan, oldest first: the rest of a chain that did not fit
+        # (root first), and blocks reported not held (see the module docstring, "Feedback")
+        self._due: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
 
     # ------------------------------------------------------------------ inputs
     def observe(self, events: Iterable[Any]) -> None:
@@ -121,36 +153,49 @@ class OffloadPlanner:
             elif isinstance(event, AllBlocksCleared):
                 self._parent_of.clear()
                 self._write_through.clear()
+                self._due.clear()
 
     def apply_outcomes(self, outcomes: Iterable[OffloadOutcome]) -> None:
         """Take the worker's report on submitted items: held ones are remembered as offloaded,
-        the others may be planned again. An outcome for an unknown key is applied the same way
-        (a held block is remembered)."""
+        the others are due (planned first by the next ``plan`` if the pool still caches them).
+        An outcome for an unknown key is applied the same way."""
         for outcome in outcomes:
             key = make_block_hash_with_group_id(outcome.block_hash, outcome.group_id)
             self._in_flight.pop(key, None)
             if outcome.held:
+                self._due.pop(key, None)
                 _remember(self._offloaded, key, self.max_remembered)
+            else:
+                _remember(self._due, key, self.max_remembered)
 
     # ------------------------------------------------------------------ the step's plan
     def plan(self, block_pool: BlockPool) -> list[OffloadItem]:
-        """The items to offload this step, at most ``blocks_per_step``: write-through blocks
-        first (oldest first), then cold blocks from the free queue's head; never a block in
-        flight, remembered as offloaded, or whose parent is unknown. Marks them in flight.
-        Reads ``block_pool`` (``iter_cold_cached_blocks``, ``get_block``), mutates only the
+        """The items to offload this step, at most ``blocks_per_step``: due blocks first
+        (oldest first), then write-through blocks (oldest first), then cold blocks from the
+        free queue's head; each preceded by its ancestors the store is not known to hold
+        (root first, see the module docstring); never a block in flight, remembered as
+        offloaded, or whose parent is unknown. Marks them in flight. Reads ``block_pool``
+        (``iter_cold_cached_blocks``, ``get_block``, ``get_cached_block``), mutates only the
         planner."""
         picked: list[OffloadItem] = []
         picked_keys: dict[BlockHashWithGroupId, None] = {}  # insertion-ordered
         limit = self.blocks_per_step
-        parent_of, in_flight, offloaded = self._parent_of, self._in_flight, self._offloaded
+        due = self._due
 
         def consider(key: BlockHashWithGroupId, block_id: int) -> None:
-            parent = parent_of.get(key)
-            if parent is None or key in in_flight or key in offloaded or key in picked_keys:
-                return
-            picked_keys[key] = None
-            picked.append(OffloadItem(block_id, get_group_id(key), get_block_hash(key), parent))
+            chain = self._chain(key, block_id, block_pool, picked_keys)
+            room = limit - len(picked)
+            for chain_key, chain_block_id in chain[:room]:
+                picked_keys[chain_key] = None
+                picked.append(self._item(chain_key, chain_block_id))
+            for chain_key, _ in chain[room:]:  # root first: the next plan goes on from here
+                _remember(due, chain_key, self.max_remembered)
 
+        while due and len(picked) < limit:
+            key, _ = due.popitem(last=False)
+            cached = block_pool.get_cached_block(get_block_hash(key), (get_group_id(key),))
+            if cached is not None:
+                consider(key, cached[0].block_id)
         while self._write_through and len(picked) < limit:
             key, block_id = self._write_through.popleft()
             if block_pool.get_block(block_id).block_hash == key:  # not evicted since
@@ -161,8 +206,68 @@ class OffloadPlanner:
                 if len(picked) >= limit:
                     break
         for key in picked_keys:
-            _remember(in_flight, key, self.max_remembered)
+            _remember(self._in_flight, key, self.max_remembered)
         return picked
+
+    def plan_evicted(
+        self, block_pool: BlockPool, block_id: int, group_id: int, block_hash: bytes
+    ) -> list[OffloadItem]:
+        """The items ``plan`` would name for one block, ``block_hash`` in block ``block_id``,
+        with no ``blocks_per_step`` limit: its ancestors the store is not known to hold that
+        ``block_pool`` still caches, root first, then the block itself; empty when the block
+        is in flight, remembered as offloaded or of unknown parent. The block itself need not
+        be cached any more: the trace replay (``examples/replay_store.py``) writes a block at
+        its eviction, before observing its ``BlockRemoved``. Marks the items in flight (report
+        them with ``apply_outcomes``). Reads ``block_pool``, mutates only the planner."""
+        key = make_block_hash_with_group_id(block_hash, group_id)
+        chain = self._chain(key, block_id, block_pool, {})
+        for chain_key, _ in chain:
+            self._due.pop(chain_key, None)
+            _remember(self._in_flight, chain_key, self.max_remembered)
+        return [self._item(chain_key, chain_block_id) for chain_key, chain_block_id in chain]
+
+    def _plannable(
+        self, key: BlockHashWithGroupId, picked_keys: dict[BlockHashWithGroupId, None]
+    ) -> bool:
+        return (
+            key in self._parent_of
+            and key not in self._in_flight
+            and key not in self._offloaded
+            and key not in picked_keys
+        )
+
+    def _chain(
+        self,
+        key: BlockHashWithGroupId,
+        block_id: int,
+        block_pool: BlockPool,
+        picked_keys: dict[BlockHashWithGroupId, None],
+    ) -> list[tuple[BlockHashWithGroupId, int]]:
+        """``(key, block id)`` of ``key``'s ancestors to plan before it, root first, then
+        ``key`` in ``block_id``; empty when ``key`` itself is not plannable. The walk stops
+        at the first ancestor that is not plannable or not cached, and after
+        ``num_gpu_blocks`` ancestors (each one is a distinct cached block). Pure."""
+        if not self._plannable(key, picked_keys):
+            return []
+        chain = [(key, block_id)]
+        group_id = (get_group_id(key),)
+        parent = self._parent_of[key]
+        for _ in range(block_pool.num_gpu_blocks):
+            if not parent:  # the root's parent
+                break
+            parent_key = make_block_hash_with_group_id(parent, group_id[0])
+            if not self._plannable(parent_key, picked_keys):
+                break
+            cached = block_pool.get_cached_block(parent, group_id)
+            if cached is None:
+                break
+            chain.append((parent_key, cached[0].block_id))
+            parent = self._parent_of[parent_key]
+        chain.reverse()
+        return chain
+
+    def _item(self, key: BlockHashWithGroupId, block_id: int) -> OffloadItem:
+        return OffloadItem(block_id, get_group_id(key), get_block_hash(key), self._parent_of[key])
 
     def drop_reused(
         self, items: list[tuple[int, int, bytes, bytes]], block_pool: BlockPool
@@ -195,6 +300,11 @@ class OffloadPlanner:
     def is_offloaded(self, group_id: int, block_hash: bytes) -> bool:
         """True if the worker reported the store holds this block (and it is still remembered)."""
         return make_block_hash_with_group_id(block_hash, group_id) in self._offloaded
+
+    def parent_of(self, group_id: int, block_hash: bytes) -> bytes | None:
+        """The parent hash learned for this cached block (``b""``: a first block), None when
+        no ``BlockStored`` named it or its removal was observed."""
+        return self._parent_of.get(make_block_hash_with_group_id(block_hash, group_id))
 
 
 def _remember(keys: OrderedDict[BlockHashWithGroupId, None], key: BlockHashWithGroupId,

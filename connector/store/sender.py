@@ -2,8 +2,9 @@
 staging and write them to the store tier without making the step wait for the network.
 
 ``submit`` is called in ``start_load_kv``, before the step's forward: it gathers the items'
-blocks into a staging buffer at once (a consistent snapshot: no forward or pull writes a cached
-block that is free, ``planner.py``) and hands the write to the connector's loop thread
+blocks into a staging buffer at once (a consistent snapshot: no forward or pull writes a block
+while it holds its hash, whether it is free or in use, ``planner.py``; a block reused since the
+plan was withdrawn by ``drop_reused``) and hands the write to the connector's loop thread
 (``StoreWriter``). Every submitted item gets exactly one ``OffloadOutcome`` (``take_outcomes``),
 which the worker half returns to the scheduler half's ``OffloadPlanner``.
 
