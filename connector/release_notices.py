@@ -89,7 +89,3 @@ class DeferredNotices:
             notices = self._last_step + self._this_step
             self._last_step, self._this_step = [], []
         return notices
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._last_step) + len(self._this_step)
