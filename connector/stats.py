@@ -49,7 +49,9 @@ class KVTransferStats:
     ``num_offloaded_blocks`` / ``bytes_offloaded`` (blocks the store tier now holds from this
     node's writes), ``num_offload_failures`` (writes that failed: store unreachable or refused),
     ``num_offload_refused_blocks`` (the store had no room), ``num_offload_skipped_blocks`` (not
-    snapshotted: too many bytes already waiting for the store), ``num_restored_blocks`` /
+    snapshotted: too many bytes already waiting for the store), ``num_offload_missing_ancestors``
+    (blocks the store reported it no longer holds below which it held this node's writes: written
+    again), ``num_restored_blocks`` /
     ``bytes_restored`` (blocks pulled back from the store tier), ``transfer_s`` (pull
     durations, seconds), ``queue_s`` (from the request's arrival to the pull's start, seconds).
 
@@ -83,6 +85,7 @@ class KVTransferStats:
     num_offload_failures: int = 0
     num_offload_refused_blocks: int = 0
     num_offload_skipped_blocks: int = 0
+    num_offload_missing_ancestors: int = 0
     num_restored_blocks: int = 0
     bytes_restored: int = 0
     transfer_s_sum: float = 0.0

@@ -40,6 +40,7 @@ class ReplayResult:
     num_offloaded_blocks: int = 0  # blocks written to the store (new there)
     num_ancestor_blocks: int = 0  # of those, ancestors written before an evicted block
     num_store_dropped_blocks: int = 0  # the store's own LRU evictions
+    num_store_rewritten_blocks: int = 0  # written again: named missing by a later put's reply
     num_store_held_blocks: int = 0  # at the end of the replay
     num_store_listed_blocks: int = 0  # of those, listed in the index (anchored chains)
 
@@ -87,7 +88,8 @@ def store_row(result: ReplayResult) -> str:
             f"{result.num_store_pulls} of {result.num_pulls} ({result.num_store_pulled_blocks} "
             f"of {result.num_pulled_blocks} pulled blocks); offloaded "
             f"{result.num_offloaded_blocks} ({result.num_ancestor_blocks} ancestors of evicted "
-            f"blocks), dropped {result.num_store_dropped_blocks}, held "
+            f"blocks), dropped {result.num_store_dropped_blocks}, written again "
+            f"{result.num_store_rewritten_blocks}, held "
             f"{result.num_store_held_blocks} ({result.num_store_listed_blocks} listed in the "
             f"index) at the end")
 
@@ -128,6 +130,7 @@ def summary_of(result: ReplayResult, oracle_ratio: float) -> dict:
             "num_offloaded_blocks": result.num_offloaded_blocks,
             "num_ancestor_blocks": result.num_ancestor_blocks,
             "num_dropped_blocks": result.num_store_dropped_blocks,
+            "num_rewritten_blocks": result.num_store_rewritten_blocks,
             "num_held_blocks": result.num_store_held_blocks,
             "num_listed_blocks": result.num_store_listed_blocks,
         }

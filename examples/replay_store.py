@@ -17,11 +17,14 @@ with that node's KV events in order: ``plan_evicted`` names an evicted block's a
 the store is not known to hold and the node still caches, root first, then the block (a chain's
 head, such as the trace's shared first block, is hot and never evicted, and the store publishes
 only chains it holds back to block 0), with the planner's memory: a block this node wrote
-(reported held) is not written again by it while remembered, even after the store dropped it,
-as on a real node. The replay has no ``blocks_per_step`` limit: a block and its ancestors go
-in the put of the eviction's step. Parents come from the planner (``BlockStored`` events: the
-first hash's parent is the event's ``parent_block_hash``, block 0's is ``b""``, the cache's
-``ROOT_PARENT``; each next hash's is the one before).
+(reported held) is not written again by it while remembered, unless a later put's reply names
+it as a missing ancestor (the store dropped it since: ``GroupPutResult.missing_ancestors``), as
+on a real node, whose planner then writes it again if the node still caches it. The replay has
+no ``blocks_per_step`` limit: a block and its ancestors go in the put of the eviction's step,
+and missing ancestors in further puts of that step (``num_rewritten_blocks``). Parents come
+from the planner (``BlockStored`` events: the first hash's parent is the event's
+``parent_block_hash``, block 0's is ``b""``, the cache's ``ROOT_PARENT``; each next hash's is
+the one before).
 
 The store is what ``connector/store/node.py`` runs: a ``StoreCache`` (LRU keeping a chain's
 head at least as recent as its descendants, one layer of float16 ``[num_store_blocks + 1, 2,
@@ -58,7 +61,9 @@ class ReplayStore:
     Counters: ``num_offloaded_blocks`` blocks written that were new to the store (evicted
     blocks and their ancestors), of which ``num_ancestor_blocks`` ancestors;
     ``num_present_blocks`` written again while still held (touched only);
-    ``num_dropped_blocks`` the store's own LRU evictions; ``num_unknown_parent`` evicted blocks
+    ``num_dropped_blocks`` the store's own LRU evictions; ``num_rewritten_blocks`` blocks a
+    put's reply named as missing ancestors that the node wrote again (with their own
+    ancestors); ``num_unknown_parent`` evicted blocks
     skipped because no ``BlockStored`` named their parent (none in a replay: a node caches a
     block, with its event, before it can evict it).
 
@@ -86,6 +91,7 @@ class ReplayStore:
         self.num_ancestor_blocks = 0
         self.num_present_blocks = 0
         self.num_dropped_blocks = 0
+        self.num_rewritten_blocks = 0
         self.num_unknown_parent = 0
         index.register_node(node_id, self.incarnation, ttl_s=ttl_s)
 
@@ -128,10 +134,24 @@ class ReplayStore:
                     )
                     items.extend(chain)
             planner.observe((event,))
-        if items:
-            self._put(planner, items)
+        rewritten: set[bytes] = set()  # each at most once a call: a tiny store could ping-pong
+        while items:  # then the missing ancestors the store named, while the node caches them
+            missing = self._put(planner, items)
+            items = []
+            for block_hash in missing:
+                if block_hash in rewritten:
+                    continue
+                rewritten.add(block_hash)
+                cached = block_pool.get_cached_block(block_hash, (_GROUP_ID,))
+                if cached is not None:
+                    items += planner.plan_evicted(
+                        block_pool, cached[0].block_id, _GROUP_ID, block_hash
+                    )
+            self.num_rewritten_blocks += len(items)
 
-    def _put(self, planner: OffloadPlanner, items: list[OffloadItem]) -> None:
+    def _put(self, planner: OffloadPlanner, items: list[OffloadItem]) -> tuple[bytes, ...]:
+        """Write ``items`` (one put), report the outcomes to ``planner`` as the worker does,
+        publish the store's events; returns the missing ancestors the put named."""
         if self._zeros.shape[1] < len(items):
             self._zeros = torch.zeros(
                 1, 2 * len(items), *self._zeros.shape[2:], dtype=self._zeros.dtype
@@ -143,17 +163,20 @@ class ReplayStore:
         if put.refused:  # only a read guard refuses, and it is 0 here
             raise RuntimeError(f"store {self.node_id} refused {len(put.refused)} blocks")
         planner.apply_outcomes(OffloadOutcome(_GROUP_ID, item.block_hash, True) for item in items)
+        planner.apply_outcomes(OffloadOutcome(_GROUP_ID, h, False) for h in put.missing_ancestors)
         self.num_offloaded_blocks += put.num_stored
         self.num_present_blocks += put.num_present
         self.num_dropped_blocks += put.num_dropped
         if put.events:
             self.index.publish(self.node_id, self.incarnation, put.events, default_tier="store")
+        return put.missing_ancestors
 
     def report_to(self, result: ReplayResult) -> None:
         """Copy the store's counts into a policy's ``result`` (at the end of a replay)."""
         result.num_offloaded_blocks = self.num_offloaded_blocks
         result.num_ancestor_blocks = self.num_ancestor_blocks
         result.num_store_dropped_blocks = self.num_dropped_blocks
+        result.num_store_rewritten_blocks = self.num_rewritten_blocks
         result.num_store_held_blocks = self.num_held_blocks
         result.num_store_listed_blocks = self.num_listed_blocks
 

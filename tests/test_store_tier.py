@@ -37,7 +37,16 @@ from kvbridge.connector.store.offload_items import (
 )
 from kvbridge.connector.store.planner import OffloadPlanner
 from kvbridge.connector.store.sender import OffloadSender
-from kvbridge.connector.store.wire import PutGroup, PutRequest, StoreWireError
+from kvbridge.connector.store.wire import (
+    MAX_GROUPS,
+    PutGroup,
+    PutReply,
+    PutRequest,
+    StoreWireError,
+    decode_header,
+    decode_reply,
+    encode_reply,
+)
 from kvbridge.connector.store.writer import StoreWriter
 from kvbridge.kvmanager import (
     BlockPool,
@@ -883,4 +892,98 @@ def test_planner_and_sender_across_msgpack_offload_a_whole_chain(network, redis_
         _assert_store_holds(store, caches[0], block_id, h[position])
     # Parents were stored before their children; the index lists the whole chain.
     assert store_depth(store, h) == 4
+    sender.close()
+
+
+# ---------------------------------------------------------------------- the store's evictions
+# A node remembers what it wrote as offloaded and does not write it again. When the store drops
+# such a block, a put of anything below it names it (missing_ancestors), so the node writes it
+# again; otherwise every chain the node writes below it stays out of the index.
+def test_a_put_names_the_first_missing_ancestor_of_the_blocks_it_cannot_publish():
+    r, a, b, c, x, y, w, z = (bytes([i]) * 32 for i in b"rabcxywz")
+    cache = _store_cache(4, read_guard_s=0.0)
+    assert _put(cache, [r], [ROOT_PARENT]).missing_ancestors == ()
+    for root in (x, y, w):
+        _put(cache, [root], [ROOT_PARENT])
+    dropped = _put(cache, [z], [ROOT_PARENT])  # r, the coldest, goes
+    assert dropped.events[0].block_hashes == [r] and cache.block_id_of(0, r) is None
+    # a's parent r is gone: a is held but not published, and the put names r.
+    put = _put(cache, [a], [r])
+    assert (put.num_stored, put.missing_ancestors) == (1, (r,))
+    assert [type(e) for e in put.events] == [BlockRemoved]  # x dropped for room; a unlisted
+    # b and c below a: each walk goes up through the held a to r; one name for both.
+    assert _put(cache, [b, c], [a, a]).missing_ancestors == (r,)
+    assert cache.lru_hashes(0) == [z, b, c, a] or cache.lru_hashes(0) == [z, c, b, a]
+    # r comes back (z makes room): the chain is published, parents first; nothing is missing.
+    put = _put(cache, [r], [ROOT_PARENT])
+    stored = [e.block_hashes[0] for e in put.events if isinstance(e, BlockStored)]
+    assert stored[:2] == [r, a] and set(stored) == {r, a, b, c} and put.missing_ancestors == ()
+    assert _put(cache, [c], [a]).missing_ancestors == ()  # present, anchored
+
+
+def test_a_put_reply_carries_missing_ancestors_and_a_bad_list_is_named():
+    reply = PutReply(2, 0, 0, (), ((0, b"r" * 32), (1, b"s" * 32)))
+    raw = encode_reply(reply)
+    decoded = decode_reply(decode_header(raw[4:]))
+    assert decoded == reply
+    older = {"v": 1, "type": "put_ok", "num_stored": 1, "num_present": 0, "num_refused": 0,
+             "refused": []}  # a store from before the field
+    assert decode_reply(older).missing_ancestors == ()
+    for bad in ([[0, b""]], [[MAX_GROUPS, b"r"]], [[0, "r"]], [0], "r"):
+        with pytest.raises(StoreWireError, match="'missing_ancestors'"):
+            decode_reply({**older, "missing_ancestors": bad})
+
+
+def test_planner_writes_again_an_offloaded_block_reported_missing():
+    pool, h, events = _pool_with_a_hot_first_block()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=100)
+    planner.observe(events)
+    assert planner.plan(pool) == [_item(1, h, 0), _item(2, h, 1), _item(3, h, 2)]
+    planner.apply_outcomes([OffloadOutcome(0, x, True) for x in h])
+    assert planner.plan(pool) == [] and planner.is_offloaded(0, h[0])
+    # A later put's reply names the hot first block: the store dropped it.
+    planner.apply_outcomes([OffloadOutcome(0, h[0], False)])
+    assert not planner.is_offloaded(0, h[0])
+    assert planner.plan(pool) == [_item(1, h, 0)]
+
+
+def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(
+    network, redis_url, cleanup
+):
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=3)
+    stores.append(store)
+    pool, h, events = _pool_with_a_hot_first_block()  # h[0] hot in block 1; h[1], h[2] cold
+    caches = _node_caches(store, pool.num_gpu_blocks)
+    stats = KVTransferStats()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=100)
+    sender = OffloadSender(
+        store_address=store.write_address, max_inflight_bytes=1 << 20, stats=stats
+    )
+    sender.bind([caches[0]], store.metadata.compat_hash)
+    planner.observe(events)
+
+    def step(extra: list[OffloadItem] = ()) -> list[OffloadItem]:
+        items = planner.plan(pool)
+        sender.submit([*items, *extra])
+        sender.wait_idle()
+        planner.apply_outcomes(sender.take_outcomes())
+        return items
+
+    assert step() == [_item(1, h, 0)]  # the root first; h[1], h[2] are due
+    assert planner.is_offloaded(0, h[0])
+    # Other writers' roots fill the store (3 blocks) and push the root out.
+    fillers = [OffloadItem(5 + i, 0, bytes([0xF0 + i]) * 32, b"") for i in range(3)]
+    sender.submit(fillers)
+    sender.wait_idle()
+    sender.take_outcomes()
+    assert store.cache.block_id_of(0, h[0]) is None
+    # The next write (h[1]) names the root missing; the planner writes it again.
+    assert step() == [_item(2, h, 1)]
+    assert stats.num_offload_missing_ancestors == 1 and not planner.is_offloaded(0, h[0])
+    written = [step() for _ in range(3)]
+    assert written == [[_item(3, h, 2)], [_item(1, h, 0)], []]
+    for position, block_id in enumerate([1, 2, 3]):
+        _assert_store_holds(store, caches[0], block_id, h[position])
+    assert store_depth(store, h) == 3  # listed: without the report, 0 (never anchored)
     sender.close()

@@ -12,7 +12,10 @@ blocks sit (vLLM frees in reverse order), so children usually arrive first. The 
 publishes a block only once it is *anchored* (its parent is the chain root or anchored) and, when
 a parent arrives, publishes its held descendants after it, parents first. A dropped block is
 removed from the index; its descendants stay listed but unreachable (the index cuts a run at a
-removed hash) until the block comes back.
+removed hash) until the block comes back. So that it does come back, a put reports, for its
+blocks held but not anchored, the first ancestor the store does not hold
+(``GroupPutResult.missing_ancestors``, the put reply's ``missing_ancestors``): the writer's planner
+then writes that block again if its pool still caches it (``planner.py``, "Feedback").
 
 Chain recency. A chain is only reachable through its head (the index's runs start at block 0),
 so the LRU order keeps every held block at least as recent as each of its held descendants: a
@@ -52,13 +55,16 @@ ROOT_PARENT = b""
 
 class GroupPutResult(NamedTuple):
     """``refused``: hashes not stored (no room); ``events``: index events, in order;
-    ``num_dropped``: blocks evicted (LRU) to make room."""
+    ``num_dropped``: blocks evicted (LRU) to make room; ``missing_ancestors``: for the put's
+    blocks held but not anchored after it, the first ancestor not held (each once, in the put's
+    order), whose absence keeps them out of the index."""
 
     num_stored: int
     num_present: int
     refused: tuple[bytes, ...]
     num_dropped: int
     events: tuple[KVCacheEvent, ...]
+    missing_ancestors: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)
@@ -190,7 +196,31 @@ class StoreCache:
             scatter_blocks(staging.contiguous(), group.kv_caches, ids)
         self._touch_chains(group, block_hashes)  # refused ones are not held: skipped
         num_stored = len(block_hashes) - num_present - len(refused)
-        return GroupPutResult(num_stored, num_present, tuple(refused), num_dropped, tuple(events))
+        return GroupPutResult(
+            num_stored, num_present, tuple(refused), num_dropped, tuple(events),
+            self._missing_ancestors(group, block_hashes),
+        )
+
+    @staticmethod
+    def _missing_ancestors(group: _GroupCache, block_hashes: Sequence[bytes]) -> tuple[bytes, ...]:
+        """For each held, unanchored hash of ``block_hashes``: walk up its held ancestors to
+        the first parent not held, and name it (each once). A walk stops at a block an earlier
+        walk of this call passed, so the call costs about the unanchored blocks it reaches."""
+        missing: dict[bytes, None] = {}
+        seen: set[bytes] = set()
+        for current in block_hashes:
+            while current not in seen and current in group.hash_to_block_id:
+                if current in group.anchored:
+                    break
+                seen.add(current)
+                parent = group.parent_of[current]
+                if parent == ROOT_PARENT:  # held first blocks are anchored: not reached
+                    break
+                if parent not in group.hash_to_block_id:
+                    missing[parent] = None
+                    break
+                current = parent
+        return tuple(missing)
 
     @staticmethod
     def _touch_chains(group: _GroupCache, block_hashes: Sequence[bytes]) -> None:

@@ -318,6 +318,7 @@ class StoreNode:
             )
         events: list[Any] = []
         refused: list[tuple[int, bytes]] = []
+        missing: list[tuple[int, bytes]] = []
         num_stored = num_present = 0
         offset = 0
         for group in put.groups:
@@ -340,6 +341,7 @@ class StoreNode:
             num_stored += result.num_stored
             num_present += result.num_present
             refused.extend((group.group_id, h) for h in result.refused)
+            missing.extend((group.group_id, h) for h in result.missing_ancestors)
             events.extend(result.events)
             self.stats.add(
                 num_blocks_stored=result.num_stored,
@@ -354,7 +356,7 @@ class StoreNode:
         if events and client is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._publisher, self._publish_and_wait, client, events)
-        return PutReply(num_stored, num_present, len(refused), tuple(refused))
+        return PutReply(num_stored, num_present, len(refused), tuple(refused), tuple(missing))
 
     def _publish_and_wait(self, client: IndexClient, events: list[Any]) -> None:
         """On the publisher thread: queue ``events`` and wait (at most ``_PUBLISH_WAIT_S``)

@@ -54,8 +54,11 @@ fence withdrew it) -> forgotten and queued to be planned first next time (``_due
 still caches it: a block's descendants may be remembered as offloaded already, so no later walk
 would reach a hot ancestor again, and the store would never anchor them. The planner does not
 know the worker's back-pressure rule; it only needs every submitted item to be reported once.
-It does not learn of the store's own evictions either: a block the store dropped stays
-remembered as offloaded (up to ``max_remembered`` keys) and is not written again by this node.
+The store's own evictions come back the same way: a put's reply names, for the blocks it holds
+but cannot publish, the first ancestor it no longer holds (``cache.py``), and the worker reports
+that block not held too, so a block remembered as offloaded that the store dropped is forgotten
+and written again while the pool caches it (otherwise every chain this node writes below it
+would stay out of the index).
 """
 
 from __future__ import annotations
@@ -157,8 +160,9 @@ class OffloadPlanner:
 
     def apply_outcomes(self, outcomes: Iterable[OffloadOutcome]) -> None:
         """Take the worker's report on submitted items: held ones are remembered as offloaded,
-        the others are due (planned first by the next ``plan`` if the pool still caches them).
-        An outcome for an unknown key is applied the same way."""
+        the others are forgotten as offloaded and due (planned first by the next ``plan`` if the
+        pool still caches them). An outcome for a key not in flight (a missing ancestor the
+        store named) is applied the same way."""
         for outcome in outcomes:
             key = make_block_hash_with_group_id(outcome.block_hash, outcome.group_id)
             self._in_flight.pop(key, None)
@@ -166,6 +170,7 @@ class OffloadPlanner:
                 self._due.pop(key, None)
                 _remember(self._offloaded, key, self.max_remembered)
             else:
+                self._offloaded.pop(key, None)
                 _remember(self._due, key, self.max_remembered)
 
     # ------------------------------------------------------------------ the step's plan

@@ -6,7 +6,10 @@ blocks into a staging buffer at once (a consistent snapshot: no forward or pull 
 while it holds its hash, whether it is free or in use, ``planner.py``; a block reused since the
 plan was withdrawn by ``drop_reused``) and hands the write to the connector's loop thread
 (``StoreWriter``). Every submitted item gets exactly one ``OffloadOutcome`` (``take_outcomes``),
-which the worker half returns to the scheduler half's ``OffloadPlanner``.
+which the worker half returns to the scheduler half's ``OffloadPlanner``. A store's reply may
+also name blocks not submitted by this put: the ancestors it lacks (``missing_ancestors``, a
+block it evicted, which breaks the chains below it in the index); each gets a not-held outcome
+too (``num_offload_missing_ancestors``), so that the planner writes it again.
 
 Back-pressure: while ``max_inflight_bytes`` or more of snapshots wait for the store, ``submit``
 snapshots nothing; its items are reported not held at once (``num_offload_skipped_blocks``) and
@@ -194,16 +197,23 @@ class OffloadSender:
             with self._lock:
                 self._inflight_bytes -= put.payload_nbytes
             self._staging_pool.give(buffer)  # the socket no longer reads it
-        num_held, bytes_held = self._report(put, refused=set(reply.refused))
+        num_held, bytes_held = self._report(
+            put, refused=set(reply.refused), missing_ancestors=reply.missing_ancestors
+        )
         self.stats.add("num_offloaded_blocks", num_held)
         self.stats.add("bytes_offloaded", bytes_held)
         self.stats.add("num_offload_refused_blocks", reply.num_refused)
 
     def _report(
-        self, put: PutRequest, *, refused: set[tuple[int, bytes]] | None
+        self,
+        put: PutRequest,
+        *,
+        refused: set[tuple[int, bytes]] | None,
+        missing_ancestors: Sequence[tuple[int, bytes]] = (),
     ) -> tuple[int, int]:
-        """One outcome per block of ``put`` (``refused`` None: the write failed, none held).
-        Returns the blocks and bytes held."""
+        """One outcome per block of ``put`` (``refused`` None: the write failed, none held),
+        then a not-held one per ``missing_ancestors`` key not in ``put``. Returns the blocks
+        and bytes held."""
         outcomes: list[OffloadOutcome] = []
         num_held = bytes_held = 0
         for group in put.groups:
@@ -214,6 +224,12 @@ class OffloadSender:
                 if held:
                     num_held += 1
                     bytes_held += block_nbytes
+        if missing_ancestors:
+            reported = {outcome.key for outcome in outcomes}
+            missing = [OffloadOutcome(g, h, False) for g, h in missing_ancestors
+                       if (g, h) not in reported]
+            outcomes += missing
+            self.stats.add("num_offload_missing_ancestors", len(missing))
         with self._lock:
             self._outcomes.extend(outcomes)
         return num_held, bytes_held

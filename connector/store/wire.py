@@ -16,7 +16,10 @@ Messages (every header carries ``"v": STORE_SCHEMA_VERSION`` and ``"type"``):
   ``n * num_layers * block_nbytes`` of that group on the store.
 - ``put_ok`` (store -> writer): ``num_stored``, ``num_present`` (already held: touched, not
   rewritten), ``num_refused`` (no room: every cold block is still being served), ``refused``
-  (``[[group_id, block_hash], ...]``), no payload.
+  (``[[group_id, block_hash], ...]``), ``missing_ancestors`` (``[[group_id, block_hash], ...]``:
+  for the put's blocks the store holds but cannot publish, the first ancestor it does not hold,
+  which breaks their chain back to block 0: a block it evicted since, or one never written; may
+  be absent: an older store sends none), no payload.
 - ``error`` (store -> writer): ``error`` (str naming the bad field), no payload. The store keeps
   serving; after an error about framing it closes that one connection (the stream is lost).
 
@@ -89,6 +92,7 @@ class PutReply:
     num_present: int
     num_refused: int
     refused: tuple[tuple[int, bytes], ...] = ()
+    missing_ancestors: tuple[tuple[int, bytes], ...] = ()
 
 
 # ---------------------------------------------------------------------- field checks
@@ -175,26 +179,33 @@ def decode_reply(obj: dict[Any, Any]) -> PutReply:
         raise StoreWireError(f"store refused the put: {_str(obj, 'error', MAX_ERROR_LEN)}")
     if obj["type"] != "put_ok":
         raise StoreWireError(f"unknown reply type {obj['type']!r}")
-    refused_raw = obj.get("refused")
-    if type(refused_raw) is not list or len(refused_raw) > MAX_BLOCKS_PER_PUT * MAX_GROUPS:
-        raise StoreWireError("field 'refused' must be a list")
-    refused: list[tuple[int, bytes]] = []
-    for item in refused_raw:
-        if (
-            type(item) is not list
-            or len(item) != 2
-            or type(item[0]) is not int
-            or type(item[1]) is not bytes
-        ):
-            raise StoreWireError("field 'refused' must hold [group_id, block_hash] pairs")
-        refused.append((item[0], item[1]))
     top = MAX_BLOCKS_PER_PUT * MAX_GROUPS
     return PutReply(
         num_stored=_int(obj, "num_stored", 0, top),
         num_present=_int(obj, "num_present", 0, top),
         num_refused=_int(obj, "num_refused", 0, top),
-        refused=tuple(refused),
+        refused=_block_keys(obj.get("refused"), "refused"),
+        missing_ancestors=_block_keys(obj.get("missing_ancestors", []), "missing_ancestors"),
     )
+
+
+def _block_keys(raw: Any, name: str) -> tuple[tuple[int, bytes], ...]:
+    """A reply's list of ``[group_id, block_hash]`` pairs, checked."""
+    if type(raw) is not list or len(raw) > MAX_BLOCKS_PER_PUT * MAX_GROUPS:
+        raise StoreWireError(f"field {name!r} must be a list")
+    keys: list[tuple[int, bytes]] = []
+    for item in raw:
+        if (
+            type(item) is not list
+            or len(item) != 2
+            or type(item[0]) is not int
+            or not 0 <= item[0] < MAX_GROUPS
+            or type(item[1]) is not bytes
+            or not 0 < len(item[1]) <= MAX_HASH_BYTES
+        ):
+            raise StoreWireError(f"field {name!r} must hold [group_id, block_hash] pairs")
+        keys.append((item[0], item[1]))
+    return tuple(keys)
 
 
 # ---------------------------------------------------------------------- encoders
@@ -235,6 +246,7 @@ def encode_reply(reply: PutReply) -> bytes:
             "num_present": reply.num_present,
             "num_refused": reply.num_refused,
             "refused": [[g, h] for g, h in reply.refused],
+            "missing_ancestors": [[g, h] for g, h in reply.missing_ancestors],
         }
     )
 
