@@ -1,5 +1,5 @@
-"""benchmarks/bench_replay_bound.py: LRU, S3-FIFO and Belady's MIN on hand-made block streams whose
-answers are worked out below (issue 14, part 4)."""
+"""benchmarks/bench_replay_bound.py: LRU, S3-FIFO, the reuse bonus, oracle admission and Belady's
+MIN on hand-made block streams whose answers are worked out below (issue 14, part 4)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,27 @@ def test_the_cap_and_the_leading_run() -> None:
     assert bench.lru_hits(stream, 100) == (2, 3 + 1)
 
 
+def test_reuse_bonus_keeps_a_block_used_twice_through_newer_one_shot_blocks() -> None:
+    # Capacity 2, bonus 300 s. r1 reuses 1 at 10 s (priority 10 + 300). r2's two new blocks
+    # (priority 20) push out 3 and then r2's own deeper block 5, not 1; r3 hits 1. LRU drops
+    # 1 at r2 (touched at 10 s, older than r2's blocks) and misses at r3.
+    stream = [bench.BlockRequest(ids, 1, t) for ids, t in
+              (((1, 2), 0.0), ((1, 3), 10.0), ((4, 5), 20.0), ((1, 6), 30.0))]
+    assert bench.reuse_bonus_hits(stream, 2, bonus_s=300.0) == (2, 2)
+    assert bench.lru_hits(stream, 2) == (1, 1)
+    # With no bonus it is LRU by arrival time.
+    assert bench.reuse_bonus_hits(stream, 2, bonus_s=0.0) == (1, 1)
+
+
+def test_oracle_admission_keeps_only_blocks_that_come_back() -> None:
+    # Two blocks: the one-shot tails 2, 4, 5, 6, 7 are never cached, so roots 1 and 3 stay and
+    # every hit of the unbounded cache is served (LRU: none, the tails push the roots out).
+    assert bench.oracle_admission_hits(_STREAM, 2) == (3, 3)
+    assert bench.lru_hits(_STREAM, 2) == (0, 0)
+    # One block: 3 (r1) pushes 1 out, 1 (r2, a miss) pushes 3 out: only r4 hits.
+    assert bench.oracle_admission_hits(_STREAM, 1) == (1, 1)
+
+
 def test_main_reports_fractions_of_the_unbounded_cache(tmp_path: Path) -> None:
     trace = tmp_path / "tiny.jsonl"
     trace.write_text("".join(
@@ -111,3 +132,8 @@ def test_main_reports_fractions_of_the_unbounded_cache(tmp_path: Path) -> None:
     # (the ghost keeps 1); r2 misses 1 but the ghost puts it in the main FIFO, r3 does the same
     # for 3 (main: 1, 3), and r4 finds 1 there: 1 hit of 3. At 1 block nothing survives.
     assert [rows[c]["s3fifo"] for c in (1, 2, 1000)] == [0.0, round(1 / 3, 4), 1.0]
+    assert [rows[c]["oracle_admission"] for c in (1, 2, 1000)] == [round(1 / 3, 4), 1.0, 1.0]
+    # Reuse bonus at 2 blocks (r_i arrives at i s): r1's blocks push out 1 and 2 (older, used
+    # once); r2 misses 1, and its second use gives it priority 302, so r3's new blocks push out
+    # 5 and 6 (priorities 2 and 3) instead; r4 hits 1: 1 of 3 (r3 missed 3).
+    assert [rows[c]["reuse_bonus"] for c in (1, 2, 1000)] == [0.0, round(1 / 3, 4), 1.0]
