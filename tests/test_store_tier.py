@@ -622,6 +622,36 @@ def test_planner_scans_at_most_scan_blocks_entries_and_forgets_evicted_parents()
     assert planner.plan(pool) == [_item(3, h, 2)]
 
 
+def test_planner_keeps_a_hash_plannable_while_another_block_still_caches_it():
+    # Two requests with one prompt compute its 2 full blocks each (blocks 1, 2 and 4, 5 hold
+    # the same two hashes), finish, and a 6-block allocation evicts the first copies (queue:
+    # 7, 8, 9, 3, 2, 1, 6, 5, 4). The second copies are cold and still cached: the planner
+    # must still know their parents (one BlockRemoved per evicted copy is not the hash gone).
+    pool = BlockPool(10, enable_caching=True, enable_kv_cache_events=True)
+    prompt = long_prompt(2 * BLOCK_SIZE + 3)
+    hasher = get_request_block_hasher(BLOCK_SIZE)
+    first_copies = pool.get_new_blocks(3)
+    second_copies = pool.get_new_blocks(3)
+    for name, blocks in (("r", first_copies), ("r2", second_copies)):
+        request = Request(name, prompt, SamplingParams(max_tokens=1), block_hasher=hasher)
+        pool.cache_full_blocks(request, blocks, request.block_hashes, 0, 2, BLOCK_SIZE, 0)
+    h = list(request.block_hashes)
+    pool.free_blocks(reversed(first_copies))
+    pool.free_blocks(reversed(second_copies))
+    pool.get_new_blocks(7)
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, BlockRemoved]
+    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=100)
+    planner.observe(events)
+    assert planner.parent_of(0, h[1]) == h[0] and planner.parent_of(0, h[0]) == b""
+    assert planner.plan(pool) == [_item(4, h, 0), _item(5, h, 1)]
+    # The last copy's removal forgets the hash.
+    planner.apply_outcomes([OffloadOutcome(0, x, False) for x in h])
+    pool.get_new_blocks(2)
+    planner.observe(pool.take_events())
+    assert planner.parent_of(0, h[0]) is None and planner.plan(pool) == []
+
+
 def test_planner_write_through_plans_new_cached_blocks_first_even_while_held():
     # Blocks 1..4 cached and still held by the request (not in the free queue).
     pool, h, events = _cold_pool(free=False)

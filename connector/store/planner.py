@@ -125,6 +125,8 @@ class OffloadPlanner:
         self.max_remembered = max_remembered
         # pool key -> parent block hash (b"": first block), for every cached block observed
         self._parent_of: dict[BlockHashWithGroupId, bytes] = {}
+        # pool key -> how many cached blocks hold it (two requests may compute one block each)
+        self._num_copies: dict[BlockHashWithGroupId, int] = {}
         # write_through: (pool key, block id) cached since the last plan, oldest first
         self._write_through: deque[tuple[BlockHashWithGroupId, int]] = deque(
             maxlen=max_remembered
@@ -138,7 +140,9 @@ class OffloadPlanner:
     # ------------------------------------------------------------------ inputs
     def observe(self, events: Iterable[Any]) -> None:
         """Learn parents (and write-through candidates) from the pool's KV events, in the order
-        the pool recorded them. Feed it only events of steps whose forward has run."""
+        the pool recorded them. Feed it only events of steps whose forward has run. A hash
+        several blocks hold (each computed by its own request) keeps its parent until the
+        last of them is removed."""
         for event in events:
             if isinstance(event, BlockStored):
                 parent = bytes(event.parent_block_hash or b"")
@@ -146,15 +150,21 @@ class OffloadPlanner:
                     block_hash = bytes(block_hash)
                     key = make_block_hash_with_group_id(block_hash, event.group_id)
                     self._parent_of[key] = parent
+                    self._num_copies[key] = self._num_copies.get(key, 0) + 1
                     if self.policy == "write_through":
                         self._write_through.append((key, block_id))
                     parent = block_hash
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
                     key = make_block_hash_with_group_id(bytes(block_hash), event.group_id)
-                    self._parent_of.pop(key, None)
+                    num_copies = self._num_copies.pop(key, 0) - 1
+                    if num_copies > 0:  # another block still holds it: still plannable
+                        self._num_copies[key] = num_copies
+                    else:
+                        self._parent_of.pop(key, None)
             elif isinstance(event, AllBlocksCleared):
                 self._parent_of.clear()
+                self._num_copies.clear()
                 self._write_through.clear()
                 self._due.clear()
 
