@@ -30,7 +30,9 @@ cache of ``C`` blocks in arrival order:
   one used twice 0.42, three times 0.50: frequency is the one signal found worth having. It is
   the best of the simple online rules tried in scratch runs (bonuses of 60-600 s and 2-5 uses;
   also segmented LRU, and LHD, the hit-density policy of Beckmann et al., NSDI 2018, with
-  classes by use count, last block of a request, turn, request length: 0.71-0.76 at 16,384);
+  classes by use count, last block of a request, turn, request length: 0.71-0.76 at 16,384).
+  It flatters an online rule twice over: its two settings were chosen on the trace it is scored
+  on, and it keeps a use count for every id ever seen (an unbounded history);
 - ``oracle_admission``: offline; LRU that never keeps a block no later request holds. It knows
   whether a block comes back, not when, so the gap between ``lru`` and it is what predicting
   reuse is worth;

@@ -50,10 +50,11 @@ class KVTransferStats:
     node's writes), ``num_offload_failures`` (writes that failed: store unreachable or refused),
     ``num_offload_refused_blocks`` (the store had no room), ``num_offload_skipped_blocks`` (not
     snapshotted: too many bytes already waiting for the store), ``num_offload_missing_ancestors``
-    (blocks the store reported it no longer holds below which it held this node's writes: written
-    again), ``num_restored_blocks`` /
-    ``bytes_restored`` (blocks pulled back from the store tier), ``transfer_s`` (pull
-    durations, seconds), ``queue_s`` (from the request's arrival to the pull's start, seconds).
+    (names in the store's put replies of ancestors it does not hold: a block may be named by
+    several puts; the planner writes it again only if the pool still caches it),
+    ``num_restored_blocks`` / ``bytes_restored`` (blocks pulled back from the store tier),
+    ``transfer_s`` (pull durations, seconds), ``queue_s`` (from the request's arrival to the
+    pull's start, seconds).
 
     Per holder (``pulls_by_holder()``, kept by the scheduler half, which plans every pull): pulls
     planned from each holder engine id, their blocks (summed over KV cache groups, as

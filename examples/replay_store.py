@@ -19,9 +19,11 @@ head, such as the trace's shared first block, is hot and never evicted, and the 
 only chains it holds back to block 0), with the planner's memory: a block this node wrote
 (reported held) is not written again by it while remembered, unless a later put's reply names
 it as a missing ancestor (the store dropped it since: ``GroupPutResult.missing_ancestors``), as
-on a real node, whose planner then writes it again if the node still caches it. The replay has
-no ``blocks_per_step`` limit: a block and its ancestors go in the put of the eviction's step,
-and missing ancestors in further puts of that step (``num_rewritten_blocks``). Parents come
+on a real node, whose planner then writes it in its next step if the node still caches it
+(``OffloadPlanner.plan_due``, ``num_rewritten_blocks``: here in the node's next ``offload``
+call, one round per call, so a chain whose d nearest ancestors the store dropped takes d
+calls). The replay has no ``blocks_per_step`` limit: a block and its ancestors go in the put of
+the eviction's step. Parents come
 from the planner (``BlockStored`` events: the first hash's parent is the event's
 ``parent_block_hash``, block 0's is ``b""``, the cache's ``ROOT_PARENT``; each next hash's is
 the one before).
@@ -112,8 +114,9 @@ class ReplayStore:
     def offload(self, node_id: str, block_pool: BlockPool, events: Iterable[object]) -> None:
         """Feed node ``node_id``'s KV ``events`` (in recorded order) to its planner and write
         what it plans for every block they remove (``OffloadPlanner.plan_evicted``, against
-        the node's ``block_pool`` as it is after the events), then publish the store's index
-        events and report the outcomes to the planner. Call it with a node's events before
+        the node's ``block_pool`` as it is after the events) and what is due (named missing by
+        an earlier put: ``OffloadPlanner.plan_due``), then publish the store's index events and
+        report the outcomes to the planner. Call it with a node's events before
         publishing them. Mutates the planner, the store and the index."""
         planner = self._planners.get(node_id)
         if planner is None:  # the per-step limits do not apply here (see the module docstring)
@@ -134,24 +137,17 @@ class ReplayStore:
                     )
                     items.extend(chain)
             planner.observe((event,))
-        rewritten: set[bytes] = set()  # each at most once a call: a tiny store could ping-pong
-        while items:  # then the missing ancestors the store named, while the node caches them
-            missing = self._put(planner, items)
-            items = []
-            for block_hash in missing:
-                if block_hash in rewritten:
-                    continue
-                rewritten.add(block_hash)
-                cached = block_pool.get_cached_block(block_hash, (_GROUP_ID,))
-                if cached is not None:
-                    items += planner.plan_evicted(
-                        block_pool, cached[0].block_id, _GROUP_ID, block_hash
-                    )
-            self.num_rewritten_blocks += len(items)
+        # What earlier puts named missing (and the node still caches), as a real planner's
+        # next step writes it first: one round a step.
+        due = planner.plan_due(block_pool)
+        self.num_rewritten_blocks += len(due)
+        items += due
+        if items:
+            self._put(planner, items)
 
-    def _put(self, planner: OffloadPlanner, items: list[OffloadItem]) -> tuple[bytes, ...]:
-        """Write ``items`` (one put), report the outcomes to ``planner`` as the worker does,
-        publish the store's events; returns the missing ancestors the put named."""
+    def _put(self, planner: OffloadPlanner, items: list[OffloadItem]) -> None:
+        """Write ``items`` (one put), report the outcomes to ``planner`` as the worker does
+        (the missing ancestors named, marked ``missing``), publish the store's events."""
         if self._zeros.shape[1] < len(items):
             self._zeros = torch.zeros(
                 1, 2 * len(items), *self._zeros.shape[2:], dtype=self._zeros.dtype
@@ -163,13 +159,14 @@ class ReplayStore:
         if put.refused:  # only a read guard refuses, and it is 0 here
             raise RuntimeError(f"store {self.node_id} refused {len(put.refused)} blocks")
         planner.apply_outcomes(OffloadOutcome(_GROUP_ID, item.block_hash, True) for item in items)
-        planner.apply_outcomes(OffloadOutcome(_GROUP_ID, h, False) for h in put.missing_ancestors)
+        planner.apply_outcomes(
+            OffloadOutcome(_GROUP_ID, h, False, True) for h in put.missing_ancestors
+        )
         self.num_offloaded_blocks += put.num_stored
         self.num_present_blocks += put.num_present
         self.num_dropped_blocks += put.num_dropped
         if put.events:
             self.index.publish(self.node_id, self.incarnation, put.events, default_tier="store")
-        return put.missing_ancestors
 
     def report_to(self, result: ReplayResult) -> None:
         """Copy the store's counts into a policy's ``result`` (at the end of a replay)."""

@@ -393,9 +393,10 @@ def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
     # then f1 and f0 drop f3 and f2. The store keeps f0 and f1 (a chain's head: the pool
     # evicts a request's tail first), so F1, with no local hit (the node holds A1), pulls 2 of
     # the 3 blocks it may hit (the unbounded cache: 3). Its admission evicts A1's 4 blocks,
-    # but the node's planner remembers a0 and a1 as offloaded (the store reported them held;
-    # it learns nothing of their drop, as a real node's), so only a3 and a2 are written: they
-    # drop f1 and f0 and are held unlisted (their parent a1 is gone). 8 written, 6 dropped.
+    # but the node's planner remembers a0 and a1 as offloaded (the store reported them held),
+    # so only a3 and a2 are written: they drop f1 and f0 and are held unlisted (their parent
+    # a1 is gone; the put names it missing, but the node no longer caches it). 8 written, 6
+    # dropped, none written again.
     trace = _write_records(tmp_path / "store.jsonl", [
         *_STORE_RECORDS, (30.0, 10, [900, 901, 902, 903]),
     ])
@@ -405,7 +406,7 @@ def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
     assert result.num_store_held_blocks == run.store.num_held_blocks == 2
     assert result.num_store_listed_blocks == 0  # a3 and a2, under the missing a1
     assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (2 + 4 + 2, 4 + 2)
-    assert result.num_ancestor_blocks == 0
+    assert result.num_ancestor_blocks == result.num_store_rewritten_blocks == 0
     assert (result.num_store_pulls, result.num_store_pulled_blocks) == (2, 2 + 2)
     assert result.hit_blocks == 2 + 2
     run.store.check_integrity()

@@ -784,9 +784,13 @@ def test_store_lru_keeps_a_chains_head_after_its_descendants_on_writes_and_reads
 
 def test_offload_records_round_trip_msgpack_and_bad_fields_are_named():
     items = [OffloadItem(4, 0, b"h" * 32, b"p" * 32), OffloadItem(1, 1, b"g" * 32, b"")]
-    outcomes = [OffloadOutcome(0, b"h" * 32, True), OffloadOutcome(1, b"g" * 32, False)]
+    outcomes = [OffloadOutcome(0, b"h" * 32, True), OffloadOutcome(1, b"g" * 32, False),
+                OffloadOutcome(0, b"m" * 32, False, True)]
     assert items_from_wire(msgpack.unpackb(msgpack.packb(items))) == items
     assert outcomes_from_wire(msgpack.unpackb(msgpack.packb(outcomes))) == outcomes
+    assert outcomes_from_wire([[0, b"h", False]]) == [OffloadOutcome(0, b"h", False, False)]
+    with pytest.raises(StoreWireError, match=r"offload outcome \[0\] must be .*not both"):
+        outcomes_from_wire([[0, b"h", True, True]])
     with pytest.raises(StoreWireError, match=r"offload item \[1\].block_hash must be bytes"):
         items_from_wire([list(items[0]), [1, 0, "not bytes", b""]])
     with pytest.raises(StoreWireError, match=r"offload item \[0\].group_id must be an int"):
@@ -966,15 +970,28 @@ def test_a_put_reply_carries_missing_ancestors_and_a_bad_list_is_named():
 
 def test_planner_writes_again_an_offloaded_block_reported_missing():
     pool, h, events = _pool_with_a_hot_first_block()
-    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=100)
+    planner = OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=100)
     planner.observe(events)
-    assert planner.plan(pool) == [_item(1, h, 0), _item(2, h, 1), _item(3, h, 2)]
+    assert [planner.plan(pool) for _ in range(3)] == [[_item(i + 1, h, i)] for i in range(3)]
     planner.apply_outcomes([OffloadOutcome(0, x, True) for x in h])
     assert planner.plan(pool) == [] and planner.is_offloaded(0, h[0])
-    # A later put's reply names the hot first block: the store dropped it.
-    planner.apply_outcomes([OffloadOutcome(0, h[0], False)])
+    # A later put's reply names the hot first block: the store dropped it. A name is no
+    # outcome of a write: a plain not-held outcome for a key not in flight leaves it offloaded.
+    planner.apply_outcomes([OffloadOutcome(0, h[0], False, True)])
     assert not planner.is_offloaded(0, h[0])
+    # Its write is in flight when more names arrive (puts queued before it): they are ignored,
+    # so it is written once; its own outcome settles it.
     assert planner.plan(pool) == [_item(1, h, 0)]
+    planner.apply_outcomes([OffloadOutcome(0, h[0], False, True)] * 2)
+    assert planner.num_in_flight == 1 and planner.plan(pool) == []
+    planner.apply_outcomes([OffloadOutcome(0, h[0], True)])
+    assert planner.is_offloaded(0, h[0]) and planner.num_in_flight == 0
+    # A name goes first in the due list, before blocks due already (it keeps chains unlisted):
+    # h[2] named, then h[0]: h[0] is planned first, h[2] after (its parent h[1] still held).
+    planner.apply_outcomes([OffloadOutcome(0, h[2], False, True)])
+    planner.apply_outcomes([OffloadOutcome(0, h[0], False, True)])
+    assert planner.plan(pool) == [_item(1, h, 0)]
+    assert planner.plan_due(pool) == [_item(3, h, 2)] and planner.plan_due(pool) == []
 
 
 def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(
@@ -1008,11 +1025,12 @@ def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(
     sender.wait_idle()
     sender.take_outcomes()
     assert store.cache.block_id_of(0, h[0]) is None
-    # The next write (h[1]) names the root missing; the planner writes it again.
+    # The next write (h[1]) names the root missing; the planner writes it again, first.
     assert step() == [_item(2, h, 1)]
     assert stats.num_offload_missing_ancestors == 1 and not planner.is_offloaded(0, h[0])
     written = [step() for _ in range(3)]
-    assert written == [[_item(3, h, 2)], [_item(1, h, 0)], []]
+    assert written == [[_item(1, h, 0)], [_item(3, h, 2)], []]
+    assert stats.num_offload_missing_ancestors == 1
     for position, block_id in enumerate([1, 2, 3]):
         _assert_store_holds(store, caches[0], block_id, h[position])
     assert store_depth(store, h) == 3  # listed: without the report, 0 (never anchored)

@@ -32,11 +32,16 @@ class OffloadItem(NamedTuple):
 class OffloadOutcome(NamedTuple):
     """What became of one submitted ``OffloadItem``: ``held`` when the store holds the block now
     (stored, or held already); not held when it was skipped (back-pressure), refused (the store
-    had no room) or its write failed; the planner may then plan it again."""
+    had no room) or its write failed; the planner may then plan it again.
+
+    With ``missing`` (``held`` then False) it is no item's outcome but a store's report: a put's
+    reply named this block as the first ancestor it does not hold of blocks it cannot publish
+    (``wire.PutReply.missing_ancestors``), e.g. one it dropped since this node wrote it."""
 
     group_id: int
     block_hash: bytes
     held: bool
+    missing: bool = False
 
     @property
     def key(self) -> tuple[int, bytes]:
@@ -86,12 +91,20 @@ def items_from_wire(obj: Any) -> list[OffloadItem]:
 
 
 def outcomes_from_wire(obj: Any) -> list[OffloadOutcome]:
-    """Decoded msgpack (a list of ``[group_id, block_hash, held]``) -> outcomes. Raises
-    StoreWireError naming the first bad field."""
+    """Decoded msgpack (a list of ``[group_id, block_hash, held, missing]``; ``missing`` may be
+    left out: False) -> outcomes. Raises StoreWireError naming the first bad field."""
     outcomes: list[OffloadOutcome] = []
     for i, raw in enumerate(_check_list(obj, "offload outcomes")):
-        if type(raw) not in (list, tuple) or len(raw) != 3 or type(raw[2]) is not bool:
-            raise StoreWireError(f"offload outcome [{i}] must be [group_id, block_hash, held]")
+        if (
+            type(raw) not in (list, tuple)
+            or len(raw) not in (3, 4)
+            or type(raw[2]) is not bool
+            or (len(raw) == 4 and (type(raw[3]) is not bool or (raw[2] and raw[3])))
+        ):
+            raise StoreWireError(
+                f"offload outcome [{i}] must be [group_id, block_hash, held, missing] (not "
+                "both held and missing)"
+            )
         outcomes.append(
             OffloadOutcome(
                 group_id=_check_int(raw[0], f"offload outcome [{i}].group_id", 0, MAX_GROUPS - 1),
@@ -99,7 +112,7 @@ def outcomes_from_wire(obj: Any) -> list[OffloadOutcome]:
                     raw[1], f"offload outcome [{i}].block_hash", allow_empty=False
                 ),
                 held=raw[2],
+                missing=len(raw) == 4 and raw[3],
             )
         )
     return outcomes
-

@@ -54,15 +54,18 @@ fence withdrew it) -> forgotten and queued to be planned first next time (``_due
 still caches it: a block's descendants may be remembered as offloaded already, so no later walk
 would reach a hot ancestor again, and the store would never anchor them. The planner does not
 know the worker's back-pressure rule; it only needs every submitted item to be reported once.
-The store's own evictions come back the same way: a put's reply names, for the blocks it holds
-but cannot publish, the first ancestor it no longer holds (``cache.py``), and the worker reports
-that block not held too, so a block remembered as offloaded that the store dropped is forgotten
-and written again while the pool caches it (otherwise every chain this node writes below it
-would stay out of the index).
+The store's own evictions come back too: a put's reply names, for the blocks it holds but cannot
+publish, the first ancestor it does not hold (``cache.py``), and the worker passes each name on
+as an outcome marked ``missing``. Such a block is forgotten as offloaded and planned first by
+the next ``plan`` if the pool caches it (otherwise every chain this node writes below it would
+stay out of the index); a name for a block in flight is ignored: its write, queued behind the
+put that named it, reports it. The store names only the nearest missing ancestor, so a chain
+whose d nearest ancestors it dropped is anchored again after d such rounds, one a step.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
@@ -170,17 +173,23 @@ class OffloadPlanner:
 
     def apply_outcomes(self, outcomes: Iterable[OffloadOutcome]) -> None:
         """Take the worker's report on submitted items: held ones are remembered as offloaded,
-        the others are forgotten as offloaded and due (planned first by the next ``plan`` if the
-        pool still caches them). An outcome for a key not in flight (a missing ancestor the
-        store named) is applied the same way."""
+        the others are due (planned first by the next ``plan`` if the pool still caches them).
+        An outcome for a key not in flight is applied the same way. A ``missing`` one (a block
+        the store named, module docstring "Feedback") is ignored while the key is in flight;
+        otherwise the key is forgotten as offloaded and put first in the due list."""
         for outcome in outcomes:
             key = make_block_hash_with_group_id(outcome.block_hash, outcome.group_id)
+            if outcome.missing:
+                if key not in self._in_flight:
+                    self._offloaded.pop(key, None)
+                    _remember(self._due, key, self.max_remembered)
+                    self._due.move_to_end(key, last=False)  # it keeps whole chains unlisted
+                continue
             self._in_flight.pop(key, None)
             if outcome.held:
                 self._due.pop(key, None)
                 _remember(self._offloaded, key, self.max_remembered)
             else:
-                self._offloaded.pop(key, None)
                 _remember(self._due, key, self.max_remembered)
 
     # ------------------------------------------------------------------ the step's plan
@@ -192,37 +201,52 @@ class OffloadPlanner:
         offloaded, or whose parent is unknown. Marks them in flight. Reads ``block_pool``
         (``iter_cold_cached_blocks``, ``get_block``, ``get_cached_block``), mutates only the
         planner."""
-        picked: list[OffloadItem] = []
-        picked_keys: dict[BlockHashWithGroupId, None] = {}  # insertion-ordered
-        limit = self.blocks_per_step
-        due = self._due
-
-        def consider(key: BlockHashWithGroupId, block_id: int) -> None:
-            chain = self._chain(key, block_id, block_pool, picked_keys)
-            room = limit - len(picked)
-            for chain_key, chain_block_id in chain[:room]:
-                picked_keys[chain_key] = None
-                picked.append(self._item(chain_key, chain_block_id))
-            for chain_key, _ in chain[room:]:  # root first: the next plan goes on from here
-                _remember(due, chain_key, self.max_remembered)
-
-        while due and len(picked) < limit:
-            key, _ = due.popitem(last=False)
-            cached = block_pool.get_cached_block(get_block_hash(key), (get_group_id(key),))
-            if cached is not None:
-                consider(key, cached[0].block_id)
-        while self._write_through and len(picked) < limit:
+        picked = _Picked(self.blocks_per_step)
+        self._take_due(block_pool, picked)
+        while self._write_through and picked.room:
             key, block_id = self._write_through.popleft()
             if block_pool.get_block(block_id).block_hash == key:  # not evicted since
-                consider(key, block_id)
-        if len(picked) < limit:
+                self._consider(key, block_id, block_pool, picked)
+        if picked.room:
             for block_id, key in block_pool.iter_cold_cached_blocks(self.scan_blocks):
-                consider(key, block_id)
-                if len(picked) >= limit:
+                self._consider(key, block_id, block_pool, picked)
+                if not picked.room:
                     break
-        for key in picked_keys:
+        return self._mark_in_flight(picked)
+
+    def plan_due(self, block_pool: BlockPool) -> list[OffloadItem]:
+        """What ``plan`` names first, the due blocks (each after its ancestors), with no
+        ``blocks_per_step`` limit and nothing else: for a caller that writes evicted blocks
+        itself (``plan_evicted``, the trace replay), so that blocks reported not held or
+        missing are written again. Marks them in flight. Reads ``block_pool``, mutates only the
+        planner."""
+        picked = _Picked(sys.maxsize)
+        self._take_due(block_pool, picked)
+        return self._mark_in_flight(picked)
+
+    def _take_due(self, block_pool: BlockPool, picked: _Picked) -> None:
+        while self._due and picked.room:
+            key, _ = self._due.popitem(last=False)
+            cached = block_pool.get_cached_block(get_block_hash(key), (get_group_id(key),))
+            if cached is not None:
+                self._consider(key, cached[0].block_id, block_pool, picked)
+
+    def _consider(
+        self, key: BlockHashWithGroupId, block_id: int, block_pool: BlockPool, picked: _Picked
+    ) -> None:
+        """Pick ``key``'s chain (ancestors first) while there is room; the rest is due."""
+        chain = self._chain(key, block_id, block_pool, picked.keys)
+        room = picked.room
+        for chain_key, chain_block_id in chain[:room]:
+            picked.keys[chain_key] = None
+            picked.items.append(self._item(chain_key, chain_block_id))
+        for chain_key, _ in chain[room:]:  # root first: the next plan goes on from here
+            _remember(self._due, chain_key, self.max_remembered)
+
+    def _mark_in_flight(self, picked: _Picked) -> list[OffloadItem]:
+        for key in picked.keys:
             _remember(self._in_flight, key, self.max_remembered)
-        return picked
+        return picked.items
 
     def plan_evicted(
         self, block_pool: BlockPool, block_id: int, group_id: int, block_hash: bytes
@@ -320,6 +344,21 @@ class OffloadPlanner:
         """The parent hash learned for this cached block (``b""``: a first block), None when
         no ``BlockStored`` named it or its removal was observed."""
         return self._parent_of.get(make_block_hash_with_group_id(block_hash, group_id))
+
+
+class _Picked:
+    """One plan's picks: items in order, their keys, and how many more fit."""
+
+    __slots__ = ("items", "keys", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.items: list[OffloadItem] = []
+        self.keys: dict[BlockHashWithGroupId, None] = {}  # insertion-ordered
+        self.limit = limit
+
+    @property
+    def room(self) -> int:
+        return self.limit - len(self.items)
 
 
 def _remember(keys: OrderedDict[BlockHashWithGroupId, None], key: BlockHashWithGroupId,

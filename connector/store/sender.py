@@ -7,9 +7,10 @@ while it holds its hash, whether it is free or in use, ``planner.py``; a block r
 plan was withdrawn by ``drop_reused``) and hands the write to the connector's loop thread
 (``StoreWriter``). Every submitted item gets exactly one ``OffloadOutcome`` (``take_outcomes``),
 which the worker half returns to the scheduler half's ``OffloadPlanner``. A store's reply may
-also name blocks not submitted by this put: the ancestors it lacks (``missing_ancestors``, a
-block it evicted, which breaks the chains below it in the index); each gets a not-held outcome
-too (``num_offload_missing_ancestors``), so that the planner writes it again.
+also name ancestors it lacks (``missing_ancestors``: blocks it dropped, or never got, which keep
+the put's blocks out of the index); each name becomes one more outcome, marked ``missing``
+(``num_offload_missing_ancestors`` counts them), after the put's own, so that the planner
+writes the block again if its pool still caches it.
 
 Back-pressure: while ``max_inflight_bytes`` or more of snapshots wait for the store, ``submit``
 snapshots nothing; its items are reported not held at once (``num_offload_skipped_blocks``) and
@@ -212,8 +213,8 @@ class OffloadSender:
         missing_ancestors: Sequence[tuple[int, bytes]] = (),
     ) -> tuple[int, int]:
         """One outcome per block of ``put`` (``refused`` None: the write failed, none held),
-        then a not-held one per ``missing_ancestors`` key not in ``put``. Returns the blocks
-        and bytes held."""
+        then a ``missing`` one per ``missing_ancestors`` key (a key of ``put`` too: a later row
+        of the put evicted it). Returns the blocks and bytes held."""
         outcomes: list[OffloadOutcome] = []
         num_held = bytes_held = 0
         for group in put.groups:
@@ -225,11 +226,8 @@ class OffloadSender:
                     num_held += 1
                     bytes_held += block_nbytes
         if missing_ancestors:
-            reported = {outcome.key for outcome in outcomes}
-            missing = [OffloadOutcome(g, h, False) for g, h in missing_ancestors
-                       if (g, h) not in reported]
-            outcomes += missing
-            self.stats.add("num_offload_missing_ancestors", len(missing))
+            outcomes += (OffloadOutcome(g, h, False, True) for g, h in missing_ancestors)
+            self.stats.add("num_offload_missing_ancestors", len(missing_ancestors))
         with self._lock:
             self._outcomes.extend(outcomes)
         return num_held, bytes_held
