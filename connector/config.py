@@ -74,6 +74,11 @@ key                          default   meaning
                                        needs ``store_url`` and ``index_url``
 ``offload_blocks_per_step``  32        most blocks snapshotted for the store per engine step
 ``offload_scan_blocks``      4096      most free-queue entries looked at per step
+``offload_remember_blocks``  1048576   most of its own writes a node remembers as held by the
+                                       store (not written again while remembered, the oldest
+                                       forgotten first); about the store's blocks / writing
+                                       nodes: older writes may have been dropped, and writing
+                                       one again costs at worst a "present" reply
 ``offload_max_inflight_bytes`` 256 MiB snapshot bytes allowed to wait for the store
 ``auth_key``                 None      the cluster secret (at least 16 bytes of UTF-8): every
                                        transport handshake proves it both ways by HMAC
@@ -152,6 +157,7 @@ class KVTransferConfig:
     offload: str = "off"
     offload_blocks_per_step: int = 32
     offload_scan_blocks: int = 4096
+    offload_remember_blocks: int = 1 << 20
     offload_max_inflight_bytes: int = 256 << 20
     auth_key: str | None = field(default=None, repr=False)  # never printed in a log line
     auth_key_env: str | None = None
@@ -210,7 +216,8 @@ class KVTransferConfig:
     def _check_offload(self) -> None:
         if self.offload not in _OFFLOAD:
             raise KVTransferConfigError(f"offload must be one of {_OFFLOAD}, got {self.offload!r}")
-        names = ("offload_blocks_per_step", "offload_scan_blocks", "offload_max_inflight_bytes")
+        names = ("offload_blocks_per_step", "offload_scan_blocks", "offload_remember_blocks",
+                 "offload_max_inflight_bytes")
         for name in names:
             value = getattr(self, name)
             if type(value) is not int or value < 1:

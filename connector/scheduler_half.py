@@ -108,12 +108,12 @@ class KVBridgeScheduler:
         self._store_engine_ids: set[str] = set()
         self._hit_rule = kv_cache_config and PrefixHitRule(kv_cache_config)
         self._sliding_windows = sliding_windows_of(kv_cache_config, num_groups)
-        self._offload: OffloadPlanner | None = None
+        self.offload_planner: OffloadPlanner | None = None
         if config.offload != "off":
-            self._offload = OffloadPlanner(
-                policy=config.offload,
-                blocks_per_step=config.offload_blocks_per_step,
+            self.offload_planner = OffloadPlanner(
+                policy=config.offload, blocks_per_step=config.offload_blocks_per_step,
                 scan_blocks=config.offload_scan_blocks,
+                max_remembered=config.offload_remember_blocks,
             )
 
     # ------------------------------------------------------------------ wiring
@@ -316,11 +316,11 @@ class KVBridgeScheduler:
             if self.config.index_url:
                 self._unpublished.extend(events)
                 self._meta.block_hashes = hash_delta_of(events)
-        if self._offload is not None:
-            self._offload.observe(events)
+        if self.offload_planner is not None:
+            self.offload_planner.observe(events)
             if self._block_pool is not None:  # this step's schedule may have reused a pick
                 items = self._meta.offload_items
-                self._meta.offload_items = self._offload.drop_reused(items, self._block_pool)
+                self._meta.offload_items = self.offload_planner.drop_reused(items, self._block_pool)
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
         num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta.num_scheduled_tokens = num_tokens if type(num_tokens) is int else None
@@ -341,14 +341,14 @@ class KVBridgeScheduler:
         if self.index_client is not None:  # every step: a resync the index asked for is read here
             events, self._unpublished = self._unpublished, []
             self.index_client.publish(events)
-        if self._offload is not None and self._block_pool is not None:
+        if self.offload_planner is not None and self._block_pool is not None:
             # After this step's frees and before the next schedule can reuse a cold block: the
             # worker snapshots the picks at the next step's start, before its forward writes.
             if worker_meta is not None:
-                self._offload.apply_outcomes(
+                self.offload_planner.apply_outcomes(
                     OffloadOutcome(*outcome) for outcome in worker_meta.offload_outcomes
                 )
-            self._meta.offload_items.extend(self._offload.plan(self._block_pool))
+            self._meta.offload_items.extend(self.offload_planner.plan(self._block_pool))
 
     def set_xfer_handshake_metadata(self, handshake: WorkerHandshake) -> None:
         """Learn the worker half's transport (once, before the first step); with an index

@@ -17,7 +17,9 @@ with that node's KV events in order: ``plan_evicted`` names an evicted block's a
 the store is not known to hold and the node still caches, root first, then the block (a chain's
 head, such as the trace's shared first block, is hot and never evicted, and the store publishes
 only chains it holds back to block 0), with the planner's memory: a block this node wrote
-(reported held) is not written again by it while remembered, unless a later put's reply names
+(reported held) is not written again by it while remembered (its last ``num_remembered``
+writes: ``replay_trace.py``'s default is the store's blocks / nodes, each writer's share, as a
+node configured with that ``offload_remember_blocks``), unless a later put's reply names
 it as a missing ancestor (the store dropped it since: ``GroupPutResult.missing_ancestors``), as
 on a real node, whose planner then writes it in its next step if the node still caches it
 (``OffloadPlanner.plan_due``, ``num_rewritten_blocks``: here in the node's next ``offload``
@@ -58,7 +60,8 @@ _GROUP_ID = 0  # the replay's nodes have one KV cache group
 
 class ReplayStore:
     """One simulated store node of ``num_store_blocks`` blocks, registered in ``index`` as
-    ``node_id`` (a fresh incarnation, alive for ``ttl_s``).
+    ``node_id`` (a fresh incarnation, alive for ``ttl_s``); each writer's planner remembers its
+    last ``num_remembered`` writes as held (``offload_remember_blocks``, connector/config.py).
 
     Counters: ``num_offloaded_blocks`` blocks written that were new to the store (evicted
     blocks and their ancestors), of which ``num_ancestor_blocks`` ancestors;
@@ -75,13 +78,14 @@ class ReplayStore:
 
     def __init__(
         self, index: BlockIndex, node_id: str, *, num_store_blocks: int, block_size: int,
-        ttl_s: float,
+        ttl_s: float, num_remembered: int,
     ) -> None:
-        if num_store_blocks < 1 or block_size < 1:
+        if min(num_store_blocks, block_size, num_remembered) < 1:
             raise ValueError(
-                f"num_store_blocks and block_size must be >= 1, got {num_store_blocks}, "
-                f"{block_size}"
+                f"num_store_blocks, block_size and num_remembered must be >= 1, got "
+                f"{num_store_blocks}, {block_size}, {num_remembered}"
             )
+        self.num_remembered = num_remembered
         self.index = index
         self.node_id = node_id
         self.incarnation = new_incarnation()
@@ -120,7 +124,8 @@ class ReplayStore:
         publishing them. Mutates the planner, the store and the index."""
         planner = self._planners.get(node_id)
         if planner is None:  # the per-step limits do not apply here (see the module docstring)
-            planner = OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=1)
+            planner = OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=1,
+                                     max_remembered=self.num_remembered)
             self._planners[node_id] = planner
         items: list[OffloadItem] = []
         for event in events:

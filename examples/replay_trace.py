@@ -24,7 +24,8 @@ index (``--index-url``: ``memory`` or a ``redis://`` URL). The trace is replayed
   a shorter pull; counted as ``num_stale_hits``) and, like a real holder serving a read through
   the index, its blocks are neither referenced nor touched. ``--store-blocks N`` adds a store
   tier (``replay_store.py``): a store node of N blocks to which each node writes the cached
-  blocks it evicts, listed in the index as tier ``store`` and pulled from like a node (a node
+  blocks it evicts (remembering its last ``--store-remember-blocks`` writes, default N / nodes,
+  as held), listed in the index as tier ``store`` and pulled from like a node (a node
   holding as deep a run is preferred); ``index`` and ``round_robin`` never pull and ignore it.
 
 Every ``longest_prefix`` call is timed: ``index`` and ``pull`` make one a request (none for a
@@ -150,7 +151,8 @@ class Replay:
         self.store: ReplayStore | None = None
         if policy == "pull" and args.store_blocks:
             self.store = ReplayStore(index, f"{policy}-store", num_store_blocks=args.store_blocks,
-                                     block_size=self.block_size, ttl_s=_TTL_S)
+                                     block_size=self.block_size, ttl_s=_TTL_S,
+                                     num_remembered=args.store_remember_blocks)
         self.result = ReplayResult(policy, self.num_nodes)
         if self.store is not None:
             self.result = ReplayResult(policy, self.num_nodes, store_label=self.store.node_id,
@@ -368,6 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--store-blocks", type=int, default=0,
                         help="pull: a store tier of N blocks that nodes write evicted blocks to "
                              "(0: none; index and round_robin ignore it)")
+    parser.add_argument("--store-remember-blocks", type=int, default=None,
+                        help="with --store-blocks: each node's writes remembered as held, not "
+                             "written again (offload_remember_blocks; default: store / nodes)")
     parser.add_argument("--hash-fn", default="sha256_cbor")
     parser.add_argument("--index-url", default="memory", help="'memory', redis://host:port/db or redis-cluster://HOST:PORT[,...]")
     parser.add_argument("--prefill-s-per-token", type=float, default=1e-4)
@@ -376,8 +381,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.blocks_per_node, args.block_size, args.nodes, args.min_pull_blocks) < 1:
         parser.error("--blocks-per-node, --block-size, --nodes and --min-pull-blocks must be "
                      "positive")
-    if args.store_blocks < 0:
-        parser.error("--store-blocks must be >= 0")
+    remember = args.store_remember_blocks
+    if args.store_blocks < 0 or (remember is not None and remember < 1):
+        parser.error("--store-blocks must be >= 0, --store-remember-blocks >= 1")
+    if remember is None:
+        args.store_remember_blocks = max(1, args.store_blocks // args.nodes)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown or not args.policies:

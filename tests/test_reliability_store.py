@@ -147,7 +147,7 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
 
     # What the planner queued for the store before R arrives (A's cold or newly cached
     # blocks), and what its fence withdraws once R's schedule has reused some of them.
-    planner = n.scheduler.connector.scheduler_half._offload
+    planner = n.scheduler.connector.scheduler_half.offload_planner
     queued = {item[0]: item[2] for item in n.scheduler.connector.scheduler_half._meta.offload_items}
     assert queued and set(queued.values()) <= set(hashes_a), queued
     drop_reused = planner.drop_reused
@@ -293,7 +293,7 @@ def test_case4_a_block_whose_store_write_fails_cuts_the_chain_there(network, mod
     assert store.cache.validate(0, list(range(1, num_rows)), [hashes[2]] * (num_rows - 1)) == (
         list(range(num_rows - 1))
     )
-    planner = n.scheduler.connector.scheduler_half._offload
+    planner = n.scheduler.connector.scheduler_half.offload_planner
     assert not planner.is_offloaded(0, hashes[2])  # N may offer it again later
     assert planner.is_offloaded(0, hashes[1])
     assert_node_empty(n)

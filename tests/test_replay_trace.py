@@ -401,7 +401,7 @@ def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
         *_STORE_RECORDS, (30.0, 10, [900, 901, 902, 903]),
     ])
     run, index, _ = _pull_replay(trace, "--nodes", "1", "--blocks-per-node", "4",
-                                 "--store-blocks", "2")
+                                 "--store-blocks", "2", "--store-remember-blocks", "100")
     result = run.result
     assert result.num_store_held_blocks == run.store.num_held_blocks == 2
     assert result.num_store_listed_blocks == 0  # a3 and a2, under the missing a1
@@ -409,6 +409,28 @@ def test_a_full_store_drops_its_oldest_writes_and_stays_within_its_blocks(
     assert result.num_ancestor_blocks == result.num_store_rewritten_blocks == 0
     assert (result.num_store_pulls, result.num_store_pulled_blocks) == (2, 2 + 2)
     assert result.hit_blocks == 2 + 2
+    run.store.check_integrity()
+    index.close()
+
+
+def test_a_node_remembers_only_its_share_of_the_store_and_writes_an_older_block_again(
+    tmp_path: Path,
+) -> None:
+    # The run above with the default memory: one node, a store of 2, so the planner remembers
+    # its last 2 writes as held (offload_remember_blocks = store blocks / nodes). By F1's
+    # admission those are F's, so A1's evicted a0 and a1 (written at F's admission, dropped
+    # since) are not remembered: all 4 of A1's blocks are written, tail first, and the store
+    # ends with a1 and a0, a listed chain (above: nothing listed). 10 written, 8 dropped.
+    trace = _write_records(tmp_path / "store.jsonl", [
+        *_STORE_RECORDS, (30.0, 10, [900, 901, 902, 903]),
+    ])
+    run, index, _ = _pull_replay(trace, "--nodes", "1", "--blocks-per-node", "4",
+                                 "--store-blocks", "2")
+    result = run.result
+    assert run.store.num_remembered == 2
+    assert (result.num_offloaded_blocks, result.num_store_dropped_blocks) == (2 + 4 + 4, 6 + 2)
+    assert result.num_store_held_blocks == result.num_store_listed_blocks == 2
+    assert result.hit_blocks == 2 + 2  # the same hits: no later request asks for a0, a1
     run.store.check_integrity()
     index.close()
 
@@ -428,7 +450,7 @@ def test_a_pull_from_the_store_touches_what_it_reads(tmp_path: Path) -> None:
         (30.0, 10, [0, 1, 2]), (40.0, 10, [500, 501, 502]),
     ])
     run, index, _ = _pull_replay(trace, "--nodes", "1", "--blocks-per-node", "4",
-                                 "--store-blocks", "5")
+                                 "--store-blocks", "5", "--store-remember-blocks", "100")
     result = run.result
     assert (result.num_store_pulls, result.num_store_pulled_blocks) == (1, 2)
     assert (result.hit_blocks, result.total_blocks) == (2, 14)  # unbounded: B1's 2 too

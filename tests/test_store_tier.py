@@ -994,6 +994,19 @@ def test_planner_writes_again_an_offloaded_block_reported_missing():
     assert planner.plan_due(pool) == [_item(3, h, 2)] and planner.plan_due(pool) == []
 
 
+def test_offload_remember_blocks_sizes_the_planners_memory(network, redis_url, cleanup):
+    engines, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=8)
+    stores.append(store)
+    engines.append(make_node("node-a", network, redis_url, store, offload_remember_blocks=3))
+    planner = engines[0].scheduler.connector.scheduler_half.offload_planner
+    assert planner.max_remembered == 3
+    # Four writes reported held: the oldest is forgotten, so it may be written again.
+    keys = [bytes([i]) * 32 for i in range(4)]
+    planner.apply_outcomes(OffloadOutcome(0, k, True) for k in keys)
+    assert [planner.is_offloaded(0, k) for k in keys] == [False, True, True, True]
+
+
 def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(
     network, redis_url, cleanup
 ):
