@@ -41,6 +41,7 @@ class ReplayResult:
     num_ancestor_blocks: int = 0  # of those, ancestors written before an evicted block
     num_store_dropped_blocks: int = 0  # the store's own LRU evictions
     num_store_rewritten_blocks: int = 0  # written again: named missing by a later put's reply
+    num_store_present_blocks: int = 0  # written while the store still held them (touched only)
     num_store_held_blocks: int = 0  # at the end of the replay
     num_store_listed_blocks: int = 0  # of those, listed in the index (anchored chains)
 
@@ -88,7 +89,8 @@ def store_row(result: ReplayResult) -> str:
             f"{result.num_store_pulls} of {result.num_pulls} ({result.num_store_pulled_blocks} "
             f"of {result.num_pulled_blocks} pulled blocks); offloaded "
             f"{result.num_offloaded_blocks} ({result.num_ancestor_blocks} ancestors of evicted "
-            f"blocks), dropped {result.num_store_dropped_blocks}, written again "
+            f"blocks; {result.num_store_present_blocks} more already held), dropped "
+            f"{result.num_store_dropped_blocks}, written again "
             f"{result.num_store_rewritten_blocks}, held "
             f"{result.num_store_held_blocks} ({result.num_store_listed_blocks} listed in the "
             f"index) at the end")
@@ -131,6 +133,7 @@ def summary_of(result: ReplayResult, oracle_ratio: float) -> dict:
             "num_ancestor_blocks": result.num_ancestor_blocks,
             "num_dropped_blocks": result.num_store_dropped_blocks,
             "num_rewritten_blocks": result.num_store_rewritten_blocks,
+            "num_present_blocks": result.num_store_present_blocks,
             "num_held_blocks": result.num_store_held_blocks,
             "num_listed_blocks": result.num_store_listed_blocks,
         }

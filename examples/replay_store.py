@@ -179,6 +179,7 @@ class ReplayStore:
         result.num_ancestor_blocks = self.num_ancestor_blocks
         result.num_store_dropped_blocks = self.num_dropped_blocks
         result.num_store_rewritten_blocks = self.num_rewritten_blocks
+        result.num_store_present_blocks = self.num_present_blocks
         result.num_store_held_blocks = self.num_held_blocks
         result.num_store_listed_blocks = self.num_listed_blocks
 
