@@ -77,8 +77,8 @@ key                          default   meaning
 ``offload_remember_blocks``  1048576   most of its own writes a node remembers as held by the
                                        store (not written again while remembered, the oldest
                                        forgotten first); about the store's blocks / writing
-                                       nodes: older writes may have been dropped, and writing
-                                       one again costs at worst a "present" reply
+                                       nodes: older writes may have been dropped; writing one
+                                       again sends its bytes again ("present" if still held)
 ``offload_max_inflight_bytes`` 256 MiB snapshot bytes allowed to wait for the store
 ``auth_key``                 None      the cluster secret (at least 16 bytes of UTF-8): every
                                        transport handshake proves it both ways by HMAC

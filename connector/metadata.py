@@ -35,7 +35,7 @@ __all__ = [
     "encode_worker_meta",
 ]
 
-METADATA_SCHEMA_VERSION = 1
+METADATA_SCHEMA_VERSION = 2  # 2: offload outcomes carry ``missing``
 
 
 class HolderRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,7 +192,7 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
 
     version: int = METADATA_SCHEMA_VERSION
     stats: StatsDelta = msgspec.field(default_factory=StatsDelta)
-    offload_outcomes: list[tuple[int, bytes, bool]] = msgspec.field(default_factory=list)
+    offload_outcomes: list[tuple[int, bytes, bool, bool]] = msgspec.field(default_factory=list)
     one_sided_holders: list[tuple[str, str]] | None = None
 
     def is_empty(self) -> bool:

@@ -113,7 +113,7 @@ class KVBridgeScheduler:
             self.offload_planner = OffloadPlanner(
                 policy=config.offload, blocks_per_step=config.offload_blocks_per_step,
                 scan_blocks=config.offload_scan_blocks,
-                max_remembered=config.offload_remember_blocks,
+                max_offloaded=config.offload_remember_blocks,
             )
 
     # ------------------------------------------------------------------ wiring

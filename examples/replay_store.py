@@ -73,7 +73,7 @@ class ReplayStore:
     block, with its event, before it can evict it).
 
     Raises:
-        ValueError: ``num_store_blocks`` or ``block_size`` below 1.
+        ValueError: ``num_store_blocks``, ``block_size`` or ``num_remembered`` below 1.
     """
 
     def __init__(
@@ -125,7 +125,7 @@ class ReplayStore:
         planner = self._planners.get(node_id)
         if planner is None:  # the per-step limits do not apply here (see the module docstring)
             planner = OffloadPlanner(policy="evict", blocks_per_step=1, scan_blocks=1,
-                                     max_remembered=self.num_remembered)
+                                     max_offloaded=self.num_remembered)
             self._planners[node_id] = planner
         items: list[OffloadItem] = []
         for event in events:
@@ -142,8 +142,8 @@ class ReplayStore:
                     )
                     items.extend(chain)
             planner.observe((event,))
-        # What earlier puts named missing (and the node still caches), as a real planner's
-        # next step writes it first: one round a step.
+        # What earlier puts named missing (and the node still caches), in this put as a real
+        # planner's next step plans it before anything else: one round a step.
         due = planner.plan_due(block_pool)
         self.num_rewritten_blocks += len(due)
         items += due

@@ -22,6 +22,11 @@ from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.loop_thread import LoopThread, get_loop_thread
+from kvbridge.connector.metadata import (
+    KVBridgeWorkerMeta,
+    decode_worker_meta,
+    encode_worker_meta,
+)
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.store.cache import ROOT_PARENT, StoreCache
 from kvbridge.connector.store.node import (
@@ -789,6 +794,11 @@ def test_offload_records_round_trip_msgpack_and_bad_fields_are_named():
     assert items_from_wire(msgpack.unpackb(msgpack.packb(items))) == items
     assert outcomes_from_wire(msgpack.unpackb(msgpack.packb(outcomes))) == outcomes
     assert outcomes_from_wire([[0, b"h", False]]) == [OffloadOutcome(0, b"h", False, False)]
+    # The halves' own report (what the worker half sends each step, a separate process under
+    # vLLM) carries the four fields through its schema.
+    meta = KVBridgeWorkerMeta(offload_outcomes=[tuple(o) for o in outcomes])
+    decoded = decode_worker_meta(encode_worker_meta(meta)).offload_outcomes
+    assert [OffloadOutcome(*o) for o in decoded] == outcomes
     with pytest.raises(StoreWireError, match=r"offload outcome \[0\] must be .*not both"):
         outcomes_from_wire([[0, b"h", True, True]])
     with pytest.raises(StoreWireError, match=r"offload item \[1\].block_hash must be bytes"):
@@ -975,12 +985,14 @@ def test_planner_writes_again_an_offloaded_block_reported_missing():
     assert [planner.plan(pool) for _ in range(3)] == [[_item(i + 1, h, i)] for i in range(3)]
     planner.apply_outcomes([OffloadOutcome(0, x, True) for x in h])
     assert planner.plan(pool) == [] and planner.is_offloaded(0, h[0])
-    # A later put's reply names the hot first block: the store dropped it. A name is no
-    # outcome of a write: a plain not-held outcome for a key not in flight leaves it offloaded.
+    # A plain not-held outcome for a block the planner knows the store holds changes nothing.
+    planner.apply_outcomes([OffloadOutcome(0, h[0], False)])
+    assert planner.is_offloaded(0, h[0]) and planner.plan(pool) == []
+    # A later put's reply names the hot first block: the store dropped it.
     planner.apply_outcomes([OffloadOutcome(0, h[0], False, True)])
     assert not planner.is_offloaded(0, h[0])
-    # Its write is in flight when more names arrive (puts queued before it): they are ignored,
-    # so it is written once; its own outcome settles it.
+    # Its write is in flight when more names arrive (puts queued before it): a name never takes
+    # a block out of flight, so it is not planned twice; its own outcome settles it.
     assert planner.plan(pool) == [_item(1, h, 0)]
     planner.apply_outcomes([OffloadOutcome(0, h[0], False, True)] * 2)
     assert planner.num_in_flight == 1 and planner.plan(pool) == []
@@ -1000,11 +1012,27 @@ def test_offload_remember_blocks_sizes_the_planners_memory(network, redis_url, c
     stores.append(store)
     engines.append(make_node("node-a", network, redis_url, store, offload_remember_blocks=3))
     planner = engines[0].scheduler.connector.scheduler_half.offload_planner
-    assert planner.max_remembered == 3
+    assert (planner.max_offloaded, planner.max_remembered) == (3, 1 << 20)
     # Four writes reported held: the oldest is forgotten, so it may be written again.
     keys = [bytes([i]) * 32 for i in range(4)]
     planner.apply_outcomes(OffloadOutcome(0, k, True) for k in keys)
     assert [planner.is_offloaded(0, k) for k in keys] == [False, True, True, True]
+
+
+def test_a_full_due_list_keeps_the_names_the_store_sent():
+    # Room for 2 due keys. Two blocks reported not held fill it; a name goes first and the
+    # last entry makes room; a later not-held block finds the list full and is dropped (a
+    # later walk or scan finds it again): the name is never pushed out.
+    pool, h, events = _pool_with_a_hot_first_block()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=100,
+                             max_remembered=2)
+    planner.observe(events)
+    assert planner.plan(pool) == [_item(1, h, 0), _item(2, h, 1), _item(3, h, 2)]
+    planner.apply_outcomes([OffloadOutcome(0, h[0], True)])
+    planner.apply_outcomes([OffloadOutcome(0, h[1], False), OffloadOutcome(0, h[2], False)])
+    planner.apply_outcomes([OffloadOutcome(0, h[0], False, True)])  # due: h0, h1 (h2 dropped)
+    planner.apply_outcomes([OffloadOutcome(0, b"x" * 32, False)])  # due: h0, h1 (x dropped)
+    assert planner.plan_due(pool) == [_item(1, h, 0), _item(2, h, 1)]
 
 
 def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(

@@ -92,7 +92,9 @@ def items_from_wire(obj: Any) -> list[OffloadItem]:
 
 def outcomes_from_wire(obj: Any) -> list[OffloadOutcome]:
     """Decoded msgpack (a list of ``[group_id, block_hash, held, missing]``; ``missing`` may be
-    left out: False) -> outcomes. Raises StoreWireError naming the first bad field."""
+    left out: False, so a 3-element array is never a missing-ancestor name) -> outcomes.
+    Raises StoreWireError naming the first bad field. (The halves' own reports travel in
+    ``metadata.KVBridgeWorkerMeta``, whose schema checks the same shape.)"""
     outcomes: list[OffloadOutcome] = []
     for i, raw in enumerate(_check_list(obj, "offload outcomes")):
         if (

@@ -50,10 +50,13 @@ schedule pops and reuses it before the snapshot, ``drop_reused`` withdraws it as
 Feedback. A planned item is *in flight* (never planned twice) until the worker reports its
 ``OffloadOutcome``: held -> remembered as offloaded (never planned again while remembered); not
 held (the worker skipped it for back-pressure, the write failed, the store had no room, the
-fence withdrew it) -> forgotten and queued to be planned first next time (``_due``) if the pool
-still caches it: a block's descendants may be remembered as offloaded already, so no later walk
-would reach a hot ancestor again, and the store would never anchor them. The planner does not
-know the worker's back-pressure rule; it only needs every submitted item to be reported once.
+fence withdrew it) -> no longer in flight, and queued to be planned first next time (``_due``)
+if the pool still caches it: a block's descendants may be remembered as offloaded already, so
+no later walk would reach a hot ancestor again, and the store would never anchor them. The
+planner does not know the worker's back-pressure rule; it only needs every submitted item to be
+reported once.
+What it remembers as offloaded is bounded (``max_offloaded``, the oldest forgotten first), so a
+block it wrote long ago, which the store may have dropped since, is written again when planned.
 The store's own evictions come back too: a put's reply names, for the blocks it holds but cannot
 publish, the first ancestor it does not hold (``cache.py``), and the worker passes each name on
 as an outcome marked ``missing``. Such a block is forgotten as offloaded and planned first by
@@ -97,9 +100,12 @@ class OffloadPlanner:
         policy: ``"evict"`` or ``"write_through"``.
         blocks_per_step: most items one ``plan`` returns (>= 1).
         scan_blocks: most free-queue entries one ``plan`` looks at (>= 1).
-        max_remembered: most offloaded (and, separately, in-flight and due) keys kept; the
-            oldest are forgotten first (a forgotten offloaded block may be written again: the
-            store answers "present").
+        max_remembered: most in-flight, due and write-through keys kept (each set on its own;
+            the oldest are forgotten first).
+        max_offloaded: most keys remembered as offloaded (held by the store), the oldest
+            forgotten first: a forgotten block is written again when planned (its bytes sent
+            again; the store answers "present" if it still holds it). Default:
+            ``max_remembered``. ``offload_remember_blocks`` (connector/config.py).
 
     Raises:
         ValueError: an unknown policy or a count below 1.
@@ -112,6 +118,7 @@ class OffloadPlanner:
         blocks_per_step: int,
         scan_blocks: int,
         max_remembered: int = _MAX_REMEMBERED,
+        max_offloaded: int | None = None,
     ) -> None:
         if policy not in OFFLOAD_POLICIES:
             raise ValueError(f"policy must be one of {OFFLOAD_POLICIES}, got {policy!r}")
@@ -119,6 +126,7 @@ class OffloadPlanner:
             ("blocks_per_step", blocks_per_step),
             ("scan_blocks", scan_blocks),
             ("max_remembered", max_remembered),
+            ("max_offloaded", max_remembered if max_offloaded is None else max_offloaded),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -126,6 +134,7 @@ class OffloadPlanner:
         self.blocks_per_step = blocks_per_step
         self.scan_blocks = scan_blocks
         self.max_remembered = max_remembered
+        self.max_offloaded = max_remembered if max_offloaded is None else max_offloaded
         # pool key -> parent block hash (b"": first block), for every cached block observed
         self._parent_of: dict[BlockHashWithGroupId, bytes] = {}
         # pool key -> how many cached blocks hold it (two requests may compute one block each)
@@ -172,25 +181,26 @@ class OffloadPlanner:
                 self._due.clear()
 
     def apply_outcomes(self, outcomes: Iterable[OffloadOutcome]) -> None:
-        """Take the worker's report on submitted items: held ones are remembered as offloaded,
-        the others are due (planned first by the next ``plan`` if the pool still caches them).
-        An outcome for a key not in flight is applied the same way. A ``missing`` one (a block
-        the store named, module docstring "Feedback") is ignored while the key is in flight;
-        otherwise the key is forgotten as offloaded and put first in the due list."""
+        """Take the worker's report on submitted items: held ones are remembered as offloaded;
+        the others leave the in-flight set and are due (planned first by the next ``plan`` if
+        the pool still caches them and they are not remembered as offloaded: a not-held
+        outcome does not make the planner forget a block it knows the store holds). A
+        ``missing`` one (a block the store named, module docstring "Feedback") is ignored while
+        the key is in flight; otherwise the key is forgotten as offloaded and put first in the
+        due list."""
         for outcome in outcomes:
             key = make_block_hash_with_group_id(outcome.block_hash, outcome.group_id)
             if outcome.missing:
-                if key not in self._in_flight:
+                if key not in self._in_flight:  # else its queued write will report it
                     self._offloaded.pop(key, None)
-                    _remember(self._due, key, self.max_remembered)
-                    self._due.move_to_end(key, last=False)  # it keeps whole chains unlisted
+                    self._queue_due(key, first=True)  # it keeps whole chains unlisted
                 continue
             self._in_flight.pop(key, None)
             if outcome.held:
                 self._due.pop(key, None)
-                _remember(self._offloaded, key, self.max_remembered)
+                _remember(self._offloaded, key, self.max_offloaded)
             else:
-                _remember(self._due, key, self.max_remembered)
+                self._queue_due(key)
 
     # ------------------------------------------------------------------ the step's plan
     def plan(self, block_pool: BlockPool) -> list[OffloadItem]:
@@ -241,7 +251,17 @@ class OffloadPlanner:
             picked.keys[chain_key] = None
             picked.items.append(self._item(chain_key, chain_block_id))
         for chain_key, _ in chain[room:]:  # root first: the next plan goes on from here
-            _remember(self._due, chain_key, self.max_remembered)
+            self._queue_due(chain_key)
+
+    def _queue_due(self, key: BlockHashWithGroupId, *, first: bool = False) -> None:
+        """Queue ``key`` to be planned next, last (or ``first``); a full list (``max_remembered``)
+        drops its last entry: a block dropped so is found again by a later walk or scan,
+        unless it is a hot ancestor, which only names put first keep in the list."""
+        due = self._due
+        due[key] = None
+        due.move_to_end(key, last=not first)
+        if len(due) > self.max_remembered:
+            due.popitem(last=True)
 
     def _mark_in_flight(self, picked: _Picked) -> list[OffloadItem]:
         for key in picked.keys:
