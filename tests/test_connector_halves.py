@@ -276,3 +276,56 @@ def test_load_failure_policy_fail_given_only_in_kv_transfer_config_fails_the_req
         assert_pair_empty(pair)
     finally:
         pair.close()
+
+
+def test_offload_across_msgpack_halves_writes_evicted_blocks_and_restores_them(redis_url):
+    """Offload's items go down and its outcomes come up as bytes, as in separate processes
+    (KVBridgeWorkerMeta's schema carries each outcome's four fields)."""
+    from _pd_builders import run_to_completion
+    from _store_builders import make_store
+    from kvbridge.connector.store import close_store_node
+    from kvbridge.kvmanager import SamplingParams
+    from kvbridge.kvmanager.engine import Engine
+
+    network, faults = LoopbackNetwork(), LoopbackFaults()
+    store = make_store(network, index_url=redis_url, capacity_blocks=64, engine_id="store-w")
+    host, port = store.write_address
+    raw = {
+        "kv_role": "kv_both",
+        "engine_id": "node-w",
+        "kv_connector_extra_config": {
+            "transport": "loopback", "index_url": redis_url, "heartbeat_interval_s": 0.05,
+            "store_url": f"{host}:{port}", "offload": "evict", "offload_blocks_per_step": 64,
+        },
+    }
+    config = EngineConfig(num_blocks=24, block_size=16, max_model_len=360,
+                          max_num_batched_tokens=512, enable_kv_cache_events=True)
+    node = Engine(tiny_model(hybrid=False), config,
+                  connector_factory=_wire_factory(raw, network, faults))
+    manager = node.kv_cache_manager
+    node.scheduler.connector.inner.bind_block_pool(manager.block_pool, manager.take_events)
+    sender = node.runner.connector.inner.worker_half.offload_sender
+
+    def serve(request_id: str, prompt: list[int]) -> Any:
+        node.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        output = run_to_completion(node, request_id)
+        node.step()  # its freed blocks are planned, then snapshotted and written
+        sender.wait_idle()
+        node.step()  # the outcomes reach the scheduler half, as bytes
+        return output
+
+    try:
+        doc_a = long_prompt(20 * 16 + 5)
+        doc_b = long_prompt(20 * 16 + 5, salt="Another document entirely. ")
+        serve("a-0", doc_a)
+        serve("b-0", doc_b)  # evicts most of A's blocks from the 23-block pool
+        output = serve("a-1", doc_a)  # A's evicted blocks come back from the store
+        assert output.token_ids == reference_greedy(doc_a, MAX_TOKENS, hybrid=False)
+        stats = node.scheduler.connector.inner.stats.snapshot()
+        assert stats["num_offloaded_blocks"] >= 20 and stats["num_restored_blocks"] == 18
+        assert stats["num_failed_loads"] == 0
+        planner = node.scheduler.connector.inner.scheduler_half.offload_planner
+        assert planner.num_in_flight == 0  # every item's outcome crossed back
+    finally:
+        node.shutdown()
+        close_store_node(store)
