@@ -2,17 +2,18 @@
 
 Workload (issue 6): a 10k-token prompt at block size 16 = 625 block hashes. Four nodes are
 registered; node B holds all 625 blocks, A the first 400, C the first 40, D none. Every call goes
-through one ``redis.Redis`` client on one connection (the index is built on it): PING through
-redis-py's ``execute_command``, the lookup as the index sends it, one pre-packed ``EVALSHA`` on
-that connection taken from the same pool (``connector/index/redis_direct.py``: redis-py's
-generic command path is not on a lookup's way). After a warm-up round, ``--repeats`` rounds each
+through one ``redis.Redis`` client (the index is built on it): PING through redis-py's
+``execute_command`` (a connection its pool hands out and takes back), the lookup as the index
+sends it: one pre-packed ``EVALSHA`` on a connection of that pool that the calling thread holds
+(``connector/index/redis_direct.py``: neither redis-py's generic command path nor the pool's
+hand-out is on a lookup's way). After a warm-up round, ``--repeats`` rounds each
 run a block of ``--iters`` PINGs, then a block of each lookup kind, every call timed on its own with
 the garbage collector off (the same for all); rounds alternate the blocks so that all see the same
 load on a shared machine. Per round, each kind's median call time; a ratio is the median over
 rounds of the per-round ratio:
 
 - ``ping_us``: ``redis.Redis.ping()`` (one round trip, the baseline);
-- ``ping_direct_us``: a PING sent the lookup's way (pre-packed, on a connection of the pool),
+- ``ping_direct_us``: a PING sent the lookup's way (pre-packed, on a held connection of the pool),
   so that the lookup can also be read against a round trip without redis-py's per-command
   costs (``lookup_over_ping_direct``; not the target's measure);
 - ``lookup_us``: ``RedisBlockIndex.longest_prefix`` of the 625 hashes (one EVALSHA), for the
@@ -105,17 +106,19 @@ def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int]:
     raise SystemExit(f"{binary} on port {port} did not answer PING")
 
 
-def _ping_on_pool(pool: redis.ConnectionPool) -> object:
-    """A PING sent as the index sends a lookup (``redis_direct.send``): pre-packed, on a
-    connection taken from ``pool`` and given back, the reply read with the client's parser
-    (the same three calls as ``redis_direct.send``, written out: benchmarks import only
-    kvbridge's public names, ``tests/test_import_graph.py``)."""
+def _ping_held(pool: redis.ConnectionPool) -> Callable[[], object]:
+    """A PING sent as the index sends a lookup (``redis_direct.HeldConnections.send``): on a
+    connection taken from ``pool`` once and held, checked for unread data, pre-packed, the reply
+    read with the client's parser (written out here: benchmarks import only kvbridge's public
+    names, ``tests/test_import_graph.py``)."""
     conn = pool.get_connection()
-    try:
+
+    def ping() -> object:
+        conn.can_read()
         conn.send_packed_command((_PING,))
         return conn.read_response()
-    finally:
-        pool.release(conn)
+
+    return ping
 
 
 def _loop_us(fn: Callable[[], object], iters: int) -> float:
@@ -279,7 +282,7 @@ def _cluster_measures(args: argparse.Namespace) -> dict:
             shard_pool = index.client.get_redis_connection(shard).connection_pool
             loops: dict[str, Callable[[], object]] = {
                 "ping": lambda: index.client.ping(target_nodes=shard),
-                "ping_direct": lambda: _ping_on_pool(shard_pool),
+                "ping_direct": _ping_held(shard_pool),
                 "lookup": lambda: index.longest_prefix(hashes),
                 "lookup_partial": lambda: index.longest_prefix(partial),
             }
@@ -352,7 +355,7 @@ def main() -> None:
 
             loops: dict[str, Callable[[], object]] = {
                 "ping": client.ping,
-                "ping_direct": lambda: _ping_on_pool(client.connection_pool),
+                "ping_direct": _ping_held(client.connection_pool),
                 "lookup": lambda: index.longest_prefix(hashes),
                 "lookup_all": lambda: index.longest_prefix(hashes, all_holders=True),
                 "lookup_partial": lambda: index.longest_prefix(partial),

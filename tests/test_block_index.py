@@ -5,8 +5,10 @@ Redis cases run against a real ``redis-server`` started by ``tests/_redis_fixtur
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -442,6 +444,83 @@ def test_lookups_survive_forgotten_scripts_dropped_connections_and_pinned_client
     for idx in (index, pinned):
         assert idx.stats.errors_by_kind == {} and idx.available
         idx.close()
+    admin.close()
+
+
+def _connections_received(admin: redis.Redis) -> int:
+    return int(admin.info("stats")["total_connections_received"])
+
+
+def test_lookups_from_many_threads_each_get_their_own_answer(redis_url: str) -> None:
+    """Each thread sends its lookups on a connection it holds (``HeldConnections``): threads
+    looking up at once never read each other's replies, and a thread's lookups after its first
+    open no connection."""
+    index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=5.0)
+    prompts = {n: _hashes(n, prompt=f"t{n}") for n in (3, 5, 8, 13)}
+    for n, prompt in prompts.items():
+        index.register_node(f"N{n}", 1, ttl_s=_TTL_S)
+        index.publish(f"N{n}", 1, [_stored(prompt)])
+    admin = redis.Redis.from_url(redis_url)
+    wrong: list[tuple[int, object]] = []
+    opened: dict[int, int] = {}
+
+    def look_up_many(n: int) -> None:
+        index.longest_prefix(prompts[n])  # this thread's connection is opened here
+        before = _connections_received(admin)
+        for _ in range(200):
+            hit = index.longest_prefix(prompts[n])
+            if _runs(hit) != [(f"N{n}", n)]:
+                wrong.append((n, hit))
+        opened[n] = _connections_received(admin) - before
+
+    threads = [threading.Thread(target=look_up_many, args=(n,)) for n in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+    # The other threads may open theirs meanwhile (at most 3); none opens one per lookup.
+    assert all(num_opened <= len(prompts) - 1 for num_opened in opened.values()), opened
+    assert index.stats.errors_by_kind == {}
+    index.close()
+    admin.close()
+
+
+def test_a_thread_that_ends_gives_its_lookup_connection_back(redis_url: str) -> None:
+    index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=5.0)
+    prompt = _hashes(4)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    admin = redis.Redis.from_url(redis_url)
+    before = _connections_received(admin)
+    for _ in range(5):  # five threads, one after another, one lookup each
+        thread = threading.Thread(target=index.longest_prefix, args=(prompt,))
+        thread.start()
+        thread.join()
+        gc.collect()
+    # The first thread's connection went back to the pool when it ended; each later thread took
+    # that one (the generic path's publishes share the pool; the first lookup thread may find
+    # the publish's connection free as well).
+    assert _connections_received(admin) - before <= 1
+    index.close()
+    admin.close()
+
+
+def test_interrupt_ends_the_held_connection_and_the_next_lookup_connects_again(
+    redis_url: str,
+) -> None:
+    index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=5.0, retry_interval_s=0.0)
+    prompt = _hashes(6)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    admin = redis.Redis.from_url(redis_url)
+    assert index.longest_prefix(prompt).num_blocks == 6
+    before = _connections_received(admin)
+    index.interrupt()  # closes every connection of the pool, the held one included
+    assert index.longest_prefix(prompt).num_blocks == 6
+    assert _connections_received(admin) - before == 1
+    assert index.stats.errors_by_kind == {} and index.available
+    index.close()
     admin.close()
 
 

@@ -1,39 +1,44 @@
-"""The lookups' short path to Redis: one pre-packed ``EVALSHA`` on a pooled connection.
+"""The lookups' short path to Redis: one pre-packed ``EVALSHA`` on a connection the thread holds.
 
 A lookup is one script call with a handful of small arguments and one large one (the prompt's
 lookup keys, 5 KB for 625 blocks). redis-py's generic ``execute_command`` adds per call its
 packer, the retry wrapper, observability records, response callbacks, and on a cluster the
 slot of the routing key and its redirect loop: on these hosts about 19 us of client time for
-a lookup (single server), nearly the script's own server time (``benchmarks/bench_index.py``;
-README, "Benchmarks"). Here the call
-is packed into one RESP buffer (the script's name and route packed once per key prefix:
-``ScriptHead``), sent on a connection taken from the pool of the server that owns the key
-prefix and released to it (the connection the client's own commands use), and its reply read
-with the client's parser.
+a lookup (single server), nearly the script's own server time. Taking a connection from the pool
+and giving it back costs as much again (the pool's lock, its observability records and a poll
+for unread data: 28 us a call here, ``benchmarks/bench_index.py``; README, "Benchmarks"). So
+the call is packed into one RESP buffer (the script's name and route packed once per key prefix:
+``ScriptHead``) and sent on a connection of the pool of the server that owns the key prefix that
+the calling thread took once and keeps (``HeldConnections``), its reply read with the client's
+parser.
 
-Only the plain case takes this path: ``send`` raises what redis-py raises (``NoScriptError``,
-``MovedError``, ``AskError``, ``ConnectionError``, ``TimeoutError``, ``ResponseError``, ...);
-``RedisBlockIndex._call_direct`` sends a script the server does not know as ``EVAL``, leaves
-redirects to the generic path (which follows them and refreshes a cluster's slot map), and takes
-socket trouble as the generic path does.
+Only the plain case takes this path: ``HeldConnections.send`` raises what redis-py raises
+(``NoScriptError``, ``MovedError``, ``AskError``, ``ConnectionError``, ``TimeoutError``,
+``ResponseError``, ...); ``RedisBlockIndex._call_direct`` sends a script the server does not know
+as ``EVAL``, leaves redirects to the generic path (which follows them and refreshes a cluster's
+slot map), and takes socket trouble as the generic path does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
-from redis.connection import ConnectionPool
+from redis.connection import Connection, ConnectionPool
 
-__all__ = ["LEFT_TO_GENERIC_PATH", "ScriptHead", "send"]
+__all__ = ["LEFT_TO_GENERIC_PATH", "HeldConnections", "ScriptHead"]
 
-# What a caller of ``send`` leaves to redis-py's generic path, at once: replies that path acts on
-# (a cluster's redirects, a slot in migration, a cluster that is down) and a slot whose owner the
-# client's slot map does not know (that path refreshes the map). A script the server does not
-# know (``NoScriptError``) is sent as EVAL. Socket trouble and timeouts are not sent again: a
-# second try would double the wait, and ``interrupt`` (closing the pool's connections) must end a
-# call in flight.
+# What a caller of ``HeldConnections.send`` leaves to redis-py's generic path, at once: replies
+# that path acts on (a cluster's redirects, a slot in migration, a cluster that is down) and a
+# slot whose owner the client's slot map does not know (that path refreshes the map). A script
+# the server does not know (``NoScriptError``) is sent as EVAL. Socket trouble and timeouts are
+# not sent again: a second try would double the wait, and ``interrupt`` (closing the pool's
+# connections) must end a call in flight.
 LEFT_TO_GENERIC_PATH = (
     redis.exceptions.MovedError,
     redis.exceptions.AskError,
@@ -78,14 +83,77 @@ class ScriptHead:
         return b"".join(parts)
 
 
-def send(pool: ConnectionPool, packed: bytes) -> Any:
-    """One exchange: ``packed`` on a connection from ``pool``, the reply as the client's parser
-    reads it (bytes responses; an error reply raised as redis-py's exception for it). The
-    connection goes back to the pool whatever happens (redis-py has already disconnected it after
-    a socket error or timeout, so that no half-read reply is left on it)."""
-    conn = pool.get_connection()
-    try:
+class _Held(NamedTuple):
+    connection: Connection
+    # False where the server may push unasked (client-side caching, maintenance notifications):
+    # then, as in the pool, only a closed connection is replaced.
+    data_is_stale: bool
+
+
+class _ThreadHeld:
+    """One thread's held connections by pool; handed back to their pools when the thread ends
+    (its ``threading.local`` storage, and so this object, is dropped then)."""
+
+    __slots__ = ("by_pool",)
+
+    def __init__(self) -> None:
+        self.by_pool: weakref.WeakKeyDictionary[ConnectionPool, _Held] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __del__(self) -> None:
+        for pool, held in list(self.by_pool.items()):
+            if held.connection.pid == os.getpid():
+                with contextlib.suppress(Exception):  # a pool torn down at interpreter exit
+                    pool.release(held.connection)
+
+
+def _take(pool: ConnectionPool) -> _Held:
+    # The pool's own rule for unread data on a connection it hands out (redis-py 5 to 8).
+    maint = getattr(pool, "maint_notifications_enabled", None)
+    pushes = getattr(pool, "cache", None) is not None or bool(maint and maint())
+    return _Held(pool.get_connection(), not pushes)
+
+
+class HeldConnections:
+    """The lookups' connections: per calling thread, one connection of each pool that thread
+    sends to, taken from the pool at its first send there and kept.
+
+    Before each send the connection gets the check the pool gives one it hands out: unread data
+    or a connection the server closed (idle timeout, restart, ``CLIENT KILL``) means a new
+    connection, not a failed call. A held connection stays the pool's (counted in use), so
+    ``pool.disconnect()`` (the index's ``interrupt`` and ``close``, from any thread) closes it,
+    which ends a call in flight; the owning thread's next send connects again. redis-py
+    disconnects a connection on a socket error, a timeout or an interrupted read, so no half-read
+    reply is left on it. It goes back to its pool when its thread ends; in a forked child the
+    parent's connection is never used (the pool starts afresh there). Each thread that looks up
+    keeps one connection of each pool it sent to (a pool with ``max_connections`` has that many
+    fewer for other commands).
+    Thread: any; each thread uses only its own connections, so no lock is taken.
+    """
+
+    __slots__ = ("_local",)
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def send(self, pool: ConnectionPool, packed: bytes) -> Any:
+        """One exchange: ``packed`` on this thread's connection of ``pool``, the reply as the
+        client's parser reads it (bytes responses; an error reply raised as redis-py's
+        exception for it). Raises what redis-py raises for the call and for a new connection."""
+        mine = getattr(self._local, "held", None)
+        if mine is None:
+            mine = self._local.held = _ThreadHeld()
+        held = mine.by_pool.get(pool)
+        if held is None or held.connection.pid != os.getpid():
+            held = mine.by_pool[pool] = _take(pool)  # checked by the pool
+        else:
+            try:
+                stale = held.connection.can_read() and held.data_is_stale
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                stale = True  # closed by the server
+            if stale:
+                held.connection.disconnect()  # the send below connects again
+        conn = held.connection
         conn.send_packed_command((packed,))
         return conn.read_response()
-    finally:
-        pool.release(conn)

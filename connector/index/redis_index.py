@@ -5,9 +5,10 @@ Contract: ``BlockIndex`` in ``protocol.py`` (DESIGN.md, "Block index"). Every ca
 flushed) gets the call again as ``EVAL`` with the source, which also caches it there. A
 longest-prefix lookup of any number of hashes costs one round trip. Writes go through the
 client's ``execute_command``; the lookups (``longest_prefix``, ``get_block_ids``) are packed
-here and sent on a connection of the client's pool (``redis_direct.py``: redis-py's generic
-command path cost a lookup about 19 us more), falling back to ``execute_command`` for what only
-it handles (a script the server does not know, a cluster's redirects).
+here and sent on a connection of the client's pool that the calling thread keeps
+(``redis_direct.py``: redis-py's generic command path and the pool's hand-out cost a lookup
+about 19 + 28 us more here), falling back to ``execute_command`` for what only it handles (a
+script the server does not know, a cluster's redirects).
 
 Key layout, scripts and the O(log N) lookup: ``redis_scripts.py`` (reads of a holder's own
 entries: ``redis_held_lookup.py``). A lookup sends the hashes cut to ``key_hash_bytes`` (5 KB
@@ -59,7 +60,7 @@ from .protocol import (
     join_keys,
     sort_holders,
 )
-from .redis_direct import LEFT_TO_GENERIC_PATH, ScriptHead, send
+from .redis_direct import LEFT_TO_GENERIC_PATH, HeldConnections, ScriptHead
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
@@ -133,6 +134,7 @@ class RedisBlockIndex:
         self._num_route_keys = 0  # scripts name no key (one server); a cluster routes by one
         self._execute = self._client.execute_command
         self._heads: dict[tuple[str, str], ScriptHead] = {}  # (script sha, prefix) -> its head
+        self._lookup_conns = HeldConnections()  # per thread and pool, kept
 
     # -- Redis trouble -------------------------------------------------------------------------
 
@@ -186,11 +188,11 @@ class RedisBlockIndex:
 
     def _call_direct(self, what: str, script: _Script, *args: Any) -> Any:
         """``_call`` for the lookups (a few small arguments and the keys' blob) through
-        ``redis_direct``: one pre-packed ``EVALSHA`` on a pooled connection of the server that
-        owns the key prefix ``args[0]`` (``_pool_of``). What that path leaves to the generic one
-        (``LEFT_TO_GENERIC_PATH``) goes through ``_call``, as does every call for a prefix that
-        met trouble until one succeeds (the generic path reconnects, and on a cluster refreshes
-        the slot map after a broken connection); the rest as ``_call``."""
+        ``redis_direct``: one pre-packed ``EVALSHA`` on the calling thread's held connection to
+        the server that owns the key prefix ``args[0]`` (``_pool_of``). What that path leaves to
+        the generic one (``LEFT_TO_GENERIC_PATH``) goes through ``_call``, as does every call for
+        a prefix that met trouble until one succeeds (the generic path reconnects, and on a
+        cluster refreshes the slot map after a broken connection); the rest as ``_call``."""
         prefix = args[0]
         if prefix in self._down_until:
             return self._call(what, script, *args)  # backed off, or the first try after it
@@ -202,7 +204,7 @@ class RedisBlockIndex:
             if head is None:
                 route = prefix if self._num_route_keys else None
                 head = self._heads[(script.sha, prefix)] = ScriptHead(script.sha, route)
-            reply = send(pool, head.pack(args))
+            reply = self._lookup_conns.send(pool, head.pack(args))
         except NoScriptError:
             return self._call(what, script, *args, known=False)
         except LEFT_TO_GENERIC_PATH:
