@@ -76,7 +76,8 @@ key                          default   meaning
 ``offload_scan_blocks``      4096      most free-queue entries looked at per step
 ``offload_remember_blocks``  1048576   most of its own writes a node remembers as held by the
                                        store (not written again while remembered, the oldest
-                                       forgotten first); about the store's blocks / writing
+                                       forgotten first; a block cached ever since its write is
+                                       remembered too); about the store's blocks / writing
                                        nodes: older writes may have been dropped; writing one
                                        again sends its bytes again ("present" if still held)
 ``offload_max_inflight_bytes`` 256 MiB snapshot bytes allowed to wait for the store

@@ -14,6 +14,8 @@ The decoders check every field's type; a message of another schema version is re
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from kvbridge.transport import GroupRead, LeaseRef
 
@@ -186,13 +188,16 @@ class StatsDelta(msgspec.Struct, kw_only=True):
 class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     """What the worker half reports each step besides finished ids and load errors: its
     statistics since its last report, what became of the offload items it was given
-    (``store.offload_items.OffloadOutcome`` records), and, when they changed, the holders
+    (``store.offload_items.OffloadOutcome`` records) with the incarnation of the store that
+    answered the latest of them (``OffloadSender.store_incarnation``; 0: none), and, when they
+    changed, the holders
     (engine id, incarnation) it can read handoffs from one-sided
     (``Transport.one_sided_holders``; None: unchanged), for ``load_mode`` ``"auto"``."""
 
     version: int = METADATA_SCHEMA_VERSION
     stats: StatsDelta = msgspec.field(default_factory=StatsDelta)
     offload_outcomes: list[tuple[int, bytes, bool, bool]] = msgspec.field(default_factory=list)
+    store_incarnation: int = 0
     one_sided_holders: list[tuple[str, str]] | None = None
 
     def is_empty(self) -> bool:
@@ -215,8 +220,15 @@ class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):
     port: int
 
 
+class _Versioned(msgspec.Struct):
+    """Any of the structs above, read for its version alone (other fields ignored)."""
+
+    version: int = METADATA_SCHEMA_VERSION
+
+
 _META_DECODER = msgspec.msgpack.Decoder(KVBridgeConnectorMetadata)
 _WORKER_META_DECODER = msgspec.msgpack.Decoder(KVBridgeWorkerMeta)
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -227,6 +239,22 @@ def _check_version(version: int, what: str) -> None:
         )
 
 
+def _decode(decoder: msgspec.msgpack.Decoder, payload: bytes, what: str) -> Any:
+    """``payload`` decoded, its version checked first: a payload of another schema version
+    raises ValueError naming both versions even where its fields do not decode."""
+    try:
+        decoded = decoder.decode(payload)
+    except msgspec.ValidationError:
+        try:
+            version = _VERSION_DECODER.decode(payload).version
+        except msgspec.DecodeError:
+            version = METADATA_SCHEMA_VERSION  # not even a versioned map: the error says more
+        _check_version(version, what)
+        raise
+    _check_version(decoded.version, what)
+    return decoded
+
+
 def encode_metadata(metadata: KVBridgeConnectorMetadata) -> bytes:
     """msgpack bytes of one step's metadata."""
     return _ENCODER.encode(metadata)
@@ -235,9 +263,7 @@ def encode_metadata(metadata: KVBridgeConnectorMetadata) -> bytes:
 def decode_metadata(payload: bytes) -> KVBridgeConnectorMetadata:
     """The metadata ``encode_metadata`` wrote. Raises ``msgspec.ValidationError`` naming the bad
     field, or ValueError for another schema version."""
-    metadata = _META_DECODER.decode(payload)
-    _check_version(metadata.version, "connector metadata")
-    return metadata
+    return _decode(_META_DECODER, payload, "connector metadata")
 
 
 def encode_worker_meta(meta: KVBridgeWorkerMeta) -> bytes:
@@ -247,6 +273,4 @@ def encode_worker_meta(meta: KVBridgeWorkerMeta) -> bytes:
 
 def decode_worker_meta(payload: bytes) -> KVBridgeWorkerMeta:
     """The report ``encode_worker_meta`` wrote (same errors as ``decode_metadata``)."""
-    meta = _WORKER_META_DECODER.decode(payload)
-    _check_version(meta.version, "worker metadata")
-    return meta
+    return _decode(_WORKER_META_DECODER, payload, "worker metadata")

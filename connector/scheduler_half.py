@@ -345,9 +345,8 @@ class KVBridgeScheduler:
             # After this step's frees and before the next schedule can reuse a cold block: the
             # worker snapshots the picks at the next step's start, before its forward writes.
             if worker_meta is not None:
-                self.offload_planner.apply_outcomes(
-                    OffloadOutcome(*outcome) for outcome in worker_meta.offload_outcomes
-                )
+                outcomes = map(OffloadOutcome._make, worker_meta.offload_outcomes)
+                self.offload_planner.apply_outcomes(outcomes, worker_meta.store_incarnation)
             self._meta.offload_items.extend(self.offload_planner.plan(self._block_pool))
 
     def set_xfer_handshake_metadata(self, handshake: WorkerHandshake) -> None:

@@ -345,6 +345,8 @@ class KVBridgeWorker:
         return KVBridgeWorkerMeta(
             stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s),
             offload_outcomes=[tuple(outcome) for outcome in outcomes],
+            store_incarnation=0 if self.offload_sender is None
+            else self.offload_sender.store_incarnation,
             one_sided_holders=holders,
         )
 

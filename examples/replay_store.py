@@ -19,7 +19,8 @@ head, such as the trace's shared first block, is hot and never evicted, and the 
 only chains it holds back to block 0), with the planner's memory: a block this node wrote
 (reported held) is not written again by it while remembered (its last ``num_remembered``
 writes: ``replay_trace.py``'s default is the store's blocks / nodes, each writer's share, as a
-node configured with that ``offload_remember_blocks``), unless a later put's reply names
+node configured with that ``offload_remember_blocks``; and any write of a block it has cached
+ever since), unless a later put's reply names
 it as a missing ancestor (the store dropped it since: ``GroupPutResult.missing_ancestors``), as
 on a real node, whose planner then writes it in its next step if the node still caches it
 (``OffloadPlanner.plan_due``, ``num_rewritten_blocks``: here in the node's next ``offload``

@@ -8,12 +8,15 @@ import gc
 import types
 from typing import Any
 
+import msgpack
+import msgspec
 import pytest
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import PDPair, assert_pair_empty, decode, long_prompt, prefill
 from kvbridge.connector import KVBridgeConnector, KVTransferConfig, KVTransferConfigError
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.metadata import (
+    METADATA_SCHEMA_VERSION,
     decode_metadata,
     decode_worker_meta,
     encode_metadata,
@@ -278,6 +281,20 @@ def test_load_failure_policy_fail_given_only_in_kv_transfer_config_fails_the_req
         pair.close()
 
 
+def test_a_report_of_another_schema_version_is_refused_naming_the_versions():
+    # A version-1 report: its offload outcomes had 3 fields. Whatever fails to decode, the
+    # error names the versions, not a field.
+    for version in (1, METADATA_SCHEMA_VERSION + 1):
+        payload = msgpack.packb({"version": version, "offload_outcomes": [[0, b"h" * 32, True]]})
+        with pytest.raises(ValueError, match=f"schema version {version}, this node speaks"):
+            decode_worker_meta(payload)
+    # The same report at this node's version: the field is named.
+    payload = msgpack.packb({"version": METADATA_SCHEMA_VERSION,
+                             "offload_outcomes": [[0, b"h" * 32, True]]})
+    with pytest.raises(msgspec.ValidationError, match="offload_outcomes"):
+        decode_worker_meta(payload)
+
+
 def test_offload_across_msgpack_halves_writes_evicted_blocks_and_restores_them(redis_url):
     """Offload's items go down and its outcomes come up as bytes, as in separate processes
     (KVBridgeWorkerMeta's schema carries each outcome's four fields)."""
@@ -326,6 +343,7 @@ def test_offload_across_msgpack_halves_writes_evicted_blocks_and_restores_them(r
         assert stats["num_failed_loads"] == 0
         planner = node.scheduler.connector.inner.scheduler_half.offload_planner
         assert planner.num_in_flight == 0  # every item's outcome crossed back
+        assert planner.store_incarnation == store.incarnation  # and which store answered
     finally:
         node.shutdown()
         close_store_node(store)

@@ -627,6 +627,35 @@ def test_planner_scans_at_most_scan_blocks_entries_and_forgets_evicted_parents()
     assert planner.plan(pool) == [_item(3, h, 2)]
 
 
+def test_planner_remembering_few_writes_writes_each_cold_block_once_per_stay():
+    # It remembers its last 2 writes; the pool's 4 cold cached blocks never change. Each is
+    # written once, then scans find nothing. (Remembering only the last 2 writes, the head
+    # blocks, forgotten after 2 later writes, were written again at every step, forever.)
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=2, scan_blocks=100,
+                             max_offloaded=2)
+    planner.observe(events)
+    written: list[OffloadItem] = []
+    for _ in range(6):
+        items = planner.plan(pool)
+        written += items
+        planner.apply_outcomes(OffloadOutcome(0, item.block_hash, True) for item in items)
+    assert written == [_item(i + 1, h, i) for i in range(4)]
+    # (2) All four are evicted, then the same chain is cached anew: the writes of h0 and h1
+    # are older than the last 2 (the store may have dropped them), so they are written again;
+    # h2 and h3 are among the last 2 writes and are not.
+    taken = pool.get_new_blocks(9)
+    pool.free_blocks(taken)
+    request = Request("r", long_prompt(4 * BLOCK_SIZE + 3), SamplingParams(max_tokens=1),
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE))
+    blocks = pool.get_new_blocks(5)
+    pool.cache_full_blocks(request, blocks, request.block_hashes, 0, 4, BLOCK_SIZE, 0)
+    pool.free_blocks(reversed(blocks))
+    planner.observe(pool.take_events())
+    assert [item.block_hash for item in planner.plan(pool)] == h[:2]
+    assert planner.plan(pool) == []
+
+
 def test_planner_keeps_a_hash_plannable_while_another_block_still_caches_it():
     # Two requests with one prompt compute its 2 full blocks each (blocks 1, 2 and 4, 5 hold
     # the same two hashes), finish, and a 6-block allocation evicts the first copies (queue:
@@ -966,16 +995,20 @@ def test_a_put_names_the_first_missing_ancestor_of_the_blocks_it_cannot_publish(
 
 
 def test_a_put_reply_carries_missing_ancestors_and_a_bad_list_is_named():
-    reply = PutReply(2, 0, 0, (), ((0, b"r" * 32), (1, b"s" * 32)))
+    reply = PutReply(2, 0, 0, (), ((0, b"r" * 32), (1, b"s" * 32)), store_incarnation=7)
     raw = encode_reply(reply)
     decoded = decode_reply(decode_header(raw[4:]))
     assert decoded == reply
     older = {"v": 1, "type": "put_ok", "num_stored": 1, "num_present": 0, "num_refused": 0,
-             "refused": []}  # a store from before the field
+             "refused": []}  # a store from before the fields
     assert decode_reply(older).missing_ancestors == ()
+    assert decode_reply(older).store_incarnation == 0  # unknown: never taken for a restart
     for bad in ([[0, b""]], [[MAX_GROUPS, b"r"]], [[0, "r"]], [0], "r"):
         with pytest.raises(StoreWireError, match="'missing_ancestors'"):
             decode_reply({**older, "missing_ancestors": bad})
+    for bad in (-1, 1 << 63, "7", None):
+        with pytest.raises(StoreWireError, match="'incarnation'"):
+            decode_reply({**older, "incarnation": bad})
 
 
 def test_planner_writes_again_an_offloaded_block_reported_missing():
@@ -1075,4 +1108,52 @@ def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(
     for position, block_id in enumerate([1, 2, 3]):
         _assert_store_holds(store, caches[0], block_id, h[position])
     assert store_depth(store, h) == 3  # listed: without the report, 0 (never anchored)
+    sender.close()
+
+
+def test_a_store_restarted_empty_gets_the_cold_blocks_written_again(network, redis_url, cleanup):
+    # The node wrote its cold chain, and its planner remembers it as held. The store restarts
+    # empty on the same write port (a new incarnation). The next put's reply names the new
+    # incarnation, so the planner forgets what it remembered and writes the chain again: the
+    # store lists it. (Without the incarnation, the node never wrote the chain again.)
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=8)
+    stores.append(store)
+    pool, h, events = _cold_pool()  # h in blocks 1..4, cold; blocks 5..9 free
+    caches = _node_caches(store, pool.num_gpu_blocks)
+    planner = OffloadPlanner(policy="evict", blocks_per_step=4, scan_blocks=100)
+    sender = OffloadSender(
+        store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats()
+    )
+    sender.bind([caches[0]], store.metadata.compat_hash)
+    planner.observe(events)
+
+    def step() -> list[OffloadItem]:
+        items = planner.plan(pool)
+        sender.submit(items)
+        sender.wait_idle()
+        planner.apply_outcomes(sender.take_outcomes(), sender.store_incarnation)
+        return items
+
+    assert step() == [_item(i + 1, h, i) for i in range(4)] and step() == []
+    assert store_depth(store, h) == 4 and sender.store_incarnation == store.incarnation
+    port = store.write_address[1]
+    close_store_node(store)
+    restarted = make_store(network, redis_url, capacity_blocks=8, write_port=port)
+    stores.append(restarted)
+    assert step() == [] and store_depth(restarted, h) == 0  # nothing new to write yet
+    # (2) A new request's 2-block chain is cached in blocks 5, 6 and goes cold: its put is the
+    # first the restarted store answers.
+    other = Request("o", long_prompt(2 * BLOCK_SIZE + 1, salt="Another document. "),
+                    SamplingParams(max_tokens=1), block_hasher=get_request_block_hasher(BLOCK_SIZE))
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(other, blocks, other.block_hashes, 0, 2, BLOCK_SIZE, 0)
+    pool.free_blocks(reversed(blocks))
+    planner.observe(pool.take_events())
+    assert [item.block_hash for item in step()] == list(other.block_hashes)
+    # That put may meet the connection the old store left (failed: due, written again next).
+    # (3) Once the restarted store has answered, the old chain is written again.
+    written = [item.block_hash for _ in range(4) for item in step()]
+    assert sender.store_incarnation == restarted.incarnation
+    assert written.count(h[0]) == 1 and store_depth(restarted, h) == 4
     sender.close()

@@ -356,7 +356,8 @@ class StoreNode:
         if events and client is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._publisher, self._publish_and_wait, client, events)
-        return PutReply(num_stored, num_present, len(refused), tuple(refused), tuple(missing))
+        return PutReply(num_stored, num_present, len(refused), tuple(refused), tuple(missing),
+                        self.incarnation)
 
     def _publish_and_wait(self, client: IndexClient, events: list[Any]) -> None:
         """On the publisher thread: queue ``events`` and wait (at most ``_PUBLISH_WAIT_S``)

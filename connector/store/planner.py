@@ -55,8 +55,14 @@ if the pool still caches it: a block's descendants may be remembered as offloade
 no later walk would reach a hot ancestor again, and the store would never anchor them. The
 planner does not know the worker's back-pressure rule; it only needs every submitted item to be
 reported once.
-What it remembers as offloaded is bounded (``max_offloaded``, the oldest forgotten first), so a
-block it wrote long ago, which the store may have dropped since, is written again when planned.
+What it remembers of its writes is bounded. A block the store was reported to hold is not
+planned again while it is among this planner's last ``max_offloaded`` such writes, nor during
+the rest of its stay in the pool (from its first cached copy's ``BlockStored`` to its last
+copy's ``BlockRemoved``), whatever its age: a block written long ago, which the store may have
+dropped since, is written again only once it is cached anew (pulled back, computed again), so a
+scan that meets the same cold blocks step after step never writes one twice. (A bound on the
+writes alone made a pool with more cold blocks than the bound write its head blocks again
+every step and never reach the rest.) Memory: the pool's cached blocks plus ``max_offloaded``.
 The store's own evictions come back too: a put's reply names, for the blocks it holds but cannot
 publish, the first ancestor it does not hold (``cache.py``), and the worker passes each name on
 as an outcome marked ``missing``. Such a block is forgotten as offloaded and planned first by
@@ -102,10 +108,12 @@ class OffloadPlanner:
         scan_blocks: most free-queue entries one ``plan`` looks at (>= 1).
         max_remembered: most in-flight, due and write-through keys kept (each set on its own;
             the oldest are forgotten first).
-        max_offloaded: most keys remembered as offloaded (held by the store), the oldest
-            forgotten first: a forgotten block is written again when planned (its bytes sent
-            again; the store answers "present" if it still holds it). Default:
-            ``max_remembered``. ``offload_remember_blocks`` (connector/config.py).
+        max_offloaded: most of its writes reported held that it remembers, the oldest
+            forgotten first; a block cached anew after its write was forgotten is written
+            again (its bytes sent again; the store answers "present" if it still holds it).
+            Writes of blocks the pool still caches in the same stay are remembered as well,
+            whatever their age (module docstring). Default: ``max_remembered``.
+            ``offload_remember_blocks`` (connector/config.py).
 
     Raises:
         ValueError: an unknown policy or a count below 1.
@@ -144,7 +152,11 @@ class OffloadPlanner:
             maxlen=max_remembered
         )
         self._in_flight: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
-        self._offloaded: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
+        # writes reported held (module docstring): the last max_offloaded, and those of
+        # blocks the pool has cached ever since
+        self._recent_writes: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
+        self._written_this_stay: set[BlockHashWithGroupId] = set()
+        self._store_incarnation = 0  # of the store that answered the latest outcomes
         # planned first by the next plan, oldest first: the rest of a chain that did not fit
         # (root first), and blocks reported not held (see the module docstring, "Feedback")
         self._due: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
@@ -174,33 +186,47 @@ class OffloadPlanner:
                         self._num_copies[key] = num_copies
                     else:
                         self._parent_of.pop(key, None)
+                        self._written_this_stay.discard(key)
             elif isinstance(event, AllBlocksCleared):
                 self._parent_of.clear()
                 self._num_copies.clear()
+                self._written_this_stay.clear()
                 self._write_through.clear()
                 self._due.clear()
 
-    def apply_outcomes(self, outcomes: Iterable[OffloadOutcome]) -> None:
+    def apply_outcomes(
+        self, outcomes: Iterable[OffloadOutcome], store_incarnation: int = 0
+    ) -> None:
         """Take the worker's report on submitted items: held ones are remembered as offloaded;
         the others leave the in-flight set and are due (planned first by the next ``plan`` if
         the pool still caches them and they are not remembered as offloaded: a not-held
         outcome does not make the planner forget a block it knows the store holds). A
         ``missing`` one (a block the store named, module docstring "Feedback") is ignored while
         the key is in flight; otherwise the key is forgotten as offloaded and put first in the
-        due list."""
+        due list. ``store_incarnation``: that of the store that answered the latest of them (0:
+        unknown); after another one (the store restarted empty), every write remembered is
+        forgotten once ``outcomes`` are applied, so the blocks the pool still caches are
+        written again (those the new store already holds answer "present")."""
         for outcome in outcomes:
             key = make_block_hash_with_group_id(outcome.block_hash, outcome.group_id)
             if outcome.missing:
                 if key not in self._in_flight:  # else its queued write will report it
-                    self._offloaded.pop(key, None)
+                    self._forget_write(key)
                     self._queue_due(key, first=True)  # it keeps whole chains unlisted
                 continue
             self._in_flight.pop(key, None)
             if outcome.held:
                 self._due.pop(key, None)
-                _remember(self._offloaded, key, self.max_offloaded)
+                _remember(self._recent_writes, key, self.max_offloaded)
+                if key in self._num_copies:
+                    self._written_this_stay.add(key)
             else:
                 self._queue_due(key)
+        if store_incarnation and store_incarnation != self._store_incarnation:
+            if self._store_incarnation:
+                self._recent_writes.clear()
+                self._written_this_stay.clear()
+            self._store_incarnation = store_incarnation
 
     # ------------------------------------------------------------------ the step's plan
     def plan(self, block_pool: BlockPool) -> list[OffloadItem]:
@@ -263,6 +289,13 @@ class OffloadPlanner:
         if len(due) > self.max_remembered:
             due.popitem(last=True)
 
+    def _offloaded(self, key: BlockHashWithGroupId) -> bool:
+        return key in self._written_this_stay or key in self._recent_writes
+
+    def _forget_write(self, key: BlockHashWithGroupId) -> None:
+        self._written_this_stay.discard(key)
+        self._recent_writes.pop(key, None)
+
     def _mark_in_flight(self, picked: _Picked) -> list[OffloadItem]:
         for key in picked.keys:
             _remember(self._in_flight, key, self.max_remembered)
@@ -291,7 +324,7 @@ class OffloadPlanner:
         return (
             key in self._parent_of
             and key not in self._in_flight
-            and key not in self._offloaded
+            and not self._offloaded(key)
             and key not in picked_keys
         )
 
@@ -356,9 +389,14 @@ class OffloadPlanner:
         """Items planned whose outcome has not been applied yet."""
         return len(self._in_flight)
 
+    @property
+    def store_incarnation(self) -> int:
+        """The incarnation of the store its memory of writes refers to (0: not known yet)."""
+        return self._store_incarnation
+
     def is_offloaded(self, group_id: int, block_hash: bytes) -> bool:
         """True if the worker reported the store holds this block (and it is still remembered)."""
-        return make_block_hash_with_group_id(block_hash, group_id) in self._offloaded
+        return self._offloaded(make_block_hash_with_group_id(block_hash, group_id))
 
     def parent_of(self, group_id: int, block_hash: bytes) -> bytes | None:
         """The parent hash learned for this cached block (``b""``: a first block), None when

@@ -80,6 +80,7 @@ class OffloadSender:
         self._lock = threading.Lock()
         self._inflight_bytes = 0
         self._outcomes: deque[OffloadOutcome] = deque(maxlen=_MAX_PENDING_OUTCOMES)
+        self._store_incarnation = 0  # of the store that answered the latest put
         self._futures: set[Future[None]] = set()
 
     # ------------------------------------------------------------------ worker thread
@@ -155,6 +156,14 @@ class OffloadSender:
             self._outcomes.clear()
         return outcomes
 
+    @property
+    def store_incarnation(self) -> int:
+        """The incarnation of the store that answered the latest put (0: no answer yet, or a
+        store that does not say). A new one means the store restarted empty: the planner
+        forgets what it remembered as written (``OffloadPlanner.apply_outcomes``)."""
+        with self._lock:
+            return self._store_incarnation
+
     def _check(
         self, items: Sequence[OffloadItem]
     ) -> tuple[list[list[torch.Tensor]], dict[int, list[OffloadItem]]]:
@@ -199,7 +208,8 @@ class OffloadSender:
                 self._inflight_bytes -= put.payload_nbytes
             self._staging_pool.give(buffer)  # the socket no longer reads it
         num_held, bytes_held = self._report(
-            put, refused=set(reply.refused), missing_ancestors=reply.missing_ancestors
+            put, refused=set(reply.refused), missing_ancestors=reply.missing_ancestors,
+            store_incarnation=reply.store_incarnation,
         )
         self.stats.add("num_offloaded_blocks", num_held)
         self.stats.add("bytes_offloaded", bytes_held)
@@ -211,6 +221,7 @@ class OffloadSender:
         *,
         refused: set[tuple[int, bytes]] | None,
         missing_ancestors: Sequence[tuple[int, bytes]] = (),
+        store_incarnation: int = 0,
     ) -> tuple[int, int]:
         """One outcome per block of ``put`` (``refused`` None: the write failed, none held),
         then a ``missing`` one per ``missing_ancestors`` key (a key of ``put`` too: a later row
@@ -230,6 +241,7 @@ class OffloadSender:
             self.stats.add("num_offload_missing_ancestors", len(missing_ancestors))
         with self._lock:
             self._outcomes.extend(outcomes)
+            self._store_incarnation = store_incarnation or self._store_incarnation
         return num_held, bytes_held
 
     def _forget_future(self, future: Future[None]) -> None:

@@ -59,6 +59,7 @@ MAX_GROUPS = 64
 MAX_BLOCKS_PER_PUT = 1 << 16
 MAX_HASH_BYTES = 128
 MAX_ERROR_LEN = 2048
+MAX_INCARNATION = (1 << 63) - 1
 
 
 class StoreWireError(KVConnectorError):
@@ -93,6 +94,7 @@ class PutReply:
     num_refused: int
     refused: tuple[tuple[int, bytes], ...] = ()
     missing_ancestors: tuple[tuple[int, bytes], ...] = ()
+    store_incarnation: int = 0  # the answering store's; 0: a store that does not say
 
 
 # ---------------------------------------------------------------------- field checks
@@ -186,6 +188,8 @@ def decode_reply(obj: dict[Any, Any]) -> PutReply:
         num_refused=_int(obj, "num_refused", 0, top),
         refused=_block_keys(obj.get("refused"), "refused"),
         missing_ancestors=_block_keys(obj.get("missing_ancestors", []), "missing_ancestors"),
+        store_incarnation=_int(obj, "incarnation", 0, MAX_INCARNATION) if "incarnation" in obj
+        else 0,
     )
 
 
@@ -247,6 +251,7 @@ def encode_reply(reply: PutReply) -> bytes:
             "num_refused": reply.num_refused,
             "refused": [[g, h] for g, h in reply.refused],
             "missing_ancestors": [[g, h] for g, h in reply.missing_ancestors],
+            "incarnation": reply.store_incarnation,
         }
     )
 
