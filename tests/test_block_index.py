@@ -5,9 +5,11 @@ Redis cases run against a real ``redis-server`` started by ``tests/_redis_fixtur
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -522,6 +524,45 @@ def test_interrupt_ends_the_held_connection_and_the_next_lookup_connects_again(
     assert index.stats.errors_by_kind == {} and index.available
     index.close()
     admin.close()
+
+
+def test_a_lookup_to_an_unreachable_server_waits_one_connect_timeout(
+    redis_server, redis_url: str
+) -> None:
+    # After interrupt() the held connection has no socket. The server's port then drops every
+    # SYN (a listener whose accept queue is full): the lookup gives up after one connect
+    # timeout, as the pool's hand-out did, not after two (a readiness check that connected,
+    # failed, and left the send to connect again).
+    index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=0.25, connect_timeout_s=1.0)
+    prompt = _hashes(8)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    assert index.longest_prefix(prompt).num_blocks == 8
+    index.interrupt()
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    redis_server.stop()
+    hole = socket.socket()
+    hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hole.bind(("127.0.0.1", port))
+    hole.listen(0)
+    fillers = []
+    for _ in range(4):  # fill the accept queue; later SYNs are dropped
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    time.sleep(0.2)
+    try:
+        start = time.monotonic()
+        assert index.longest_prefix(prompt) == NO_HIT
+        waited_s = time.monotonic() - start
+    finally:
+        for sock in (*fillers, hole):
+            sock.close()
+    assert index.stats.errors_by_kind == {"TimeoutError": 1}
+    assert waited_s < 1.7, f"one lookup waited {waited_s:.2f} s (connect timeout 1.0 s)"
+    index.close()
 
 
 def test_a_packed_lookup_is_the_command_redis_py_would_send() -> None:

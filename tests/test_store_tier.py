@@ -656,6 +656,26 @@ def test_planner_remembering_few_writes_writes_each_cold_block_once_per_stay():
     assert planner.plan(pool) == []
 
 
+def test_planner_takes_the_first_store_that_names_its_incarnation_for_a_restart():
+    # Writes answered by a store from before the field (incarnation 0) are forgotten when a
+    # store that names one answers: a new store process, so a restarted one. A first answer
+    # with nothing remembered before it (a node's first put) forgets nothing.
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=4, scan_blocks=100)
+    planner.observe(events)
+    items = planner.plan(pool)
+    assert items == [_item(i + 1, h, i) for i in range(4)]
+    planner.apply_outcomes([OffloadOutcome(0, item.block_hash, True) for item in items], 0)
+    assert planner.plan(pool) == [] and planner.store_incarnation == 0
+    planner.apply_outcomes([], 7)
+    assert planner.store_incarnation == 7 and planner.plan(pool) == items
+    fresh = OffloadPlanner(policy="evict", blocks_per_step=4, scan_blocks=100)
+    fresh.observe(events)
+    assert fresh.plan(pool) == items
+    fresh.apply_outcomes([OffloadOutcome(0, item.block_hash, True) for item in items], 7)
+    assert fresh.plan(pool) == [] and all(fresh.is_offloaded(0, x) for x in h)
+
+
 def test_planner_keeps_a_hash_plannable_while_another_block_still_caches_it():
     # Two requests with one prompt compute its 2 full blocks each (blocks 1, 2 and 4, 5 hold
     # the same two hashes), finish, and a 6-block allocation evicts the first copies (queue:

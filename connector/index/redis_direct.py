@@ -148,6 +148,9 @@ class HeldConnections:
         if held is None or held.connection.pid != os.getpid():
             held = mine.by_pool[pool] = _take(pool)  # checked by the pool
         else:
+            # The pool's order: connect (a no-op when connected; a failure raises, one wait),
+            # then look for unread data or a close by the server, which means a new connection.
+            held.connection.connect()
             try:
                 stale = held.connection.can_read() and held.data_is_stale
             except (redis.ConnectionError, redis.TimeoutError, OSError):

@@ -203,10 +203,12 @@ class OffloadPlanner:
         outcome does not make the planner forget a block it knows the store holds). A
         ``missing`` one (a block the store named, module docstring "Feedback") is ignored while
         the key is in flight; otherwise the key is forgotten as offloaded and put first in the
-        due list. ``store_incarnation``: that of the store that answered the latest of them (0:
-        unknown); after another one (the store restarted empty), every write remembered is
-        forgotten once ``outcomes`` are applied, so the blocks the pool still caches are
-        written again (those the new store already holds answer "present")."""
+        due list. ``store_incarnation``: that of the store that answered the latest put (0:
+        unknown); after another one, or after writes answered by a store that did not say (the
+        store restarted empty), every write remembered is forgotten once ``outcomes`` are
+        applied, so the blocks the pool still caches are written again (those the new store
+        already holds answer "present")."""
+        had_writes = bool(self._recent_writes or self._written_this_stay)
         for outcome in outcomes:
             key = make_block_hash_with_group_id(outcome.block_hash, outcome.group_id)
             if outcome.missing:
@@ -223,7 +225,9 @@ class OffloadPlanner:
             else:
                 self._queue_due(key)
         if store_incarnation and store_incarnation != self._store_incarnation:
-            if self._store_incarnation:
+            # A new store process: a restart, or the first one that says (an older store's
+            # replies carry none), unless nothing was remembered before these outcomes.
+            if self._store_incarnation or had_writes:
                 self._recent_writes.clear()
                 self._written_this_stay.clear()
             self._store_incarnation = store_incarnation
