@@ -526,6 +526,29 @@ def test_interrupt_ends_the_held_connection_and_the_next_lookup_connects_again(
     admin.close()
 
 
+def test_a_held_connection_marked_for_reconnect_is_replaced(redis_url: str) -> None:
+    # redis-py marks the in-use connections of a pool whose node moved (a cluster's
+    # maintenance notice) instead of closing them; the pool closes such a connection when it
+    # is given back. A held one is never given back, so the lookup closes it itself.
+    client = redis.Redis.from_url(redis_url, socket_timeout=5.0)
+    pool = client.connection_pool
+    if not hasattr(pool, "update_active_connections_for_reconnect"):
+        pytest.skip(f"redis-py {redis.__version__} marks no connection for reconnect")
+    index = RedisBlockIndex(_NS, client=client)
+    prompt = _hashes(6)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    admin = redis.Redis.from_url(redis_url)
+    assert index.longest_prefix(prompt).num_blocks == 6
+    before = _connections_received(admin)
+    pool.update_active_connections_for_reconnect()
+    assert index.longest_prefix(prompt).num_blocks == 6  # on a new connection
+    assert index.longest_prefix(prompt).num_blocks == 6  # and on that one again
+    assert _connections_received(admin) - before == 1
+    index.close()
+    admin.close()
+
+
 def test_a_lookup_to_an_unreachable_server_waits_one_connect_timeout(
     redis_server, redis_url: str
 ) -> None:

@@ -44,6 +44,7 @@ from kvbridge.connector.store.planner import OffloadPlanner
 from kvbridge.connector.store.sender import OffloadSender
 from kvbridge.connector.store.wire import (
     MAX_GROUPS,
+    MAX_HEADER_BYTES,
     PutGroup,
     PutReply,
     PutRequest,
@@ -464,6 +465,61 @@ def test_a_put_the_store_refuses_is_an_error_for_the_writer(network, redis_url, 
     reply = loop.run(writer.put(good, [memoryview(bytes(nbytes))]), 10)
     assert (reply.num_stored, reply.num_present, reply.num_refused) == (1, 0, 0)
     loop.run(writer.close(), 5)
+
+
+def _put_to_a_fake_store(reply_frame: bytes, block_hashes: tuple[bytes, ...]) -> PutReply:
+    """A put of ``block_hashes`` (group 0, roots, 4 bytes in all) by a ``StoreWriter`` to a
+    store that answers ``reply_frame`` whatever it gets; what the writer returns or raises."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def fake_store() -> None:
+        conn, _ = server.accept()
+        with conn:
+            header = _recv_reply(conn)
+            conn.recv(header["payload_nbytes"], socket.MSG_WAITALL)
+            conn.sendall(reply_frame)
+
+    thread = threading.Thread(target=fake_store)
+    thread.start()
+    writer = StoreWriter(*server.getsockname())
+    group = PutGroup(group_id=0, block_hashes=block_hashes,
+                     parent_hashes=(b"",) * len(block_hashes), nbytes=4)
+    loop = get_loop_thread()
+    try:
+        return loop.run(writer.put(PutRequest(compat_hash="c", groups=(group,)),
+                                   [memoryview(b"abcd")]), 10)
+    finally:
+        loop.run(writer.close(), 5)
+        thread.join(5)
+        server.close()
+
+
+def test_the_writer_takes_a_reply_as_long_as_a_store_may_send():
+    # A store frames replies of up to MAX_HEADER_BYTES. A put of 40,000 blocks whose
+    # ancestors the store dropped gets a reply of over 1 MiB (one name a block), which the
+    # writer once refused (its own 1 MiB cap), failing a put the store had taken.
+    hashes = tuple(i.to_bytes(32, "big") for i in range(40_000))
+    names = tuple((0, b"p" + h[1:]) for h in hashes)
+    reply_frame = encode_reply(PutReply(40_000, 0, 0, (), names, store_incarnation=9))
+    assert 1 << 20 < len(reply_frame) <= MAX_HEADER_BYTES
+    reply = _put_to_a_fake_store(reply_frame, hashes)
+    assert reply.missing_ancestors == names and reply.store_incarnation == 9
+
+
+def test_a_reply_that_does_not_answer_the_put_is_an_error_for_it():
+    # A faulty store's names would make the writer's planner write blocks again: a reply that
+    # refuses a block the put did not send, names more ancestors than the put has blocks, or
+    # names one in another group is refused, and the put counts as failed.
+    hashes = (b"a" * 32, b"b" * 32)
+    for reply, message in (
+        (PutReply(1, 0, 1, ((0, b"x" * 32),)), "refuses 1 block"),
+        (PutReply(2, 0, 0, (), ((0, b"p" * 32),) * 3), "names 3 missing ancestors"),
+        (PutReply(2, 0, 0, (), ((1, b"p" * 32),)), "in a group the put did not write"),
+    ):
+        with pytest.raises(StoreWireError, match=message):
+            _put_to_a_fake_store(encode_reply(reply), hashes)
+    good = PutReply(1, 0, 1, ((0, hashes[1]),), ((0, b"p" * 32),) * 2)
+    assert _put_to_a_fake_store(encode_reply(good), hashes) == good
 
 
 # ---------------------------------------------------------------------- store in its own process

@@ -148,8 +148,13 @@ class HeldConnections:
         if held is None or held.connection.pid != os.getpid():
             held = mine.by_pool[pool] = _take(pool)  # checked by the pool
         else:
-            # The pool's order: connect (a no-op when connected; a failure raises, one wait),
-            # then look for unread data or a close by the server, which means a new connection.
+            # The pool's order: a connection marked for reconnect (redis-py >= 7: a cluster
+            # node that moved) is closed as the pool closes one given back; connect (a no-op
+            # when connected; a failure raises, one wait); then unread data or a close by the
+            # server means a new connection.
+            should_reconnect = getattr(held.connection, "should_reconnect", None)
+            if should_reconnect is not None and should_reconnect():
+                held.connection.disconnect()
             held.connection.connect()
             try:
                 stale = held.connection.can_read() and held.data_is_stale

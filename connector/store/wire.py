@@ -44,6 +44,7 @@ __all__ = [
     "PutReply",
     "PutRequest",
     "StoreWireError",
+    "check_reply",
     "decode_header",
     "decode_put",
     "decode_reply",
@@ -191,6 +192,26 @@ def decode_reply(obj: dict[Any, Any]) -> PutReply:
         store_incarnation=_int(obj, "incarnation", 0, MAX_INCARNATION) if "incarnation" in obj
         else 0,
     )
+
+
+def check_reply(put: PutRequest, reply: PutReply) -> None:
+    """Raise StoreWireError when ``reply`` cannot be the answer to ``put``: it refuses a block
+    the put did not send, names more missing ancestors than the put has blocks (at most one a
+    block), or names one in a group the put did not write. A store's names make the writer's
+    planner write blocks again, so a faulty store must not pick them freely."""
+    keys = {(g.group_id, h) for g in put.groups for h in g.block_hashes}
+    stray = sum(key not in keys for key in reply.refused)
+    if stray:
+        raise StoreWireError(f"the reply refuses {stray} block(s) the put did not send")
+    num_blocks = sum(len(g.block_hashes) for g in put.groups)
+    if len(reply.missing_ancestors) > num_blocks:
+        raise StoreWireError(
+            f"the reply names {len(reply.missing_ancestors)} missing ancestors for a put of "
+            f"{num_blocks} block(s)"
+        )
+    groups = {g.group_id for g in put.groups}
+    if any(group_id not in groups for group_id, _ in reply.missing_ancestors):
+        raise StoreWireError("the reply names a missing ancestor in a group the put did not write")
 
 
 def _block_keys(raw: Any, name: str) -> tuple[tuple[int, bytes], ...]:

@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from .framing import recv_exactly
 from .wire import (
     FRAME_HEADER,
+    MAX_HEADER_BYTES,
     PutReply,
     PutRequest,
     StoreWireError,
+    check_reply,
     decode_header,
     decode_reply,
     encode_put_header,
@@ -21,7 +23,6 @@ from .wire import (
 __all__ = ["StoreWriter"]
 
 _PUT_TIMEOUT_S = 30.0
-_MAX_REPLY_HEADER_BYTES = 1 << 20
 
 
 class StoreWriter:
@@ -44,7 +45,8 @@ class StoreWriter:
 
         Raises:
             ValueError: the parts do not add up to ``put.payload_nbytes``.
-            StoreWireError: the store refused the put (its message) or replied garbage.
+            StoreWireError: the store refused the put (its message) or replied garbage, or a
+                reply that does not answer this put (``wire.check_reply``).
             OSError, EOFError, TimeoutError: the store is unreachable, closed the connection
                 or took longer than ``put_timeout_s``.
         """
@@ -84,11 +86,13 @@ class StoreWriter:
         prefix = bytearray(FRAME_HEADER.size)
         await recv_exactly(sock, memoryview(prefix))
         (header_nbytes,) = FRAME_HEADER.unpack(prefix)
-        if not 0 < header_nbytes <= _MAX_REPLY_HEADER_BYTES:
+        if not 0 < header_nbytes <= MAX_HEADER_BYTES:  # what a store may frame
             raise StoreWireError(f"reply header of {header_nbytes} bytes")
         raw = bytearray(header_nbytes)
         await recv_exactly(sock, memoryview(raw))
-        return decode_reply(decode_header(bytes(raw)))
+        reply = decode_reply(decode_header(bytes(raw)))
+        check_reply(put, reply)
+        return reply
 
     async def close(self) -> None:
         """Close the connection (the next put opens a new one). Idempotent."""
