@@ -190,8 +190,7 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     statistics since its last report, what became of the offload items it was given
     (``store.offload_items.OffloadOutcome`` records) with the incarnation of the store that
     answered the latest put (``OffloadSender.store_incarnation``; 0: none), and, when they
-    changed, the holders
-    (engine id, incarnation) it can read handoffs from one-sided
+    changed, the holders (engine id, incarnation) it can read handoffs from one-sided
     (``Transport.one_sided_holders``; None: unchanged), for ``load_mode`` ``"auto"``."""
 
     version: int = METADATA_SCHEMA_VERSION
