@@ -453,6 +453,14 @@ def _connections_received(admin: redis.Redis) -> int:
     return int(admin.info("stats")["total_connections_received"])
 
 
+def _held_by_a(index: RedisBlockIndex, num_blocks: int) -> list[bytes]:
+    """Node A registered in ``index``, holding a prompt of ``num_blocks`` blocks; the prompt."""
+    prompt = _hashes(num_blocks)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    index.publish("A", 1, [_stored(prompt)])
+    return prompt
+
+
 def test_lookups_from_many_threads_each_get_their_own_answer(redis_url: str) -> None:
     """Each thread sends its lookups on a connection it holds (``HeldConnections``): threads
     looking up at once never read each other's replies, and 4 threads' 800 lookups open at
@@ -489,9 +497,7 @@ def test_lookups_from_many_threads_each_get_their_own_answer(redis_url: str) -> 
 
 def test_a_thread_that_ends_gives_its_lookup_connection_back(redis_url: str) -> None:
     index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=5.0)
-    prompt = _hashes(4)
-    index.register_node("A", 1, ttl_s=_TTL_S)
-    index.publish("A", 1, [_stored(prompt)])
+    prompt = _held_by_a(index, 4)
     admin = redis.Redis.from_url(redis_url)
     before = _connections_received(admin)
     for _ in range(5):  # five threads, one after another, one lookup each
@@ -511,9 +517,7 @@ def test_interrupt_ends_the_held_connection_and_the_next_lookup_connects_again(
     redis_url: str,
 ) -> None:
     index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=5.0, retry_interval_s=0.0)
-    prompt = _hashes(6)
-    index.register_node("A", 1, ttl_s=_TTL_S)
-    index.publish("A", 1, [_stored(prompt)])
+    prompt = _held_by_a(index, 6)
     admin = redis.Redis.from_url(redis_url)
     assert index.longest_prefix(prompt).num_blocks == 6
     before = _connections_received(admin)
@@ -534,9 +538,7 @@ def test_a_held_connection_marked_for_reconnect_is_replaced(redis_url: str) -> N
     if not hasattr(pool, "update_active_connections_for_reconnect"):
         pytest.skip(f"redis-py {redis.__version__} marks no connection for reconnect")
     index = RedisBlockIndex(_NS, client=client)
-    prompt = _hashes(6)
-    index.register_node("A", 1, ttl_s=_TTL_S)
-    index.publish("A", 1, [_stored(prompt)])
+    prompt = _held_by_a(index, 6)
     admin = redis.Redis.from_url(redis_url)
     assert index.longest_prefix(prompt).num_blocks == 6
     before = _connections_received(admin)
@@ -556,9 +558,7 @@ def test_a_lookup_to_an_unreachable_server_waits_one_connect_timeout(
     # timeout, as the pool's hand-out did, not after two (a readiness check that connected,
     # failed, and left the send to connect again).
     index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=0.25, connect_timeout_s=1.0)
-    prompt = _hashes(8)
-    index.register_node("A", 1, ttl_s=_TTL_S)
-    index.publish("A", 1, [_stored(prompt)])
+    prompt = _held_by_a(index, 8)
     assert index.longest_prefix(prompt).num_blocks == 8
     index.interrupt()
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
