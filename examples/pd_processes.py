@@ -6,6 +6,7 @@ also when the parent is interrupted.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,8 +29,33 @@ class StartupError(RuntimeError):
     """A child did not come up; the message carries the tail of its log."""
 
 
+_LOWEST_FIXED_PORT = 10_000
+
+
+def _ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands to sockets bound to port 0 or connecting out."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
+    """A TCP port that was free a moment ago on 127.0.0.1, below the kernel's ephemeral range
+    where it can: a process restarted on its port (the chaos runs, the vLLM restart tests, a
+    Redis restarted mid-test) then finds it free, because no socket that another process binds
+    to port 0 or connects out from (a vLLM engine's internal ports, a UCX listener, a connect
+    to the dead listener itself: a TCP self-connect) is ever given it."""
+    floor = _ephemeral_port_floor()
+    rng = random.SystemRandom()
+    for _ in range(100 if floor > _LOWEST_FIXED_PORT else 0):
+        port = rng.randrange(_LOWEST_FIXED_PORT, floor)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -25,8 +25,8 @@ clear message; it never skips.
 
 from __future__ import annotations
 
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -36,15 +36,12 @@ import pytest
 import redis
 from kvbridge.connector.index.server_binary import ServerBinary, find_server_binary
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# A port below the ephemeral range, so that a server restarted on it mid-test finds it free.
+from pd_processes import free_port
+
 _START_TIMEOUT_S = 10.0
 _started: dict[str, str] = {}  # binary path -> description, for the run's summary
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until_answering(

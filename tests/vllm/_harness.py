@@ -18,7 +18,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 NODE = HERE / "_node.py"
+sys.path.insert(0, str(HERE.parents[1] / "examples"))
+# A port below the ephemeral range, for a node that must listen on a known port: a P restarted
+# on it finds it free (examples/pd_processes.py).
+from pd_processes import free_port  # noqa: E402, F401 (re-exported to the tests)
+
 BLOCK = 32  # the suite's vLLM block_size (the CPU attention backend needs a multiple of 32)
 START_TIMEOUT_S = 240.0  # engines start in 10-60 s on 2 cores; two at once, slower
 
@@ -285,13 +289,6 @@ def start_nodes(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> tuple[Node,
 
 
 # ----------------------------------------------------------------------------- configs
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a node that must listen on a known port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kvbridge_config(role: str, engine_id: str, *, policy: str = "recompute",
                     **extra: Any) -> dict[str, Any]:
     """The contract of issue 13: ``role`` is ``"producer"`` or ``"consumer"``; ``extra`` goes to
