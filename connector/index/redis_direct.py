@@ -25,7 +25,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import redis
@@ -88,6 +88,8 @@ class _Held(NamedTuple):
     # False where the server may push unasked (client-side caching, maintenance notifications):
     # then, as in the pool, only a closed connection is replaced.
     data_is_stale: bool
+    # The connection's reconnect mark (redis-py >= 7: a cluster node that moved); None before.
+    should_reconnect: Callable[[], bool] | None
 
 
 class _ThreadHeld:
@@ -112,7 +114,8 @@ def _take(pool: ConnectionPool) -> _Held:
     # The pool's own rule for unread data on a connection it hands out (redis-py 5 to 8).
     maint = getattr(pool, "maint_notifications_enabled", None)
     pushes = getattr(pool, "cache", None) is not None or bool(maint and maint())
-    return _Held(pool.get_connection(), not pushes)
+    connection = pool.get_connection()
+    return _Held(connection, not pushes, getattr(connection, "should_reconnect", None))
 
 
 class HeldConnections:
@@ -152,8 +155,7 @@ class HeldConnections:
             # node that moved) is closed as the pool closes one given back; connect (a no-op
             # when connected; a failure raises, one wait); then unread data or a close by the
             # server means a new connection.
-            should_reconnect = getattr(held.connection, "should_reconnect", None)
-            if should_reconnect is not None and should_reconnect():
+            if held.should_reconnect is not None and held.should_reconnect():
                 held.connection.disconnect()
             held.connection.connect()
             try:
