@@ -24,6 +24,7 @@ from kvbridge.connector.index import (
     PrefixHit,
     RedisBlockIndex,
 )
+from kvbridge.connector.index.redis_direct import HeldConnections
 from kvbridge.connector.index.redis_scripts import LOOKUP_SAMPLE_HOLDERS
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -527,6 +528,55 @@ def test_interrupt_ends_the_held_connection_and_the_next_lookup_connects_again(
     assert index.stats.errors_by_kind == {} and index.available
     index.close()
     admin.close()
+
+
+def test_lookups_torn_by_interrupt_on_another_thread_are_redis_trouble(redis_url: str) -> None:
+    # interrupt() closes sockets that lookups on other threads are using; redis-py then fails
+    # the call in whatever state it was: ConnectionError mostly, but also AttributeError
+    # (``None.sendall``) or TypeError (a closed socket given to ``select``), which escaped
+    # ``longest_prefix`` before. Any of them is Redis trouble when an interrupt came meanwhile.
+    index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=5.0, retry_interval_s=0.0)
+    prompt = _held_by_a(index, 600)  # a long lookup: more time inside the send and the read
+    escaped: list[BaseException] = []
+    stop = threading.Event()
+
+    def look_up() -> None:
+        while not stop.is_set():
+            try:
+                index.longest_prefix(prompt)
+            except BaseException as exc:  # recorded for the assertion below
+                escaped.append(exc)
+
+    threads = [threading.Thread(target=look_up) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        index.interrupt()
+        time.sleep(0.0005)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert escaped == []
+    assert index.stats.errors_by_kind  # the storm did tear calls (counted, not raised)
+    assert index.longest_prefix(prompt).num_blocks == 600  # and the index works on
+    index.close()
+
+
+def test_an_attribute_error_without_an_interrupt_is_a_bug_and_raises(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = RedisBlockIndex(_NS, redis_url, socket_timeout_s=5.0)
+    prompt = _held_by_a(index, 4)
+
+    def broken_send(self: HeldConnections, pool: object, packed: bytes) -> None:
+        raise AttributeError("a bug in the send path")
+
+    monkeypatch.setattr(HeldConnections, "send", broken_send)
+    with pytest.raises(AttributeError, match="a bug in the send path"):
+        index.longest_prefix(prompt)
+    assert index.stats.errors_by_kind == {}
+    index.close()
 
 
 def test_a_held_connection_marked_for_reconnect_is_replaced(redis_url: str) -> None:

@@ -337,7 +337,7 @@ class RedisClusterBlockIndex(RedisBlockIndex):
             out[node.name] = out.get(node.name, 0) + int(count)
         return out
 
-    def interrupt(self) -> None:
+    def _disconnect_all(self) -> None:
         self._client.disconnect_connection_pools()  # type: ignore[attr-defined]
 
 

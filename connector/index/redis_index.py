@@ -61,6 +61,7 @@ from .protocol import (
     sort_holders,
 )
 from .redis_direct import LEFT_TO_GENERIC_PATH, HeldConnections, ScriptHead
+from .redis_entries import read_node_entries
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
@@ -75,6 +76,10 @@ _TROUBLE = (
     redis.exceptions.RedisClusterException,  # a cluster without a slot's owner, or no node at all
     redis.exceptions.ClusterError,
 )
+# What redis-py raises from a call whose socket ``interrupt()`` closed under it on another thread
+# (``'NoneType' object has no attribute 'sendall'``; a closed socket handed to ``select``):
+# Redis trouble when an interrupt came during the call, a bug otherwise.
+_TORN_BY_INTERRUPT = (AttributeError, TypeError)
 
 
 class _Script(NamedTuple):
@@ -135,6 +140,7 @@ class RedisBlockIndex:
         self._execute = self._client.execute_command
         self._heads: dict[tuple[str, str], ScriptHead] = {}  # (script sha, prefix) -> its head
         self._lookup_conns = HeldConnections()  # per thread and pool, kept
+        self._num_interrupts = 0  # interrupt() calls so far
 
     # -- Redis trouble -------------------------------------------------------------------------
 
@@ -143,20 +149,20 @@ class RedisBlockIndex:
             self.stats.reconnects += 1
             logger.info("block index: Redis reachable again (%s)", prefix)
 
-    def _on_trouble(self, what: str, exc: Exception, prefix: str | None = None) -> None:
+    def _on_trouble(
+        self, what: str, exc: Exception, prefix: str | None = None, started: int | None = None
+    ) -> None:
+        """Count, log and back off after ``exc``. ``started``: ``_num_interrupts`` when the call
+        began; an ``exc`` of ``_TORN_BY_INTERRUPT`` with no interrupt since is raised again."""
+        if isinstance(exc, _TORN_BY_INTERRUPT) and started == self._num_interrupts:
+            raise exc
         prefix = prefix or self._prefix
         kind = type(exc).__name__
         self.stats.errors_by_kind[kind] = self.stats.errors_by_kind.get(kind, 0) + 1
         self._available = False
         if prefix not in self._down_until:
-            logger.warning(
-                "block index: Redis trouble during %s (%s: %s); falling back to no hit, "
-                "retrying in %.2f s",
-                what,
-                kind,
-                exc,
-                self._retry_interval_s,
-            )
+            logger.warning("block index: Redis trouble during %s (%s: %s); falling back to no "
+                           "hit, retrying in %.2f s", what, kind, exc, self._retry_interval_s)
         self._down_until[prefix] = self._clock() + self._retry_interval_s
 
     def _call(self, what: str, script: _Script, *args: Any, known: bool = True) -> Any:
@@ -171,6 +177,7 @@ class RedisBlockIndex:
             self._available = False
             return None
         route = (prefix,) if self._num_route_keys else ()
+        started = self._num_interrupts
         try:
             try:
                 if not known:
@@ -178,8 +185,8 @@ class RedisBlockIndex:
                 reply = self._execute("EVALSHA", script.sha, self._num_route_keys, *route, *args)
             except NoScriptError:  # EVAL runs and caches it on the server that owns the key
                 reply = self._execute("EVAL", script.source, self._num_route_keys, *route, *args)
-        except _TROUBLE as exc:
-            self._on_trouble(what, exc, prefix)
+        except (*_TROUBLE, *_TORN_BY_INTERRUPT) as exc:
+            self._on_trouble(what, exc, prefix, started)
             return None
         self._available = True
         if down_until is not None:
@@ -196,6 +203,7 @@ class RedisBlockIndex:
         prefix = args[0]
         if prefix in self._down_until:
             return self._call(what, script, *args)  # backed off, or the first try after it
+        started = self._num_interrupts
         try:
             pool = self._pool_of(prefix)
             if pool is None:
@@ -209,8 +217,8 @@ class RedisBlockIndex:
             return self._call(what, script, *args, known=False)
         except LEFT_TO_GENERIC_PATH:
             return self._call(what, script, *args)
-        except _TROUBLE as exc:
-            self._on_trouble(what, exc, prefix)
+        except (*_TROUBLE, *_TORN_BY_INTERRUPT) as exc:
+            self._on_trouble(what, exc, prefix, started)
             return None
         self._available = True
         return reply
@@ -387,26 +395,10 @@ class RedisBlockIndex:
 
     def _node_entries_at(self, prefix: str, node_id: str) -> set[tuple[int, bytes, int]] | None:
         try:
-            inc = self._execute("GET", f"{prefix}:node:{node_id}")
-            if inc is None:
-                return None
-            ekeys = self._execute("SMEMBERS", f"{prefix}:keys:{node_id}")
-            pipe = self._client.pipeline(transaction=False)
-            ekeys = list(ekeys)
-            for ekey in ekeys:
-                pipe.hget(ekey, node_id)
-            values = pipe.execute()
+            return read_node_entries(self._client, prefix, node_id)
         except _TROUBLE as exc:
             self._on_trouble("node_entries", exc, prefix)
             return None
-        head = len(prefix.encode()) + len(":e:")
-        out: set[tuple[int, bytes, int]] = set()
-        for ekey, value in zip(ekeys, values, strict=True):
-            if value is None or len(value) < 30 or value[:20] != inc:
-                continue
-            group, _, key = ekey[head:].partition(b":")
-            out.add((int(group), key, struct.unpack(">I", value[20:24])[0]))
-        return out
 
     def get_block_ids(
         self,
@@ -438,6 +430,10 @@ class RedisBlockIndex:
     def interrupt(self) -> None:
         """Close every connection of the client, those in use by other threads included: their
         calls fail at once as Redis trouble (counted, back-off started); later calls reconnect."""
+        self._num_interrupts += 1  # first: a call it tears knows of it
+        self._disconnect_all()
+
+    def _disconnect_all(self) -> None:
         self._client.connection_pool.disconnect()
 
     def close(self) -> None:
