@@ -35,7 +35,9 @@ key                          default   meaning
 ``sync_load_timeout_s``      2.0       deadline of one pull under ``load_mode`` ``"sync"``
 ``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
                                        a heartbeat
-``heartbeat_interval_s``     2.0       how often a puller extends the leases it depends on
+``heartbeat_interval_s``     2.0       how often a puller extends the leases it depends on;
+                                       also how long a writer to the store goes without a put
+                                       before it asks the store's incarnation (a restart)
 ``load_failure_policy``      recompute ``"recompute"`` or ``"fail"``
 ``index_url``                None      ``redis://host:port/db``, ``redis-cluster://H:P[,H:P]``
                                        (seed nodes), ``"memory"`` or None (no index)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -123,6 +124,7 @@ class KVBridgeWorker:
                 store_address=parse_store_url(config.store_url),
                 max_inflight_bytes=config.offload_max_inflight_bytes,
                 stats=self.stats,
+                probe_interval_s=config.heartbeat_interval_s,  # a store restart found this soon
             )
         self._meta: KVBridgeConnectorMetadata | None = None
         self._idle_hold_wait_s = min(IDLE_HOLD_FIRST_WAIT_S, config.idle_hold_wait_s)
@@ -333,9 +335,13 @@ class KVBridgeWorker:
         return failed
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMeta:
-        """The statistics since the last call."""
+        """The statistics since the last call (and the store's incarnation: probed, when no put
+        went to the store for ``heartbeat_interval_s``)."""
         self._count_board_reads()
-        outcomes = [] if self.offload_sender is None else self.offload_sender.take_outcomes()
+        outcomes = []
+        if self.offload_sender is not None:
+            self.offload_sender.probe_if_due(time.monotonic())
+            outcomes = self.offload_sender.take_outcomes()
         counters, transfer_s, queue_s = self.stats.take_report()
         holders = None if self.transport is None else self.transport.one_sided_holders()
         if holders == self._one_sided_reported:

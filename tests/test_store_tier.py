@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import _store_builders
@@ -1233,3 +1234,80 @@ def test_a_store_restarted_empty_gets_the_cold_blocks_written_again(network, red
     assert sender.store_incarnation == restarted.incarnation
     assert written.count(h[0]) == 1 and store_depth(restarted, h) == 4
     sender.close()
+
+
+def test_a_store_restarted_while_nothing_goes_cold_is_found_by_a_probe(
+    network, redis_url, cleanup
+):
+    # As above, but no new block goes cold after the restart, so no put would carry the new
+    # incarnation. After ``probe_interval_s`` without a put the sender sends an empty put; its
+    # reply names the restarted store, and the remembered chain is written again.
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=8)
+    stores.append(store)
+    pool, h, events = _cold_pool()  # h in blocks 1..4, cold
+    caches = _node_caches(store, pool.num_gpu_blocks)
+    planner = OffloadPlanner(policy="evict", blocks_per_step=4, scan_blocks=100)
+    sender = OffloadSender(
+        store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats(),
+        probe_interval_s=30.0,
+    )
+    sender.bind([caches[0]], store.metadata.compat_hash)
+    planner.observe(events)
+
+    def step(now_s: float) -> list[OffloadItem]:
+        items = planner.plan(pool)
+        sender.submit(items)
+        sender.wait_idle()
+        sender.probe_if_due(now_s)
+        sender.wait_idle()
+        planner.apply_outcomes(sender.take_outcomes(), sender.store_incarnation)
+        return items
+
+    t0 = time.monotonic()
+    assert len(step(t0)) == 4 and step(t0 + 1.0) == []
+    port = store.write_address[1]
+    close_store_node(store)
+    restarted = make_store(network, redis_url, capacity_blocks=8, write_port=port)
+    stores.append(restarted)
+    assert step(t0 + 2.0) == [] and sender.store_incarnation == store.incarnation  # too soon
+    # 30 s after the last put: a probe. It may meet the connection the old store left (failed,
+    # counted nowhere); the next one, due 30 s later, reaches the restarted store.
+    for k in (1, 2):
+        step(t0 + 31.0 * k)
+        if sender.store_incarnation == restarted.incarnation:
+            break
+    assert sender.store_incarnation == restarted.incarnation
+    assert sender.stats.take_report()[0].get("num_offload_failures", 0) == 0
+    written = [item.block_hash for _ in range(3) for item in step(t0 + 100.0)]
+    assert written == h and store_depth(restarted, h) == 4
+    sender.close()
+
+
+def test_a_probe_waits_for_the_interval_and_for_puts_in_flight(network, redis_url, cleanup):
+    _, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=8)
+    stores.append(store)
+    pool, _, _ = _cold_pool()
+    sender = OffloadSender(
+        store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats(),
+        probe_interval_s=5.0,
+    )
+    assert not sender.probe_if_due(0.0)  # not bound yet
+    sender.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata.compat_hash)
+    assert not sender.probe_if_due(100.0)  # the first call starts the interval
+    assert not sender.probe_if_due(104.9)
+    assert sender.probe_if_due(105.0) and sender.store_incarnation in (0, store.incarnation)
+    sender.wait_idle()
+    assert sender.store_incarnation == store.incarnation and sender.take_outcomes() == []
+    assert not sender.probe_if_due(109.0) and sender.probe_if_due(110.0)
+    sender.wait_idle()
+    never = OffloadSender(store_address=store.write_address, max_inflight_bytes=1,
+                          stats=KVTransferStats())  # probe_interval_s 0: never
+    never.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata.compat_hash)
+    assert not never.probe_if_due(0.0) and not never.probe_if_due(1e9)
+    sender.close()
+    never.close()
+    with pytest.raises(ValueError, match="probe_interval_s"):
+        OffloadSender(store_address=store.write_address, max_inflight_bytes=1,
+                      stats=KVTransferStats(), probe_interval_s=-1.0)

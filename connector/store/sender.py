@@ -15,6 +15,11 @@ writes the block again if its pool still caches it.
 Back-pressure: while ``max_inflight_bytes`` or more of snapshots wait for the store, ``submit``
 snapshots nothing; its items are reported not held at once (``num_offload_skipped_blocks``) and
 the planner plans them again later.
+
+A store that restarts empty is noticed from the incarnation in its next reply. So that a node
+with nothing new to write notices it too, ``probe_if_due`` sends an empty put (one group of no
+blocks, which a store answers like any put) when nothing went to the store for
+``probe_interval_s``.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -57,6 +64,8 @@ class OffloadSender:
             bytes of idle staging buffers kept for reuse.
         stats: the node's ``KVTransferStats`` (offload counters).
         loop_thread: where writes run (default: the process's connector loop).
+        probe_interval_s: ``probe_if_due`` asks the store for its incarnation after this many
+            seconds without a put (0: never).
     """
 
     def __init__(
@@ -66,9 +75,14 @@ class OffloadSender:
         max_inflight_bytes: int,
         stats: KVTransferStats,
         loop_thread: LoopThread | None = None,
+        probe_interval_s: float = 0.0,
     ) -> None:
         if max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be >= 1, got {max_inflight_bytes}")
+        if not probe_interval_s >= 0.0:
+            raise ValueError(f"probe_interval_s must be >= 0, got {probe_interval_s}")
+        self.probe_interval_s = probe_interval_s
+        self._last_put_s: float | None = None  # when submit or a probe last sent (worker thread)
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = stats
         self.writer = StoreWriter(*store_address)
@@ -141,12 +155,24 @@ class OffloadSender:
             offset += group.nbytes
         with self._lock:
             self._inflight_bytes += put.payload_nbytes
-        loop_thread = self._loop_thread or get_loop_thread()
-        future = loop_thread.submit(self._send(put, buffer))
-        with self._lock:
-            self._futures.add(future)
-        future.add_done_callback(self._forget_future)
+        self._start(self._send(put, buffer), time.monotonic())
         return len(items)
+
+    def probe_if_due(self, now_s: float) -> bool:
+        """Send an empty put, whose reply names the store's incarnation (``store_incarnation``),
+        when ``probe_interval_s`` (> 0) passed since the last put or probe and none is in flight
+        (its reply will name it). ``now_s``: ``time.monotonic()``. Returns whether it sent one.
+        Never waits for the network; a failed probe is logged (debug) and counts nothing."""
+        if self.probe_interval_s <= 0.0 or self._closed or not self.is_bound:
+            return False
+        if self._last_put_s is None:
+            self._last_put_s = now_s  # the interval counts from the first call
+        with self._lock:
+            if self._futures or now_s - self._last_put_s < self.probe_interval_s:
+                return False
+        group = PutGroup(group_id=0, block_hashes=(), parent_hashes=(), nbytes=0)
+        self._start(self._probe(PutRequest(compat_hash=self._compat_hash, groups=(group,))), now_s)
+        return True
 
     def take_outcomes(self) -> list[OffloadOutcome]:
         """The outcomes reported since the last call, in the order they settled (for the step's
@@ -189,7 +215,24 @@ class OffloadSender:
             by_group.setdefault(item.group_id, []).append(item)
         return caches_by_group, dict(sorted(by_group.items()))
 
+    def _start(self, write: Coroutine[Any, Any, None], now_s: float) -> None:
+        """Run ``write`` on the loop thread, tracked in ``_futures``; ``now_s``: monotonic."""
+        self._last_put_s = now_s
+        future = (self._loop_thread or get_loop_thread()).submit(write)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget_future)
+
     # ------------------------------------------------------------------ loop thread
+    async def _probe(self, put: PutRequest) -> None:
+        try:
+            reply = await self.writer.put(put, [])
+        except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
+            logger.debug("store probe failed: %s", exc)
+            return
+        with self._lock:
+            self._store_incarnation = reply.store_incarnation or self._store_incarnation
+
     async def _send(self, put: PutRequest, buffer: torch.Tensor) -> None:
         try:
             view = memoryview(buffer[: put.payload_nbytes].numpy())
