@@ -250,6 +250,7 @@ class KVBridgeScheduler:
             ticket=None,
             num_local_tokens=num_computed_tokens,
             num_remote_tokens=num_remote_tokens,
+            load_async=self._load_async,  # the pull is planned as the engine is told
         )
         return MatchedTokens(num_remote_tokens - num_computed_tokens, self._load_async)
 

@@ -103,6 +103,22 @@ def test_request_pulls_the_longest_prefix_then_falls_back_to_local_apc(nodes):
         assert_node_empty(node)
 
 
+def test_a_sync_node_loads_an_index_hit_inside_the_step_it_was_told(nodes):
+    # load_mode "sync": get_num_new_matched_tokens tells the engine the load is synchronous, so
+    # the step that allocates the blocks computes the request at once. The pull must then be
+    # planned sync too, so that the worker waits for it before that forward (before the fix
+    # an index hit was planned async: the forward read blocks whose bytes had not landed).
+    a, c = nodes("node-a"), nodes("node-c", load_mode="sync")
+    prompt = long_prompt(30 * BLOCK_SIZE + 5)
+    serve(a, "warm-a", prompt)
+    assert serve(c, "req-0", prompt) == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    s = stats(c)
+    assert (s["num_index_hits"], s["num_loads"], s["num_sync_loads"]) == (1, 1, 1)
+    assert s["num_blocks_received"] == 30
+    for node in (a, c):
+        assert_node_empty(node)
+
+
 def test_eviction_and_restart_remove_entries_and_fence_the_old_incarnation(nodes, redis_url):
     a = nodes("node-a")
     prompt = long_prompt(20 * BLOCK_SIZE + 2)
