@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.transport.limits import MAX_STR_LEN
+from kvbridge.transport.limits import MAX_STR_LEN, clip_text
 
 from .errors import KVTransferParamsError
 from .metadata import ReleaseNotice, Ticket
@@ -225,8 +225,9 @@ def ticket_of(params: RemotePrefillParams) -> Ticket:
 
 def release_notice_for_rejected(kv_transfer_params: Any, reason: str) -> ReleaseNotice | None:
     """The release notice for a prefill node whose handoff a decode node refused before
-    admission (best effort: params too broken to name a usable address give None, and the
-    lease ends the hold). ``kv_transfer_params`` may be anything a client sent."""
+    admission (best effort: params too broken to name a usable address or lease, a request id
+    or token no lease has, give None, and the lease ends the hold). ``kv_transfer_params`` may
+    be anything a client sent; ``reason`` is clipped to what the wire carries."""
     if not (isinstance(kv_transfer_params, Mapping) and wants_remote_prefill(kv_transfer_params)):
         return None
     host = kv_transfer_params.get("remote_host")
@@ -236,9 +237,13 @@ def release_notice_for_rejected(kv_transfer_params: Any, reason: str) -> Release
         return None
     if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
         return None
-    token = kv_transfer_params.get("remote_lease_token")
+    token = kv_transfer_params.get("remote_lease_token", "")
+    if not 0 < len(remote_request_id) <= MAX_STR_LEN or not (
+        isinstance(token, str) and _LEASE_TOKEN.fullmatch(token)
+    ):
+        return None
     return ReleaseNotice(
-        ticket=Ticket(host, port, remote_request_id, token if isinstance(token, str) else ""),
+        ticket=Ticket(host, port, remote_request_id, token),
         success=False,
-        reason=f"rejected: {reason}",
+        reason=clip_text(f"rejected: {reason}"),
     )

@@ -76,3 +76,10 @@ DtypeName = Literal[
     "float16", "bfloat16", "float32", "float64", "uint8", "int8", "float8_e4m3fn", "float8_e5m2"
 ]
 """KV dtypes a peer may announce (torch names without the ``torch.`` prefix)."""
+
+
+def clip_text(text: str, max_len: int = MAX_TEXT_LEN) -> str:
+    """``text`` cut to ``max_len`` characters (its end replaced by ``...``), so that free text
+    built locally (an error message, a notice's reason, which may quote a peer's long value)
+    always decodes on the peer."""
+    return text if len(text) <= max_len else text[: max_len - 3] + "..."

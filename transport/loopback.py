@@ -50,9 +50,9 @@ from .wire import (
     LeaseRef,
     Read,
     ReadDone,
-    TransferDoneNotice,
     decode_message,
     encode_message,
+    transfer_done_notice,
 )
 
 
@@ -317,12 +317,9 @@ class LoopbackTransport(Transport):
         holder = self._holder(peer)
         self._authenticate(holder)  # as the control connection's handshake would
         notice = _roundtrip(
-            TransferDoneNotice(
-                peer_engine_id=self.engine_id,
-                request_id=request_id,
-                success=success,
-                reason=reason,
-                token=token,
+            transfer_done_notice(
+                peer_engine_id=self.engine_id, request_id=request_id, success=success,
+                reason=reason, token=token,
             )
         )
         await asyncio.sleep(0)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .base import BlockValidator
 from .control import write_message
 from .errors import TransportError
+from .limits import clip_text
 from .wire import ErrorMsg, Read, ReadDone
 
 logger = logging.getLogger(__name__)
@@ -157,4 +158,6 @@ async def send_error(
     writer: asyncio.StreamWriter, transfer_id: int, code: str, message: str
 ) -> None:
     """An ``ErrorMsg`` to one peer (``transfer_id`` 0: about the connection)."""
-    await write_message(writer, ErrorMsg(transfer_id=transfer_id, code=code, message=message))
+    await write_message(
+        writer, ErrorMsg(transfer_id=transfer_id, code=code, message=clip_text(message))
+    )

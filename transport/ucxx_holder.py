@@ -32,6 +32,7 @@ from .cma import CmaHost
 from .cma_serve import CmaServe
 from .control import read_frame, write_message
 from .errors import HandshakeError, TransportError, WireError
+from .limits import clip_text
 from .metadata import NodeMetadata, check_compatible
 from .plan import check_read, find_mismatched
 from .serve import (
@@ -200,7 +201,7 @@ class UcxxHolder:
                 code = "unauthenticated"
             else:
                 code = "incompatible" if isinstance(exc, HandshakeError) else "bad_message"
-            message_text = str(exc) or "handshake timed out"
+            message_text = clip_text(str(exc) or "handshake timed out")
             await write_message(writer, ErrorMsg(transfer_id=0, code=code, message=message_text))
             return None
         offer = self.cma_host.offer if self.cma_host is not None else None

@@ -71,9 +71,9 @@ from .wire import (
     HelloOk,
     LeaseRef,
     Read,
-    TransferDoneNotice,
     decode_message,
     encode_message,
+    transfer_done_notice,
 )
 
 logger = logging.getLogger(__name__)
@@ -324,14 +324,11 @@ class UcxxTransport(Transport):
         reason: str = "",
         token: str = "",
     ) -> None:
-        await self.connect(peer)
-        notice = TransferDoneNotice(
-            peer_engine_id=self.engine_id,
-            request_id=request_id,
-            success=success,
-            reason=reason,
+        notice = transfer_done_notice(
+            peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason,
             token=token,
         )
+        await self.connect(peer)
         await self._conns[PeerAddress(*peer)].send(notice)
 
     async def cancel(self, request_id: str) -> int:

@@ -34,7 +34,7 @@ Block bytes never travel in these messages; they go over UCX tag messages (``ucx
 from __future__ import annotations
 
 import struct
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -69,6 +69,7 @@ from .limits import (
     TransferId,
     TransferIdOrZero,
     WorkerAddress,
+    clip_text,
 )
 from .metadata import NodeMetadata
 
@@ -102,6 +103,7 @@ __all__ = [
     "decode_message",
     "encode_message",
     "frame_length",
+    "transfer_done_notice",
 ]
 
 WIRE_VERSION = 8
@@ -339,6 +341,15 @@ class TransferDoneNotice(_Message, tag="TransferDone"):
     success: bool
     reason: LongText
     token: Text = ""
+
+
+def transfer_done_notice(*, reason: str, **fields: Any) -> TransferDoneNotice:
+    """A ``TransferDoneNotice`` with ``reason`` clipped to ``MAX_TEXT_LEN`` (it may quote a
+    peer's value). Raises ValueError for a request id or token over ``MAX_STR_LEN``."""
+    for name in ("request_id", "token"):
+        if len(fields.get(name, "")) > MAX_STR_LEN:
+            raise ValueError(f"{name} over {MAX_STR_LEN} characters")
+    return TransferDoneNotice(reason=clip_text(reason), **fields)
 
 
 class ErrorMsg(_Message):

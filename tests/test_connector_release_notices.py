@@ -1,0 +1,164 @@
+"""Release notices the holder can always decode (a notice it refuses leaves P holding the blocks
+until the lease runs out, and over UCXX made it drop the requester's whole control connection,
+failing every other pull in flight on it).
+
+A notice's reason may quote a long value: a failed pull lists every block id that did not land,
+a refused ticket quotes the client's bad field. The wire caps the reason at ``MAX_TEXT_LEN``
+(4,096) characters and a request id or token at ``MAX_STR_LEN`` (512)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from kvbridge.connector import KVTransferConfig
+from kvbridge.connector.errors import KVTransferParamsError
+from kvbridge.connector.loop_thread import get_loop_thread
+from kvbridge.connector.metadata import (
+    HolderRef,
+    KVBridgeConnectorMetadata,
+    LeaseGrant,
+    PullPlan,
+    ReleaseNotice,
+    Ticket,
+)
+from kvbridge.connector.transfer_params import RemotePrefillParams, release_notice_for_rejected
+from kvbridge.connector.worker_half import KVBridgeWorker
+from kvbridge.kvmanager.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvbridge.transport import GroupRead, LoopbackFaults, LoopbackNetwork, PeerAddress
+from kvbridge.transport.limits import MAX_TEXT_LEN, clip_text
+from kvbridge.transport.wire import decode_message, encode_message, transfer_done_notice
+
+LAYER = "layer.0"
+
+
+def _worker(engine_id: str, num_blocks: int, *, network: LoopbackNetwork | None = None,
+            faults: LoopbackFaults | None = None, **extra) -> KVBridgeWorker:
+    """A worker half with one layer of ``num_blocks`` one-token blocks (loopback by default)."""
+    config = KVTransferConfig.from_dict({
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"transport": "loopback", "model_name": "tiny", **extra},
+    })
+    spec = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=2, dtype=torch.float32)
+    kv_config = KVCacheConfig(num_blocks=num_blocks,
+                              kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)])
+    worker = KVBridgeWorker(config, kv_config, hash_fn_name="sha256", loopback_network=network,
+                            loopback_faults=faults)
+    worker.register_kv_caches({LAYER: torch.randn(num_blocks, 2, 1, 1, 2)})
+    return worker
+
+
+def _step(worker: KVBridgeWorker, meta: KVBridgeConnectorMetadata):
+    """One engine step of the worker half: ``(finished_sending, finished_recving)``."""
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    worker.wait_for_save()
+    finished = worker.get_finished(set())
+    worker.clear_connector_metadata()
+    return finished
+
+
+def _wait_for(cond, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def test_clip_text_keeps_what_fits_and_marks_what_it_cut():
+    assert clip_text("x" * MAX_TEXT_LEN) == "x" * MAX_TEXT_LEN  # the boundary: unchanged
+    clipped = clip_text("x" * (MAX_TEXT_LEN + 1))
+    assert len(clipped) == MAX_TEXT_LEN and clipped.endswith("...")
+
+
+def test_a_notice_with_a_long_reason_decodes_and_a_too_long_id_is_refused_when_built():
+    notice = transfer_done_notice(peer_engine_id="d", request_id="p-1", success=False,
+                                  reason="x" * 10_000, token="tok")
+    decoded = decode_message(encode_message(notice)[4:])  # what P's control connection does
+    assert len(decoded.reason) == MAX_TEXT_LEN and decoded.request_id == "p-1"
+    for field in ("request_id", "token"):
+        fields = {"request_id": "p-1", "token": "tok", field: "r" * 513}
+        with pytest.raises(ValueError, match=field):
+            transfer_done_notice(peer_engine_id="d", success=False, reason="", **fields)
+
+
+def _ticket_params(**over) -> dict:
+    params = {
+        "do_remote_prefill": True, "remote_engine_id": "p", "remote_incarnation": "1",
+        "remote_request_id": "p-1", "remote_host": "127.0.0.1", "remote_port": 5555,
+        "remote_block_ids": [[1, 2]], "remote_num_tokens": 32, "remote_block_size": 16,
+        "lease_expires_at": 1e12, "remote_lease_token": "tok",
+    }
+    return params | over
+
+
+@pytest.mark.parametrize(("bad", "notified"), [
+    ({"remote_block_ids": [["x" * 5000, 2]]}, True),  # the error quotes 5,000 characters
+    ({"remote_request_id": "r" * 600}, False),  # no lease has such an id: the lease runs out
+    ({"remote_lease_token": "t" * 600}, False),  # nor such a token
+])
+def test_a_refused_tickets_notice_is_one_the_holder_decodes_or_none(bad, notified):
+    params = _ticket_params(**bad)
+    with pytest.raises(KVTransferParamsError) as refused:
+        RemotePrefillParams.parse(params, num_groups=1, block_size=16)
+    notice = release_notice_for_rejected(params, str(refused.value))
+    assert (notice is not None) == notified
+    if notice is not None:
+        msg = transfer_done_notice(peer_engine_id="d", request_id=notice.ticket.remote_request_id,
+                                   success=False, reason=notice.reason, token=notice.ticket.token)
+        assert decode_message(encode_message(msg)[4:]).reason.startswith("rejected: ")
+
+
+@pytest.mark.parametrize("num_blocks", [10, 1500])
+def test_a_failed_pull_of_many_blocks_still_releases_the_holders_lease(num_blocks, caplog):
+    # The holder refuses the read; D's notice then lists every block id that did not land
+    # (1,500 ids: over 4,096 characters). P must learn of it at once, not at lease expiry.
+    caplog.set_level(logging.CRITICAL, logger="kvbridge.connector.puller")
+    network, faults = LoopbackNetwork(), LoopbackFaults()
+    p = _worker("prefill-0", 4096, network=network, faults=faults)
+    d = _worker("decode-0", 4096, network=network)
+    try:
+        remote = list(range(1, num_blocks + 1))
+        local = list(range(2000, 2000 + num_blocks))
+        _step(p, KVBridgeConnectorMetadata(lease_grants=[LeaseGrant(
+            request_id="p-1", block_ids=[remote], block_hashes=[], lease_s=30.0, token="tok")]))
+        faults.refuse_block_ids = {remote[0]}
+        host, port = p.transport.address
+        pull = PullPlan(
+            request_id="d-1",
+            holder=HolderRef(engine_id="prefill-0", incarnation=str(p.incarnation), host=host,
+                             port=port),
+            lease=Ticket(host, port, "p-1", "tok"),
+            groups=[GroupRead(group_id=0, remote_block_ids=remote, local_block_ids=local,
+                              expected_hashes=[b""] * num_blocks)],
+            unloadable_block_ids=[], num_external_tokens=num_blocks, created_at=time.monotonic(),
+        )
+        recving = _step(d, KVBridgeConnectorMetadata(pulls=[pull]))[1] or _wait_for(
+            lambda: _step(d, KVBridgeConnectorMetadata())[1], 10)
+        assert recving == {"d-1"} and d.get_block_ids_with_load_errors() == set(local)
+        sending = _wait_for(lambda: _step(p, KVBridgeConnectorMetadata())[0], 5)
+        assert sending == {"p-1"}  # P freed the lease's blocks on D's notice
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_over_ucxx_a_long_reason_never_drops_the_control_connection(caplog):
+    pytest.importorskip("ucxx")  # a dependency: installed wherever the suite runs
+    caplog.set_level(logging.CRITICAL, logger="kvbridge.connector.puller")
+    ucx = {"transport": "ucxx", "host": "127.0.0.1", "port": 0, "cma": False}
+    p, d = _worker("prefill-0", 64, **ucx), _worker("decode-0", 64, **ucx)
+    try:
+        peer = PeerAddress(*p.transport.address)
+        get_loop_thread().run(d.transport.connect(peer), 30)
+        conn = d.transport._conns[peer]
+        notice = ReleaseNotice(ticket=Ticket(peer.host, peer.port, "p-9", "tok"), success=False,
+                               reason="x" * 5000)
+        _step(d, KVBridgeConnectorMetadata(notices=[notice]))
+        time.sleep(1.0)  # the holder's answer, had it refused the notice, is in by now
+        assert conn.alive
+    finally:
+        d.shutdown()
+        p.shutdown()
