@@ -4,6 +4,7 @@ resync of the node's whole cached set after a gap, and no resurrection by a late
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import time
@@ -18,13 +19,24 @@ from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.index import (
     BlockIndex,
+    IndexClient,
     IndexNamespace,
     InMemoryBlockIndex,
+    InMemoryNodeDirectory,
     RedisBlockIndex,
     RedisClusterBlockIndex,
+    open_index,
 )
+from kvbridge.connector.index.protocol import PublishResult
 from kvbridge.connector.index.redis_index import _PUBLISH
-from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, Request, SamplingParams
+from kvbridge.kvmanager import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CachedBlock,
+    Request,
+    SamplingParams,
+)
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.transport import LoopbackNetwork
 
@@ -493,3 +505,99 @@ def test_a_remote_hit_is_counted_once_when_the_request_waited_many_steps_for_roo
     finally:
         b.shutdown()
         c.shutdown()
+
+
+def _chain_hash(i: int) -> bytes:
+    """Distinct hashes for long chains (``_hash`` has 255)."""
+    return hashlib.sha256(f"chain/{i}".encode()).digest()
+
+
+def test_a_resync_of_a_large_cached_set_lands_in_calls_the_server_runs_in_time(redis_url):
+    # 40,000 cached blocks. As one script call the resync ran past the 0.25 s socket timeout
+    # (16k blocks already did here): the node saw it fail, asked for it again, forever, while
+    # each try held the server for the whole script. Sent in calls of 4,096 ops, it lands and
+    # the index lists every block again.
+    num_blocks = 40_000
+    index, directory = open_index(redis_url, NAMESPACE)
+    hashes = [_chain_hash(i) for i in range(num_blocks)]
+    cached = [CachedBlock(h, 0, i + 1) for i, h in enumerate(hashes)]
+    client = IndexClient(index, directory, node_id="A", incarnation=1, group_ids=(0,),
+                         ttl_s=0.9)
+    client.set_resync_source(lambda: cached)
+    client.start("127.0.0.1", 1)
+    try:
+        for k in range(0, num_blocks, 4000):  # cached as deltas, each in time
+            client.publish([BlockStored(
+                block_hashes=hashes[k:k + 4000], parent_block_hash=hashes[k - 1] if k else None,
+                token_ids=[], block_size=BLOCK_SIZE, lora_name=None, medium=None, group_id=0,
+                block_ids=list(range(k + 1, k + 4001)))])
+            assert client.flush(10)
+        redis.Redis.from_url(redis_url).flushall()  # Redis restarted empty
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (
+            client.num_resyncs and not client.resync_pending and client.flush(5)
+        ):
+            client.publish([])  # an engine step: the resync's set is read here when asked
+            time.sleep(0.02)
+        assert client.num_resyncs >= 1 and not client.resync_pending
+        assert client.flush(10)
+        assert len(_keys(index, "A")) == num_blocks
+        assert index.longest_prefix(hashes).num_blocks == num_blocks
+        assert "TimeoutError" not in index.stats.errors_by_kind
+    finally:
+        client.close()
+
+
+class _GatedIndex(InMemoryBlockIndex):
+    """Holds a resync's call until ``release``; fails the next publish on ``fail_next``."""
+
+    def __init__(self) -> None:
+        super().__init__(NAMESPACE)
+        self.fail_next = False
+        self.in_resync, self.release = threading.Event(), threading.Event()
+
+    def publish(self, *args, resync: bool = False, **kwargs):
+        if self.fail_next:
+            self.fail_next = False
+            return PublishResult("unavailable", 1)
+        if resync:
+            self.in_resync.set()
+            self.release.wait(5)
+        return super().publish(*args, resync=resync, **kwargs)
+
+
+def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
+    # The resync's set was read before the drop, so it lacks the dropped batch: its success
+    # must not end resync mode (before the fix it did, and block 3 was never indexed).
+    index = _GatedIndex()
+    pool: dict[bytes, int] = {}  # what the node caches: block hash -> block id
+    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
+                         group_ids=(0,), ttl_s=0.3, max_queued_ops=1)
+    client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in pool.items()])
+    client.start("127.0.0.1", 1)
+    try:
+        pool[_hash(1)] = 1
+        index.fail_next = True  # (1) one publish lost: resync mode
+        client.publish([_stored(1, 1)])
+        deadline = time.monotonic() + 5
+        while not index.in_resync.is_set() and time.monotonic() < deadline:
+            client.publish([])  # (2) an engine step: the resync's set is read here when asked
+            time.sleep(0.01)
+        assert index.in_resync.wait(5)
+        # (3) While it is in the backend two more blocks are cached; the queue (1 op) takes
+        # the first batch and drops the second.
+        pool[_hash(2)] = 2
+        client.publish([_stored(2, 2, parent=1)])
+        pool[_hash(3)] = 3
+        client.publish([_stored(3, 3, parent=2)])
+        assert client.stats.publish_batches_dropped_full == 1
+        index.release.set()
+        assert client.flush(5)
+        deadline = time.monotonic() + 5  # (4) heartbeats every 0.1 s: a second resync
+        while time.monotonic() < deadline and client.num_resyncs < 2:
+            client.publish([])
+            time.sleep(0.05)
+        assert client.flush(5) and not client.resync_pending
+        assert _keys(index, "A") == {(0, _hash(i)[:8], i) for i in (1, 2, 3)}
+    finally:
+        client.close()

@@ -15,7 +15,8 @@ Batches are numbered ``1, 2, ...`` as accepted (``protocol.py``). A batch that m
 queue, a call that failed or timed out, ``"gap"``, a lapsed registration) starts resync mode: no
 more deltas are sent, the backend is probed every ``_RESYNC_PROBE_S``, and once it answers
 ``resync_wanted`` asks the caller thread for the node's whole cached set (``enqueue_resync``),
-which replaces every queued batch and ends resync mode once applied."""
+which replaces every queued batch and ends resync mode once its first call is applied, unless
+a batch was lost since its snapshot (then the caller is asked again)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .jobs import Batch, LookupJob, count_ops
+from .jobs import Batch, LookupJob, count_ops, resync_batches
 from .lookup import LookupResult, resolve_remote_prefix
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
@@ -120,6 +121,8 @@ class IndexWorker:
         self.can_resync = False  # set once by the client, before start: batches are numbered
         self._next_seq = 1
         self._needs_resync = False  # a batch may be lost: send no delta until a resync lands
+        self._num_losses = self._losses_at_resync = 0  # _enter_resync_mode calls; at the last
+        # enqueue_resync: a batch lost after its snapshot is not in it, so resync mode outlives it
         self._resync_wanted = False  # the backend answers again: the caller should resync
         self.num_resyncs_sent = self.num_batches_skipped = 0  # worker thread; others read them
 
@@ -194,19 +197,19 @@ class IndexWorker:
     needs_resync = property(lambda self: self._needs_resync, doc="A batch may be lost.")
 
     def enqueue_resync(self, events: list[Any]) -> None:
-        """Queue the node's whole cached set (``resync.ParentMirror.resync_events``) in place
-        of every batch still queued (they are older than the set, which covers them)."""
+        """Queue the node's whole cached set (``resync.ParentMirror.resync_events``; sent in
+        calls of ``_MAX_OPS_PER_SEND`` ops, ``jobs.resync_batches``) in place of every batch
+        still queued (they are older than the set, which covers them)."""
         with self._lock:
             if self._stopping:
                 return
             self._num_batches_done += len(self._batches)
-            self._num_queued_ops = 0
             self._batches.clear()
-            batch = Batch(events, count_ops(events), self._next_seq, True)
-            self._next_seq += 1
-            self._batches.append(batch)
-            self._num_queued_ops += batch.num_ops
-            self._num_batches_accepted += 1
+            self._batches.extend(resync_batches(events, self._next_seq, _MAX_OPS_PER_SEND))
+            self._next_seq += len(self._batches)
+            self._num_queued_ops = sum(batch.num_ops for batch in self._batches)
+            self._num_batches_accepted += len(self._batches)
+            self._losses_at_resync = self._num_losses
             self._resync_wanted = False
             self._work.notify()
             self._done.notify_all()
@@ -233,19 +236,13 @@ class IndexWorker:
             stats.publish_batches_dropped_full += 1
             stats.publish_ops_dropped_full += batch.num_ops
             if self._num_dropped_in_run == 0:
-                logger.warning(
-                    "index: publish queue of %s full (%d ops); dropping batches until it "
-                    "drains (the index misses them until a resync)",
-                    self.node_id,
-                    self.max_queued_ops,
-                )
+                logger.warning("index: publish queue of %s full (%d ops); dropping batches until "
+                               "it drains (the index misses them until a resync)",
+                               self.node_id, self.max_queued_ops)
             self._num_dropped_in_run += 1
         elif self._num_dropped_in_run:
-            logger.warning(
-                "index: publish queue of %s accepts again; %d batch(es) were dropped",
-                self.node_id,
-                self._num_dropped_in_run,
-            )
+            logger.warning("index: publish queue of %s accepts again; %d batch(es) were dropped",
+                           self.node_id, self._num_dropped_in_run)
             self._num_dropped_in_run = 0
         return accepted
 
@@ -298,6 +295,7 @@ class IndexWorker:
         the node's cached set) the index just misses that batch, as it always did."""
         if not self.can_resync:
             return
+        self._num_losses += 1
         if not self._needs_resync:
             logger.warning(
                 "index: a publish batch of %s may be lost; resyncing its whole cached set once "
@@ -399,7 +397,7 @@ class IndexWorker:
             if resync:
                 self.num_resyncs_sent += 1
                 with self._lock:
-                    self._needs_resync = False
+                    self._needs_resync = self._num_losses != self._losses_at_resync
             return
         with self._lock:  # fenced, gap, unavailable: this batch or an earlier one is lost
             self._enter_resync_mode()
