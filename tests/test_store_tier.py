@@ -5,6 +5,7 @@ ones test offload's two halves (``OffloadPlanner``, ``OffloadSender``) on their 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 import _store_builders
 import msgpack
 import pytest
+import redis
 import torch
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
@@ -33,6 +35,7 @@ from kvbridge.connector.store.cache import ROOT_PARENT, StoreCache
 from kvbridge.connector.store.node import (
     StoreNode,
     close_store_node,
+    start_store_node,
     store_kv_caches,
 )
 from kvbridge.connector.store.offload_items import (
@@ -1311,3 +1314,55 @@ def test_a_probe_waits_for_the_interval_and_for_puts_in_flight(network, redis_ur
     with pytest.raises(ValueError, match="probe_interval_s"):
         OffloadSender(store_address=store.write_address, max_inflight_bytes=1,
                       stats=KVTransferStats(), probe_interval_s=-1.0)
+
+
+def _put_chain(store: StoreNode, hashes: list[bytes]) -> dict:
+    """Write ``hashes`` (one chain from block 0) to ``store``'s write server; its reply."""
+    nbytes = store.cache.groups[0].block_nbytes * len(hashes)
+    return _raw_put(store.write_address, _header_frame({
+        "v": 1, "type": "put", "compat_hash": store.metadata.compat_hash,
+        "payload_nbytes": nbytes,
+        "groups": [{"group_id": 0, "block_hashes": hashes, "parent_hashes": [b"", *hashes[:-1]],
+                    "nbytes": nbytes}],
+    }, b"\0" * nbytes))
+
+
+def test_a_store_lists_its_blocks_again_after_the_index_lost_them(network, redis_url, cleanup):
+    # Redis restarts empty (FLUSHALL stands in). The store's heartbeat is fenced and it
+    # registers again, with no entries; a writer that offers the blocks again gets "present",
+    # which makes no event. Before the fix the blocks stayed out of the index until each was
+    # dropped and written anew; now the store resyncs its held set (a tick offers the index
+    # client a step every third of the TTL, so it happens with no put at all).
+    _, stores = cleanup
+    store = _store_builders.make_store(network, index_url=redis_url, capacity_blocks=16,
+                                       engine_id="store-0", index_ttl_s=0.6)
+    stores.append(store)
+    hashes = [hashlib.sha256(f"listed/{i}".encode()).digest() for i in range(4)]
+    assert _put_chain(store, hashes)["num_stored"] == 4 and store_depth(store, hashes) == 4
+    redis.Redis.from_url(redis_url).flushall()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+        store.index_client.num_reregistrations and store.index_client.num_resyncs
+        and store_depth(store, hashes) == 4
+    ):
+        time.sleep(0.05)
+    assert store.index_client.num_reregistrations >= 1 and store.index_client.num_resyncs >= 1
+    assert store_depth(store, hashes) == 4 and store.cache.num_held() == 4
+
+
+def test_a_store_whose_start_fails_leaves_nothing_running(network, redis_url):
+    # The write port is taken: start fails after the transport and the index client started.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    store = StoreNode(tiny_model(hybrid=False).config, block_size=BLOCK_SIZE,
+                      capacity_bytes=1 << 20, engine_id="store-fails", transport="loopback",
+                      loopback_network=network, index_url=redis_url,
+                      write_port=taken.getsockname()[1])
+    try:
+        with pytest.raises(OSError):
+            start_store_node(store)
+        assert store.transport is None and store.index_client is None
+        assert not [t for t in threading.enumerate() if t.name == "kvbridge-index-store-fails"]
+    finally:
+        taken.close()

@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 import torch
 from kvbridge.kernels import scatter_blocks
+from kvbridge.kvmanager import CachedBlock
 from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvbridge.transport import LeaseRef
 
@@ -134,6 +135,16 @@ class StoreCache:
     def lru_hashes(self, group_id: int) -> list[bytes]:
         """Held hashes of ``group_id``, coldest first."""
         return list(self.groups[group_id].hash_to_block_id)
+
+    def listed_blocks(self) -> list[CachedBlock]:
+        """What the index should list of this store: every held, anchored block (a resync's
+        set; the index client's ``ParentMirror`` knows their parents from the events)."""
+        return [
+            CachedBlock(block_hash, group_id, block_id)
+            for group_id, group in enumerate(self.groups)
+            for block_hash, block_id in group.hash_to_block_id.items()
+            if block_hash in group.anchored
+        ]
 
     # ------------------------------------------------------------------ writes
     def put(

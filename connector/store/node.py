@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 from kvbridge.kernels.model import ModelConfig
+from kvbridge.kvmanager import CachedBlock
 from kvbridge.kvmanager.model_runner import make_kv_cache_config
 from kvbridge.transport import LeaseRef, LoopbackNetwork, NodeMetadata, PeerAddress, Transport
 
@@ -187,6 +188,7 @@ class StoreNode:
         self.transport: Transport | None = None
         self.index_client: IndexClient | None = None
         self._server: StoreWriteServer | None = None
+        self._index_tick: asyncio.Task[None] | None = None
         # One thread: index publishes are applied in the order the cache produced them.
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-{engine_id}-index")
 
@@ -206,7 +208,15 @@ class StoreNode:
         return self._server.address
 
     async def start(self) -> None:
-        """Serve pulls, accept writes, register in the index (a fresh incarnation)."""
+        """Serve pulls, accept writes, register in the index (a fresh incarnation). A start
+        that fails part-way closes what it started (``close``) and raises."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         if self._transport_kind == "loopback":
             from kvbridge.transport import LoopbackTransport
 
@@ -247,10 +257,11 @@ class StoreNode:
                 ttl_s=self.index_ttl_s,
                 tier="store",
             )
+            loop = asyncio.get_running_loop()
+            self.index_client.set_resync_source(lambda: self._listed_blocks(loop))
             client, address = self.index_client, self.transport.address
-            await asyncio.get_running_loop().run_in_executor(
-                self._publisher, client.start, address.host, address.port
-            )
+            await loop.run_in_executor(self._publisher, client.start, address.host, address.port)
+            self._index_tick = asyncio.create_task(self._tick_index(client))
         self._server = StoreWriteServer(self, host=self._write_host, port=self._write_port)
         await self._server.start()
         logger.info(
@@ -263,6 +274,9 @@ class StoreNode:
 
     async def close(self) -> None:
         """Stop the write server and the transport, withdraw from the index. Idempotent."""
+        tick, self._index_tick = self._index_tick, None
+        if tick is not None:
+            tick.cancel()
         server, self._server = self._server, None
         if server is not None:
             await server.close()
@@ -358,6 +372,25 @@ class StoreNode:
             await loop.run_in_executor(self._publisher, self._publish_and_wait, client, events)
         return PutReply(num_stored, num_present, len(refused), tuple(refused), tuple(missing),
                         self.incarnation)
+
+    async def _tick_index(self, client: IndexClient) -> None:
+        """Offer the index client a step every third of the TTL, so that a resync it asks for
+        (Redis restarted empty, a lost batch) is read while no put comes: the store's held
+        blocks are listed again without being written again."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.index_ttl_s / 3)
+            await loop.run_in_executor(self._publisher, client.publish, [])
+
+    def _listed_blocks(self, loop: asyncio.AbstractEventLoop) -> list[CachedBlock]:
+        """The index client's resync source, called on the publisher thread: the cache's
+        ``listed_blocks``, read on the loop thread that owns the cache. Events queued after
+        the read repeat what it saw (the index applies them again, to the same end)."""
+
+        async def read() -> list[CachedBlock]:
+            return self.cache.listed_blocks()
+
+        return asyncio.run_coroutine_threadsafe(read(), loop).result(_START_TIMEOUT_S)
 
     def _publish_and_wait(self, client: IndexClient, events: list[Any]) -> None:
         """On the publisher thread: queue ``events`` and wait (at most ``_PUBLISH_WAIT_S``)
