@@ -232,3 +232,15 @@ def test_request_view_reads_vllm_fields_and_maps_status_by_name():
     assert view.status is RequestStatus.FINISHED_LENGTH_CAPPED
     request.status = _VllmStatus.FINISHED_REPETITION
     assert RequestView.of(request).status is RequestStatus.FINISHED_ERROR  # nothing handed over
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("index_url", "redis://127.0.0.1:6379/0"),
+    ("store_url", "127.0.0.1:7000"),
+    ("offload", "evict"),
+])
+def test_the_block_index_and_the_store_tier_are_refused_in_vllm_naming_the_key(key, value):
+    # Accepted, they did nothing inside vLLM: no block was ever published, no offload planned.
+    with pytest.raises(KVTransferConfigError, match=rf"{key}: not supported inside vLLM"):
+        config_from_vllm(_vllm_transfer_config(**{key: value}), model_name="tiny")
+    config_from_vllm(_vllm_transfer_config(offload="off", index_url=None), model_name="tiny")

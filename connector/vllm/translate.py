@@ -34,6 +34,7 @@ from ..config import KVTransferConfig
 from ..errors import KVTransferConfigError
 
 __all__ = [
+    "NOT_IN_VLLM",
     "KVCacheRegions",
     "RequestView",
     "blocks_first_views",
@@ -45,17 +46,33 @@ __all__ = [
 ]
 
 
+_NEEDS_POOL_EVENTS = (
+    "the block index and the store tier follow the engine's block pool through its events, "
+    "which kvbridge's own engine hands the connector and vLLM does not"
+)
+NOT_IN_VLLM = dict.fromkeys(("index_url", "store_url", "offload"), _NEEDS_POOL_EVENTS)
+"""Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (a node
+that never publishes a block, an offload planner that never runs)."""
+
+
 def config_from_vllm(kv_transfer_config: Any, *, model_name: str) -> KVTransferConfig:
     """kvbridge's settings from vLLM's ``KVTransferConfig`` (``kv_role``, ``engine_id``,
     ``kv_connector_extra_config``); ``model_name`` (vLLM's served model) is the default of the
     extra key of that name.
 
     Raises:
-        KVTransferConfigError: an unknown or bad key, or a ``load_failure_policy`` in the extra
+        KVTransferConfigError: an unknown or bad key, a ``load_failure_policy`` in the extra
             config that contradicts vLLM's own ``kv_load_failure_policy`` (vLLM applies its
-            own; two answers to one question are refused).
+            own; two answers to one question are refused), or a key of the block index or the
+            store tier (``NOT_IN_VLLM``).
     """
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+    for key, value in extra.items():
+        if key in NOT_IN_VLLM and value not in (None, "off"):
+            raise KVTransferConfigError(
+                f"kv_connector_extra_config.{key}: not supported inside vLLM yet "
+                f"({NOT_IN_VLLM[key]}); P/D handoffs need none of it"
+            )
     vllm_policy = getattr(kv_transfer_config, "kv_load_failure_policy", None)
     ours = extra.get("load_failure_policy")
     if ours is not None and vllm_policy is not None and ours != vllm_policy:
