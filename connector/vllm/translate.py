@@ -47,8 +47,8 @@ __all__ = [
 
 
 _NEEDS_POOL_EVENTS = (
-    "the block index and the store tier follow the engine's block pool through its events, "
-    "which kvbridge's own engine hands the connector and vLLM does not"
+    "the block index and the store tier follow the engine's block pool through its events; "
+    "this adapter does not read vLLM's pool yet"
 )
 NOT_IN_VLLM = dict.fromkeys(("index_url", "store_url", "offload"), _NEEDS_POOL_EVENTS)
 """Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (a node
