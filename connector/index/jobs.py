@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .lookup import LookupResult
 
-__all__ = ["Batch", "LookupJob", "count_ops", "resync_batches"]
+__all__ = ["Batch", "LookupJob", "PublishQueue", "count_ops", "resync_batches"]
 
 
 def count_ops(events: list[Any]) -> int:
@@ -20,7 +21,8 @@ class Batch(NamedTuple):
     events: list[Any]
     num_ops: int
     seq: int  # this incarnation's batch number (1, 2, ...)
-    resync: bool = False  # the node's whole cached set
+    resync: bool = False  # clears the node's entries: the first batch of its whole cached set
+    of_whole_set: bool = False  # a batch of that set (the first or one that extends it)
 
 
 def resync_batches(events: list[Any], first_seq: int, max_ops: int) -> list[Batch]:
@@ -35,12 +37,72 @@ def resync_batches(events: list[Any], first_seq: int, max_ops: int) -> list[Batc
     for event in events:
         event_ops = count_ops([event])
         if chunk and num_ops + event_ops > max_ops:
-            batches.append(Batch(chunk, num_ops, first_seq + len(batches), not batches))
+            batches.append(Batch(chunk, num_ops, first_seq + len(batches), not batches, True))
             chunk, num_ops = [], 0
         chunk.append(event)
         num_ops += event_ops
-    batches.append(Batch(chunk, num_ops, first_seq + len(batches), not batches))
+    batches.append(Batch(chunk, num_ops, first_seq + len(batches), not batches, True))
     return batches
+
+
+class PublishQueue:
+    """A node's publish batches waiting for its ``IndexWorker``, oldest first, numbered 1, 2,
+    ... as queued (``protocol.py``). ``num_delta_ops`` counts the ops of the deltas, which the
+    worker bounds; a resync's batches are not counted (what is queued behind them comes after
+    the set they carry). Not thread-safe: the worker holds its lock around every use."""
+
+    def __init__(self) -> None:
+        self.batches: deque[Batch] = deque()
+        self.num_delta_ops = 0
+        self.num_whole_set_ops = 0  # of a resync's batches still queued
+        self.next_seq = 1
+
+    def append(self, events: list[Any], num_ops: int) -> None:
+        """Queue one delta."""
+        self.batches.append(Batch(events, num_ops, self.next_seq))
+        self.next_seq += 1
+        self.num_delta_ops += num_ops
+
+    def replace_with_whole_set(self, events: list[Any], max_ops_per_call: int) -> int:
+        """Queue a resync (``resync_batches``) in place of every queued batch (older than the
+        set, which covers them); returns how many batches it replaced."""
+        num_replaced = len(self.batches)
+        self.batches = deque(resync_batches(events, self.next_seq, max_ops_per_call))
+        self.next_seq += len(self.batches)
+        self.num_delta_ops = 0
+        self.num_whole_set_ops = sum(batch.num_ops for batch in self.batches)
+        return num_replaced
+
+    def take(self, max_ops: int, *, skip_deltas: bool) -> tuple[list[Batch], int]:
+        """Pop batches, oldest first, up to ``max_ops`` ops (at least one; a resync batch only
+        at the head of a call); with ``skip_deltas`` the deltas before a resync batch are
+        popped and dropped first. Returns the batches and how many were dropped."""
+        num_dropped = 0
+        while skip_deltas and self.batches and not self.batches[0].resync:
+            self._count_out(self.batches.popleft())
+            num_dropped += 1
+        taken: list[Batch] = []
+        num_ops = 0
+        while self.batches and (not taken or (
+            num_ops + self.batches[0].num_ops <= max_ops and not self.batches[0].resync
+        )):
+            taken.append(batch := self.batches.popleft())
+            num_ops += batch.num_ops
+            self._count_out(batch)
+        return taken, num_dropped
+
+    def clear(self) -> int:
+        """Drop every queued batch; returns their ops."""
+        num_ops = self.num_delta_ops + self.num_whole_set_ops
+        self.batches.clear()
+        self.num_delta_ops = self.num_whole_set_ops = 0
+        return num_ops
+
+    def _count_out(self, batch: Batch) -> None:
+        if batch.of_whole_set:
+            self.num_whole_set_ops -= batch.num_ops
+        else:
+            self.num_delta_ops -= batch.num_ops
 
 
 @dataclass(slots=True, eq=False)

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .jobs import Batch, LookupJob, count_ops, resync_batches
+from .jobs import Batch, LookupJob, PublishQueue, count_ops
 from .lookup import LookupResult, resolve_remote_prefix
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 # Queued batches are merged into one publish call up to this many ops (one round trip; the
 # backend applies a call's events in order, so a merged call equals the batches one by one).
 _MAX_OPS_PER_SEND = 4096
+# A resync's calls: a tenth of a 4,096-op call's 70-120 ms here, far below a 0.25 s timeout.
+_MAX_OPS_PER_RESYNC_CALL = 1024
 _GRACE_S = 0.25  # close: how long the worker may finish its call before it is interrupted
 _RESYNC_PROBE_S = 0.05  # resync mode: how often the backend is probed until it answers
 _TIMED_OUT = LookupResult("timed_out")
@@ -55,8 +57,8 @@ class IndexWorker:
     Thread model (each piece of mutable state and its owner):
 
     - under ``_lock`` (held only for queue operations, never across a backend call): the lookup
-      queue ``_lookups``, the running job ``_running``, the publish queue ``_batches`` and its
-      op count, the accepted/done batch counts, ``_next_seq``, ``_needs_resync``,
+      queue ``_lookups``, the running job ``_running``, the publish queue ``_queue``, the
+      accepted/done batch counts, ``_needs_resync``, the loss counts,
       ``_resync_wanted``, ``_stopping`` and ``_abandoned``;
     - the worker thread alone: ``_next_heartbeat_s``, ``num_reregistrations`` (others read it),
       and every call to ``index`` and ``directory`` once ``start`` has started the thread
@@ -105,8 +107,7 @@ class IndexWorker:
         self._done = threading.Condition(self._lock)  # flush waits for sent batches on it
         self._lookups: deque[LookupJob] = deque()
         self._running: LookupJob | None = None
-        self._batches: deque[Batch] = deque()
-        self._num_queued_ops = 0
+        self._queue = PublishQueue()
         self._num_batches_accepted = 0
         self._num_batches_done = 0  # sent, fenced, dropped by the backend, or refused as bad
         self._stopping = False
@@ -119,7 +120,6 @@ class IndexWorker:
         self.num_reregistrations = 0
         self.hit_rule = hit_rule
         self.can_resync = False  # set once by the client, before start: batches are numbered
-        self._next_seq = 1
         self._needs_resync = False  # a batch may be lost: send no delta until a resync lands
         self._num_losses = self._losses_at_resync = 0  # _enter_resync_mode calls; at the last
         # enqueue_resync: a batch lost after its snapshot is not in it, so resync mode outlives it
@@ -194,21 +194,21 @@ class IndexWorker:
         """True while the worker waits for the caller's ``enqueue_resync`` (one lock-free read)."""
         return self._resync_wanted
 
-    needs_resync = property(lambda self: self._needs_resync, doc="A batch may be lost.")
+    needs_resync = property(
+        lambda self: self._needs_resync or self._queue.num_whole_set_ops > 0,
+        doc="A batch may be lost, or a resync's set is not all sent yet.",
+    )
 
     def enqueue_resync(self, events: list[Any]) -> None:
         """Queue the node's whole cached set (``resync.ParentMirror.resync_events``; sent in
-        calls of ``_MAX_OPS_PER_SEND`` ops, ``jobs.resync_batches``) in place of every batch
-        still queued (they are older than the set, which covers them)."""
+        calls of ``_MAX_OPS_PER_RESYNC_CALL`` ops, ``jobs.resync_batches``) in place of every
+        batch still queued (they are older than the set, which covers them)."""
         with self._lock:
             if self._stopping:
                 return
-            self._num_batches_done += len(self._batches)
-            self._batches.clear()
-            self._batches.extend(resync_batches(events, self._next_seq, _MAX_OPS_PER_SEND))
-            self._next_seq += len(self._batches)
-            self._num_queued_ops = sum(batch.num_ops for batch in self._batches)
-            self._num_batches_accepted += len(self._batches)
+            self._num_batches_done += self._queue.replace_with_whole_set(
+                events, _MAX_OPS_PER_RESYNC_CALL)
+            self._num_batches_accepted += len(self._queue.batches)
             self._losses_at_resync = self._num_losses
             self._resync_wanted = False
             self._work.notify()
@@ -221,11 +221,9 @@ class IndexWorker:
         with self._lock:
             if self._stopping:
                 return False
-            accepted = self._num_queued_ops < self.max_queued_ops
+            accepted = self._queue.num_delta_ops < self.max_queued_ops
             if accepted:
-                self._batches.append(Batch(events, num_ops, self._next_seq))
-                self._next_seq += 1
-                self._num_queued_ops += num_ops
+                self._queue.append(events, num_ops)
                 self._num_batches_accepted += 1
                 self._work.notify()
             else:
@@ -260,7 +258,7 @@ class IndexWorker:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._lookups or self._batches):
+                while not (self._stopping or self._lookups or self._queue.batches):
                     if self._needs_resync and not self._resync_wanted:
                         self._next_heartbeat_s = min(
                             self._next_heartbeat_s, self._last_probe_s + _RESYNC_PROBE_S
@@ -307,26 +305,14 @@ class IndexWorker:
         self._work.notify()
 
     def _take_batches(self) -> list[Batch]:
-        """Pop queued batches, oldest first, up to ``_MAX_OPS_PER_SEND`` ops (at least one
-        batch; a resync batch only at the head of a call). In resync mode the deltas before a
-        resync batch are dropped (the set it carries covers them). Called under ``_lock``."""
-        batches: list[Batch] = []
-        num_ops = 0
-        while self._needs_resync and self._batches and not self._batches[0].resync:
-            dropped = self._batches.popleft()
-            self._num_queued_ops -= dropped.num_ops
-            self._num_batches_done += 1
-            self.num_batches_skipped += 1
+        """The next call's batches (``PublishQueue.take``, up to ``_MAX_OPS_PER_SEND`` ops); in
+        resync mode the deltas before a resync batch are dropped (the set it carries covers
+        them). Called under ``_lock``."""
+        batches, num_dropped = self._queue.take(_MAX_OPS_PER_SEND, skip_deltas=self._needs_resync)
+        if num_dropped:
+            self._num_batches_done += num_dropped
+            self.num_batches_skipped += num_dropped
             self._done.notify_all()
-        while self._batches and (
-            not batches
-            or (num_ops + self._batches[0].num_ops <= _MAX_OPS_PER_SEND
-                and not self._batches[0].resync)
-        ):
-            batch = self._batches.popleft()
-            batches.append(batch)
-            num_ops += batch.num_ops
-        self._num_queued_ops -= num_ops
         return batches
 
     def _resolve(self, job: LookupJob) -> LookupResult:
@@ -435,9 +421,7 @@ class IndexWorker:
 
     def _shut_down(self) -> None:
         with self._lock:
-            num_ops = self._num_queued_ops
-            self._batches.clear()
-            self._num_queued_ops = 0
+            num_ops = self._queue.clear()
             for job in self._lookups:
                 job.result = _UNAVAILABLE
             self._lookups.clear()
