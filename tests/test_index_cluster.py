@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import pytest
 import redis
@@ -16,8 +17,9 @@ from _engine_builders import reference_greedy
 from _pd_builders import assert_node_empty, long_prompt
 from _redis_cluster_fixture import RedisClusterServers
 from kvbridge.connector.index import BlockIndex, IndexNamespace, RedisClusterBlockIndex
+from kvbridge.connector.index.protocol import events_to_ops
 from kvbridge.connector.index.redis_cluster import bucket_of, parse_cluster_url
-from kvbridge.kvmanager import Request, SamplingParams
+from kvbridge.kvmanager import BlockRemoved, BlockStored, Request, SamplingParams
 from kvbridge.kvmanager.engine import Engine
 from kvbridge.transport import LoopbackNetwork
 
@@ -353,3 +355,31 @@ def test_replay_trace_runs_on_the_cluster_and_names_the_namespaces_it_wrote(
         assert sum(index.keys_per_shard().values()) > 0
     finally:
         index.close()
+
+
+def test_a_repeated_store_or_remove_leaves_the_chain_roots_exact():
+    # A store node's resync may be followed by the events of a put it already covered: the
+    # same "stored" twice. The chain roots publishing keeps (which bucket a block goes to)
+    # count holders per KV cache group, so the block's "removed" still forgets its root.
+    index = RedisClusterBlockIndex(NAMESPACE, "redis-cluster://127.0.0.1:1",
+                                   client=mock.MagicMock())
+    k = NAMESPACE.key_hash_bytes
+    block0, block1 = bytes([1]) * 32, bytes([2]) * 32
+
+    def ops(*events):
+        return events_to_ops(events, "store")
+
+    def stored(h: bytes, parent: bytes | None, group_id: int = 0) -> BlockStored:
+        return BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=[],
+                           block_size=16, lora_name=None, medium=None, group_id=group_id,
+                           block_ids=[1])
+
+    root_bucket = bucket_of(block0[:k], index.num_buckets)
+    for _ in range(2):
+        assert list(index._split("s", ops(stored(block0, None), stored(block1, block0)),
+                                 False)) == [root_bucket]
+    index._split("s", ops(stored(block1, block0, group_id=1)), False)
+    removed = [BlockRemoved(block_hashes=[h], medium=None, group_id=0, block_ids=[1])
+               for h in (block1, block0)]
+    index._split("s", ops(*removed), False)
+    assert index._roots["s"] == {block1[:k]: (block0[:k], {1})}  # group 1 still holds it

@@ -59,6 +59,7 @@ from kvbridge.connector.store.wire import (
 )
 from kvbridge.connector.store.writer import StoreWriter
 from kvbridge.kvmanager import (
+    AllBlocksCleared,
     BlockPool,
     BlockRemoved,
     BlockStored,
@@ -1366,3 +1367,17 @@ def test_a_store_whose_start_fails_leaves_nothing_running(network, redis_url):
         assert not [t for t in threading.enumerate() if t.name == "kvbridge-index-store-fails"]
     finally:
         taken.close()
+
+
+def test_a_stores_resync_lists_its_anchored_blocks_parents_first_with_their_parents():
+    # The store's resync takes parents from its cache, not from events the index client has
+    # seen: a put's events may still wait on the publisher thread when the set is read.
+    cache = _store_cache(8, read_guard_s=0.0)
+    a = [hashlib.sha256(f"a/{i}".encode()).digest() for i in range(3)]
+    b = [hashlib.sha256(f"b/{i}".encode()).digest() for i in range(2)]
+    _put(cache, a, [ROOT_PARENT, a[0], a[1]])
+    _put(cache, b[1:], [b[0]])  # held, not anchored: its parent was never written
+    events = cache.resync_events()
+    assert isinstance(events[0], AllBlocksCleared)
+    stored = [(e.block_hashes[0], e.parent_block_hash) for e in events[1:]]
+    assert stored == [(a[0], None), (a[1], a[0]), (a[2], a[1])]

@@ -221,6 +221,7 @@ class IndexClient:
         self._key_to_lookup: dict[str, LookupJob] = {}
         self._snapshot: Callable[[], Sequence[CachedBlock]] | None = None
         self._parents = ParentMirror()
+        self._make_resync_events: Callable[[], list[Any]] | None = None
         self._block_size = index.namespace.block_size
 
     @property
@@ -257,6 +258,14 @@ class IndexClient:
         self._snapshot = snapshot
         self._worker.can_resync = True
 
+    def set_resync_events(self, make_events: Callable[[], list[Any]]) -> None:
+        """As ``set_resync_source``, for a node that knows each block's parent itself (a store
+        node, whose cache keeps what its writers sent): ``make_events()`` returns the whole
+        set as events, ``AllBlocksCleared`` first, then one ``BlockStored`` per block, parents
+        before children."""
+        self._make_resync_events = make_events
+        self._worker.can_resync = True
+
     def publish(self, events: Iterable[Any]) -> None:
         """Queue a batch of ``BlockPool`` events for the index and return at once; the worker
         applies batches in the order they were queued. A batch offered while the queue is full
@@ -267,7 +276,11 @@ class IndexClient:
         events = list(events)
         if self._snapshot is not None:
             self._parents.observe(events)
-            if self._worker.resync_wanted:
+        if self._worker.resync_wanted:
+            if self._make_resync_events is not None:
+                self._worker.enqueue_resync(self._make_resync_events())
+                return
+            if self._snapshot is not None:
                 cached = self._snapshot()
                 self._worker.enqueue_resync(self._parents.resync_events(cached, self._block_size))
                 return

@@ -175,8 +175,9 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         self.bucket_prefixes = bucket_prefixes(namespace.key_prefix, self.num_buckets)
         self._slot_of_prefix = {p: key_slot(p.encode()) for p in self.bucket_prefixes}
         self._publish_lock = threading.Lock()
-        # node -> lookup key -> [root key, number of entries]: the bucket of every held block
-        self._roots: dict[str, dict[bytes, list[Any]]] = {}
+        # node -> lookup key -> (root key, the groups holding it): the bucket of every held
+        # block (a repeated store or remove of a group changes nothing)
+        self._roots: dict[str, dict[bytes, tuple[bytes, set[int]]]] = {}
         self._seqs: dict[str, _NodeSeqs] = {}
 
     @property
@@ -291,14 +292,14 @@ class RedisClusterBlockIndex(RedisBlockIndex):
                     parent = roots.get(op.parent_hash[:key_len]) if op.parent_hash else None
                     # Block 0 is its own root; a child of an unknown parent falls back to its
                     # own bucket (a lookup then misses it: a recompute, never a wrong hit).
-                    known = roots[key] = [key if parent is None else parent[0], 0]
-                known[1] += 1
+                    known = roots[key] = (key if parent is None else parent[0], set())
+                known[1].add(op.group_id)
                 root = known[0]
             else:
                 root = key if known is None else known[0]
                 if known is not None:
-                    known[1] -= 1
-                    if known[1] <= 0:
+                    known[1].discard(op.group_id)
+                    if not known[1]:
                         del roots[key]
             out.setdefault(bucket_of(root, self.num_buckets), []).append(op)
         return out

@@ -45,8 +45,7 @@ from typing import NamedTuple
 
 import torch
 from kvbridge.kernels import scatter_blocks
-from kvbridge.kvmanager import CachedBlock
-from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvbridge.transport import LeaseRef
 
 __all__ = ["GroupPutResult", "StoreCache"]
@@ -136,15 +135,31 @@ class StoreCache:
         """Held hashes of ``group_id``, coldest first."""
         return list(self.groups[group_id].hash_to_block_id)
 
-    def listed_blocks(self) -> list[CachedBlock]:
-        """What the index should list of this store: every held, anchored block (a resync's
-        set; the index client's ``ParentMirror`` knows their parents from the events)."""
-        return [
-            CachedBlock(block_hash, group_id, block_id)
-            for group_id, group in enumerate(self.groups)
-            for block_hash, block_id in group.hash_to_block_id.items()
-            if block_hash in group.anchored
-        ]
+    def resync_events(self) -> list[KVCacheEvent]:
+        """What the index should say of this store, as a resync's events (``IndexClient.
+        set_resync_events``): ``AllBlocksCleared``, then one ``BlockStored`` per held, anchored
+        block, parents before children, each with the parent its writer sent."""
+        events: list[KVCacheEvent] = [AllBlocksCleared(medium=None)]
+        for group_id, group in enumerate(self.groups):
+            stack = [h for h in group.anchored if group.parent_of[h] == ROOT_PARENT]
+            while stack:
+                current = stack.pop()
+                events.append(self._stored_event(group_id, current))
+                stack.extend(c for c in group.children.get(current, ()) if c in group.anchored)
+        return events
+
+    def _stored_event(self, group_id: int, block_hash: bytes) -> BlockStored:
+        group = self.groups[group_id]
+        return BlockStored(
+            block_hashes=[block_hash],
+            parent_block_hash=group.parent_of[block_hash] or None,
+            token_ids=[],  # the store never sees tokens; the index does not need them
+            block_size=self.block_size,
+            lora_name=None,
+            medium=None,
+            group_id=group_id,
+            block_ids=[group.hash_to_block_id[block_hash]],
+        )
 
     # ------------------------------------------------------------------ writes
     def put(
@@ -312,19 +327,7 @@ class StoreCache:
                 continue
             group.anchored.add(current)
             group.published.add(current)
-            parent = group.parent_of[current]
-            events.append(
-                BlockStored(
-                    block_hashes=[current],
-                    parent_block_hash=parent or None,
-                    token_ids=[],  # the store never sees tokens; the index does not need them
-                    block_size=self.block_size,
-                    lora_name=None,
-                    medium=None,
-                    group_id=group_id,
-                    block_ids=[group.hash_to_block_id[current]],
-                )
-            )
+            events.append(self._stored_event(group_id, current))
             stack.extend(group.children.get(current, ()))
 
     # ------------------------------------------------------------------ reads

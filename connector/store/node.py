@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 import torch
 from kvbridge.kernels.model import ModelConfig
-from kvbridge.kvmanager import CachedBlock
 from kvbridge.kvmanager.model_runner import make_kv_cache_config
 from kvbridge.transport import LeaseRef, LoopbackNetwork, NodeMetadata, PeerAddress, Transport
 
@@ -258,7 +257,7 @@ class StoreNode:
                 tier="store",
             )
             loop = asyncio.get_running_loop()
-            self.index_client.set_resync_source(lambda: self._listed_blocks(loop))
+            self.index_client.set_resync_events(lambda: self._resync_events(loop))
             client, address = self.index_client, self.transport.address
             await loop.run_in_executor(self._publisher, client.start, address.host, address.port)
             self._index_tick = asyncio.create_task(self._tick_index(client))
@@ -365,7 +364,8 @@ class StoreNode:
                 num_blocks_dropped=result.num_dropped,
                 bytes_dropped=result.num_dropped * block_nbytes,
             )
-        self.stats.add(num_puts=1)
+        if any(group.block_hashes for group in put.groups):  # not a writer's empty probe
+            self.stats.add(num_puts=1)
         client = self.index_client
         if events and client is not None:
             loop = asyncio.get_running_loop()
@@ -376,19 +376,23 @@ class StoreNode:
     async def _tick_index(self, client: IndexClient) -> None:
         """Offer the index client a step every third of the TTL, so that a resync it asks for
         (Redis restarted empty, a lost batch) is read while no put comes: the store's held
-        blocks are listed again without being written again."""
+        blocks are listed again without being written again. Survives a failed step."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.index_ttl_s / 3)
-            await loop.run_in_executor(self._publisher, client.publish, [])
+            try:
+                await loop.run_in_executor(self._publisher, client.publish, [])
+            except Exception:
+                logger.exception("store %s: index step failed", self.engine_id)
 
-    def _listed_blocks(self, loop: asyncio.AbstractEventLoop) -> list[CachedBlock]:
-        """The index client's resync source, called on the publisher thread: the cache's
-        ``listed_blocks``, read on the loop thread that owns the cache. Events queued after
-        the read repeat what it saw (the index applies them again, to the same end)."""
+    def _resync_events(self, loop: asyncio.AbstractEventLoop) -> list[Any]:
+        """The index client's resync, called on the publisher thread: ``cache.resync_events``,
+        read on the loop thread that owns the cache. A put's events queued behind the read
+        repeat stores it saw, with the same parents (the index applies them to the same end),
+        and removals of blocks it no longer held."""
 
-        async def read() -> list[CachedBlock]:
-            return self.cache.listed_blocks()
+        async def read() -> list[Any]:
+            return self.cache.resync_events()
 
         return asyncio.run_coroutine_threadsafe(read(), loop).result(_START_TIMEOUT_S)
 
