@@ -27,7 +27,7 @@ from kvbridge.connector.index import (
     RedisClusterBlockIndex,
     open_index,
 )
-from kvbridge.connector.index.protocol import PublishResult
+from kvbridge.connector.index.protocol import PublishResult, events_to_ops
 from kvbridge.connector.index.redis_index import _PUBLISH
 from kvbridge.kvmanager import (
     AllBlocksCleared,
@@ -661,4 +661,64 @@ def test_a_resync_larger_than_the_queue_lands_while_the_engine_keeps_publishing(
         assert client.flush(5)
         assert _keys(index, "A") == {(0, h[:NAMESPACE.key_hash_bytes], b) for h, b in pool.items()}
     finally:
+        client.close()
+
+
+class _RecordingIndex(InMemoryBlockIndex):
+    """Records each publish call's (ops, resync); holds the second call of a resync's set
+    until ``release``; fails the next publish on ``fail_next``."""
+
+    def __init__(self) -> None:
+        super().__init__(NAMESPACE)
+        self.calls: list[tuple[int, bool]] = []
+        self.fail_next = False
+        self.in_second_call, self.release = threading.Event(), threading.Event()
+        self.lock = threading.Lock()
+
+    def publish(self, node_id, incarnation, events, **kwargs):
+        events = list(events)
+        if self.fail_next:
+            self.fail_next = False
+            return PublishResult("unavailable", 1)
+        self.calls.append((len(events_to_ops(events, "device")), bool(kwargs.get("resync"))))
+        if len(self.calls) == 2 and self.calls[0][1]:
+            self.in_second_call.set()
+            self.release.wait(10)
+        with self.lock:
+            return super().publish(node_id, incarnation, events, **kwargs)
+
+    def node_entries(self, node_id: str):
+        with self.lock:
+            return super().node_entries(node_id)
+
+
+def test_a_resyncs_calls_keep_their_size_and_it_stays_pending_until_the_last_lands():
+    index = _RecordingIndex()
+    pool: dict[bytes, int] = {}
+    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
+                         group_ids=(0,), ttl_s=0.3)
+    client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in list(pool.items())])
+    client.start("127.0.0.1", 1)
+    hashes = [_chain_hash(i) for i in range(3000)]
+    try:
+        pool.update((h, i + 1) for i, h in enumerate(hashes))
+        index.fail_next = True  # (1) the node caches 3,000 blocks; the batch is lost
+        client.publish([BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                    block_size=BLOCK_SIZE, lora_name=None, medium=None,
+                                    group_id=0, block_ids=list(range(1, 3001)))])
+        index.calls.clear()
+        deadline = time.monotonic() + 5
+        while not index.in_second_call.is_set() and time.monotonic() < deadline:
+            client.publish([])  # (2) steps: the resync's set is read when asked
+            time.sleep(0.01)
+        # (3) Its first call landed, the second is in the backend: not done yet.
+        assert index.in_second_call.is_set() and client.resync_pending
+        assert len(_keys(index, "A")) == 1023  # the clear and 1,023 stores
+        index.release.set()
+        assert client.flush(5) and not client.resync_pending
+        # A clear plus 3,000 stores in calls of at most 1,024 ops, the first one the resync.
+        assert index.calls == [(1024, True), (1024, False), (953, False)]
+        assert len(_keys(index, "A")) == 3000
+    finally:
+        index.release.set()
         client.close()

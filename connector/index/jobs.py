@@ -74,9 +74,10 @@ class PublishQueue:
         return num_replaced
 
     def take(self, max_ops: int, *, skip_deltas: bool) -> tuple[list[Batch], int]:
-        """Pop batches, oldest first, up to ``max_ops`` ops (at least one; a resync batch only
-        at the head of a call); with ``skip_deltas`` the deltas before a resync batch are
-        popped and dropped first. Returns the batches and how many were dropped."""
+        """Pop batches, oldest first, up to ``max_ops`` ops (at least one; a batch of a
+        resync's set alone, so that its calls keep the size it was cut to); with
+        ``skip_deltas`` the batches before a resync batch are popped and dropped first.
+        Returns the batches and how many were dropped."""
         num_dropped = 0
         while skip_deltas and self.batches and not self.batches[0].resync:
             self._count_out(self.batches.popleft())
@@ -84,7 +85,8 @@ class PublishQueue:
         taken: list[Batch] = []
         num_ops = 0
         while self.batches and (not taken or (
-            num_ops + self.batches[0].num_ops <= max_ops and not self.batches[0].resync
+            num_ops + self.batches[0].num_ops <= max_ops
+            and not (taken[0].of_whole_set or self.batches[0].of_whole_set)
         )):
             taken.append(batch := self.batches.popleft())
             num_ops += batch.num_ops

@@ -108,6 +108,7 @@ class IndexWorker:
         self._lookups: deque[LookupJob] = deque()
         self._running: LookupJob | None = None
         self._queue = PublishQueue()
+        self._whole_set_in_call = False  # the worker is sending a batch of a resync's set
         self._num_batches_accepted = 0
         self._num_batches_done = 0  # sent, fenced, dropped by the backend, or refused as bad
         self._stopping = False
@@ -195,9 +196,13 @@ class IndexWorker:
         return self._resync_wanted
 
     needs_resync = property(
-        lambda self: self._needs_resync or self._queue.num_whole_set_ops > 0,
-        doc="A batch may be lost, or a resync's set is not all sent yet.",
+        lambda self: self._needs_resync or self._resync_unsent,
+        doc="A batch may be lost, or a resync's set has not all landed yet.",
     )
+
+    @property
+    def _resync_unsent(self) -> bool:  # a batch of a resync's set is queued or in a call
+        return self._queue.num_whole_set_ops > 0 or self._whole_set_in_call
 
     def enqueue_resync(self, events: list[Any]) -> None:
         """Queue the node's whole cached set (``resync.ParentMirror.resync_events``; sent in
@@ -284,6 +289,7 @@ class IndexWorker:
             if batches:
                 self._send(batches)
                 with self._lock:
+                    self._whole_set_in_call = False
                     self._num_batches_done += len(batches)
                     self._done.notify_all()
         self._shut_down()
@@ -309,6 +315,7 @@ class IndexWorker:
         resync mode the deltas before a resync batch are dropped (the set it carries covers
         them). Called under ``_lock``."""
         batches, num_dropped = self._queue.take(_MAX_OPS_PER_SEND, skip_deltas=self._needs_resync)
+        self._whole_set_in_call = bool(batches) and batches[0].of_whole_set
         if num_dropped:
             self._num_batches_done += num_dropped
             self.num_batches_skipped += num_dropped
@@ -406,8 +413,8 @@ class IndexWorker:
             self._next_announce_s = now + self._heartbeat_interval_s
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
         with self._lock:
-            if status == "ok" and self._needs_resync:
-                self._resync_wanted = True
+            if status == "ok" and self._needs_resync and not self._resync_unsent:
+                self._resync_wanted = True  # (not while a set is under way: it may land)
             elif status == "unavailable":
                 self._enter_resync_mode()  # publishes meanwhile may fail: resync when back
 
