@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import pytest
@@ -547,28 +547,44 @@ def test_a_resync_of_a_large_cached_set_lands_in_calls_the_server_runs_in_time(r
         client.close()
 
 
-class _GatedIndex(InMemoryBlockIndex):
-    """Holds a resync's call until ``release``; fails the next publish on ``fail_next``."""
+class _ScriptedIndex(InMemoryBlockIndex):
+    """An in-memory index whose publishes fail, take time, wait or are recorded on demand:
+    ``fail_next`` fails the next one ("unavailable"); each takes ``delay_s``; the first call
+    for which ``hold_when(calls)`` is true waits for ``release`` (``held`` is set once it is
+    inside); ``calls`` records each call's (ops, resync)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, delay_s: float = 0.0) -> None:
         super().__init__(NAMESPACE)
         self.fail_next = False
-        self.in_resync, self.release = threading.Event(), threading.Event()
+        self.delay_s = delay_s
+        self.calls: list[tuple[int, bool]] = []
+        self.hold_when: Callable[[list[tuple[int, bool]]], bool] | None = None
+        self.held, self.release = threading.Event(), threading.Event()
+        self.lock = threading.Lock()
 
-    def publish(self, *args, resync: bool = False, **kwargs):
+    def publish(self, node_id, incarnation, events, **kwargs):
+        events = list(events)
         if self.fail_next:
             self.fail_next = False
             return PublishResult("unavailable", 1)
-        if resync:
-            self.in_resync.set()
-            self.release.wait(5)
-        return super().publish(*args, resync=resync, **kwargs)
+        self.calls.append((len(events_to_ops(events, "device")), bool(kwargs.get("resync"))))
+        if self.hold_when is not None and not self.held.is_set() and self.hold_when(self.calls):
+            self.held.set()
+            self.release.wait(10)
+        time.sleep(self.delay_s)
+        with self.lock:
+            return super().publish(node_id, incarnation, events, **kwargs)
+
+    def node_entries(self, node_id: str):
+        with self.lock:
+            return super().node_entries(node_id)
 
 
 def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
     # The resync's set was read before the drop, so it lacks the dropped batch: its success
     # must not end resync mode (before the fix it did, and block 3 was never indexed).
-    index = _GatedIndex()
+    index = _ScriptedIndex()
+    index.hold_when = lambda calls: calls[-1][1]  # the resync's call
     pool: dict[bytes, int] = {}  # what the node caches: block hash -> block id
     client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
                          group_ids=(0,), ttl_s=0.3, max_queued_ops=1)
@@ -579,10 +595,10 @@ def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
         index.fail_next = True  # (1) one publish lost: resync mode
         client.publish([_stored(1, 1)])
         deadline = time.monotonic() + 5
-        while not index.in_resync.is_set() and time.monotonic() < deadline:
+        while not index.held.is_set() and time.monotonic() < deadline:
             client.publish([])  # (2) an engine step: the resync's set is read here when asked
             time.sleep(0.01)
-        assert index.in_resync.wait(5)
+        assert index.held.wait(5)
         # (3) While it is in the backend two more blocks are cached; the queue (1 op) takes
         # the first batch and drops the second.
         pool[_hash(2)] = 2
@@ -602,34 +618,13 @@ def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
         client.close()
 
 
-class _SlowIndex(InMemoryBlockIndex):
-    """Each publish takes 20 ms (a round trip with a server script); fails on ``fail_next``."""
-
-    def __init__(self) -> None:
-        super().__init__(NAMESPACE)
-        self.fail_next = False
-        self.lock = threading.Lock()
-
-    def publish(self, *args, **kwargs):
-        if self.fail_next:
-            self.fail_next = False
-            return PublishResult("unavailable", 1)
-        time.sleep(0.02)
-        with self.lock:
-            return super().publish(*args, **kwargs)
-
-    def node_entries(self, node_id: str):
-        with self.lock:
-            return super().node_entries(node_id)
-
-
 def test_a_resync_larger_than_the_queue_lands_while_the_engine_keeps_publishing():
     # 16,000 cached blocks against a queue bound of 8,192 ops, and a step every 5 ms caching
     # one more block. The resync's queued batches once counted against the bound, so each
     # step's batch was dropped as "queue full" while they waited; each drop restarted the
     # resync, which cleared the node's entries again: it stayed listed with 4,095 blocks.
     num_blocks, max_queued_ops = 16_000, 8_192
-    index = _SlowIndex()
+    index = _ScriptedIndex(delay_s=0.02)  # a round trip with a server script
     pool: dict[bytes, int] = {}  # the node's cached set: block hash -> block id
     client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
                          group_ids=(0,), ttl_s=0.3, max_queued_ops=max_queued_ops)
@@ -664,36 +659,9 @@ def test_a_resync_larger_than_the_queue_lands_while_the_engine_keeps_publishing(
         client.close()
 
 
-class _RecordingIndex(InMemoryBlockIndex):
-    """Records each publish call's (ops, resync); holds the second call of a resync's set
-    until ``release``; fails the next publish on ``fail_next``."""
-
-    def __init__(self) -> None:
-        super().__init__(NAMESPACE)
-        self.calls: list[tuple[int, bool]] = []
-        self.fail_next = False
-        self.in_second_call, self.release = threading.Event(), threading.Event()
-        self.lock = threading.Lock()
-
-    def publish(self, node_id, incarnation, events, **kwargs):
-        events = list(events)
-        if self.fail_next:
-            self.fail_next = False
-            return PublishResult("unavailable", 1)
-        self.calls.append((len(events_to_ops(events, "device")), bool(kwargs.get("resync"))))
-        if len(self.calls) == 2 and self.calls[0][1]:
-            self.in_second_call.set()
-            self.release.wait(10)
-        with self.lock:
-            return super().publish(node_id, incarnation, events, **kwargs)
-
-    def node_entries(self, node_id: str):
-        with self.lock:
-            return super().node_entries(node_id)
-
-
 def test_a_resyncs_calls_keep_their_size_and_it_stays_pending_until_the_last_lands():
-    index = _RecordingIndex()
+    index = _ScriptedIndex()
+    index.hold_when = lambda calls: len(calls) == 2 and calls[0][1]  # the set's second call
     pool: dict[bytes, int] = {}
     client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
                          group_ids=(0,), ttl_s=0.3)
@@ -708,11 +676,11 @@ def test_a_resyncs_calls_keep_their_size_and_it_stays_pending_until_the_last_lan
                                     group_id=0, block_ids=list(range(1, 3001)))])
         index.calls.clear()
         deadline = time.monotonic() + 5
-        while not index.in_second_call.is_set() and time.monotonic() < deadline:
+        while not index.held.is_set() and time.monotonic() < deadline:
             client.publish([])  # (2) steps: the resync's set is read when asked
             time.sleep(0.01)
         # (3) Its first call landed, the second is in the backend: not done yet.
-        assert index.in_second_call.is_set() and client.resync_pending
+        assert index.held.is_set() and client.resync_pending
         assert len(_keys(index, "A")) == 1023  # the clear and 1,023 stores
         index.release.set()
         assert client.flush(5) and not client.resync_pending
