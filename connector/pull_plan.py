@@ -12,8 +12,12 @@ local hit simply trims the remote list from the front::
 
 A position whose local block is the null block (outside a sliding window on D) is skipped; a
 position where D needs a block but P holds only its null block cannot be loaded and is reported
-as a load error up front. ``window_gap_groups`` finds such positions before anything is
-allocated, so that D can compute the request itself instead.
+as a load error up front, so the engine's load-failure policy decides ("fail": the request
+errors; "recompute": D computes from the first such block on). Only a sliding-window group may
+legitimately hold a null block where D needs one (P dropped a block that left *its* window one
+token earlier): ``window_gap_groups`` finds those before anything is allocated, so that D can
+compute the request itself instead. A full-attention group keeps every block of a request, so a
+ticket naming P's null block there is wrong, never a gap.
 """
 
 from __future__ import annotations
@@ -135,37 +139,50 @@ def window_gap_groups(
     remote_block_ids: Sequence[Sequence[int]],
     sliding_windows: Sequence[int | None],
     num_computed_tokens: int,
+    num_remote_tokens: int,
     start_block: int,
     block_size: int,
 ) -> list[int]:
-    """Groups in which D would need a block that P's table holds only as its null block.
+    """Sliding-window groups in which D would need a block that P legitimately dropped.
 
     Once ``num_computed_tokens`` (local hit + pulled tokens) are computed, D keeps in a group
     with window ``w`` every block from the one holding position
     ``max(num_computed_tokens - w + 1, 0)`` on (the next token's window; the blocks before
-    it are D's null block: ``get_num_skipped_tokens`` of vLLM and ``kvmanager``); a full
-    attention group (window None) keeps every block. The pull fills positions
+    it are D's null block: ``get_num_skipped_tokens`` of vLLM and ``kvmanager``). P, having
+    computed ``num_remote_tokens``, may have dropped only the blocks wholly before its own next
+    token's window, ``max(num_remote_tokens - w + 1, 0)``. The pull fills positions
     ``[start_block, cdiv(num_computed_tokens, block_size))``::
 
-        position:   0 ...       first_kept ...          end_block
-        D:          null blocks | kept (pulled from P)  |
-        P:          null ... null X ...                   X = a null block D needs: a gap
+        position:   0 ...     d_first ... p_first ...       end_block
+        D:          null      | kept (pulled from P)        |
+        P:          null ...  X         | always real       |
+                              X = a null D needs: a gap     a null here: a wrong ticket
 
     vLLM's prefill node drops out-of-window blocks for *its* next token (one past D's), so
     when that window starts exactly on a block boundary P no longer holds the block D's
     window starts in (e.g. window 64, block 32, a 319-token prompt: P drops block 7,
     positions 224-255, and D computing token 318 reads position 255).
 
+    A null block where P must hold a real one — anywhere D needs in a full-attention group
+    (window None: P keeps every block there), or at or after ``p_first`` in a sliding-window
+    group — is a wrong ticket, not a gap: then no group is reported, and ``plan_group_pulls``
+    turns those positions into load errors, so the engine's load-failure policy applies
+    (vLLM's ``kv_load_failure_policy``).
+
     Returns:
-        The ids of the groups with such a position, in order (empty: the ticket covers D).
+        The ids of the groups with a gap, in order (empty: the ticket covers D, or it is wrong).
     """
     end_block = -(-num_computed_tokens // block_size)
     gaps = []
     for group_id, (remote, window) in enumerate(
         zip(remote_block_ids, sliding_windows, strict=True)
     ):
-        first_kept = 0 if window is None else max(num_computed_tokens - window + 1, 0)
-        first = max(start_block, first_kept // block_size)
-        if any(block_id == NULL_BLOCK_ID for block_id in remote[first:end_block]):
+        d_first = 0 if window is None else max(num_computed_tokens - window + 1, 0) // block_size
+        p_first = 0 if window is None else max(num_remote_tokens - window + 1, 0) // block_size
+        first = max(start_block, d_first)
+        nulls = [pos for pos in range(first, end_block) if remote[pos] == NULL_BLOCK_ID]
+        if any(pos >= p_first for pos in nulls):
+            return []  # a wrong ticket: a load error for the request, not D's own recompute
+        if nulls:
             gaps.append(group_id)
     return gaps

@@ -282,6 +282,8 @@ class Puller:
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
         error: str | None = None
+        if failed:  # the holder's null block at a position D needs: a wrong ticket
+            error = f"{len(failed)} block(s) the holder's table names as its null block"
         if plan.lease is not None:  # a handoff under a lease (index pulls have none)
             self._heartbeat_targets[plan.request_id] = plan.lease
         try:
@@ -301,7 +303,8 @@ class Puller:
             )
             failed.update(refused)
             if refused:
-                error = f"{len(refused)} block(s) changed on the holder"
+                error = "; ".join(filter(None, (
+                    error, f"{len(refused)} block(s) changed on the holder")))
         except TransferError as exc:
             failed.update(exc.local_block_ids)
             error = str(exc)

@@ -184,8 +184,8 @@ class KVBridgeScheduler:
         num_new = max(num_remote - num_computed_tokens, 0)
         gaps = num_new and window_gap_groups(
             remote_block_ids=ticket.remote_block_ids, sliding_windows=self._sliding_windows,
-            num_computed_tokens=num_remote, start_block=num_computed_tokens // self.block_size,
-            block_size=self.block_size)
+            num_computed_tokens=num_remote, num_remote_tokens=ticket.remote_num_tokens,
+            start_block=num_computed_tokens // self.block_size, block_size=self.block_size)
         if gaps:  # D computes it itself, P releases now, and the ticket is used up
             reason = f"P no longer holds the start of the last token's window (groups {gaps})"
             logger.warning("request %s: %s; computing it locally", request.request_id, reason)

@@ -563,3 +563,39 @@ def test_a_lease_never_granted_ends_in_a_recompute_after_the_retries(pair_factor
     assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
     assert (_stats(pair.d)["num_loads"], _stats(pair.d)["num_failed_loads"]) == (0, 1)
     assert_pair_empty(pair)
+
+
+def _full_attention_group(engine) -> int:
+    """The first KV cache group without a sliding window (the hybrid model's full-attention one)."""
+    groups = engine.kv_cache_manager.kv_cache_config.kv_cache_groups
+    return next(i for i, g in enumerate(groups)
+                if getattr(g.kv_cache_spec, "sliding_window", None) is None)
+
+
+@pytest.mark.parametrize("position", [0, 2])  # the first block, a middle one
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_a_null_block_in_a_full_attention_group_is_a_load_failure(
+    pair_factory, hybrid, policy, position
+):
+    # P keeps every block of a full-attention group: its null block there is a wrong ticket,
+    # never a sliding window's gap, so the engine's load-failure policy decides.
+    pair = pair_factory(hybrid=hybrid, load_failure_policy=policy)
+    prompt = long_prompt(70)  # 5 blocks; D pulls positions 0..4 (69 tokens)
+    params = prefill(pair, "req-0", prompt)
+    group = _full_attention_group(pair.d)
+    bad = _malformed(params, lambda p: p["remote_block_ids"][group].__setitem__(position, 0))
+
+    output = decode(pair, "req-0", prompt, bad, MAX_TOKENS)
+    if policy == "recompute":
+        assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=hybrid)
+        assert output.finish_reason == "length"
+    else:
+        assert output.finish_reason == "error"
+    stats = _stats(pair.d)
+    assert (stats["num_failed_loads"], stats["num_window_gaps"]) == (1, 0)
+    assert stats["num_load_errors_blocks"] >= 1
+    # D's failure notice released P's lease at once (30 s lease: expiry cannot pass this).
+    assert_pair_empty(pair)
+    assert _stats(pair.p)["num_released_leases"] == 1
+

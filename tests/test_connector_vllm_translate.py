@@ -193,18 +193,52 @@ def test_window_gap_groups_finds_a_window_start_p_dropped(num_prompt_tokens, sli
         remote_block_ids=[sliding, full],
         sliding_windows=[64, None],
         num_computed_tokens=num_prompt_tokens - 1,  # the last token is recomputed on D
+        num_remote_tokens=num_prompt_tokens,
         start_block=0,
         block_size=BLOCK_SIZE,
     ) == gaps
 
 
-def test_window_gap_groups_ignores_positions_before_a_local_hit_and_sees_full_groups():
+def test_window_gap_groups_ignores_positions_before_a_local_hit():
     # D's own prefix cache covers blocks 0-7: the null at 7 is not pulled
     assert window_gap_groups(remote_block_ids=[[0] * 8 + [8, 9]], sliding_windows=[64],
-                             num_computed_tokens=318, start_block=8, block_size=32) == []
-    # a full-attention group needs every position: a null there is a gap too
-    assert window_gap_groups(remote_block_ids=[[1, 0, 3]], sliding_windows=[None],
-                             num_computed_tokens=90, start_block=0, block_size=32) == [0]
+                             num_computed_tokens=318, num_remote_tokens=319, start_block=8,
+                             block_size=32) == []
+
+
+@pytest.mark.parametrize(
+    ("remote_block_ids", "sliding_windows"),
+    [
+        # a full-attention group keeps every block on P: any null D needs is wrong
+        ([[1, 0, 3], [0, 0, 3]], [None, 64]),
+        ([[0, 2, 3]], [None]),
+        # window 64, 91 tokens on P: P keeps positions 28.. (block 0 on): block 1 must be real
+        ([[1, 2, 3], [1, 0, 3]], [None, 64]),
+        # window 32, 91 tokens: P keeps positions 60.. (block 1 on); block 0 may be null
+        # (a gap), but block 2's null is wrong, and a wrong null outranks a gap
+        ([[1, 2, 3], [0, 2, 0]], [None, 32]),
+    ],
+)
+def test_window_gap_groups_reports_no_gap_for_a_null_p_must_not_have(
+    remote_block_ids, sliding_windows
+):
+    # a null where P must hold a real block is a wrong ticket: no gap (D would compute it
+    # itself and hide the error); plan_group_pulls makes it a load error instead
+    assert window_gap_groups(remote_block_ids=remote_block_ids, sliding_windows=sliding_windows,
+                             num_computed_tokens=90, num_remote_tokens=91, start_block=0,
+                             block_size=32) == []
+
+
+def test_window_gap_groups_keeps_a_gap_before_ps_own_window():
+    # window 32, D computes 90 tokens (keeps positions 59..: blocks 1-2), P computed 91 (keeps
+    # 60..: blocks 1-2 too): nothing to report; with window 60 D keeps 31.. (block 0) and P
+    # 32.. (block 1): P may have dropped block 0, which D needs, a gap in group 1
+    assert window_gap_groups(remote_block_ids=[[1, 2, 3], [0, 2, 3]], sliding_windows=[None, 32],
+                             num_computed_tokens=90, num_remote_tokens=91, start_block=0,
+                             block_size=32) == []
+    assert window_gap_groups(remote_block_ids=[[1, 2, 3], [0, 2, 3]], sliding_windows=[None, 60],
+                             num_computed_tokens=90, num_remote_tokens=91, start_block=0,
+                             block_size=32) == [1]
 
 
 class _VllmStatus(enum.Enum):

@@ -43,6 +43,9 @@ PROMPTS: dict[str, list[int]] = {
     "after_stall": tokens(35, 95),
     "old_ticket": tokens(33, 120),
     "reborn": tokens(34, 130),
+    # a ticket naming P's null block in the full-attention group
+    "null_block": tokens(36, 110),
+    "after_null_block": tokens(37, 85),
     # vLLM's metrics of the pulls (fresh on every D)
     "metrics_a": tokens(50, 3 * BLOCK),
     "metrics_b": tokens(51, 500),

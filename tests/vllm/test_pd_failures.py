@@ -124,6 +124,27 @@ def test_restarted_p_is_a_new_incarnation(scenario, reference):
     assert after["num_failed_loads"] == before["num_failed_loads"], after
 
 
+def test_a_null_block_in_the_ticket_fails_the_request(scenario, reference):
+    """A ticket whose full-attention list names P's null block (id 0) where D needs a block
+    is a wrong ticket: under ``fail`` the request errors at once (no timeout: nothing is
+    read for that position), P's lease is released, and D serves the next request."""
+    sc = scenario
+    (o,) = sc.p.generate(prefill_requests([PROMPTS["null_block"]]))
+    ticket = dict(o["kv_transfer_params"])
+    ticket["remote_block_ids"] = [list(ids) for ids in ticket["remote_block_ids"]]
+    ticket["remote_block_ids"][0][1] = 0
+    before = sc.d.stats()
+    out, elapsed = sc.timed_generate("null_block", ticket)
+    assert out["finish_reason"] == "error", out
+    assert elapsed < LOAD_TIMEOUT_S, elapsed
+    after = sc.d.stats()
+    assert after["num_failed_loads"] - before["num_failed_loads"] == 1, after
+    assert after["num_window_gaps"] == before["num_window_gaps"], after
+    _served_and_drained(sc, "after_null_block", reference)
+    p_state = sc.p.wait_drained()
+    assert p_state["requests"] == 0 and p_state["free_blocks"] == p_state["num_blocks"] - 1
+
+
 def test_stalled_p_fails_the_load_within_the_deadline(scenario, reference):
     """The restarted P prefills, then stops answering for good: D's request ends with the
     failure policy within the load deadline, not when (if ever) P comes back, and D serves

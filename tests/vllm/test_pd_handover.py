@@ -264,3 +264,26 @@ def test_a_malformed_ticket_is_computed_locally_and_its_error_returned(pair, ref
     if p_state is not None:
         assert p_state["requests"] == 0, p_state
         assert p_state["free_blocks"] == p_state["num_blocks"] - 1, p_state
+
+
+def test_a_null_block_in_the_ticket_is_a_load_error_recomputed(pair, reference):
+    """P's real ticket with its full-attention list naming P's null block (id 0) where D needs
+    a block: a wrong ticket, not a sliding window's gap. Under ``recompute`` D's load reports
+    that block (and only the blocks from it on are recomputed): the right tokens, one failed
+    load, no window gap, and P's lease released by D's failure notice."""
+    name = "t64"
+    (p_out,) = pair.p.generate(prefill_requests([PROMPTS[name]]))
+    ticket = dict(p_out["kv_transfer_params"])
+    ticket["remote_block_ids"] = [[0, *ids[1:]] for ids in ticket["remote_block_ids"]]
+    before = pair.d.stats()
+    (out,) = pair.d.generate([request(PROMPTS[name], N_NEW, ticket)])
+    after = pair.d.stats()
+    assert out["token_ids"] == reference[name]
+    if after is not None:
+        assert _delta(after, before, "num_failed_loads") == 1, after
+        assert _delta(after, before, "num_window_gaps") == 0, after
+        assert _delta(after, before, "num_load_errors_blocks") >= 1, after
+    p_state = pair.p.wait_drained()
+    if p_state is not None:
+        assert p_state["requests"] == 0, p_state
+        assert p_state["free_blocks"] == p_state["num_blocks"] - 1, p_state

@@ -381,3 +381,24 @@ def test_d_invalid_blocks_fail():
     step(scheduler, finished_recving={good.request_id})
     run_to_end(scheduler)
     assert_scheduler_empty(scheduler)
+
+
+@pytest.mark.parametrize("null_position", [0, 1])
+def test_d_null_block_in_a_full_attention_group_is_planned_as_a_load_error(null_position):
+    """P's null block (id 0) in a full-attention group's list is a wrong ticket (P keeps every
+    block of a request there), not a sliding window's gap: the request waits for its pull like
+    any other, the pull plan names D's block at that position as unloadable (the worker half
+    reports it in ``invalid_block_ids``), and vLLM's ``fail`` policy ends the request."""
+    scheduler = make_scheduler("kv_consumer", policy="fail")
+    p_block_ids = [41, 42, 43]
+    p_block_ids[null_position] = 0
+    request, first = _admit_d(scheduler, 70, p_block_ids=p_block_ids)
+    assert connector_of(scheduler).stats.num_window_gaps == 0
+    (plan,) = first.meta.pulls
+    bad = _blocks(scheduler, request)[null_position]
+    assert plan.unloadable_block_ids == [bad]
+    assert bad not in plan.groups[0].local_block_ids
+    failed = step(scheduler, invalid_block_ids={bad}, finished_recving={request.request_id})
+    assert failed.finished()[request.request_id].finish_reason == FinishReason.ERROR
+    step(scheduler)
+    assert_scheduler_empty(scheduler)
