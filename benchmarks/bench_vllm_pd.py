@@ -21,6 +21,10 @@ weighs on every case alike):
 - ``kvbridge_asked``: kvbridge with P's block board off (``cma_board: false``): every pull
   waits for P's answer and runs over later steps, as before one-sided reads
   (``kvbridge.transport.cma_board``);
+- ``kvbridge_ucx`` / ``kvbridge_ucx_switch`` and ``kvbridge_asked_switch``: every pull over
+  UCX (``cma: false``), and the UCX and asked cases with the opt-in ``gil_switch_interval_s``
+  (0.5 ms for the whole process): ``ucx_switch_over_ucx`` / ``asked_switch_over_asked`` say
+  what that process-wide setting buys;
 - ``kvbridge_small`` / ``recompute_small``: a Llama shaped like kvbridge's ``small`` model (six
   layers, hidden 384, 6 heads over 2 KV heads of 64), whose prefill costs as much per KV byte
   as the main job's, with kvbridge and with D computing the prompt itself;
@@ -236,6 +240,12 @@ CASES = {  # name -> (connector, model, kvbridge extra config of the case)
     "kvbridge_async": ("kvbridge", "tiny", {"load_mode": "async"}),
     "kvbridge_sync": ("kvbridge", "tiny", {"load_mode": "sync"}),
     "kvbridge_asked": ("kvbridge", "tiny", {"cma_board": False}),
+    # every pull over UCX through the connector loop, with Python's GIL switch interval and
+    # with the opt-in gil_switch_interval_s (is the process-wide setting worth offering?)
+    "kvbridge_ucx": ("kvbridge", "tiny", {"cma": False}),
+    "kvbridge_ucx_switch": ("kvbridge", "tiny", {"cma": False, "gil_switch_interval_s": 0.0005}),
+    "kvbridge_asked_switch": ("kvbridge", "tiny", {"cma_board": False,
+                                                   "gil_switch_interval_s": 0.0005}),
     "nixl": ("nixl", "tiny", {}),
     "example": ("example", "tiny", {}),
     "recompute_small": ("none", "small", {}),
@@ -305,6 +315,8 @@ def main() -> int:
                         "kvbridge_sync_over_example": ("kvbridge_sync", "example"),
                         "kvbridge_asked_over_example": ("kvbridge_asked", "example"),
                         "kvbridge_async_over_example": ("kvbridge_async", "example"),
+                        "ucx_switch_over_ucx": ("kvbridge_ucx_switch", "kvbridge_ucx"),
+                        "asked_switch_over_asked": ("kvbridge_asked_switch", "kvbridge_asked"),
                         "kvbridge_over_recompute_small": ("kvbridge_small",
                                                           "recompute_small")}.items():
         if a in medians and b in medians:

@@ -42,10 +42,12 @@ key                          default   meaning
 ``index_url``                None      ``redis://host:port/db``, ``redis-cluster://H:P[,H:P]``
                                        (seed nodes), ``"memory"`` or None (no index)
 ``min_remote_hit_blocks``    1         a remote hit must beat the local hit by this many blocks
-``gil_switch_interval_s``    0.0005    the worker half sets ``sys.setswitchinterval`` to this when
-                                       it starts (Python's 5 ms lets a busy engine thread keep the
-                                       GIL 5 ms at every hand-off to the connector loop: measured
-                                       in vLLM, 10 ms -> 2.5 ms per pull); null keeps Python's
+``gil_switch_interval_s``    None      opt-in: the worker half sets ``sys.setswitchinterval`` to
+                                       this (seconds) for the whole process while it runs, and
+                                       puts the old value back at shutdown; pulls that hop
+                                       between the engine thread and the connector loop then
+                                       wait less behind a busy engine thread. None (default)
+                                       leaves the host's setting alone
 ``idle_pull_wait_s``         0.02      on a step that computes no token, ``get_finished`` waits up
                                        to this long for a pull in flight to settle and returns
                                        at the first one (the engine has nothing else to run; a
@@ -151,7 +153,7 @@ class KVTransferConfig:
     index_url: str | None = None
     min_remote_hit_blocks: int = 1
     index_lookup_timeout_s: float = 0.5
-    gil_switch_interval_s: float | None = 0.0005
+    gil_switch_interval_s: float | None = None
     idle_pull_wait_s: float = 0.02
     idle_hold_wait_s: float = 0.01
     index_ttl_s: float = 10.0

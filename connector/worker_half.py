@@ -162,10 +162,7 @@ class KVBridgeWorker:
         """
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice for one node's connector")
-        if self.config.gil_switch_interval_s is not None:
-            # Pulls hop between the engine thread and the connector loop several times; at
-            # Python's default 5 ms a busy engine thread makes each hop wait (config.py).
-            sys.setswitchinterval(self.config.gil_switch_interval_s)
+        self._set_switch_interval()
         by_group = [
             [region for name in group.layer_names for region in _regions(kv_caches[name])]
             for group in self.kv_cache_config.kv_cache_groups
@@ -379,7 +376,28 @@ class KVBridgeWorker:
             engine_id=self.config.engine_id, incarnation=str(self.incarnation), host=host, port=port
         )
 
+    def _set_switch_interval(self) -> None:
+        """Opt-in only (``gil_switch_interval_s``, default None): a library does not change its
+        host's process-wide settings unasked. When set, pulls that hop between the engine
+        thread and the connector loop wait less behind a busy engine thread; the previous
+        interval comes back at ``shutdown`` unless someone changed it since."""
+        interval = self.config.gil_switch_interval_s
+        if interval is None:
+            return
+        self._previous_switch_interval = (sys.getswitchinterval(), interval)
+        sys.setswitchinterval(interval)
+        logger.info("%s: sys.setswitchinterval(%g) for this whole process "
+                    "(gil_switch_interval_s; was %g)", self.config.engine_id, interval,
+                    self._previous_switch_interval[0])
+
+    def _restore_switch_interval(self) -> None:
+        previous = getattr(self, "_previous_switch_interval", None)
+        self._previous_switch_interval = None
+        if previous is not None and sys.getswitchinterval() == previous[1]:
+            sys.setswitchinterval(previous[0])
+
     def shutdown(self) -> None:
+        self._restore_switch_interval()
         if self.offload_sender is not None:
             self.offload_sender.close()
         transport, self.transport = self.transport, None

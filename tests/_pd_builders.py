@@ -63,9 +63,11 @@ def make_pd_pair(
     idle_hold_wait_s: float | None = None,
     load_mode: str = "async",
     sync_load_timeout_s: float = 2.0,
+    extra_config: dict | None = None,
 ) -> PDPair:
     """P (``kv_producer``) and D (``kv_consumer``) over one ``LoopbackNetwork``; P's holder
-    faults are ``pair.p_faults`` (mutable)."""
+    faults are ``pair.p_faults`` (mutable); ``extra_config`` is merged into both nodes'
+    ``kv_connector_extra_config``."""
     network = LoopbackNetwork()
     faults = LoopbackFaults()
     model = tiny_model(hybrid=hybrid)
@@ -92,6 +94,7 @@ def make_pd_pair(
                 "sync_load_timeout_s": sync_load_timeout_s,
                 **({} if idle_pull_wait_s is None else {"idle_pull_wait_s": idle_pull_wait_s}),
                 **({} if idle_hold_wait_s is None else {"idle_hold_wait_s": idle_hold_wait_s}),
+                **(extra_config or {}),
             },
         }
         return create_engine(

@@ -7,6 +7,7 @@ every block free on both nodes.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -599,3 +600,26 @@ def test_a_null_block_in_a_full_attention_group_is_a_load_failure(
     assert_pair_empty(pair)
     assert _stats(pair.p)["num_released_leases"] == 1
 
+
+def test_a_pd_pair_leaves_the_process_switch_interval_alone(pair_factory):
+    # A library does not change its host's process-wide settings unasked: Python's GIL switch
+    # interval is the same before, during and after a handover on nodes with the defaults.
+    before = sys.getswitchinterval()
+    pair = pair_factory()
+    prompt = long_prompt(40)
+    decode(pair, "req-0", prompt, prefill(pair, "req-0", prompt), MAX_TOKENS)
+    assert sys.getswitchinterval() == before
+    pair.close()
+    assert sys.getswitchinterval() == before
+
+
+def test_an_opted_in_switch_interval_holds_while_the_nodes_run_and_is_put_back(pair_factory):
+    before = sys.getswitchinterval()
+    assert before != 0.0005
+    pair = pair_factory(extra_config={"gil_switch_interval_s": 0.0005})
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    prompt = long_prompt(40)
+    output = decode(pair, "req-0", prompt, prefill(pair, "req-0", prompt), MAX_TOKENS)
+    assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    pair.close()
+    assert sys.getswitchinterval() == before
