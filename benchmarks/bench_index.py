@@ -45,7 +45,7 @@ object.
 the shard that owns the prompt's bucket, through the same ``RedisCluster`` client (target
 <= 1.5), and ``cluster.lookup_over_ping_direct`` against a PING sent the lookup's way to that
 shard's pool. With ``--trace PATH`` (a Mooncake-format trace, e.g. the conversation trace) it also
-replays it through ``examples/replay_trace.py`` on the cluster and reports where the keys and
+replays it through ``kvbridge-replay`` on the cluster and reports where the keys and
 the lookups land: ``busiest_shard_key_share`` (keys on the fullest shard / all the namespace's
 keys; 1/3 is an even spread) and ``busiest_shard_lookup_share`` (the trace's requests whose
 first block's bucket is on the busiest shard); then the same for the trace without the first
@@ -62,7 +62,6 @@ import json
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -232,18 +231,17 @@ def _populate(index: RedisBlockIndex) -> tuple[list[bytes], list[bytes]]:
 def _trace_shares(url: str, trace: Path, limit: int) -> dict:
     """Replay ``trace`` on the cluster (every policy), then where its keys and lookups landed
     (in the index-routing policy's namespace)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    import replay_trace
+    from kvbridge.connector.serve.replay import TokenExpander, read_trace, replay_main
 
-    summary = replay_trace.main([str(trace), "--index-url", url, "--limit", str(limit)])
+    summary = replay_main([str(trace), "--index-url", url, "--limit", str(limit)])
     model_name = summary["index_namespaces"]["index"]  # the index-routing policy's entries
     index = RedisClusterBlockIndex(
         IndexNamespace(model_name=model_name, block_size=16, hash_fn_name="sha256_cbor"), url,
         socket_timeout_s=5.0, connect_timeout_s=5.0,
     )
     keys = index.keys_per_shard()
-    requests = replay_trace.read_trace(trace, limit)
-    expander = replay_trace.TokenExpander(16)
+    requests = read_trace(trace, limit)
+    expander = TokenExpander(16)
     from kvbridge.kvmanager import Request, SamplingParams, get_request_block_hasher
 
     hasher = get_request_block_hasher(16, "sha256_cbor")

@@ -1,12 +1,12 @@
 """How much of the unbounded cache's hit ratio any cache of C blocks can reach on a trace.
 
-Issue 14, part 4 asks ``examples/replay_trace.py``'s ``pull`` policy for 0.85 of the unbounded
+Issue 14, part 4 asks ``kvbridge-replay``'s ``pull`` policy for 0.85 of the unbounded
 cache on the Mooncake conversation trace with 4 nodes x 4,096 blocks. Pulling from any holder
 makes the four pools act, at best, as one cache of 16,384 blocks (less: a pulled prefix is held
 twice, and running requests pin theirs). This script asks whether 0.85 is reachable at all at
 that size, whatever the placement and eviction, by replaying the trace's block-id streams (the
-hash ids, which the replay expands into token blocks: ``examples/replay_input.py``) through one
-cache of ``C`` blocks in arrival order:
+hash ids, which the replay expands into token blocks: ``kvbridge.connector.serve.replay``)
+through one cache of ``C`` blocks in arrival order:
 
 - ``lru``: least recently used eviction; a request touches its blocks last to first, so its
   first block is the most recently used (a vLLM request frees its blocks in reverse order, so
@@ -77,9 +77,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-from replay_input import TokenExpander, TraceRequest, load_trace
+from kvbridge.connector.serve.replay import TokenExpander, TraceRequest, load_trace
 
 DEFAULT_CAPACITIES = (4096, 16384, 65536)
 REUSE_BONUS_S = 300.0

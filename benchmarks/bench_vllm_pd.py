@@ -59,12 +59,10 @@ TARGETS = {"kvbridge_over_nixl": 0.5, "kvbridge_over_example": 1.0,
 
 
 def _model(kind: str) -> str:
-    sys.path.insert(0, str(REPO / "tests" / "vllm"))
-    sys.path.insert(0, str(REPO / "tests" / "vllm_probe"))
-    import _model as tiny  # the tests' tiny Llama writer
+    from kvbridge.connector.serve.demo import tiny_llama
 
     if kind == "tiny":
-        return str(tiny.tiny_llama())
+        return str(tiny_llama())
     cache = Path(os.environ.get("KVBRIDGE_CACHE", Path.home() / ".cache" / "kvbridge-vllm"))
     path = cache / "models" / "small-llama-bench"
     if not (path / "config.json").exists():

@@ -26,7 +26,6 @@ clear message; it never skips.
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -36,9 +35,8 @@ import pytest
 import redis
 from kvbridge.connector.index.server_binary import ServerBinary, find_server_binary
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 # A port below the ephemeral range, so that a server restarted on it mid-test finds it free.
-from pd_processes import free_port
+from kvbridge.connector.serve.demo.processes import free_port
 
 _START_TIMEOUT_S = 10.0
 _started: dict[str, str] = {}  # binary path -> description, for the run's summary

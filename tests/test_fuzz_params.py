@@ -6,7 +6,7 @@ Properties, each over hypothesis-generated input:
   field), and what it accepts is in range.
 - ``HolderChecks.validate_blocks`` never raises on ids, expected values and leases from the
   network and always refuses an id outside the node's pool or a lease it does not hold.
-- Both nodes' HTTP APIs (examples/node_server.py, a prefill and a decode node over the loopback
+- Both nodes' HTTP APIs (kvbridge-node, a prefill and a decode node over the loopback
   transport, each behind its engine loop) answer random and mutated ``kv_transfer_params`` with
   200 or 400, never a server error; a 200 from the decode node carries exactly the tokens a
   single node computes (a ticket that names the wrong blocks is refused by P's checks and D
@@ -17,18 +17,13 @@ Properties, each over hypothesis-generated input:
 from __future__ import annotations
 
 import math
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
+from _pd_builders import long_prompt, make_pd_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from _pd_builders import long_prompt, make_pd_pair
 from kvbridge.connector.errors import KVTransferParamsError
 from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
 from kvbridge.connector.lease import LeaseTable
@@ -174,8 +169,8 @@ def http_pair():
     with warnings.catch_warnings():  # starlette: "install httpx2"; the client works as it is
         warnings.simplefilter("ignore")
         from fastapi.testclient import TestClient
-    from node_loop import EngineLoop
-    from node_server import build_app
+    from kvbridge.connector.serve.node.loop import EngineLoop
+    from kvbridge.connector.serve.node.server import build_app
 
     pair = make_pd_pair(lease_s=2.0, heartbeat_interval_s=0.05, load_timeout_s=2.0)
     single = make_pd_pair()

@@ -294,8 +294,6 @@ def test_cluster_servers_refuse_a_cross_slot_script(redis_cluster_url):
 
 
 def test_open_index_the_proxy_and_pd_pair_take_a_cluster_url(redis_cluster_url):
-    import sys
-    from pathlib import Path
 
     from kvbridge.connector.index import block_index_for_url, open_index
     from kvbridge.connector.index.node_directory import NodeAddress
@@ -313,9 +311,7 @@ def test_open_index_the_proxy_and_pd_pair_take_a_cluster_url(redis_cluster_url):
     tool.close()
     with pytest.raises(ValueError, match="HOST:PORT"):
         open_index("redis-cluster://no-port", NAMESPACE)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import pd_pair
-
+    from kvbridge.connector.serve.demo import pd_pair
     pd_pair.check_redis(redis_cluster_url)  # the cluster answers PING: no UsageError
     index.close()
 
@@ -324,12 +320,8 @@ def test_replay_trace_runs_on_the_cluster_and_names_the_namespaces_it_wrote(
     redis_cluster_url, tmp_path
 ):
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import replay_trace
-
+    from kvbridge.connector.serve.replay import trace as replay_trace
     # Six conversations of three turns; each turn extends its conversation's prefix.
     trace = tmp_path / "trace.jsonl"
     lines = []

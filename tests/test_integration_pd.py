@@ -1,7 +1,7 @@
 """Integration: real node processes on 127.0.0.1 with KV moving over UCX, a real Redis (the
 ``redis_server`` fixture), the pd_pair main job, and the failure cases of issue 8 part 6.
 
-The module starts one prefill node P and one decode node D (examples/node_server.py) and runs, in
+The module starts one prefill node P and one decode node D (kvbridge-node) and runs, in
 file order: a short pd_pair run (its own P and D), a malformed request body, P restarted, P
 frozen mid-transfer then killed. Every completion is compared with a local single-node run of the
 same seeded model.
@@ -16,17 +16,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
+from kvbridge.connector.serve.demo.processes import ManagedProcess, ProcessGroup
 from kvbridge.kernels.model import ByteTokenizer, ModelConfig
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-from pd_processes import ManagedProcess, ProcessGroup  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,7 +103,8 @@ def nodes(redis_server, tmp_path_factory) -> Iterator[dict[str, ManagedProcess |
 def test_pd_pair_short_run_has_no_mismatch(redis_server, tmp_path):
     # (1) the main job end to end, small: 2 conversations x 2 turns, 4 output tokens each.
     completed = subprocess.run(
-        [sys.executable, str(EXAMPLES / "pd_pair.py"), "--redis-url", redis_server.url,
+        [sys.executable, "-m", "kvbridge.connector.serve.demo.pd_pair",
+         "--redis-url", redis_server.url,
          "--conversations", "2", "--turns", "2", "--max-tokens", "4", "--no-progress",
          "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=110, env={**os.environ},
@@ -179,7 +175,7 @@ def test_body_refused_by_decode_releases_the_prefill_lease(nodes):
 
 
 async def test_proxy_routes_through_prefill_then_decode(nodes, redis_server):
-    from proxy import PDRouter, PrefixLocator, build_app
+    from kvbridge.connector.serve.proxy import PDRouter, PrefixLocator, build_app
 
     locator = PrefixLocator(redis_server.url, model_name="kvbridge-tiny",
                             block_size=BLOCK_SIZE, hash_fn="sha256_cbor")

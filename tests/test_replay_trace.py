@@ -1,28 +1,12 @@
-"""examples/replay_trace.py on a generated tiny Mooncake-format trace (issue 6, trace replay)."""
+"""kvbridge-replay on a generated tiny Mooncake-format trace (issue 6, trace replay)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "replay_trace.py"
-
-
-def _load_replay() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvbridge_replay_trace", _EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-replay = _load_replay()
+from kvbridge.connector.serve.replay import trace as replay
 
 
 def _write_trace(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,8 @@ import redis
 from _redis_fixture import start_redis_server
 from kvbridge.connector.index import IndexNamespace, RedisBlockIndex
 from kvbridge.connector.index.server_binary import ENV_VAR, find_server_binary
+from kvbridge.connector.serve.demo.processes import ProcessGroup, StartupError
 from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from pd_processes import ProcessGroup, StartupError
 
 _NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
 

@@ -1,6 +1,6 @@
 """The remote store tier (issue 7): a store node over the loopback transport and a real Redis
 index; nodes offload cold cached blocks to it and pull them back through the index. One test
-runs the store as its own process (``examples/store_node.py``) and restores over UCX; the last
+runs the store as its own process (``kvbridge-store``) and restores over UCX; the last
 ones test offload's two halves (``OffloadPlanner``, ``OffloadSender``) on their own."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import _store_builders
 import msgpack
@@ -528,18 +527,18 @@ def test_a_reply_that_does_not_answer_the_put_is_an_error_for_it():
 
 
 # ---------------------------------------------------------------------- store in its own process
-_STORE_MAIN = Path(__file__).resolve().parents[1] / "examples" / "store_node.py"
+_STORE_MAIN = "kvbridge.connector.serve.store_server"
 _PROCESS_TIMEOUT_S = 60.0
 
 
 def _start_store_process(redis_url: str, *, capacity_blocks: int) -> tuple[subprocess.Popen, dict]:
-    """``examples/store_node.py`` as a child process; returns it and its "serving" JSON line."""
+    """``kvbridge-store`` as a child process; returns it and its "serving" JSON line."""
     model = tiny_model(hybrid=False).config
     per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(_STORE_MAIN),
+            "-m", _STORE_MAIN,
             "--host",
             "127.0.0.1",
             "--capacity-bytes",

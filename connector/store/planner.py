@@ -27,7 +27,7 @@ not computed yet, is never planned.
 Ancestors. A chain's head is often hot: a system prompt shared by every request is touched by
 each one and never becomes cold, so a planner that wrote cold blocks only would never write it
 and the store would never anchor (never publish) any chain below it (found by the Mooncake
-conversation trace replay, ``examples/replay_store.py``). So before a block, ``plan`` plans its
+conversation trace replay, ``kvbridge-replay``). So before a block, ``plan`` plans its
 ancestors that the store is not known to hold (not remembered as offloaded, not in flight) and
 that the pool still caches under that hash (``BlockPool.get_cached_block``), root first, hot or
 cold. The walk up ``_parent_of`` stops at the first ancestor that is known held, in flight,
@@ -312,7 +312,7 @@ class OffloadPlanner:
         with no ``blocks_per_step`` limit: its ancestors the store is not known to hold that
         ``block_pool`` still caches, root first, then the block itself; empty when the block
         is in flight, remembered as offloaded or of unknown parent. The block itself need not
-        be cached any more: the trace replay (``examples/replay_store.py``) writes a block at
+        be cached any more: the trace replay (``connector/serve/replay/store.py``) writes a block at
         its eviction, before observing its ``BlockRemoved``. Marks the items in flight (report
         them with ``apply_outcomes``). Reads ``block_pool``, mutates only the planner."""
         key = make_block_hash_with_group_id(block_hash, group_id)

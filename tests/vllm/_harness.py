@@ -27,10 +27,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 NODE = HERE / "_node.py"
-sys.path.insert(0, str(HERE.parents[1] / "examples"))
 # A port below the ephemeral range, for a node that must listen on a known port: a P restarted
-# on it finds it free (examples/pd_processes.py).
-from pd_processes import free_port  # noqa: E402, F401 (re-exported to the tests)
+# on it finds it free (connector/serve/demo/processes.py).
+from kvbridge.connector.serve.demo.processes import free_port  # noqa: E402, F401 (re-exported to the tests)
 
 BLOCK = 32  # the suite's vLLM block_size (the CPU attention backend needs a multiple of 32)
 START_TIMEOUT_S = 240.0  # engines start in 10-60 s on 2 cores; two at once, slower

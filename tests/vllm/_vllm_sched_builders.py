@@ -26,7 +26,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import _model  # tests/vllm/_model.py, beside this file
 import msgspec
 import torch
 from kvbridge.connector.metadata import (
@@ -37,6 +36,7 @@ from kvbridge.connector.metadata import (
     decode_metadata,
     encode_worker_meta,
 )
+from kvbridge.connector.serve.demo import tiny_llama as _model
 from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.connector.vllm.adapter import KVBridgeConnector, _Handshake, _WorkerReport
 from vllm import SamplingParams

@@ -58,15 +58,13 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(cache_dir: Path) -> Path:
-    import _model
-
+    from kvbridge.connector.serve.demo import tiny_llama as _model
     return _model.tiny_llama(cache_dir / "models", tokenizer=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_llama(cache_dir: Path) -> Path:
-    import _model
-
+    from kvbridge.connector.serve.demo import tiny_llama as _model
     return _model.tiny_llama(cache_dir / "models", hybrid=True)
 
 

@@ -1,8 +1,8 @@
 """The proxy in front of two ``vllm serve`` (issue 13, "What must hold", last item).
 
-``examples/vllm_pd_demo.py`` is the main job on vLLM: a single ``vllm serve`` answers every
+``kvbridge-demo-vllm`` is the main job on vLLM: a single ``vllm serve`` answers every
 request first (the reference), then P and D (two ``vllm serve`` with the kvbridge connector)
-answer the same requests through ``examples/proxy.py``'s ``/v1/completions``, half of them
+answer the same requests through ``kvbridge-proxy``'s ``/v1/completions``, half of them
 streamed. A short run of it is the test: every answer, streamed or not, carries the reference's
 tokens, D pulled KV for them, and P holds no block at the end.
 """
@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-_DEMO = Path(__file__).resolve().parents[2] / "examples" / "vllm_pd_demo.py"
+_DEMO = "kvbridge.connector.serve.demo.vllm_pd"
 _RUN_TIMEOUT_S = 900  # three engine start-ups (10-60 s each here) and 8 short requests
 
 
@@ -26,7 +25,7 @@ def test_proxy_over_two_vllm_serve_answers_streamed_and_not_with_the_single_inst
 ):
     workdir = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, str(_DEMO), "--conversations", "4", "--turns", "2", "--max-tokens", "8",
+        [sys.executable, "-m", _DEMO, "--conversations", "4", "--turns", "2", "--max-tokens", "8",
          "--stream-every", "2", "--workdir", str(workdir)],
         capture_output=True, text=True, timeout=_RUN_TIMEOUT_S,
     )

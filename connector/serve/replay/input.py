@@ -1,5 +1,5 @@
 """The trace replay's input: a Mooncake-format trace parsed, each hash id expanded to a fixed
-run of token ids, and the unbounded-cache reference hit count (examples/replay_trace.py).
+run of token ids, and the unbounded-cache reference hit count (kvbridge-replay).
 
 Trace format (the Mooncake FAST'25 trace release, kvcache-ai/Mooncake, FAST25-release/traces,
 e.g. its ``conversation_trace.jsonl``): one JSON object a line with ``timestamp`` (ms),

@@ -1,4 +1,4 @@
-"""Verification and figures for examples/pd_pair.py.
+"""Verification and figures for kvbridge-demo.
 
 - :class:`ReferenceRunner`: the single-node run every P/D completion is compared with: the same
   model (same seed or checkpoint) in a local ``Engine`` without a connector and without prefix

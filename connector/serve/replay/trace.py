@@ -51,7 +51,7 @@ is an unbounded cache over the same file: a request's leading hash ids seen in a
 request, capped like ``get_computed_blocks`` (at most ``(num_tokens - 1) // block_size`` full
 blocks). Prints a table; the last line is one JSON object.
 
-    python examples/replay_trace.py /path/to/conversation_trace.jsonl --limit 2000
+    kvbridge-replay /path/to/conversation_trace.jsonl --limit 2000
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import redis
 import torch
@@ -88,7 +86,9 @@ from kvbridge.kvmanager import (
     Request,
 )
 from redis.cluster import RedisCluster
-from replay_input import (
+
+from ..cli import CommandParser
+from .input import (
     TRACE_BLOCK_TOKENS,
     TokenExpander,
     TraceRequest,
@@ -96,8 +96,8 @@ from replay_input import (
     oracle_hit_blocks,  # noqa: F401 - the replay's trace API, used from here by its tests
     read_trace,  # noqa: F401
 )
-from replay_report import ReplayResult, row, store_row, summary_of
-from replay_store import ReplayStore
+from .report import ReplayResult, row, store_row, summary_of
+from .store import ReplayStore
 
 POLICIES = ("index", "round_robin", "pull")
 _TTL_S = 3600.0
@@ -354,7 +354,7 @@ def _ping_client(url: str) -> redis.Redis | RedisCluster | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="kvbridge-replay", description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes")

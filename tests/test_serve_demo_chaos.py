@@ -1,4 +1,4 @@
-"""The main job's chaos run (issue 15, case 8): ``examples/pd_pair.py --chaos SEED`` with real
+"""The main job's chaos run (issue 15, case 8): ``kvbridge-demo --chaos SEED`` with real
 processes (Redis, a store node, P and D): P killed and restarted, P frozen, Redis and the store
 killed and restarted while requests are in flight. Every request ends with the single-node
 tokens or a clear error, no node leaks a block, and the faults come from the seed."""
@@ -8,17 +8,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import pd_pair
 import pytest
 from kvbridge.connector.index.server_binary import find_server_binary
-from pd_chaos import FAULT_KINDS, ChaosClient, ChaosMonkey, error_kind, plan_faults
-from pd_processes import ProcessGroup
-from proxy import HopError
+from kvbridge.connector.serve.demo import pd_pair
+from kvbridge.connector.serve.demo.chaos import (
+    FAULT_KINDS,
+    ChaosClient,
+    ChaosMonkey,
+    error_kind,
+    plan_faults,
+)
+from kvbridge.connector.serve.demo.processes import ProcessGroup
+from kvbridge.connector.serve.proxy import HopError
 
 
 def test_fault_plan_is_a_function_of_the_seed_and_has_every_kind():

@@ -1,4 +1,4 @@
-"""The HTTP face of a store node (``examples/node_server.py --role store``).
+"""The HTTP face of a store node (``kvbridge-node --role store``).
 
 A store node runs no model: it is a ``kvbridge.connector.store.StoreNode`` (offloaded blocks
 in host memory, served to pullers over the same transport as any holder, written through a small

@@ -1,4 +1,4 @@
-"""Several decode nodes behind one prefill node, for examples/pd_pair.py ``--nodes N``.
+"""Several decode nodes behind one prefill node, for kvbridge-demo ``--nodes N``.
 
 :class:`SpreadRouter` answers :class:`proxy.PDRouter`'s ``complete`` and sends each request to
 the least-loaded decode node D (fewest requests in flight; ties in turn). D gets the request's
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from proxy import HopError, PDResult, PDRouter, PrefixLocator
+
+from ..proxy import HopError, PDResult, PDRouter, PrefixLocator
 
 __all__ = ["SpreadRouter", "SpreadTally", "engine_ids_of"]
 

@@ -1,5 +1,5 @@
 """The trace replay's store tier: a real ``StoreCache`` fed with the nodes' evicted blocks and
-pulled from like any holder (``examples/replay_trace.py --store-blocks N``, ``pull`` policy).
+pulled from like any holder (``kvbridge-replay --store-blocks N``, ``pull`` policy).
 
 DESIGN.md ("One disaggregated request", the store tier): cold cached blocks are written to a
 store node before they are evicted, the index records the store as a holder, and a later
@@ -52,7 +52,8 @@ import torch
 from kvbridge.connector.index import BlockIndex, new_incarnation
 from kvbridge.connector.store import OffloadItem, OffloadOutcome, OffloadPlanner, StoreCache
 from kvbridge.kvmanager import BlockPool, BlockRemoved
-from replay_report import ReplayResult
+
+from .report import ReplayResult
 
 __all__ = ["ReplayStore"]
 

@@ -1,5 +1,5 @@
 """The trace replay's per-policy result and its report: a table row and a JSON summary
-(``examples/replay_trace.py``)."""
+(``kvbridge-replay``)."""
 
 from __future__ import annotations
 

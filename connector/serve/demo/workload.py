@@ -1,4 +1,4 @@
-"""Workloads for examples/pd_pair.py: real text, or a replayed Mooncake trace.
+"""Workloads for kvbridge-demo: real text, or a replayed Mooncake trace.
 
 Default: multi-turn conversations built from text every Python installation carries (the module
 docstrings of the standard library, read from ``sysconfig.get_paths()["stdlib"]`` in sorted

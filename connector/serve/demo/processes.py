@@ -1,4 +1,4 @@
-"""Child processes of examples/pd_pair.py: Redis and kvbridge nodes, each with a log file, and a
+"""Child processes of kvbridge-demo: Redis and kvbridge nodes, each with a log file, and a
 ``ProcessGroup`` that stops everything it started (SIGTERM, then SIGKILL after a grace period),
 also when the parent is interrupted.
 """
@@ -21,7 +21,7 @@ from kvbridge.connector.index import find_server_binary
 
 __all__ = ["ManagedProcess", "ProcessGroup", "StartupError", "free_port", "node_command"]
 
-_NODE_SERVER = Path(__file__).resolve().parent / "node_server.py"
+_NODE_SERVER_MODULE = "kvbridge.connector.serve.node.server"
 _STOP_GRACE_S = 8.0
 
 
@@ -224,5 +224,6 @@ class ProcessGroup:
 
 
 def node_command(role: str, port: int, extra_args: Sequence[str] = ()) -> list[str]:
-    """The argv that starts examples/node_server.py for ``role`` on ``port``."""
-    return [sys.executable, str(_NODE_SERVER), "--role", role, "--port", str(port), *extra_args]
+    """The argv that starts the node server (``kvbridge-node``) for ``role`` on ``port``."""
+    return [sys.executable, "-m", _NODE_SERVER_MODULE, "--role", role, "--port", str(port),
+            *extra_args]

@@ -1,4 +1,4 @@
-"""Faults for the main job's chaos run (``examples/pd_pair.py --chaos SEED``): a plan of faults
+"""Faults for the main job's chaos run (``kvbridge-demo --chaos SEED``): a plan of faults
 drawn from the seed, a thread that injects them into the running processes, a client that
 retries requests a dead node could not answer, and the end-of-run leak check.
 
@@ -34,8 +34,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
-from pd_processes import ManagedProcess, ProcessGroup, StartupError, free_port
-from proxy import HopError
+
+from ..proxy import HopError
+from .processes import ManagedProcess, ProcessGroup, StartupError, free_port
 
 __all__ = [
     "ChaosClient", "ChaosMonkey", "ChaosRun", "Fault", "chaos_node_args", "error_kind",
@@ -183,7 +184,7 @@ class ChaosMonkey:
 
 
 class ChaosClient:
-    """A ``PDRouter`` stand-in for examples/pd_pair.py's workload: counts each request with
+    """A ``PDRouter`` stand-in for kvbridge-demo's workload: counts each request with
     the monkey, then retries a hop that got 502/503 (see the module docstring).
 
     Attributes:
@@ -263,7 +264,7 @@ def chaos_node_args(args: Any, name: str) -> list[str]:
 
 
 class ChaosRun:
-    """The chaos side of one examples/pd_pair.py run: plans the faults from ``args.chaos``,
+    """The chaos side of one kvbridge-demo run: plans the faults from ``args.chaos``,
     injects them (``wrap`` hands the workload its client), then :meth:`finish` checks the
     drain and :meth:`report` gives the figures.
 

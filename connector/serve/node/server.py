@@ -1,7 +1,7 @@
 """One kvbridge node over an OpenAI-style HTTP API (FastAPI + uvicorn).
 
-    python examples/node_server.py --role prefill --port 8100 --index-url redis://127.0.0.1:6379/0
-    python examples/node_server.py --role decode  --port 8200 --index-url redis://127.0.0.1:6379/0
+    kvbridge-node --role prefill --port 8100 --index-url redis://127.0.0.1:6379/0
+    kvbridge-node --role decode  --port 8200 --index-url redis://127.0.0.1:6379/0
 
 Routes:
 
@@ -12,8 +12,8 @@ Routes:
   pull ticket for the decode node), and ``kvbridge`` (this node's timings and cache hit). With
   ``"stream": true`` it answers server-sent events, one chunk per step, ending ``data: [DONE]``.
   A client that disconnects, streaming or not, has its request aborted
-  (examples/http_disconnect.py).
-  A malformed body (examples/completion_body.py), or a request the engine refuses at admission
+  (connector/serve/http_disconnect.py).
+  A malformed body (connector/serve/http_body.py), or a request the engine refuses at admission
   (``Engine.add_request`` raises ``ValueError``: bad token ids, a prompt too long, malformed
   ``kv_transfer_params``), is a 400 with the message; the node keeps serving. Either way, a
   refused body that carries a pull ticket (``"do_remote_prefill": true``) has the connector
@@ -21,13 +21,13 @@ Routes:
   never pins them for the whole lease.
 - ``GET /health``: 200 ``{"status": "ok", "role", "engine_id", ...}``; 503 once the engine loop
   died.
-- ``GET /metrics``: Prometheus text (examples/node_metrics.py); ``GET /v1/stats``: the same as JSON.
+- ``GET /metrics``: Prometheus text (``metrics``); ``GET /v1/stats``: the same as JSON.
 
 Roles map onto vLLM's ``kv_role``: ``prefill`` -> ``kv_producer``, ``decode`` -> ``kv_consumer``,
 ``both`` -> ``kv_both``. ``store`` runs no model: it serves a ``StoreNode`` (the remote store
 tier, kvbridge.connector.store.node: offloaded blocks in host memory, pulled like any holder's,
 published to the index as tier ``"store"``) with /health (which names its ``store_url``), /metrics
-and /v1/stats (examples/store_app.py). ``both`` without ``--kv-transfer-config`` and
+and /v1/stats (connector/serve/node/store_app.py). ``both`` without ``--kv-transfer-config`` and
 ``--index-url`` is a plain node without a connector.
 """
 
@@ -45,19 +45,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
-import uvicorn
-from completion_body import BadRequest, CompletionBody, remote_prefill_ticket
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
 from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
-from node_loop import EngineLoop, RequestRejected
-from node_metrics import make_registry, node_stats
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..cli import CommandParser, serve_http
+from ..http_body import BadRequest, CompletionBody, remote_prefill_ticket
+from ..http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
+from .loop import EngineLoop, RequestRejected
+from .metrics import make_registry, node_stats
 
 __all__ = ["ROLE_TO_KV_ROLE", "BadRequest", "CompletionBody", "build_app", "build_engine", "main"]
 
@@ -288,7 +287,7 @@ async def _stream(
 
 # ---------------------------------------------------------------------- CLI
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="kvbridge-node", description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -320,13 +319,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.role == "store":
         return _serve_store(args)
-    engine, engine_id = build_engine(args)
+    try:
+        engine, engine_id = build_engine(args)
+    except ValueError as exc:  # a configuration it cannot serve (KVTransferConfigError too)
+        sys.stderr.write(f"kvbridge-node: error: {exc}\n")
+        return 2
     loop = EngineLoop(engine)
     loop.start()
     app = build_app(loop, role=args.role, engine_id=engine_id, model_name=args.model)
     logger.info("node %s (%s) serving on http://%s:%d", engine_id, args.role, args.host, args.port)
+    worker = engine.runner.connector
+    handshake = worker.get_handshake_metadata() if worker is not None else None
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        serve_http(app, host=args.host, port=args.port, announce_fields={
+            "engine_id": engine_id, "role": args.role,
+            **({} if handshake is None else {"transport": [handshake.host, handshake.port]}),
+        })
     finally:
         loop.stop()
     return 0
@@ -334,15 +342,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve_store(args: argparse.Namespace) -> int:
     from kvbridge.connector.store import close_store_node
-    from store_app import build_store_app, build_store_node
+
+    from .store_app import build_store_app, build_store_node
 
     config = kv_transfer_config_dict(args) or {}
     node = build_store_node(args, load_model(args.model).config, config)
     app = build_store_app(node, model_name=args.model)
     logger.info("store node %s serving on http://%s:%d, writes on %s:%d", node.engine_id,
                 args.host, args.port, *node.write_address)
+    host, write_port = node.write_address
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        serve_http(app, host=args.host, port=args.port, announce_fields={
+            "engine_id": node.engine_id, "role": "store",
+            "store_url": f"[{host}]:{write_port}" if ":" in host else f"{host}:{write_port}",
+        })
     finally:
         close_store_node(node)
     return 0

@@ -1,12 +1,12 @@
 """The P/D proxy: one OpenAI-style endpoint in front of prefill and decode nodes (xPyD).
 
-    python examples/proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
+    kvbridge-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --port 8000 [--index-url redis://127.0.0.1:6379/0]
 
 For each ``POST /v1/completions`` (DESIGN.md, "One disaggregated request, end to end"):
 
 0. validate the client's body with the decode node's own parser
-   (examples/completion_body.py): a body D would refuse is a 400 before anything is sent, so it
+   (connector/serve/http_body.py): a body D would refuse is a 400 before anything is sent, so it
    never costs a prefill on P nor pins P's blocks under a lease (the P hop overrides
    ``max_tokens`` and ``stream``, so P alone would accept it);
 1. choose a prefill node P: with ``--index-url``, the P that the block index says holds the
@@ -18,13 +18,12 @@ For each ``POST /v1/completions`` (DESIGN.md, "One disaggregated request, end to
 
 A P or D that answers an error is passed through with its status code; one that cannot be reached
 answers 502. A client that disconnects, streaming or not, has the hop in flight cancelled, so P
-or D aborts the request (examples/http_disconnect.py). :class:`PDRouter` is the reusable part
-(examples/pd_pair.py drives it directly).
+or D aborts the request (connector/serve/http_disconnect.py). :class:`PDRouter` is the reusable part
+(kvbridge-demo drives it directly).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import logging
@@ -36,12 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import uvicorn
-from completion_body import BadRequest, CompletionBody
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
 from kvbridge.kernels.model import ByteTokenizer
+
+from .cli import CommandParser, serve_http
+from .http_body import BadRequest, CompletionBody
+from .http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
 
 __all__ = ["PDResult", "PDRouter", "PrefixLocator", "build_app", "main"]
 
@@ -311,7 +311,7 @@ def build_app(router: PDRouter) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvbridge P/D proxy (xPyD)")
+    parser = CommandParser(prog="kvbridge-proxy", description="kvbridge P/D proxy (xPyD)")
     parser.add_argument("--prefill", action="append", required=True, help="P base URL")
     parser.add_argument("--decode", action="append", required=True, help="D base URL")
     parser.add_argument("--host", default="127.0.0.1")
@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             hash_fn=args.hash_fn,
         )
     router = PDRouter(args.prefill, args.decode, locator=locator)
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")
+    serve_http(build_app(router), host=args.host, port=args.port,
+               announce_fields={"prefill": args.prefill, "decode": args.decode})
     return 0
 
 

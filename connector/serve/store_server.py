@@ -1,6 +1,6 @@
 """Run a store node (issue 7) as its own process.
 
-    python examples/store_node.py --host 127.0.0.1 --port 0 --write-port 7600 \
+    kvbridge-store --host 127.0.0.1 --port 0 --write-port 7600 \
         --capacity-bytes 1073741824 --index-url redis://127.0.0.1:6379/0 --model tiny
 
 Nodes point at it with ``kv_connector_extra_config = {"store_url": "<host>:<write port>",
@@ -10,17 +10,17 @@ JSON line with its addresses once serving, then serves until interrupted (Ctrl-C
 
 from __future__ import annotations
 
-import argparse
 import json
-import signal
-import threading
+import sys
 
 from kvbridge.connector.store import StoreNode, close_store_node, start_store_node
 from kvbridge.kernels.model import ModelConfig
 
+from .cli import CommandParser, announce, wait_for_stop
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CommandParser(prog="kvbridge-store", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address for pulls and writes")
     parser.add_argument("--port", type=int, default=0, help="transport (pull) port; 0: any")
     parser.add_argument("--write-port", type=int, default=0, help="write server port; 0: any")
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--model-name", default="kvbridge")
     parser.add_argument("--hash-fn", default="sha256_cbor")
     parser.add_argument("--read-guard-s", type=float, default=30.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.tiny_hybrid()
     node = start_store_node(
         StoreNode(
@@ -51,28 +51,20 @@ def main() -> None:
         )
     )
     host, write_port = node.write_address
-    print(
-        json.dumps(
-            {
-                "engine_id": node.engine_id,
-                "incarnation": node.incarnation,
-                "pull_address": list(node.address),
-                "store_url": f"{host}:{write_port}",
-                "capacity_blocks": node.cache.num_store_blocks,
-            }
-        ),
-        flush=True,
+    announce(
+        engine_id=node.engine_id,
+        incarnation=node.incarnation,
+        pull_address=list(node.address),
+        store_url=f"[{host}]:{write_port}" if ":" in host else f"{host}:{write_port}",
+        capacity_blocks=node.cache.num_store_blocks,
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+        wait_for_stop()
     finally:
-        print(json.dumps({"stats": node.stats.snapshot()}), flush=True)
+        print(json.dumps({"stats": node.stats.snapshot()}), flush=True)  # its last line
         close_store_node(node)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

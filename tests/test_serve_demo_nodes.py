@@ -1,4 +1,4 @@
-"""The main job with two decode nodes (``examples/pd_pair.py --nodes 2``, examples/pd_nodes.py):
+"""The main job with two decode nodes (``kvbridge-demo --nodes 2``, connector/serve/demo/nodes.py):
 real processes (Redis, P, two D), a request that shares a prefix with one served on the other
 decode node pulls that prefix from it through the index, and the report counts pulls per
 holder."""
@@ -6,13 +6,10 @@ holder."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import pd_pair
-from pd_nodes import SpreadRouter
+from kvbridge.connector.serve.demo import pd_pair
+from kvbridge.connector.serve.demo.nodes import SpreadRouter
 
 
 def _write_trace(path: Path) -> None:

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import proxy
-from _examples_builders import _post_then_disconnect, _pull_ticket
+from _serve_builders import _post_then_disconnect, _pull_ticket
+from kvbridge.connector.serve import proxy
 
 
 # ---------------------------------------------------------------------- the proxy, nodes faked

@@ -1,11 +1,11 @@
 """The main job: a prefill node and a decode node on one machine serving real prompts, with KV
 crossing between them, every output checked token for token against a single-node run.
 
-    python examples/pd_pair.py                      # stdlib-docstring conversations
-    python examples/pd_pair.py --trace PATH/TO/conversation_trace.jsonl --limit 40
-    python examples/pd_pair.py --redis-url redis://127.0.0.1:6379/0 --store
-    python examples/pd_pair.py --chaos 7 --store     # faults from seed 7 (examples/pd_chaos.py)
-    python examples/pd_pair.py --nodes 2             # P and two decode nodes (examples/pd_nodes.py)
+    kvbridge-demo                      # stdlib-docstring conversations
+    kvbridge-demo --trace PATH/TO/conversation_trace.jsonl --limit 40
+    kvbridge-demo --redis-url redis://127.0.0.1:6379/0 --store
+    kvbridge-demo --chaos 7 --store     # faults from seed 7 (connector/serve/demo/chaos.py)
+    kvbridge-demo --nodes 2             # P and two decode nodes (connector/serve/demo/nodes.py)
 
 What it does:
 
@@ -18,17 +18,17 @@ What it does:
    ``kvbridge.connector.index.server_binary``, ``KVBRIDGE_REDIS_SERVER`` overrides it), else
    the embedded in-memory index (said on one line). The report names the server that ran.
 2. A prefill node (``--role prefill``), a decode node (``--role decode``) and, with ``--store``, a
-   store node, each its own ``examples/node_server.py`` process; it waits until all are healthy.
+   store node, each its own ``kvbridge-node`` process; it waits until all are healthy.
    ``--nodes N`` (N >= 2) starts N decode nodes (engine ids ``decode-0`` ... and ``prefill``).
 3. The workload, through :class:`proxy.PDRouter` (P with ``do_remote_decode``, then D with P's
    ``kv_transfer_params``), with a progress bar. With ``--nodes N`` through
    :class:`pd_nodes.SpreadRouter`: each request goes to the least-loaded decode node, which
    first pulls the prompt's longest indexed prefix from whichever node the index names (P or
    another decode node), then the rest from P by the handover.
-4. The same prompts on a local single node (examples/pd_report.py), compared token for token.
+4. The same prompts on a local single node (``report``), compared token for token.
 5. The report, whose last line is one JSON object; exit code 1 on any mismatch or error.
 
-With ``--chaos SEED``, ``--chaos-faults`` faults drawn from the seed (examples/pd_chaos.py: kill
+With ``--chaos SEED``, ``--chaos-faults`` faults drawn from the seed (``chaos``: kill
 and restart P, Redis (one it started) and the store, freeze P) hit the run while requests are in
 flight; a request ends with tokens, checked as above, or a clear error (counted ``failed``, not
 an exit-code failure). At the end both nodes must drain: schedulers empty and every usable block
@@ -54,18 +54,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
 import torch
-from node_server import load_model
-from pd_chaos import ChaosRun, chaos_node_args
-from pd_nodes import SpreadRouter, engine_ids_of
-from pd_processes import ProcessGroup, StartupError
-from pd_report import Completed, ReferenceRunner, build_report, memcpy_gb_per_s, print_summary
-from pd_workload import TraceRequest, stdlib_conversations, trace_requests
-from proxy import HopError, PDRouter, PrefixLocator
 from tqdm import tqdm
+
+from ..cli import CommandParser
+from ..node.server import load_model
+from ..proxy import HopError, PDRouter, PrefixLocator
+from .chaos import ChaosRun, chaos_node_args
+from .nodes import SpreadRouter, engine_ids_of
+from .processes import ProcessGroup, StartupError
+from .report import Completed, ReferenceRunner, build_report, memcpy_gb_per_s, print_summary
+from .workload import TraceRequest, stdlib_conversations, trace_requests
 
 __all__ = ["UsageError", "check_redis", "load_trace", "main", "parse_args", "run"]
 
@@ -91,7 +91,8 @@ class _Tally:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="kvbridge P/D pair on real input, verified")
+    parser = CommandParser(prog="kvbridge-demo",
+                           description="kvbridge P/D pair on real input, verified")
     parser.add_argument(
         "--model",
         default="small",
@@ -122,12 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="logs go here (default: a temp dir)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--chaos", type=int, default=None, metavar="SEED",
-                        help="inject faults drawn from SEED (examples/pd_chaos.py)")
+                        help="inject faults drawn from SEED (connector/serve/demo/chaos.py)")
     parser.add_argument("--chaos-faults", type=int, default=8, help="faults of a --chaos run")
     parser.add_argument("--nodes", type=int, default=1, metavar="N",
                         help="decode nodes (N >= 2: requests spread over them, each pulling "
                              "its longest prefix from the holder the index names; "
-                             "examples/pd_nodes.py)")
+                             "connector/serve/demo/nodes.py)")
     return parser.parse_args(argv)
 
 

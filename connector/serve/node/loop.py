@@ -355,7 +355,7 @@ class EngineLoop:
         pool = self.engine.kv_cache_manager.block_pool
         scheduler_stats = {
             **scheduler.make_stats(),
-            # The leak check of a run (examples/pd_chaos.py): an idle node has an empty
+            # The leak check of a run (connector/serve/demo/chaos.py): an idle node has an empty
             # scheduler and every usable block (all but the null block) on its free queue.
             "scheduler_empty": scheduler.is_empty(),
             "num_free_blocks": pool.get_num_free_blocks(),

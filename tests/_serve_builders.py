@@ -1,4 +1,4 @@
-"""Builders shared by the examples' tests (``test_examples_*.py``): the block size of their
+"""Builders shared by the examples' tests (``test_serve_*.py``): the block size of their
 engines, the pull ticket a prefill node hands out, and a raw-ASGI POST whose client hangs up.
 """
 

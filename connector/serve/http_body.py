@@ -2,9 +2,9 @@
 
 The proxy checks a client's body with the same parser the decode node uses before it sends
 anything to a prefill node, so a body the decode node would refuse never costs a prefill or a
-lease on P (examples/proxy.py). The node server refuses a malformed body with 400 and, when the
+lease on P (kvbridge-proxy). The node server refuses a malformed body with 400 and, when the
 body carries a pull ticket (``do_remote_prefill``), has the prefill node told to release the
-blocks it holds for it (examples/node_server.py).
+blocks it holds for it (kvbridge-node).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The main job on vLLM: two stock ``vllm serve`` processes, P and D, with the kvbridge
-connector and examples/proxy.py in front, serving real text; every answer checked token for
+connector and kvbridge-proxy in front, serving real text; every answer checked token for
 token against a single vLLM instance without a connector. ``make demo-vllm`` runs it in the
 vLLM venv (tests/vllm*/make_venv.sh).
 
-    python examples/vllm_pd_demo.py [--conversations 7 --turns 3 --max-tokens 16]
+    kvbridge-demo-vllm [--conversations 7 --turns 3 --max-tokens 16]
 
 What it does (everything in the work directory, printed at start; logs are kept on failure):
 
@@ -11,12 +11,12 @@ What it does (everything in the work directory, printed at start; logs are kept 
    written once into ``${KVBRIDGE_CACHE:-~/.cache/kvbridge-vllm}/models`` by the vLLM suite's
    ``_model.py``; ``--model DIR`` uses another (it needs ``tokenizer.json``).
 2. The reference: one ``vllm serve`` alone (no connector, no prefix caching) plays the
-   conversations (examples/vllm_pd_client.py) one request at a time, greedy, ``ignore_eos``,
+   conversations (``vllm_client``) one request at a time, greedy, ``ignore_eos``,
    ``max_tokens`` fixed; its answers are the expected tokens, and the prefill time vLLM reports
    for each request is "what recomputing that prompt costs". It is stopped before P and D start.
 3. P (``kv_role`` kv_producer) and D (kv_consumer), each a ``vllm serve`` loading
    ``kvbridge.connector.vllm:KVBridgeConnector``, with ``PYTHONHASHSEED=0`` (block hashes must
-   agree) and ``VLLM_CPU_OMP_THREADS_BIND=nobind``; then examples/proxy.py in front of them.
+   agree) and ``VLLM_CPU_OMP_THREADS_BIND=nobind``; then kvbridge-proxy in front of them.
 4. The same conversations through the proxy, one request at a time (every fourth streamed);
    each answer (prompt ids and output ids, as ``return_token_ids`` gives them) is compared with
    the reference's. After each request P's and D's ``/metrics`` are read, so the figures vLLM
@@ -47,11 +47,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
-from pd_processes import ManagedProcess, ProcessGroup, StartupError, free_port
-from vllm_pd_client import (
+
+from ..cli import CommandParser
+from .processes import ManagedProcess, ProcessGroup, StartupError, free_port
+from .vllm_client import (
     Answer,
     MetricsDelta,
     build_conversations,
@@ -59,7 +59,7 @@ from vllm_pd_client import (
     load_tokenizer,
     scrape,
 )
-from vllm_pd_report import (
+from .vllm_report import (
     BLOCK_SIZE,
     KV_CACHE_USAGE,
     Turn,
@@ -70,13 +70,12 @@ from vllm_pd_report import (
 
 __all__ = ["main", "parse_args", "run"]
 
-_REPO = Path(__file__).resolve().parent.parent
-_MODEL_SCRIPTS = (_REPO / "tests" / "vllm", _REPO / "tests" / "vllm_probe")  # where _model.py is
 _STOP_GRACE_S = 20.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="kvbridge P/D between two vllm serve, verified")
+    parser = CommandParser(prog="kvbridge-demo-vllm",
+                           description="kvbridge P/D between two vllm serve, verified")
     parser.add_argument("--model", default=None, help="checkpoint dir with tokenizer.json "
                         "(default: the vLLM suite's tiny Llama, written once)")
     parser.add_argument("--conversations", type=int, default=7)
@@ -93,14 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def tiny_model_dir() -> Path:
-    """The vLLM suite's tiny Llama with its tokenizer (written on first use)."""
-    for folder in _MODEL_SCRIPTS:
-        if (folder / "_model.py").is_file():
-            sys.path.insert(0, str(folder))
-            import _model
+    """The tiny Llama with its tokenizer (``tiny_llama``; written on first use, cached)."""
+    from .tiny_llama import tiny_llama
 
-            return Path(_model.tiny_llama(tokenizer=True))
-    raise StartupError(f"no _model.py under {', '.join(map(str, _MODEL_SCRIPTS))}")
+    return Path(tiny_llama(tokenizer=True))
 
 
 def serve_command(model: Path, port: int, args: argparse.Namespace,
@@ -304,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
                                  kv_config(role, f"{name}-0", args)), urls[name])
             for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))
         ], args.start_timeout_s)
-        proxy = [group.spawn("proxy", [sys.executable, str(_REPO / "examples" / "proxy.py"),
+        proxy = [group.spawn("proxy", [sys.executable, "-m", "kvbridge.connector.serve.proxy",
                                        "--prefill", urls["prefill"], "--decode", urls["decode"],
                                        "--port", str(ports["proxy"])], url=urls["proxy"])]
         group.wait_healthy(proxy, timeout_s=60.0)

@@ -4,18 +4,13 @@ its inputs (one-line errors, no silent fallback) and the report's percentile."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import pd_pair
-from _examples_builders import BLOCK_SIZE
-from pd_processes import free_port
-from pd_report import percentile
-from pd_workload import trace_requests
+from _serve_builders import BLOCK_SIZE
+from kvbridge.connector.serve.demo import pd_pair
+from kvbridge.connector.serve.demo.processes import free_port
+from kvbridge.connector.serve.demo.report import percentile
+from kvbridge.connector.serve.demo.workload import trace_requests
 
 
 # ---------------------------------------------------------------------- workload and report

@@ -3,7 +3,7 @@
 
 Sources, all read at scrape time (no sampling thread):
 
-- ``EngineLoop.counters`` (examples/node_loop.py): requests, tokens, local APC hits (from
+- ``EngineLoop.counters`` (connector/serve/node/loop.py): requests, tokens, local APC hits (from
   ``KVCacheManager.make_prefix_cache_stats``), tokens served from a cache at admission, per-request
   KV load times, and the scheduler's ``make_stats()`` (queues, preemptions, KV usage).
 - The connector's ``KVTransferStats.snapshot()`` (connector/stats.py), when the node has a

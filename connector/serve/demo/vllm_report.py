@@ -1,4 +1,4 @@
-"""The report of examples/vllm_pd_demo.py: per-request figures from vLLM's own metrics, folded
+"""The report of kvbridge-demo-vllm: per-request figures from vLLM's own metrics, folded
 into one flat dict (the JSON line) and a few readable lines.
 
 Every request of the demo is sent alone, so what it added to a server's Prometheus series
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pd_report import percentile
-from vllm_pd_client import Answer
+from .report import percentile
+from .vllm_client import Answer
 
 __all__ = ["BLOCK_SIZE", "KV_CACHE_USAGE", "Turn", "build_report", "print_summary", "request_rows"]
 

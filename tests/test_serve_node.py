@@ -1,26 +1,26 @@
 """The node server's own logic, in process: request-body validation, role -> kv_transfer_config,
 the HTTP app around a plain engine (served through httpx's ASGI transport, no sockets) and the
-engine loop's counters. The proxy is in ``test_examples_proxy.py``, the trace expansion and the
-main job in ``test_examples_pd_pair.py``."""
+engine loop's counters. The proxy is in ``test_serve_proxy.py``, the trace expansion and the
+main job in ``test_serve_demo.py``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
+from _serve_builders import BLOCK_SIZE, _post_then_disconnect, _pull_ticket
+from kvbridge.connector.serve.node.loop import EngineLoop
+from kvbridge.connector.serve.node.server import (
+    BadRequest,
+    CompletionBody,
+    build_app,
+    kv_transfer_config_dict,
+)
 from kvbridge.kernels.model import ModelConfig
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from _examples_builders import BLOCK_SIZE, _post_then_disconnect, _pull_ticket
-from node_loop import EngineLoop
-from node_server import BadRequest, CompletionBody, build_app, kv_transfer_config_dict
 
 
 def _args(**overrides) -> argparse.Namespace:

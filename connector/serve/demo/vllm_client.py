@@ -1,4 +1,4 @@
-"""The client side of examples/vllm_pd_demo.py: its text workload, its ``/v1/completions`` calls
+"""The client side of kvbridge-demo-vllm: its text workload, its ``/v1/completions`` calls
 and its reading of vLLM's Prometheus ``/metrics``.
 
 - :func:`build_conversations`: multi-turn chats over the standard library's module docstrings
@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pd_workload import stdlib_paragraphs
+
+from .workload import stdlib_paragraphs
 
 __all__ = [
     "Answer",
