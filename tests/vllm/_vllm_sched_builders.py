@@ -14,8 +14,8 @@ the same for ``KVBridgeConnector`` (``kv_connector_module_path="kvbridge.connect
                                    KVBridgeConnectorMetadata kept for assertions
     assert_scheduler_empty(...)    no request left, every block free (vLLM's own check)
 
-The model config reads the tiny Llama of ``tests/vllm/_model.py`` (written once, no
-download); nothing here loads weights.
+The model config reads the tiny Llama of ``kvbridge.connector.serve.demo.tiny_checkpoint``
+(written once, no download); nothing here loads weights.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kvbridge.connector.metadata import (
     decode_metadata,
     encode_worker_meta,
 )
-from kvbridge.connector.serve.demo import tiny_llama as _model
+from kvbridge.connector.serve.demo import tiny_checkpoint as _model
 from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.connector.vllm.adapter import KVBridgeConnector, _Handshake, _WorkerReport
 from vllm import SamplingParams
@@ -85,7 +85,7 @@ EOS_TOKEN_ID = 2
 HASH_ALGO = "sha256"
 WORKER_HOST, WORKER_PORT = "127.0.0.1", 47001
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-WINDOW = 64  # the hybrid scheduler's sliding window (_model.HYBRID)
+WINDOW = 64  # the hybrid scheduler's sliding window (tiny_checkpoint.HYBRID)
 
 _ids = itertools.count(1)
 

@@ -1,8 +1,9 @@
 """Fixtures of the vLLM suite (``make test-vllm``, run with the vLLM venv's python).
 
-- ``tiny_llama``: the seeded tiny Llama checkpoint with its tokenizer (``_model.py``), written
-  once under ``$KVBRIDGE_CACHE/models`` and reused by later runs.
-- ``tiny_hybrid_llama``: its sliding-window / full-attention variant (``_model.HYBRID``, no
+- ``tiny_llama``: the seeded tiny Llama checkpoint with its tokenizer
+  (``kvbridge.connector.serve.demo.tiny_checkpoint``), written once under
+  ``$KVBRIDGE_CACHE/models`` and reused by later runs.
+- ``tiny_hybrid_llama``: its sliding-window / full-attention variant (``tiny_checkpoint.HYBRID``, no
   tokenizer), for the hybrid allocator's tests.
 - ``log_dir``: where every node's log goes (a pytest temporary folder, printed on failure).
 - ``reference``: each prompt of ``_prompts.PROMPTS`` -> the greedy tokens of a single plain vLLM
@@ -58,13 +59,13 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(cache_dir: Path) -> Path:
-    from kvbridge.connector.serve.demo import tiny_llama as _model
+    from kvbridge.connector.serve.demo import tiny_checkpoint as _model
     return _model.tiny_llama(cache_dir / "models", tokenizer=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_llama(cache_dir: Path) -> Path:
-    from kvbridge.connector.serve.demo import tiny_llama as _model
+    from kvbridge.connector.serve.demo import tiny_checkpoint as _model
     return _model.tiny_llama(cache_dir / "models", hybrid=True)
 
 

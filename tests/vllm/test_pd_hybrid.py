@@ -1,7 +1,7 @@
 """P/D between two vLLM engines on a hybrid model: vLLM's hybrid allocator stays on (issue 13).
 
 The model is the tiny Llama with sliding-window (64 tokens) and full-attention layers taking
-turns (``_model.HYBRID``), so vLLM makes two KV cache groups, ``SlidingWindowSpec`` then
+turns (``tiny_checkpoint.HYBRID``), so vLLM makes two KV cache groups, ``SlidingWindowSpec`` then
 ``FullAttentionSpec``, whose layers share one block pool (and, in pairs, one KV tensor: a
 block id belongs to one group at a time). ``KVBridgeConnector`` is ``SupportsHMA``, so vLLM
 keeps that allocator on instead of "Turning off hybrid kv cache manager because ...".
@@ -24,7 +24,7 @@ import pytest
 from _harness import BLOCK, Node, kvbridge_config, prefill_requests, request, start_nodes
 from _prompts import HYBRID_PROMPTS, N_NEW
 
-WINDOW = 64  # _model.HYBRID["sliding_window"]
+WINDOW = 64  # tiny_checkpoint.HYBRID["sliding_window"]
 GROUP_KINDS = ["SlidingWindowSpec", "FullAttentionSpec"]
 NAMES = list(HYBRID_PROMPTS)
 

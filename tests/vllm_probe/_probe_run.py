@@ -132,7 +132,7 @@ def main() -> int:
     log_path.unlink(missing_ok=True)
     dump_dir = out / "dump"
 
-    from kvbridge.connector.serve.demo import tiny_llama as _model
+    from kvbridge.connector.serve.demo import tiny_checkpoint as _model
     model_path = _model.tiny_llama()
     if args.mode == "inproc":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

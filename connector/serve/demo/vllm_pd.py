@@ -9,7 +9,7 @@ What it does (everything in the work directory, printed at start; logs are kept 
 
 1. The tiny Llama checkpoint and its BPE tokenizer (trained on standard-library docstrings),
    written once into ``${KVBRIDGE_CACHE:-~/.cache/kvbridge-vllm}/models`` by the vLLM suite's
-   ``_model.py``; ``--model DIR`` uses another (it needs ``tokenizer.json``).
+   ``tiny_checkpoint``; ``--model DIR`` uses another (it needs ``tokenizer.json``).
 2. The reference: one ``vllm serve`` alone (no connector, no prefix caching) plays the
    conversations (``vllm_client``) one request at a time, greedy, ``ignore_eos``,
    ``max_tokens`` fixed; its answers are the expected tokens, and the prefill time vLLM reports
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def tiny_model_dir() -> Path:
     """The tiny Llama with its tokenizer (``tiny_llama``; written on first use, cached)."""
-    from .tiny_llama import tiny_llama
+    from .tiny_checkpoint import tiny_llama
 
     return Path(tiny_llama(tokenizer=True))
 

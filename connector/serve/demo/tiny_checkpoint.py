@@ -1,8 +1,8 @@
-"""A tiny random Llama checkpoint for the vLLM suite, written locally with no download.
+"""A tiny random Llama checkpoint (the vLLM demo and suite), written locally with no download.
 
 Run from the vLLM venv (it needs ``transformers``; ``tokenizers`` for the optional tokenizer)::
 
-    python tests/vllm/_model.py [DIR] [--tokenizer] [--check]
+    python -m kvbridge.connector.serve.demo.tiny_checkpoint [DIR] [--tokenizer] [--check]
 
 ``write_tiny_llama(path)`` writes a seeded, float32 ``LlamaForCausalLM`` (hidden 64, 2 layers,
 4 heads, 2 KV heads, head_dim 32: the CPU attention backend needs head_dim in {32, 64, ...})
