@@ -69,6 +69,7 @@ from pathlib import Path
 
 import redis
 from _cluster import server_binary, start_cluster, stop_cluster
+from _report import add_markdown_option, finish
 from kvbridge.connector.index import (
     IndexClient,
     IndexNamespace,
@@ -332,6 +333,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None,
                         help="with --cluster: replay this trace on the cluster (key spread)")
     parser.add_argument("--trace-limit", type=int, default=2000)
+    add_markdown_option(parser)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-redis-") as workdir:
@@ -436,7 +438,8 @@ def main() -> None:
                       f"blocks): busiest shard holds {t['busiest_shard_key_share']} of the keys "
                       f"and gets {t['busiest_shard_lookup_share']} of the lookups (even: "
                       f"{t['even_share']})")
-    print(json.dumps(result))
+    finish(result, name="index", title="Block-index lookup / one Redis PING",
+           markdown=args.markdown)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ The last line printed is one JSON object with every figure.
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from _report import add_markdown_option, finish
 from kvbridge.kernels import AttentionMetadata, gather_blocks, host_zeros, scatter_blocks
 from kvbridge.kernels.model import (
     ModelConfig,
@@ -129,7 +130,10 @@ def bench_prefill() -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_markdown_option(parser)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     result: dict[str, object] = {
@@ -154,7 +158,8 @@ def main() -> None:
         f"{prefill['full_prefill_tokens_s']:.0f} tokens/s"
     )
     result.update({key: round(value, 1) for key, value in prefill.items()})
-    print(json.dumps(result))
+    finish(result, name="kernels", title="Gather/scatter and prefill on the CPU path",
+           markdown=args.markdown)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Prints a table, then ONE JSON line, last.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _report import add_markdown_option, finish
 from _vllm_wheel import DEFAULT_CACHE_DIR, VLLM_VERSION, resolve_vllm
 from kvbridge.kvmanager import (
     BlockPool,
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"where the wheel is kept and extracted (default {DEFAULT_CACHE_DIR})")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help="repetitions per figure; medians are reported")
+    add_markdown_option(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     vllm, vllm_info = resolve_vllm(args.vllm_dir, args.fetch_vllm, args.cache_dir)
@@ -327,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         "vllm_baseline_reason": vllm_info.get("reason"),
         "elapsed_s": time.perf_counter() - started,
     }
-    print(json.dumps(result))
+    finish(result, name="kvmanager", title="Block pool and hashing / vLLM's own code",
+           markdown=args.markdown)
 
 
 if __name__ == "__main__":

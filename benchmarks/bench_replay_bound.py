@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import sys
 import time
@@ -77,6 +76,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from _report import add_markdown_option, finish
 from kvbridge.connector.serve.replay import TokenExpander, TraceRequest, load_trace
 
 DEFAULT_CAPACITIES = (4096, 16384, 65536)
@@ -314,6 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (512 -> N)")
     parser.add_argument("--capacities", default=",".join(map(str, DEFAULT_CAPACITIES)),
                         help="comma-separated cache sizes in blocks")
+    add_markdown_option(parser)
     args = parser.parse_args(argv)
     args.capacities = [int(c) for c in args.capacities.split(",") if c.strip()]
     if not args.capacities or min(args.capacities) < 1 or args.block_size < 1:
@@ -370,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "capacities": rows,
         "wall_s": round(time.perf_counter() - start, 2),
     }
-    print(json.dumps(summary))
+    finish(summary, name="replay_bound", title="Trace replay: the bound of any C-block cache",
+           markdown=args.markdown)
     return summary
 
 

@@ -29,7 +29,7 @@ Usage: ``python benchmarks/bench_store.py``; the last line is one JSON object.
 
 from __future__ import annotations
 
-import json
+import argparse
 import multiprocessing as mp
 import socket
 import statistics
@@ -42,6 +42,7 @@ from typing import Any
 
 import redis
 import torch
+from _report import add_markdown_option, finish
 from kvbridge.connector import KVTransferStats, get_loop_thread
 from kvbridge.connector.index import find_server_binary
 from kvbridge.connector.store import (
@@ -161,7 +162,10 @@ def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 # ---------------------------------------------------------------------- the node (here)
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_markdown_option(parser)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     config = _config()
     names_to_caches = allocate_kv_caches(config, NUM_BLOCKS + 1, BLOCK_SIZE)
@@ -216,25 +220,25 @@ def main() -> None:
     print(f"recompute (forward_full):          {recompute_s * 1e3:8.2f} ms")
     print(f"store: {store_stats['num_blocks_stored']} blocks stored, "
           f"{store_stats['num_put_errors']} put errors, {store_stats['num_blocks_hit']} served")
-    print(
-        json.dumps(
-            {
-                "prefix_tokens": PREFIX_TOKENS,
-                "batch_bytes": batch_nbytes,
-                "restore_ms": round(restore_s * 1e3, 3),
-                "recompute_ms": round(recompute_s * 1e3, 3),
-                "restore_vs_recompute": round(restore_s / recompute_s, 4),
-                "offload_ms": round(figures["offload_s"] * 1e3, 3),
-                "offload_gb_per_s": round(offload_gbps, 3),
-                "memcpy_gb_per_s": round(memcpy, 3),
-                "socket_gb_per_s": round(sock_gbps, 3),
-                "offload_vs_memcpy": round(offload_gbps / memcpy, 3),
-                "offload_vs_socket": round(offload_gbps / sock_gbps, 3),
-                "sender_offload_ms": round(sender_s * 1e3, 3),
-                "sender_vs_direct": round(figures["offload_s"] / sender_s, 3),
-                "plan_ms": round(plan_s * 1e3, 3),
-            }
-        )
+    finish(
+        {
+            "prefix_tokens": PREFIX_TOKENS,
+            "batch_bytes": batch_nbytes,
+            "restore_ms": round(restore_s * 1e3, 3),
+            "recompute_ms": round(recompute_s * 1e3, 3),
+            "restore_vs_recompute": round(restore_s / recompute_s, 4),
+            "offload_ms": round(figures["offload_s"] * 1e3, 3),
+            "offload_gb_per_s": round(offload_gbps, 3),
+            "memcpy_gb_per_s": round(memcpy, 3),
+            "socket_gb_per_s": round(sock_gbps, 3),
+            "offload_vs_memcpy": round(offload_gbps / memcpy, 3),
+            "offload_vs_socket": round(offload_gbps / sock_gbps, 3),
+            "sender_offload_ms": round(sender_s * 1e3, 3),
+            "sender_vs_direct": round(figures["offload_s"] / sender_s, 3),
+            "plan_ms": round(plan_s * 1e3, 3),
+        },
+        name="store", title="Store tier: offload and restore / memcpy, a socket, recompute",
+        markdown=args.markdown,
     )
 
 

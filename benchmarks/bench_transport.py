@@ -17,8 +17,8 @@ Last line: one JSON object with the ratios. Run: ``python benchmarks/bench_trans
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import json
 import random
 import socket
 import statistics
@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from _report import add_markdown_option, finish
 from kvbridge.kernels import host_buffer
 from kvbridge.transport import GroupRead, NodeMetadata
 
@@ -173,7 +174,10 @@ def _tcp_gbps() -> float:
     return _median_gbps(64 * MIB, seconds)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_markdown_option(parser)
+    args = parser.parse_args(argv)
     tcp = _tcp_gbps()
     holder = subprocess.Popen(
         [sys.executable, __file__, "--holder"],
@@ -202,7 +206,8 @@ def main() -> None:
         ratios[f"{prefix}paged_vs_contiguous"] = round(
             paged / pulls[f"{path} contiguous_32mib_one_message"], 3
         )
-    print(json.dumps(ratios))
+    finish(ratios, name="transport", title="Transport bandwidth / memcpy and a TCP socket",
+           markdown=args.markdown)
 
 
 if __name__ == "__main__":

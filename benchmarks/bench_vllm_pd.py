@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _report import add_markdown_option, finish
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SMALL = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
@@ -270,6 +272,7 @@ def main() -> int:
     parser.add_argument("--connector", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_markdown_option(parser)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -322,7 +325,8 @@ def main() -> int:
     idle = [run["idle_cores"] for run in runs.get("kvbridge", []) if run["idle_cores"] is not None]
     if idle:
         report["idle_cores"] = round(statistics.median(idle), 3)
-    print(json.dumps(report))
+    finish(report, name="vllm_pd", title="vLLM P/D: D's first token, kvbridge / vLLM's connectors",
+           markdown=args.markdown)
     return 1 if mismatches else 0
 
 
