@@ -55,6 +55,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
 from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
+from kvbridge.transport import check_host, format_host_port
 from node_loop import EngineLoop, RequestRejected
 from node_metrics import make_registry, node_stats
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -69,6 +70,8 @@ ROLE_TO_KV_ROLE = {
     "both": "kv_both",
     "store": "kv_both",
 }
+# ``--host`` that listens everywhere: the transport advertises the loopback of its family.
+_LOOPBACK_OF_WILDCARD = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
 
 
 # ---------------------------------------------------------------------- engine construction
@@ -111,7 +114,7 @@ def kv_transfer_config_dict(args: argparse.Namespace) -> dict[str, Any] | None:
     extra = dict(config.get("kv_connector_extra_config") or {})
     if args.index_url is not None:
         extra["index_url"] = args.index_url
-    extra.setdefault("host", args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
+    extra.setdefault("host", _LOOPBACK_OF_WILDCARD.get(args.host, args.host))
     extra.setdefault("model_name", f"kvbridge-{args.model}")
     config["kv_connector_extra_config"] = extra
     return config
@@ -290,7 +293,7 @@ async def _stream(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="a hostname or an IP (IPv6: '::1')")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="tiny", help="tiny, tiny_hybrid, small or an HF dir")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks incl. null block")
@@ -308,7 +311,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--store-write-port", type=int, default=0, help="store role only")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.host:
+        try:
+            check_host(args.host, what="--host")
+        except ValueError as exc:
+            parser.error(str(exc))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = EngineLoop(engine)
     loop.start()
     app = build_app(loop, role=args.role, engine_id=engine_id, model_name=args.model)
-    logger.info("node %s (%s) serving on http://%s:%d", engine_id, args.role, args.host, args.port)
+    logger.info("node %s (%s) serving on http://%s", engine_id, args.role,
+                format_host_port(args.host, args.port))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
@@ -339,8 +349,8 @@ def _serve_store(args: argparse.Namespace) -> int:
     config = kv_transfer_config_dict(args) or {}
     node = build_store_node(args, load_model(args.model).config, config)
     app = build_store_app(node, model_name=args.model)
-    logger.info("store node %s serving on http://%s:%d, writes on %s:%d", node.engine_id,
-                args.host, args.port, *node.write_address)
+    logger.info("store node %s serving on http://%s, writes on %s", node.engine_id,
+                format_host_port(args.host, args.port), node.store_url)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
