@@ -7,7 +7,8 @@ keys; everything of ours lives under ``kv_connector_extra_config``:
 ===========================  ========  ==========================================================
 key                          default   meaning
 ===========================  ========  ==========================================================
-``host``                     127.0.0.1  address the transport listens on (and advertises to peers)
+``host``                     127.0.0.1  address the transport listens on (and advertises to peers):
+                                       a hostname or an IP address, IPv6 bare (``::1``)
 ``port``                     0         listen port; 0 picks a free one
 ``transport``                ucxx      ``"ucxx"`` or ``"loopback"`` (in-process, for tests)
 ``cma``                      None      ucxx only: between processes on one host, pull blocks by
@@ -40,7 +41,8 @@ key                          default   meaning
                                        before it asks the store's incarnation (a restart)
 ``load_failure_policy``      recompute ``"recompute"`` or ``"fail"``
 ``index_url``                None      ``redis://host:port/db``, ``redis-cluster://H:P[,H:P]``
-                                       (seed nodes), ``"memory"`` or None (no index)
+                                       (seed nodes), ``"memory"`` or None (no index); an IPv6
+                                       host in brackets (``redis://[::1]:6379/0``)
 ``min_remote_hit_blocks``    1         a remote hit must beat the local hit by this many blocks
 ``gil_switch_interval_s``    None      opt-in: the worker half sets ``sys.setswitchinterval`` to
                                        this (seconds) for the whole process while it runs, and
@@ -72,7 +74,8 @@ key                          default   meaning
 ``index_ttl_s``              10.0      a node's index entries expire this long after its last
                                        heartbeat (heartbeats every third of it)
 ``model_name``               kvbridge  part of the index namespace and the handshake
-``store_url``                None      ``"host:port"`` of a store node's write server (issue 7)
+``store_url``                None      ``"host:port"`` of a store node's write server (issue 7),
+                                       ``"[ipv6]:port"`` for an IPv6 address
 ``offload``                  off       ``"off"``, ``"evict"`` (cold cached blocks, before reuse)
                                        or ``"write_through"`` (every newly cached block too);
                                        needs ``store_url`` and ``index_url``
@@ -107,8 +110,10 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.kvmanager.connector_interface import KVRole
+from kvbridge.transport.address import check_host
 
 from .errors import KVTransferConfigError
+from .index.url import check_index_url
 from .store.url import parse_store_url
 
 __all__ = ["KVTransferConfig"]
@@ -187,6 +192,7 @@ class KVTransferConfig:
             )
         if not 0 <= self.port <= 65535:
             raise KVTransferConfigError(f"port must be in [0, 65535], got {self.port}")
+        self._check_addresses()
         for name in (
             "load_timeout_s",
             "sync_load_timeout_s",
@@ -218,6 +224,18 @@ class KVTransferConfig:
         if not self.engine_id:
             raise KVTransferConfigError("engine_id must be a non-empty string")
 
+    def _check_addresses(self) -> None:
+        """``host``, ``store_url`` and ``index_url`` (``kvbridge.transport.address``): an IPv6
+        address bare in ``host``, in brackets in the URLs; anything ambiguous refused now."""
+        try:
+            check_host(self.host, what="host")
+            if self.store_url is not None:
+                parse_store_url(self.store_url)
+            if self.index_url is not None:
+                check_index_url(self.index_url)
+        except ValueError as exc:
+            raise KVTransferConfigError(str(exc)) from None
+
     def _check_offload(self) -> None:
         if self.offload not in _OFFLOAD:
             raise KVTransferConfigError(f"offload must be one of {_OFFLOAD}, got {self.offload!r}")
@@ -232,11 +250,6 @@ class KVTransferConfig:
                 f"offload {self.offload!r} needs store_url (where to write) and index_url (the "
                 "pool events that name each block's parent, and the index restores go through)"
             )
-        if self.store_url is not None:
-            try:
-                parse_store_url(self.store_url)
-            except ValueError as exc:
-                raise KVTransferConfigError(str(exc)) from None
 
     def auth_key_bytes(self) -> bytes | None:
         """The cluster secret from ``auth_key``, ``auth_key_env`` or ``auth_key_file`` (read

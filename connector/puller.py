@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future
 from typing import NamedTuple
 
-from kvbridge.transport import GroupRead, PeerAddress, TransferError, Transport
+from kvbridge.transport import GroupRead, PeerAddress, TransferError, Transport, format_host_port
 
 from .errors import KVConnectorError
 from .loop_thread import get_loop_thread
@@ -293,7 +293,7 @@ class Puller:
                 holder.incarnation,
             ):
                 raise KVConnectorError(
-                    f"peer {peer.host}:{peer.port} is {peer_meta.engine_id}/"
+                    f"peer {format_host_port(*peer)} is {peer_meta.engine_id}/"
                     f"{peer_meta.incarnation}, the plan names {holder.engine_id}/"
                     f"{holder.incarnation} (restarted or replaced)"
                 )

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.transport.address import check_host
 from kvbridge.transport.limits import MAX_STR_LEN, clip_text
 
 from .errors import KVTransferParamsError
@@ -63,7 +64,9 @@ class RemotePrefillParams:
         remote_incarnation: P's incarnation when it produced the params; a restarted P (new
             incarnation) no longer holds these blocks, and the pull is refused at handshake.
         remote_request_id: the request id on P (names the lease D extends and releases).
-        remote_host, remote_port: P's transport listen address.
+        remote_host, remote_port: P's transport listen address; the host is a hostname or an
+            IP address, an IPv6 one bare (``"::1"``, no brackets: the port is a field of its
+            own; ``kvbridge.transport.address``).
         remote_block_ids: P's block ids per KV cache group, in position order; 0 is P's null
             block (a position P no longer holds, e.g. outside a sliding window).
         remote_num_tokens: prompt tokens whose KV P computed (positions ``[0, n)``).
@@ -143,6 +146,10 @@ class RemotePrefillParams:
                 raise KVTransferParamsError(
                     key, f"at most {MAX_STR_LEN} characters, got {len(value)}"
                 )
+        try:
+            check_host(host, what="remote_host")
+        except ValueError as exc:
+            raise KVTransferParamsError("remote_host", str(exc)) from None
         if not 1 <= port <= 65535:
             raise KVTransferParamsError("remote_port", f"must be in [1, 65535], got {port}")
         if not math.isfinite(expires):
@@ -233,7 +240,11 @@ def release_notice_for_rejected(kv_transfer_params: Any, reason: str) -> Release
     host = kv_transfer_params.get("remote_host")
     port = kv_transfer_params.get("remote_port")
     remote_request_id = kv_transfer_params.get("remote_request_id")
-    if not (isinstance(host, str) and host and isinstance(port, int)):
+    if not (isinstance(host, str) and 0 < len(host) <= MAX_STR_LEN and isinstance(port, int)):
+        return None
+    try:
+        check_host(host, what="remote_host")
+    except ValueError:
         return None
     if isinstance(port, bool) or not 0 < port < 65536 or not isinstance(remote_request_id, str):
         return None

@@ -40,6 +40,7 @@ from kvbridge.transport import (
     LoopbackTransport,
     NodeMetadata,
     Transport,
+    format_host_port,
 )
 
 from .config import KVTransferConfig
@@ -194,10 +195,10 @@ class KVBridgeWorker:
         self.transport = transport
         self.puller.start_heartbeats(transport, _START_TIMEOUT_S)
         logger.info(
-            "%s: transport %s listening on %s:%d",
+            "%s: transport %s listening on %s",
             self.config.engine_id,
             self.config.transport,
-            *transport.address,
+            format_host_port(*transport.address),
         )
 
     def _make_transport(

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import redis
 from _redis_fixture import free_port, server_binary, wait_until_answering
+from kvbridge.transport import format_host_port
 
 _START_TIMEOUT_S = 15.0
 _NUM_SHARDS = 3
@@ -35,21 +36,23 @@ _NUM_SLOTS = 16384
 
 
 class RedisClusterServers:
-    """Three cluster-enabled server processes, one shard each (slots split in three ranges)."""
+    """Three cluster-enabled server processes, one shard each (slots split in three ranges),
+    each bound to ``host`` alone (``"::1"``: an IPv6 cluster, ``redis-cluster://[::1]:P1,...``)."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, *, host: str = "127.0.0.1") -> None:
         self.binary = binary
         self.workdir = workdir
+        self.host = host
         self.ports = [free_port() for _ in range(_NUM_SHARDS)]
         self.bus_ports = [free_port() for _ in range(_NUM_SHARDS)]  # cluster bus, set apart
-        self.url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.url = "redis-cluster://" + ",".join(format_host_port(host, p) for p in self.ports)
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * _NUM_SHARDS
         bounds = [round(i * _NUM_SLOTS / _NUM_SHARDS) for i in range(_NUM_SHARDS + 1)]
         self.slot_ranges = [(bounds[i], bounds[i + 1] - 1) for i in range(_NUM_SHARDS)]
 
     def _client(self, i: int, timeout_s: float = 1.0) -> redis.Redis:
         return redis.Redis(
-            host="127.0.0.1", port=self.ports[i], socket_timeout=timeout_s,
+            host=self.host, port=self.ports[i], socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
         )
 
@@ -64,7 +67,7 @@ class RedisClusterServers:
             [
                 self.binary,
                 "--port", str(self.ports[i]),
-                "--bind", "127.0.0.1",
+                "--bind", self.host,
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(shard_dir),
@@ -95,7 +98,7 @@ class RedisClusterServers:
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
                 if i:
                     client.execute_command(
-                        "CLUSTER", "MEET", "127.0.0.1", self.ports[0], self.bus_ports[0]
+                        "CLUSTER", "MEET", self.host, self.ports[0], self.bus_ports[0]
                     )
             finally:
                 client.close()
@@ -175,7 +178,7 @@ class RedisClusterServers:
                 source_client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
                 while keys := source_client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
                     source_client.execute_command(
-                        "MIGRATE", "127.0.0.1", self.ports[target], "", 0, 5000, "KEYS", *keys
+                        "MIGRATE", self.host, self.ports[target], "", 0, 5000, "KEYS", *keys
                     )
                 others = [i for i in range(_NUM_SHARDS) if i not in (source, target)]
                 for i in (target, source, *others):

@@ -14,6 +14,8 @@ Fixtures:
   ``.stop()`` and ``.start()`` stop and restart it on the same port mid-test (for "Redis stopped
   mid-run" tests); the fixture restarts it if a test left it stopped and kills it at the end.
 - ``redis_url`` (function scope): the server's URL after ``FLUSHALL``, so every test starts empty.
+- ``redis_server_ipv6`` / ``redis_url_ipv6``: the same on ``::1`` alone (``redis://[::1]:PORT/0``),
+  skipped, with the reason, where the host has no IPv6 loopback.
 - ``pause_redis`` (function scope): ``pause_redis(ms)`` sends ``CLIENT PAUSE ms ALL`` from a
   connection of its own (the server then answers no client for ``ms``) and returns the
   ``time.monotonic()`` at which the pause ends; teardown waits until the last pause is over.
@@ -33,10 +35,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from _ipv6 import require_ipv6_loopback
 from kvbridge.connector.index.server_binary import ServerBinary, find_server_binary
 
 # A port below the ephemeral range, so that a server restarted on it mid-test finds it free.
 from kvbridge.connector.serve.demo.processes import free_port
+from kvbridge.transport import format_host_port
 
 _START_TIMEOUT_S = 10.0
 _started: dict[str, str] = {}  # binary path -> description, for the run's summary
@@ -68,13 +72,15 @@ def wait_until_answering(
 
 class RedisServer:
     """One ``redis-server`` or ``valkey-server`` process without persistence
-    (``--save '' --appendonly no``); ``binary`` is its path."""
+    (``--save '' --appendonly no``); ``binary`` is its path, ``host`` the one address it binds
+    (``"::1"``: IPv6 loopback only, ``.url`` then ``redis://[::1]:PORT/0``)."""
 
-    def __init__(self, binary: str, workdir: Path, port: int) -> None:
+    def __init__(self, binary: str, workdir: Path, port: int, *, host: str = "127.0.0.1") -> None:
         self.binary = binary
         self.workdir = workdir
+        self.host = host
         self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.url = f"redis://{format_host_port(host, port)}/0"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -90,7 +96,7 @@ class RedisServer:
             [
                 self.binary,
                 "--port", str(self.port),
-                "--bind", "127.0.0.1",
+                "--bind", self.host,
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(self.workdir),
@@ -132,9 +138,12 @@ def server_binary() -> ServerBinary:
     return found
 
 
-def start_redis_server(workdir: Path, binary: str | None = None) -> RedisServer:
-    """Start a server on a free port (``binary``: default :func:`server_binary`'s path)."""
-    server = RedisServer(binary or server_binary().path, workdir, free_port())
+def start_redis_server(
+    workdir: Path, binary: str | None = None, *, host: str = "127.0.0.1"
+) -> RedisServer:
+    """Start a server on a free port of ``host`` (``binary``: default :func:`server_binary`'s
+    path)."""
+    server = RedisServer(binary or server_binary().path, workdir, free_port(), host=host)
     server.start()
     return server
 
@@ -176,6 +185,30 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     yield redis_server.url
     if not redis_server.running:
         redis_server.start()
+
+
+@pytest.fixture(scope="module")
+def redis_server_ipv6() -> Iterator[RedisServer]:
+    """A server bound to ``::1`` alone (``.url`` ``redis://[::1]:PORT/0``); skips where this
+    host has no IPv6 loopback (``_ipv6``)."""
+    require_ipv6_loopback()
+    with tempfile.TemporaryDirectory(prefix="kvbridge-redis6-") as tmp:
+        server = start_redis_server(Path(tmp), host="::1")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def redis_url_ipv6(redis_server_ipv6: RedisServer) -> str:
+    """``redis_server_ipv6``'s URL after ``FLUSHALL``."""
+    client = redis.Redis.from_url(redis_server_ipv6.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server_ipv6.url
 
 
 @pytest.fixture

@@ -306,13 +306,12 @@ def test_offload_across_msgpack_halves_writes_evicted_blocks_and_restores_them(r
 
     network, faults = LoopbackNetwork(), LoopbackFaults()
     store = make_store(network, index_url=redis_url, capacity_blocks=64, engine_id="store-w")
-    host, port = store.write_address
     raw = {
         "kv_role": "kv_both",
         "engine_id": "node-w",
         "kv_connector_extra_config": {
             "transport": "loopback", "index_url": redis_url, "heartbeat_interval_s": 0.05,
-            "store_url": f"{host}:{port}", "offload": "evict", "offload_blocks_per_step": 64,
+            "store_url": store.store_url, "offload": "evict", "offload_blocks_per_step": 64,
         },
     }
     config = EngineConfig(num_blocks=24, block_size=16, max_model_len=360,

@@ -1,6 +1,7 @@
 """1P1D over UCX between two real processes (issue 5): the prefill node runs in a child process
 with a ``UcxxTransport``; the decode node runs here and pulls the prompt's KV over UCX into blocks
-it allocated up front. D's greedy tokens must equal a single-node run of the same model."""
+it allocated up front. D's greedy tokens must equal a single-node run of the same model. The
+last test runs both nodes on IPv6 loopback (``::1``, issue 28 item 2)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 from _engine_builders import reference_greedy, tiny_model
+from _ipv6 import require_ipv6_loopback
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
 from kvbridge.kvmanager import SamplingParams
@@ -19,14 +21,16 @@ MAX_TOKENS = 4
 _REPLY_TIMEOUT_S = 60.0
 
 
-def _node(engine_id: str, role: str, *, hybrid: bool, cma: bool = True) -> Engine:
+def _node(
+    engine_id: str, role: str, *, hybrid: bool, cma: bool = True, host: str = "127.0.0.1"
+) -> Engine:
     config = EngineConfig(num_blocks=128, block_size=BLOCK_SIZE, max_model_len=512)
     kv_transfer_config = {
         "kv_role": role,
         "engine_id": engine_id,
         "kv_connector_extra_config": {
             "transport": "ucxx",
-            "host": "127.0.0.1",
+            "host": host,
             "port": 0,
             "load_timeout_s": 20.0,
             "heartbeat_interval_s": 0.5,
@@ -36,10 +40,11 @@ def _node(engine_id: str, role: str, *, hybrid: bool, cma: bool = True) -> Engin
     return create_engine(tiny_model(hybrid=hybrid), config, kv_transfer_config)
 
 
-def _prefill_node_main(conn: Any, hybrid: bool) -> None:
-    """Child process: a prefill node answering ("prefill", request_id, prompt) with its
-    kv_transfer_params, stepping its engine between commands (leases, release notices)."""
-    engine = _node("prefill-ucx", "kv_producer", hybrid=hybrid)
+def _prefill_node_main(conn: Any, hybrid: bool, host: str = "127.0.0.1") -> None:
+    """Child process: a prefill node listening on ``host``, answering ("prefill", request_id,
+    prompt) with its kv_transfer_params, stepping its engine between commands (leases, release
+    notices)."""
+    engine = _node("prefill-ucx", "kv_producer", hybrid=hybrid, host=host)
     conn.send("ready")
     try:
         while True:
@@ -117,6 +122,49 @@ def test_decode_pulls_over_ucx_from_a_prefill_process(hybrid, path):
         assert parent.poll(_REPLY_TIMEOUT_S)
         tag, p_empty, p_free = parent.recv()
         assert (tag, p_empty, p_free) == ("stopped", True, 127)
+    finally:
+        if d is not None:
+            d.shutdown()
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.mark.parametrize("path", ["cma", "ucx"])
+def test_decode_pulls_a_handoff_from_a_prefill_process_over_ipv6_loopback(path):
+    """Both nodes listen on ``::1``: P's ticket names ``remote_host`` ``"::1"`` (bare; the port
+    is a field of its own), D dials it for the handshake, the lease and the read, and the KV
+    lands, over UCX or by a same-host copy."""
+    require_ipv6_loopback()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_node_main, args=(child, False, "::1"), daemon=True)
+    proc.start()
+    d = None
+    try:
+        assert parent.poll(_REPLY_TIMEOUT_S) and parent.recv() == "ready"
+        d = _node("decode-ucx", "kv_consumer", hybrid=False, cma=path == "cma", host="::1")
+        prompt = long_prompt(3 * BLOCK_SIZE + 5)
+        # (1) P prefills in the other process; its ticket names it by its IPv6 address.
+        parent.send(("prefill", "req-6", prompt))
+        assert parent.poll(_REPLY_TIMEOUT_S)
+        params = parent.recv()
+        assert params["remote_host"] == "::1"
+        # (2) D pulls from [::1]:remote_port, recomputes the last token, decodes.
+        d.add_request("req-6", prompt, SamplingParams(max_tokens=MAX_TOKENS), params)
+        output = run_to_completion(d, "req-6", timeout_s=_REPLY_TIMEOUT_S)
+        assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+        assert output.num_cached_tokens == len(prompt) - 1
+        transport = d.runner.connector.worker_half.transport
+        assert transport.address.host == "::1"
+        assert [tuple(peer) for peer in transport._conns] == [("::1", params["remote_port"])]
+        stats = d.scheduler.connector.stats.snapshot()
+        assert (stats["num_loads"], stats["num_failed_loads"]) == (1, 0)
+        assert_node_empty(d)
+        # (3) D's completion notice reached P over ::1: nothing held there, every block free.
+        parent.send(("stop",))
+        assert parent.poll(_REPLY_TIMEOUT_S)
+        assert parent.recv() == ("stopped", True, 127)
     finally:
         if d is not None:
             d.shutdown()

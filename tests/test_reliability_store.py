@@ -118,10 +118,9 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
     engines, stores = cleanup
     store = make_store(network, model_name, capacity_blocks=32)
     stores.append(store)
-    host, port = store.write_address
     n = make_engine(
         "node-n", "kv_both", network, model_name, num_blocks=8,
-        store_url=f"{host}:{port}", offload=policy,
+        store_url=store.store_url, offload=policy,
     )
     p = make_engine("prefill-0", "kv_producer", network, model_name, num_blocks=32, lease_s=30.0)
     engines.extend([n, p])
@@ -228,10 +227,9 @@ def test_case5_a_block_reused_before_its_store_write_never_lands_under_the_old_h
 
 def _offload_node(network, model_name, store, **extra) -> Engine:
     """Node N: 7 usable blocks, offloading cold blocks to ``store`` (policy evict)."""
-    host, port = store.write_address
     return make_engine(
         "node-n", "kv_both", network, model_name, num_blocks=8,
-        store_url=f"{host}:{port}", offload="evict", **extra,
+        store_url=store.store_url, offload="evict", **extra,
     )
 
 

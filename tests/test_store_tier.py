@@ -21,6 +21,7 @@ import pytest
 import redis
 import torch
 from _engine_builders import reference_greedy, tiny_model
+from _ipv6 import require_ipv6_loopback
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.loop_thread import LoopThread, get_loop_thread
@@ -67,7 +68,7 @@ from kvbridge.kvmanager import (
     get_request_block_hasher,
 )
 from kvbridge.kvmanager.engine import Engine, EngineConfig
-from kvbridge.transport import LoopbackNetwork
+from kvbridge.transport import LoopbackNetwork, format_host_port
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 3
@@ -98,8 +99,7 @@ def make_node(
     )
     store_extra = {}
     if store is not None:
-        host, port = store.write_address
-        store_extra = {"store_url": f"{host}:{port}", "offload": "evict"}
+        store_extra = {"store_url": store.store_url, "offload": "evict"}
     kv_transfer_config = {
         "kv_role": "kv_both",
         "engine_id": engine_id,
@@ -531,8 +531,11 @@ _STORE_MAIN = "kvbridge.connector.serve.store_server"
 _PROCESS_TIMEOUT_S = 60.0
 
 
-def _start_store_process(redis_url: str, *, capacity_blocks: int) -> tuple[subprocess.Popen, dict]:
-    """``kvbridge-store`` as a child process; returns it and its "serving" JSON line."""
+def _start_store_process(
+    redis_url: str, *, capacity_blocks: int, host: str = "127.0.0.1"
+) -> tuple[subprocess.Popen, dict]:
+    """``kvbridge-store`` as a child process listening on ``host``; returns it and its
+    "serving" JSON line."""
     model = tiny_model(hybrid=False).config
     per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
     proc = subprocess.Popen(
@@ -540,7 +543,7 @@ def _start_store_process(redis_url: str, *, capacity_blocks: int) -> tuple[subpr
             sys.executable,
             "-m", _STORE_MAIN,
             "--host",
-            "127.0.0.1",
+            host,
             "--capacity-bytes",
             str(capacity_blocks * per_block),
             "--index-url",
@@ -560,11 +563,21 @@ def _start_store_process(redis_url: str, *, capacity_blocks: int) -> tuple[subpr
     raise AssertionError(f"store process exited with code {proc.wait()} before serving")
 
 
-def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(redis_url):
-    proc, serving = _start_store_process(redis_url, capacity_blocks=64)
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(request, host):
+    """With ``host`` ``::1`` every address is IPv6 (issue 28, item 2): the index is a Redis on
+    ``redis://[::1]:PORT/0``, the store's write server and pull endpoint and the node listen on
+    ``::1``, the store hands out ``store_url`` ``[::1]:PORT`` and the node writes there."""
+    if host == "::1":
+        require_ipv6_loopback()
+    redis_url = request.getfixturevalue("redis_url_ipv6" if host == "::1" else "redis_url")
+    proc, serving = _start_store_process(redis_url, capacity_blocks=64, host=host)
     node = None
     try:
         assert serving["capacity_blocks"] == 64
+        assert serving["pull_address"][0] == host
+        write_port = int(serving["store_url"].rpartition(":")[2])
+        assert serving["store_url"] == format_host_port(host, write_port)  # [::1]:PORT
         # The node runs here with a UCX transport; the store's write server and its UCX pull
         # endpoint are in the child process, the index is the real Redis.
         node = make_node(
@@ -573,7 +586,7 @@ def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(re
             redis_url,
             None,
             transport="ucxx",
-            host="127.0.0.1",
+            host=host,
             port=0,
             load_timeout_s=30.0,
             store_url=serving["store_url"],

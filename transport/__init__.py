@@ -4,11 +4,20 @@
 processes on one host by cross-memory attach (``cma``); it is imported lazily, so loading this
 package does not load UCX. ``LoopbackTransport`` is its in-process twin for unit tests. ``wire``
 is the control schema (msgspec structs over msgpack, bounded by ``limits``), ``metadata`` the
-handshake metadata and compatibility check.
+handshake metadata and compatibility check, ``address`` the syntax of hosts and ``host:port``
+(IPv6 in brackets) that every address kvbridge takes or hands out goes through.
 """
 
 from typing import Any
 
+from .address import (
+    HostPort,
+    check_host,
+    format_host_port,
+    parse_base_url,
+    parse_host_port,
+    split_host_port,
+)
 from .base import (
     DEFAULT_CHUNK_BYTES,
     BlockValidator,
@@ -55,6 +64,7 @@ __all__ = [
     "HandshakeError",
     "HeartbeatCallback",
     "HolderCallbacks",
+    "HostPort",
     "KVGroupLayout",
     "LeaseRef",
     "LoopbackFaults",
@@ -73,6 +83,11 @@ __all__ = [
     "UcxxTransport",
     "WireError",
     "check_compatible",
+    "check_host",
+    "format_host_port",
     "full_block_tag",
     "lease_block_tag",
+    "parse_base_url",
+    "parse_host_port",
+    "split_host_port",
 ]

@@ -3,9 +3,11 @@
 ``BlockIndex`` (``protocol``) is the contract; ``InMemoryBlockIndex``, ``RedisBlockIndex`` and
 ``RedisClusterBlockIndex`` (``redis-cluster://``) implement it; ``NodeDirectory`` maps node ids
 to transport addresses; ``find_server_binary`` (``server_binary``) picks the Redis-protocol
-server a local index starts; ``IndexClient`` is one node's non-blocking use of both (publishing its
-block events, heart-beating, looking up remote prefixes), its ``IndexWorker`` thread the one
-that makes the backend calls (``lookup.py``: one lookup). DESIGN.md, "Block index".
+server a local index starts; ``check_index_url`` (``url``) checks an ``index_url`` (an IPv6
+host in brackets) before anything connects; ``IndexClient`` is one node's non-blocking use of
+both (publishing its block events, heart-beating, looking up remote prefixes), its
+``IndexWorker`` thread the one that makes the backend calls (``lookup.py``: one lookup).
+DESIGN.md, "Block index".
 """
 
 from .client import IndexClient, block_index_for_url, open_index
@@ -30,6 +32,7 @@ from .protocol import (
 from .redis_cluster import RedisClusterBlockIndex, cluster_client
 from .redis_index import RedisBlockIndex
 from .server_binary import ServerBinary, find_server_binary
+from .url import check_index_url
 
 __all__ = [
     "NO_HIT",
@@ -52,6 +55,7 @@ __all__ = [
     "ServerBinary",
     "Tier",
     "block_index_for_url",
+    "check_index_url",
     "cluster_client",
     "find_server_binary",
     "new_incarnation",

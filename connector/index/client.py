@@ -33,14 +33,10 @@ from .node_directory import (
     RedisNodeDirectory,
 )
 from .protocol import BlockIndex, Holder, IndexNamespace, IndexStats, Tier, check_lookup_args
-from .redis_cluster import (
-    CLUSTER_SCHEME,
-    RedisClusterBlockIndex,
-    RedisClusterNodeDirectory,
-    cluster_client,
-)
+from .redis_cluster import RedisClusterBlockIndex, RedisClusterNodeDirectory, cluster_client
 from .redis_index import RedisBlockIndex
 from .resync import ParentMirror
+from .url import CLUSTER_SCHEME, REDIS_SCHEMES, check_index_url
 from .worker import IndexWorker, LookupJob
 
 if TYPE_CHECKING:
@@ -87,9 +83,11 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
     (or ``USER:PASSWORD@``) for one started with ``requirepass`` / ACLs, ``rediss://`` for TLS
     (redis-py's URL options, e.g. ``?ssl_ca_certs=/path/ca.crt&ssl_cert_reqs=required``).
     ``"redis-cluster://HOST:PORT[,HOST:PORT...]"``: a Redis or Valkey cluster from its seed
-    nodes (``redis_cluster.py``). Raises ValueError for another scheme or a malformed cluster
-    URL (the message never repeats a password).
+    nodes (``redis_cluster.py``). An IPv6 server or seed is in brackets (``redis://[::1]:6379/0``).
+    Raises ValueError for another scheme or a malformed URL (``url.check_index_url``; the message
+    never repeats a password).
     """
+    check_index_url(url)
     if url == "memory":
         with _memory_lock:
             key = namespace.key_prefix
@@ -100,7 +98,7 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
                     InMemoryNodeDirectory(),
                 )
             return _memory_backends[key]
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith((*REDIS_SCHEMES, "unix://")):
         client = redis.Redis.from_url(
             url,
             socket_timeout=_SOCKET_TIMEOUT_S,
@@ -109,36 +107,22 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
         )
         index = RedisBlockIndex(namespace, url)
         return index, RedisNodeDirectory(client, namespace.key_prefix)
-    if url.startswith(CLUSTER_SCHEME):
-        cluster = RedisClusterBlockIndex(namespace, url)
-        directory_client = cluster_client(
-            url, socket_timeout_s=_SOCKET_TIMEOUT_S, connect_timeout_s=_SOCKET_TIMEOUT_S
-        )
-        return cluster, RedisClusterNodeDirectory(directory_client, cluster.bucket_prefixes)
-    raise ValueError(
-        f"index_url must be 'memory', a redis:// or a redis-cluster:// URL, got {redact_url(url)!r}"
+    cluster = RedisClusterBlockIndex(namespace, url)  # redis-cluster://, the last form
+    directory_client = cluster_client(
+        url, socket_timeout_s=_SOCKET_TIMEOUT_S, connect_timeout_s=_SOCKET_TIMEOUT_S
     )
+    return cluster, RedisClusterNodeDirectory(directory_client, cluster.bucket_prefixes)
 
 
 def block_index_for_url(url: str, namespace: IndexNamespace) -> BlockIndex:
     """A Redis or Redis Cluster ``BlockIndex`` of its own for ``url`` (tools such as the proxy
-    that only look up). Raises ValueError for another scheme."""
+    that only look up). Raises ValueError for another scheme or a malformed URL."""
+    check_index_url(url)
     if url.startswith(CLUSTER_SCHEME):
         return RedisClusterBlockIndex(namespace, url)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith((*REDIS_SCHEMES, "unix://")):
         return RedisBlockIndex(namespace, url)
-    raise ValueError(
-        f"index_url must be a redis:// or redis-cluster:// URL, got {redact_url(url)!r}"
-    )
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its userinfo replaced by ``***`` (for messages and logs)."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, host = rest.rpartition("@")
-    if not (sep and at and ":" in userinfo):
-        return url
-    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+    raise ValueError(f"index_url must be a redis:// or redis-cluster:// URL, got {url!r}")
 
 
 class IndexClient:

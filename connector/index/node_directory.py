@@ -19,18 +19,57 @@ from typing import NamedTuple, Protocol
 
 import msgpack
 import redis
+from kvbridge.transport.address import check_host
 
-__all__ = ["InMemoryNodeDirectory", "NodeAddress", "NodeDirectory", "RedisNodeDirectory"]
+__all__ = [
+    "InMemoryNodeDirectory",
+    "NodeAddress",
+    "NodeDirectory",
+    "RedisNodeDirectory",
+    "decode_address",
+    "encode_address",
+]
 
 logger = logging.getLogger(__name__)
 
 
 class NodeAddress(NamedTuple):
-    """A node's transport address and the incarnation listening there."""
+    """A node's transport address and the incarnation listening there. ``host`` is bare, an
+    IPv6 address without brackets (``"::1"``; ``kvbridge.transport.address``)."""
 
     host: str
     port: int
     incarnation: int
+
+
+def _checked(address: NodeAddress) -> NodeAddress:
+    """``address`` when its fields are a host, a port in [1, 65535] and an int; else
+    ValueError naming the field."""
+    host, port, incarnation = address
+    check_host(host, what="node address host")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"node address port must be in [1, 65535], got {port!r}")
+    if isinstance(incarnation, bool) or not isinstance(incarnation, int):
+        raise ValueError(f"node address incarnation must be an int, got {incarnation!r}")
+    return address
+
+
+def encode_address(address: NodeAddress) -> bytes:
+    """The stored form of ``address``: msgpack ``[host, port, incarnation]``, host bare.
+    Raises ValueError for a field that is not an address (a caller mistake)."""
+    return msgpack.packb(list(_checked(address)))
+
+
+def decode_address(raw: bytes) -> NodeAddress:
+    """``encode_address`` read back. Raises ValueError for bytes that are not one (a garbage
+    entry: not msgpack, wrong fields, a bracketed or malformed host, a port out of range)."""
+    try:
+        fields = msgpack.unpackb(raw)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if not isinstance(fields, list) or len(fields) != 3:
+        raise ValueError(f"expected [host, port, incarnation], got {fields!r}")
+    return _checked(NodeAddress(*fields))
 
 
 class NodeDirectory(Protocol):
@@ -61,6 +100,7 @@ class InMemoryNodeDirectory:
         self._lock = threading.Lock()
 
     def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
+        _checked(address)
         with self._lock:
             self._entries[node_id] = (address, self._clock() + ttl_s)
 
@@ -92,7 +132,7 @@ class RedisNodeDirectory:
         self._prefix = f"{key_prefix}:addr:"
 
     def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
-        value = msgpack.packb([address.host, address.port, address.incarnation])
+        value = encode_address(address)
         try:
             self._client.set(self._prefix + node_id, value, px=max(int(ttl_s * 1000), 1))
         except redis.RedisError as exc:
@@ -107,15 +147,10 @@ class RedisNodeDirectory:
         if raw is None:
             return None
         try:
-            host, port, incarnation = msgpack.unpackb(raw)
-            if not (isinstance(host, str) and isinstance(port, int) and 0 < port < 65536):
-                raise ValueError("bad field types")
-            if not isinstance(incarnation, int):
-                raise ValueError("bad incarnation")
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            return decode_address(raw)
+        except ValueError as exc:
             logger.warning("node directory: garbage entry for %s skipped: %s", node_id, exc)
             return None
-        return NodeAddress(host, port, incarnation)
 
     def withdraw(self, node_id: str) -> None:
         try:

@@ -35,9 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
-import msgpack
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -46,7 +44,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from . import redis_scripts as scripts
-from .node_directory import NodeAddress
+from .node_directory import NodeAddress, decode_address, encode_address
 from .protocol import (
     IndexNamespace,
     IndexOp,
@@ -58,6 +56,7 @@ from .protocol import (
     events_to_ops,
 )
 from .redis_index import RedisBlockIndex, _script, _ttl_ms
+from .url import CLUSTER_SCHEME, parse_cluster_url
 
 __all__ = [
     "CLUSTER_SCHEME",
@@ -69,35 +68,10 @@ __all__ = [
     "parse_cluster_url",
 ]
 
-CLUSTER_SCHEME = "redis-cluster://"
-DEFAULT_NUM_BUCKETS = 32
-_MAX_BUCKETS = 1024
 _NUM_SLOTS = 16384
 _DIRECTORY_TROUBLE = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
-
-
-def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], int]:
-    """Seed nodes and bucket count of ``redis-cluster://HOST:PORT[,HOST:PORT...][?buckets=N]``.
-    Raises ValueError naming what is wrong."""
-    if not url.startswith(CLUSTER_SCHEME):
-        raise ValueError(f"a cluster index_url starts with {CLUSTER_SCHEME!r}, got {url!r}")
-    parts = urlsplit("http://" + url[len(CLUSTER_SCHEME):])
-    seeds: list[tuple[str, int]] = []
-    for item in parts.netloc.split(","):
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"index_url seed node {item!r} is not HOST:PORT (in {url!r})")
-        seeds.append((host.strip("[]"), int(port)))
-    query = parse_qs(parts.query)
-    num_buckets = DEFAULT_NUM_BUCKETS
-    if "buckets" in query:
-        value = query["buckets"][-1]
-        if not value.isdigit() or not 1 <= int(value) <= _MAX_BUCKETS:
-            raise ValueError(f"index_url buckets must be in [1, {_MAX_BUCKETS}], got {value!r}")
-        num_buckets = int(value)
-    return seeds, num_buckets
 
 
 def cluster_client(url: str, *, socket_timeout_s: float, connect_timeout_s: float) -> RedisCluster:
@@ -358,7 +332,7 @@ class RedisClusterNodeDirectory:
         return [f"{self._prefixes[b]}:addr:{node_id}" for b in buckets]
 
     def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
-        value = msgpack.packb([address.host, address.port, address.incarnation])
+        value = encode_address(address)
         for key in self._keys(node_id):
             try:
                 self._client.set(key, value, px=max(int(ttl_s * 1000), 1))
@@ -374,12 +348,9 @@ class RedisClusterNodeDirectory:
             if raw is None:
                 return None
             try:
-                host, port, incarnation = msgpack.unpackb(raw)
-                if isinstance(host, str) and isinstance(port, int) and isinstance(incarnation, int):
-                    return NodeAddress(host, port, incarnation)
-            except (ValueError, TypeError, msgpack.UnpackException):
-                pass
-            return None
+                return decode_address(raw)
+            except ValueError:
+                return None  # a garbage entry
         return None
 
     def withdraw(self, node_id: str) -> None:

@@ -85,6 +85,7 @@ def serve_http(app: Any, *, host: str, port: int, announce_fields: dict[str, Any
         SystemExit(1): the address cannot be bound (uvicorn has logged why).
     """
     import uvicorn
+    from kvbridge.transport.address import format_host_port
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -108,8 +109,7 @@ def serve_http(app: Any, *, host: str, port: int, announce_fields: dict[str, Any
                 raise SystemExit(1)
             await asyncio.sleep(0.02)
         bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        announce(**announce_fields, url=f"http://{shown}:{bound_port}")
+        announce(**announce_fields, url=f"http://{format_host_port(bound_host, bound_port)}")
         await task
 
     asyncio.run(run())

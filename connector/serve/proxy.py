@@ -3,6 +3,9 @@
     kvbridge-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --port 8000 [--index-url redis://127.0.0.1:6379/0]
 
+An IPv6 node or index takes brackets (``--prefill http://[::1]:8100``, ``redis://[::1]:6379/0``);
+a URL that is not ``http(s)://host[:port]`` is refused at start, in one line.
+
 For each ``POST /v1/completions`` (DESIGN.md, "One disaggregated request, end to end"):
 
 0. validate the client's body with the decode node's own parser
@@ -38,6 +41,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvbridge.kernels.model import ByteTokenizer
+from kvbridge.transport import check_host, parse_base_url
 
 from .cli import CommandParser, serve_http
 from .http_body import BadRequest, CompletionBody
@@ -114,7 +118,9 @@ class PDRouter:
     """Routes completions through a prefill node then a decode node.
 
     Args:
-        prefill_urls, decode_urls: base URLs (``http://host:port``), at least one each.
+        prefill_urls, decode_urls: base URLs (``http://host:port``, ``http://[ipv6]:port``), at
+            least one each; a trailing ``/`` is dropped. ValueError (one line) for one that is
+            not such a URL (``kvbridge.transport.parse_base_url``).
         locator: optional index-aware choice of P.
         timeout_s: per-hop HTTP timeout (D's own load deadline should be shorter).
     """
@@ -129,8 +135,8 @@ class PDRouter:
     ) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("need at least one prefill URL and one decode URL")
-        self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
-        self.decode_urls = [u.rstrip("/") for u in decode_urls]
+        self.prefill_urls = [parse_base_url(u, what="prefill URL") for u in prefill_urls]
+        self.decode_urls = [parse_base_url(u, what="decode URL") for u in decode_urls]
         self._next_p = itertools.cycle(range(len(self.prefill_urls)))
         self._next_d = itertools.cycle(range(len(self.decode_urls)))
         self._locator = locator
@@ -327,13 +333,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop is too much
     locator = None
-    if args.index_url:
-        locator = PrefixLocator(
-            args.index_url,
-            model_name=args.model_name,
-            block_size=args.block_size,
-            hash_fn=args.hash_fn,
-        )
+    try:  # a bad address is refused here, in one line, before anything connects
+        check_host(args.host, what="--host")
+        for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
+            for url in urls:
+                parse_base_url(url, what=flag)
+        if args.index_url:
+            locator = PrefixLocator(
+                args.index_url,
+                model_name=args.model_name,
+                block_size=args.block_size,
+                hash_fn=args.hash_fn,
+            )
+    except ValueError as exc:
+        parser.error(str(exc))
     router = PDRouter(args.prefill, args.decode, locator=locator)
     serve_http(build_app(router), host=args.host, port=args.port,
                announce_fields={"prefill": args.prefill, "decode": args.decode})

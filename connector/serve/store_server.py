@@ -4,8 +4,10 @@
         --capacity-bytes 1073741824 --index-url redis://127.0.0.1:6379/0 --model tiny
 
 Nodes point at it with ``kv_connector_extra_config = {"store_url": "<host>:<write port>",
-"offload": "evict", "index_url": <same index>}``; restores find it through the index. Prints one
-JSON line with its addresses once serving, then serves until interrupted (Ctrl-C / SIGTERM).
+"offload": "evict", "index_url": <same index>}`` (``"[<ipv6>]:<write port>"`` for an IPv6
+``--host`` such as ``::1``: the JSON line prints it so); restores find it through the index.
+Prints one JSON line with its addresses once serving, then serves until interrupted (Ctrl-C /
+SIGTERM).
 """
 
 from __future__ import annotations
@@ -50,12 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             read_guard_s=args.read_guard_s,
         )
     )
-    host, write_port = node.write_address
     announce(
         engine_id=node.engine_id,
         incarnation=node.incarnation,
         pull_address=list(node.address),
-        store_url=f"[{host}]:{write_port}" if ":" in host else f"{host}:{write_port}",
+        store_url=node.store_url,
         capacity_blocks=node.cache.num_store_blocks,
     )
     try:

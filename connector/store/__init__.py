@@ -17,7 +17,7 @@ from .offload_items import OffloadItem, OffloadOutcome
 from .planner import OffloadPlanner
 from .sender import OffloadSender
 from .staging import StagingPool, snapshot_blocks
-from .url import parse_store_url
+from .url import format_store_url, parse_store_url
 from .wire import PutGroup, PutReply, PutRequest, StoreWireError
 from .writer import StoreWriter
 
@@ -36,6 +36,7 @@ __all__ = [
     "StoreWireError",
     "StoreWriter",
     "close_store_node",
+    "format_store_url",
     "parse_store_url",
     "snapshot_blocks",
     "start_store_node",

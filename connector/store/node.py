@@ -26,12 +26,14 @@ import torch
 from kvbridge.kernels.model import ModelConfig
 from kvbridge.kvmanager.model_runner import make_kv_cache_config
 from kvbridge.transport import LeaseRef, LoopbackNetwork, NodeMetadata, PeerAddress, Transport
+from kvbridge.transport.address import check_host, format_host_port
 
 from ..index.client import IndexClient, open_index
 from ..index.protocol import IndexNamespace, new_incarnation
 from ..loop_thread import get_loop_thread
 from .cache import StoreCache
 from .server import StoreWriteServer
+from .url import format_store_url
 from .wire import PutReply, PutRequest, StoreWireError
 
 __all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "store_kv_caches"]
@@ -125,7 +127,8 @@ class StoreNode:
         engine_id: the store's node id in the index and at handshake.
         model_name, hash_fn_name: must equal the nodes' (handshake and index namespace).
         index_url: ``redis://...`` or ``"memory"``; None: publish nothing (tests of the cache).
-        host, port: where the transport serves pulls (port 0: any free one).
+        host, port: where the transport serves pulls (port 0: any free one); a hostname or an
+            IP address, IPv6 bare (``"::1"``).
         write_host, write_port: where the write server listens (port 0: any free one).
         transport: ``"ucxx"`` or ``"loopback"`` (needs ``loopback_network``).
         read_guard_s: a block validated for a pull this recently is never overwritten.
@@ -158,6 +161,8 @@ class StoreNode:
     ) -> None:
         if transport == "loopback" and loopback_network is None:
             raise ValueError("transport 'loopback' needs a loopback_network")
+        check_host(host, what="host")
+        check_host(write_host, what="write_host")
         self.engine_id = engine_id
         self.block_size = block_size
         self.incarnation = new_incarnation()
@@ -201,10 +206,15 @@ class StoreNode:
 
     @property
     def write_address(self) -> tuple[str, int]:
-        """``(host, port)`` of the write server (a node's ``store_url`` is ``host:port``)."""
+        """``(host, port)`` of the write server, host bare (valid after ``start``)."""
         if self._server is None:
             raise RuntimeError("StoreNode.write_address read before start()")
         return self._server.address
+
+    @property
+    def store_url(self) -> str:
+        """The ``store_url`` nodes write to: ``"host:port"``, ``"[ipv6]:port"`` for IPv6."""
+        return format_store_url(*self.write_address)
 
     async def start(self) -> None:
         """Serve pulls, accept writes, register in the index (a fresh incarnation). A start
@@ -264,11 +274,11 @@ class StoreNode:
         self._server = StoreWriteServer(self, host=self._write_host, port=self._write_port)
         await self._server.start()
         logger.info(
-            "store %s: %d blocks, pulls on %s:%d, writes on %s:%d",
+            "store %s: %d blocks, pulls on %s, writes on %s",
             self.engine_id,
             self.cache.num_store_blocks,
-            *self.transport.address,
-            *self._server.address,
+            format_host_port(*self.transport.address),
+            self.store_url,
         )
 
     async def close(self) -> None:

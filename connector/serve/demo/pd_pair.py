@@ -206,10 +206,11 @@ def check_redis(url: str, timeout_s: float = _REDIS_PING_TIMEOUT_S) -> None:
         UsageError: a malformed URL, or no answer within ``timeout_s`` (one line).
     """
     import redis
+    from kvbridge.connector.index import check_index_url, cluster_client
 
     try:
+        check_index_url(url)  # an IPv6 host in brackets: redis://[::1]:6379/0
         if url.startswith("redis-cluster://"):  # a cluster's seed nodes
-            from kvbridge.connector.index import cluster_client
 
             client = cluster_client(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
         else:

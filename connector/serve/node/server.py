@@ -50,6 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from kvbridge.kernels.model import ModelConfig, ReferenceDecoder
 from kvbridge.kvmanager import Engine, EngineConfig, SamplingParams
+from kvbridge.transport import check_host, format_host_port
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..cli import CommandParser, serve_http
@@ -68,6 +69,8 @@ ROLE_TO_KV_ROLE = {
     "both": "kv_both",
     "store": "kv_both",
 }
+# ``--host`` that listens everywhere: the transport advertises the loopback of its family.
+_LOOPBACK_OF_WILDCARD = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
 
 
 # ---------------------------------------------------------------------- engine construction
@@ -110,7 +113,7 @@ def kv_transfer_config_dict(args: argparse.Namespace) -> dict[str, Any] | None:
     extra = dict(config.get("kv_connector_extra_config") or {})
     if args.index_url is not None:
         extra["index_url"] = args.index_url
-    extra.setdefault("host", args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
+    extra.setdefault("host", _LOOPBACK_OF_WILDCARD.get(args.host, args.host))
     extra.setdefault("model_name", f"kvbridge-{args.model}")
     config["kv_connector_extra_config"] = extra
     return config
@@ -289,7 +292,7 @@ async def _stream(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = CommandParser(prog="kvbridge-node", description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="a hostname or an IP (IPv6: '::1')")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="tiny", help="tiny, tiny_hybrid, small or an HF dir")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks incl. null block")
@@ -307,7 +310,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--store-write-port", type=int, default=0, help="store role only")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.host:
+        try:
+            check_host(args.host, what="--host")
+        except ValueError as exc:
+            parser.error(str(exc))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = EngineLoop(engine)
     loop.start()
     app = build_app(loop, role=args.role, engine_id=engine_id, model_name=args.model)
-    logger.info("node %s (%s) serving on http://%s:%d", engine_id, args.role, args.host, args.port)
+    logger.info("node %s (%s) serving on http://%s", engine_id, args.role,
+                format_host_port(args.host, args.port))
     worker = engine.runner.connector
     handshake = worker.get_handshake_metadata() if worker is not None else None
     try:
@@ -348,13 +358,12 @@ def _serve_store(args: argparse.Namespace) -> int:
     config = kv_transfer_config_dict(args) or {}
     node = build_store_node(args, load_model(args.model).config, config)
     app = build_store_app(node, model_name=args.model)
-    logger.info("store node %s serving on http://%s:%d, writes on %s:%d", node.engine_id,
-                args.host, args.port, *node.write_address)
-    host, write_port = node.write_address
+    logger.info("store node %s serving on http://%s, writes on %s", node.engine_id,
+                format_host_port(args.host, args.port), node.store_url)
     try:
         serve_http(app, host=args.host, port=args.port, announce_fields={
             "engine_id": node.engine_id, "role": "store",
-            "store_url": f"[{host}]:{write_port}" if ":" in host else f"{host}:{write_port}",
+            "store_url": node.store_url,
         })
     finally:
         close_store_node(node)

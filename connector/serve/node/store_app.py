@@ -6,8 +6,8 @@ TCP write server, published to the block index as tier ``"store"``). This app gi
 management routes as a node:
 
 - ``GET /health``: 200 with ``engine_id``, ``role`` = ``"store"`` and ``store_url`` (the write
-  server's ``host:port``, which prefill and decode nodes take as ``store_url`` in their
-  ``kv_connector_extra_config``);
+  server's ``host:port``, ``[ipv6]:port`` for IPv6, which prefill and decode nodes take as
+  ``store_url`` in their ``kv_connector_extra_config``);
 - ``GET /metrics`` (Prometheus) and ``GET /v1/stats`` (JSON): the store's ``StoreStats``;
 - ``POST /v1/completions``: 400, a store node serves no completions.
 """
@@ -80,7 +80,6 @@ def build_store_app(node: Any, *, model_name: str) -> FastAPI:
     app = FastAPI(title="kvbridge store node")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StoreCollector(node))
-    host, port = node.write_address
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -90,7 +89,7 @@ def build_store_app(node: Any, *, model_name: str) -> FastAPI:
             "engine_id": node.engine_id,
             "model": model_name,
             "block_size": node.block_size,
-            "store_url": f"{host}:{port}",
+            "store_url": node.store_url,
         })
 
     @app.get("/metrics")
