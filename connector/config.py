@@ -103,6 +103,7 @@ Any other key under ``kv_connector_extra_config`` is refused, naming it.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -304,9 +305,12 @@ class KVTransferConfig:
         known = {f for f in cls.__dataclass_fields__ if f not in _OUTER_KEYS}
         unknown = set(extra) - known
         if unknown:
+            hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+                     for key in sorted(unknown)
+                     for close in [difflib.get_close_matches(key, known, n=1, cutoff=0.75)]]
             raise KVTransferConfigError(
-                f"unknown kv_connector_extra_config keys: {sorted(unknown)} "
-                f"(known: {sorted(known)})"
+                f"unknown kv_connector_extra_config key(s): {', '.join(hints)}; remove them or "
+                f"use one of the known keys: {', '.join(sorted(known))}"
             )
         kwargs: dict[str, Any] = dict(extra)
         try:

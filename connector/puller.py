@@ -26,7 +26,14 @@ import time
 from concurrent.futures import Future
 from typing import NamedTuple
 
-from kvbridge.transport import GroupRead, PeerAddress, TransferError, Transport, format_host_port
+from kvbridge.transport import (
+    GroupRead,
+    PeerAddress,
+    PeerUnreachableError,
+    TransferError,
+    Transport,
+    format_host_port,
+)
 
 from .errors import KVConnectorError
 from .loop_thread import get_loop_thread
@@ -308,6 +315,11 @@ class Puller:
         except TransferError as exc:
             failed.update(exc.local_block_ids)
             error = str(exc)
+        except PeerUnreachableError as exc:
+            failed.update(plan.local_block_ids())
+            error = (f"{exc}; is {holder.engine_id} running, and is the transport address it "
+                     f"advertises (its kv_connector_extra_config 'host'/'port') reachable from "
+                     f"this host?")
         except (TimeoutError, Exception) as exc:
             failed.update(plan.local_block_ids())
             error = f"{type(exc).__name__}: {exc}"

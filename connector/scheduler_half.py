@@ -6,7 +6,8 @@ network goes to the worker half as that step's ``KVBridgeConnectorMetadata`` (``
 and everything it learns back arrives as the worker's per-step output (DESIGN.md, "Two halves
 that share nothing"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
 
-    admission       validate_kv_transfer_params   parse the ticket once; heart-beat it meanwhile
+    admission       validate_kv_transfer_params   parse the ticket once; heart-beat it meanwhile;
+                                                  warn of a role mismatch (``role_check``)
     schedule()      get_num_new_matched_tokens    a ticket: (remote - local hit, load_mode);
                                                   no ticket: the index, asked asynchronously
                                                   (None = "ask again next step")
@@ -47,6 +48,7 @@ from .metadata import (
     WorkerHandshake,
 )
 from .pull_plan import RemoteMatch, cdiv, plan_group_pulls, sliding_windows_of, window_gap_groups
+from .role_check import RoleCheck
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
@@ -90,8 +92,7 @@ class KVBridgeScheduler:
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
         self.stats = KVTransferStats()
-        # "sync": a pull runs inside the step that computes its request (config.load_mode);
-        # "auto": only a one-sided handoff does (``LoadModePolicy``), the rest are async
+        # "sync": pulls run inside the step computing the request; "auto": one-sided handoffs
         self._load_async = config.load_mode != "sync"
         self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
         self.worker: WorkerHandshake | None = None
@@ -108,13 +109,11 @@ class KVBridgeScheduler:
         self._store_engine_ids: set[str] = set()
         self._hit_rule = kv_cache_config and PrefixHitRule(kv_cache_config)
         self._sliding_windows = sliding_windows_of(kv_cache_config, num_groups)
-        self.offload_planner: OffloadPlanner | None = None
-        if config.offload != "off":
-            self.offload_planner = OffloadPlanner(
-                policy=config.offload, blocks_per_step=config.offload_blocks_per_step,
-                scan_blocks=config.offload_scan_blocks,
-                max_offloaded=config.offload_remember_blocks,
-            )
+        self._role_check = RoleCheck(self.kv_role, self.stats)
+        self.offload_planner: OffloadPlanner | None = None if config.offload == "off" else \
+            OffloadPlanner(policy=config.offload, blocks_per_step=config.offload_blocks_per_step,
+                           scan_blocks=config.offload_scan_blocks,
+                           max_offloaded=config.offload_remember_blocks)
 
     # ------------------------------------------------------------------ wiring
     def bind_block_pool(self, block_pool: BlockPool, take_events: Any) -> None:
@@ -155,6 +154,7 @@ class KVBridgeScheduler:
     ) -> None:
         """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``);
         an admitted ticket's lease is heart-beaten while the request waits in the queue."""
+        self._role_check.check(request_id, kv_transfer_params)
         if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
             self.ticket_for(request_id, kv_transfer_params, num_prompt_tokens)
 

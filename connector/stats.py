@@ -76,6 +76,7 @@ class KVTransferStats:
     num_released_leases: int = 0
     num_refused_lease_tokens: int = 0
     num_rejected_params: int = 0
+    num_role_mismatches: int = 0
     num_window_gaps: int = 0
     num_index_lookups: int = 0
     num_index_hits: int = 0

@@ -70,3 +70,21 @@ def test_kvbridge_cma_environment_values(monkeypatch, value, on):
 
     monkeypatch.setenv("KVBRIDGE_CMA", value)
     assert cma_from_environment() is on
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        # a near miss names the key meant
+        ({"idx_url": "memory"}, "'idx_url' (did you mean 'index_url'?)"),
+        ({"load_timeout": 5}, "'load_timeout' (did you mean 'load_timeout_s'?)"),
+        # nothing close: the key alone, then the list to choose from
+        ({"colour": "blue"}, "unknown kv_connector_extra_config key(s): 'colour'; remove them"),
+    ],
+)
+def test_an_unknown_extra_key_is_one_line_that_says_what_to_change(extra, expected):
+    with pytest.raises(KVTransferConfigError) as info:
+        _config(**extra)
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+    assert "use one of the known keys: " in message and "index_url" in message

@@ -34,6 +34,7 @@ from .base import (
 from .cma_board import BlockBoard, BoardCounts, full_block_tag, lease_block_tag
 from .errors import (
     HandshakeError,
+    PeerUnreachableError,
     TransferCancelledError,
     TransferError,
     TransferTimeoutError,
@@ -72,6 +73,7 @@ __all__ = [
     "LoopbackTransport",
     "NodeMetadata",
     "PeerAddress",
+    "PeerUnreachableError",
     "ReadResult",
     "TransferCancelledError",
     "TransferDoneCallback",

@@ -12,6 +12,11 @@ class TransportError(Exception):
     """Base of every error the transport raises for network-side trouble."""
 
 
+class PeerUnreachableError(TransportError):
+    """No connection to the peer's address (refused, timed out, no route, no such node): the
+    peer is down, or its advertised transport address is not reachable from here."""
+
+
 class WireError(TransportError):
     """A control message that cannot be decoded: bad framing, unknown schema version, unknown
     message type, or a field of the wrong type or out of range. The message names the field."""

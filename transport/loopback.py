@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from kvbridge.kernels import gather_blocks, scatter_blocks
 
+from .address import format_host_port
 from .auth import check_auth_key, holder_proof, new_nonce, proof_matches, requester_proof
 from .base import (
     DEFAULT_CHUNK_BYTES,
@@ -27,7 +28,7 @@ from .base import (
     Transport,
     check_kv_caches_match,
 )
-from .errors import HandshakeError, TransferError, TransportError, WireError
+from .errors import HandshakeError, PeerUnreachableError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import (
     block_nbytes_by_entry,
@@ -190,7 +191,7 @@ class LoopbackTransport(Transport):
     def _holder(self, peer: PeerAddress | tuple[str, int]) -> LoopbackTransport:
         holder = self.network.lookup(peer)
         if holder is None or holder._dropped.is_set():
-            raise TransportError(f"peer {tuple(peer)} unreachable")
+            raise PeerUnreachableError(f"peer {format_host_port(*peer)} unreachable")
         return holder
 
     def _authenticate(self, holder: LoopbackTransport) -> None:

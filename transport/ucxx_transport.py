@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 import ucxx
 
+from .address import format_host_port
 from .auth import (
     NONCE_BYTES,
     check_auth_key,
@@ -52,7 +53,7 @@ from .cma_board import BoardCounts, offer_same_host_reads
 from .cma_one_sided import OneSidedRead
 from .cma_read import CmaReadPath
 from .control import HolderConnection, read_frame, write_message
-from .errors import HandshakeError, TransferError, TransportError, WireError
+from .errors import HandshakeError, PeerUnreachableError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import build_group_msgs
 from .read_path import ReadPath
@@ -230,7 +231,8 @@ class UcxxTransport(Transport):
                 asyncio.open_connection(peer.host, peer.port), HANDSHAKE_TIMEOUT_S
             )
         except (TimeoutError, OSError) as exc:
-            raise TransportError(f"peer {tuple(peer)} unreachable: {exc}") from None
+            raise PeerUnreachableError(
+                f"peer {format_host_port(*peer)} unreachable: {exc}") from None
         try:
             nonce = new_nonce() if self.auth_key is not None else b""
             hello = Hello(

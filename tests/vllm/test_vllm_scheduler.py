@@ -402,3 +402,22 @@ def test_d_null_block_in_a_full_attention_group_is_planned_as_a_load_error(null_
     assert failed.finished()[request.request_id].finish_reason == FinishReason.ERROR
     step(scheduler)
     assert_scheduler_empty(scheduler)
+
+
+def test_a_ticket_sent_to_a_producer_is_computed_and_said_once(caplog):
+    """vLLM started as ``kv_producer`` gets requests with P's tickets (a proxy with P and D
+    swapped): each is computed as a plain request, and one warning says what to change."""
+    import logging
+
+    scheduler = make_scheduler("kv_producer")
+    with caplog.at_level(logging.WARNING, logger="kvbridge"):
+        for i in range(2):
+            scheduler.add_request(make_request(_prompt(70, start=10 * i),
+                                               kv_transfer_params=ticket_for(70)))
+        stepped = step(scheduler)
+    assert sum(stepped.scheduled.values()) == 140  # both computed at once, nothing pulled
+    lines = [r.getMessage() for r in caplog.records if "do_remote_prefill=true" in r.getMessage()]
+    assert len(lines) == 1 and "kv_role is 'kv_producer'" in lines[0], lines
+    assert connector_of(scheduler).stats.num_role_mismatches == 2
+    run_to_end(scheduler)
+    assert_scheduler_empty(scheduler)
