@@ -81,6 +81,11 @@ def create_engine(
 
     Raises:
         ValueError: what ``Engine`` and ``KVTransferConfig`` raise for bad settings.
+        Whatever refuses the start after the transport started (an ``index_url`` that cannot
+        be opened, or a cluster index with no seed reachable: ``redis`` exceptions; an
+        ``engine_id`` the index refuses: ValueError; a port taken: ``OSError``) is raised once
+        ``Engine`` closed everything the node had started: none of its threads, listening
+        ports or connector-loop tasks keeps running.
     """
     if not isinstance(kv_transfer_config, KVTransferConfig):
         kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)
@@ -96,7 +101,7 @@ def create_engine(
         loopback_network=loopback_network,
         loopback_faults=loopback_faults,
     )
-    engine = Engine(model, engine_config, connector_factory=factory)
+    engine = Engine(model, engine_config, connector_factory=factory)  # closes what it started
     manager = engine.kv_cache_manager
     connector = engine.scheduler.connector
     assert isinstance(connector, KVBridgeConnector)

@@ -53,6 +53,7 @@ from .metadata import (
     BlockHashDelta,
     KVBridgeConnectorMetadata,
     KVBridgeWorkerMeta,
+    ReleaseNotice,
     StatsDelta,
     WorkerHandshake,
 )
@@ -160,6 +161,9 @@ class KVBridgeWorker:
 
         Raises:
             RuntimeError: when called twice.
+            OSError: the transport's port is taken (``host``, ``port``); ValueError: a loopback
+                address in use. A start refused at any step closes what it had started
+                (transport, heartbeats) before it raises: ``transport`` stays None.
         """
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice for one node's connector")
@@ -191,9 +195,13 @@ class KVBridgeWorker:
             ],
         )
         transport.set_callbacks(**checks.as_kwargs())  # type: ignore[arg-type]
-        get_loop_thread().run(transport.start(), _START_TIMEOUT_S)
+        try:
+            get_loop_thread().run(transport.start(), _START_TIMEOUT_S)
+            self.puller.start_heartbeats(transport, _START_TIMEOUT_S)
+        except BaseException:  # a refused start leaves nothing running
+            self._close(transport, notices=[])
+            raise
         self.transport = transport
-        self.puller.start_heartbeats(transport, _START_TIMEOUT_S)
         logger.info(
             "%s: transport %s listening on %s",
             self.config.engine_id,
@@ -404,8 +412,13 @@ class KVBridgeWorker:
         transport, self.transport = self.transport, None
         if transport is None:
             return
+        # the last steps' one-sided loads' holders
+        self._close(transport, notices=self.puller.take_deferred_notices())
+
+    def _close(self, transport: Transport, *, notices: list[ReleaseNotice]) -> None:
+        """Send ``notices``, stop the heartbeats and close ``transport``, on the connector
+        loop; logs, never raises (a shutdown, or a start that failed part-way)."""
         puller = self.puller
-        notices = puller.take_deferred_notices()  # the last steps' one-sided loads' holders
 
         async def _close() -> None:
             await send_notices(transport, notices)

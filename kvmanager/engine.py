@@ -12,6 +12,7 @@ others) and turns ``EngineCoreOutput``s into ``RequestOutput``s with cumulative 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,8 @@ class Engine:
 
     Raises:
         ValueError: on bad settings, or a pool too small for one ``max_model_len`` request.
+            Whatever a connector refuses at start propagates as it is raised; both connector
+            halves are shut down first (nothing they started keeps running).
     """
 
     def __init__(
@@ -137,34 +140,43 @@ class Engine:
             enable_kv_cache_events=config.enable_kv_cache_events,
             hash_fn=config.hash_fn,
         )
-        scheduler_connector = worker_connector = None
-        if connector_factory is not None:
-            scheduler_connector = connector_factory(KVConnectorRole.SCHEDULER, self.kv_cache_config)
-            worker_connector = connector_factory(KVConnectorRole.WORKER, self.kv_cache_config)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            connector=scheduler_connector,
-            kv_load_failure_policy=config.kv_load_failure_policy,
-        )
-        self.runner = ModelRunner(
-            model,
-            self.kv_cache_config,
-            max_num_reqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            connector=worker_connector,
-            device=config.device,
-            use_triton=config.use_triton,
-        )
-        if scheduler_connector is not None and worker_connector is not None:
-            handshake = worker_connector.get_handshake_metadata()
-            if handshake is not None:
-                scheduler_connector.set_xfer_handshake_metadata({0: handshake})
+        # The connector starts in steps (the worker half's transport when the runner registers
+        # the KV caches, then the scheduler half's registrations on the handshake); a step that
+        # refuses shuts down both halves, the last built first, so nothing is left running.
+        with contextlib.ExitStack() as started:
+            scheduler_connector = worker_connector = None
+            if connector_factory is not None:
+                scheduler_connector = connector_factory(
+                    KVConnectorRole.SCHEDULER, self.kv_cache_config
+                )
+                started.callback(scheduler_connector.shutdown)
+                worker_connector = connector_factory(KVConnectorRole.WORKER, self.kv_cache_config)
+                started.callback(worker_connector.shutdown)
+            self.scheduler = Scheduler(
+                self.kv_cache_manager,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                connector=scheduler_connector,
+                kv_load_failure_policy=config.kv_load_failure_policy,
+            )
+            self.runner = ModelRunner(
+                model,
+                self.kv_cache_config,
+                max_num_reqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                connector=worker_connector,
+                device=config.device,
+                use_triton=config.use_triton,
+            )
+            if scheduler_connector is not None and worker_connector is not None:
+                handshake = worker_connector.get_handshake_metadata()
+                if handshake is not None:
+                    scheduler_connector.set_xfer_handshake_metadata({0: handshake})
+            started.pop_all()  # started: ``shutdown`` closes the halves from now on
         self._block_hasher = self.kv_cache_manager.request_block_hasher
         self._tracked: dict[str, _Tracked] = {}
         self._next_auto_id = 0

@@ -4,7 +4,8 @@ would, and prints one JSON line per attempt: what came back and whether the hold
 
     python tests/_stranger_peer.py PORT
 
-Attempts: a ``Hello`` without a nonce then a ``Read``; a ``Hello`` with a nonce and a forged
+Attempts: a ``Hello`` without a nonce then a ``Read``; the same for a notices-only connection
+(``Hello.notices_only``) then a ``TransferDone``; a ``Hello`` with a nonce and a forged
 ``AuthProof`` then a ``Read``; no ``Hello`` at all (a ``Heartbeat``, a ``TransferDone`` and a
 ``Read`` straight away). Plain sockets and the wire codec only: no UCX, no key.
 """
@@ -83,11 +84,12 @@ def main(port: int) -> None:
     notice = TransferDoneNotice(peer_engine_id="stranger", request_id="p-req", success=True,
                                 reason="")
 
-    def hello(nonce: bytes) -> Hello:
+    def hello(nonce: bytes, notices_only: bool = False) -> Hello:
         return Hello(metadata=metadata, compat_hash=metadata.compat_hash,
-                     worker_address=b"not-a-worker", auth_nonce=nonce)
+                     worker_address=b"not-a-worker", auth_nonce=nonce, notices_only=notices_only)
 
     _attempt(port, "no_nonce", [hello(b""), read, heartbeat, notice])
+    _attempt(port, "notices_only_no_nonce", [hello(b"", notices_only=True), notice])
     _attempt(port, "forged_proof",
              [hello(os.urandom(32)), AuthProof(proof=os.urandom(32)), read, heartbeat, notice])
     _attempt(port, "no_hello", [heartbeat, notice, read])

@@ -5,7 +5,9 @@ last test runs both nodes on IPv6 loopback (``::1``, issue 28 item 2)."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import time
 from typing import Any
 
 import pytest
@@ -22,7 +24,8 @@ _REPLY_TIMEOUT_S = 60.0
 
 
 def _node(
-    engine_id: str, role: str, *, hybrid: bool, cma: bool = True, host: str = "127.0.0.1"
+    engine_id: str, role: str, *, hybrid: bool, cma: bool = True, host: str = "127.0.0.1",
+    model_name: str = "kvbridge",
 ) -> Engine:
     config = EngineConfig(num_blocks=128, block_size=BLOCK_SIZE, max_model_len=512)
     kv_transfer_config = {
@@ -35,6 +38,7 @@ def _node(
             "load_timeout_s": 20.0,
             "heartbeat_interval_s": 0.5,
             "cma": cma,
+            "model_name": model_name,
         },
     }
     return create_engine(tiny_model(hybrid=hybrid), config, kv_transfer_config)
@@ -52,6 +56,12 @@ def _prefill_node_main(conn: Any, hybrid: bool, host: str = "127.0.0.1") -> None
                 command = conn.recv()
                 if command[0] == "stop":
                     break
+                if command[0] == "holds":  # the leases and used blocks P holds now
+                    pool = engine.kv_cache_manager.block_pool
+                    leases = len(engine.runner.connector.worker_half.leases)
+                    conn.send((leases, 127 - pool.get_num_free_blocks()))
+                    engine.step()
+                    continue
                 _, request_id, prompt = command
                 engine.add_request(
                     request_id,
@@ -168,6 +178,56 @@ def test_decode_pulls_a_handoff_from_a_prefill_process_over_ipv6_loopback(path):
     finally:
         if d is not None:
             d.shutdown()
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.mark.parametrize("path", ["cma", "ucx"])
+def test_a_refused_handoff_frees_the_prefill_process_blocks_within_a_second(path, caplog):
+    """Issue 28, item 3, between processes: D refuses P's handoff (an incompatible D, whose
+    pull's handshake P refuses; a malformed ticket refused at admission, where D's notice is
+    its first contact with P). P, with the default 30 s lease, holds nothing a second later."""
+    caplog.set_level(logging.CRITICAL, logger="kvbridge.connector")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_node_main, args=(child, False), daemon=True)
+    proc.start()
+    nodes: list[Engine] = []
+    try:
+        assert parent.poll(_REPLY_TIMEOUT_S) and parent.recv() == "ready"
+        incompatible = _node("decode-other", "kv_consumer", hybrid=False, cma=path == "cma",
+                             model_name="another-model")
+        compatible = _node("decode-ucx", "kv_consumer", hybrid=False, cma=path == "cma")
+        nodes += [incompatible, compatible]
+        for i, (d, how) in enumerate([(incompatible, "incompatible"), (compatible, "malformed")]):
+            prompt = long_prompt(40, salt=f"Prompt {i}. ")
+            parent.send(("prefill", f"req-{i}", prompt))
+            assert parent.poll(_REPLY_TIMEOUT_S)
+            params = parent.recv()
+            parent.send(("holds",))
+            assert parent.poll(_REPLY_TIMEOUT_S) and parent.recv()[0] == 1
+            started = time.monotonic()
+            if how == "incompatible":  # its pull fails at the handshake
+                d.add_request(f"req-{i}", prompt, SamplingParams(max_tokens=1), params)
+            else:
+                with pytest.raises(ValueError, match="remote_block_ids"):
+                    d.add_request(f"req-{i}", prompt, SamplingParams(max_tokens=1),
+                                  params | {"remote_block_ids": [["x"]]})
+            holds = (1, -1)
+            while holds != (0, 0) and time.monotonic() - started < 1.0:
+                d.step()
+                parent.send(("holds",))
+                assert parent.poll(_REPLY_TIMEOUT_S)
+                holds = parent.recv()
+            assert holds == (0, 0), f"{how}: P holds {holds} after {time.monotonic() - started}"
+            assert_node_empty(d)
+        parent.send(("stop",))
+        assert parent.poll(_REPLY_TIMEOUT_S)
+        assert parent.recv() == ("stopped", True, 127)
+    finally:
+        for node in nodes:
+            node.shutdown()
         proc.join(timeout=20)
         if proc.is_alive():
             proc.kill()

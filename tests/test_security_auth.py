@@ -94,6 +94,9 @@ async def test_a_stranger_process_reads_nothing_and_touches_no_lease(keyed_holde
     assert proc.returncode == 0, err.decode()[-2000:]
     attempts = {a["attempt"]: a for a in map(json.loads, out.decode().splitlines())}
     assert attempts["no_nonce"]["replies"] == [{"type": "ErrorMsg", "code": "unauthenticated"}]
+    # a notices-only connection skips the compatibility check, never the key
+    assert attempts["notices_only_no_nonce"]["replies"] == [
+        {"type": "ErrorMsg", "code": "unauthenticated"}]
     # a forged proof: the challenge (harmless to reveal), then the refusal; never a HelloOk
     assert attempts["forged_proof"]["replies"] == [
         {"type": "AuthChallenge", "code": None},
@@ -103,7 +106,7 @@ async def test_a_stranger_process_reads_nothing_and_touches_no_lease(keyed_holde
     assert all(a["closed"] for a in attempts.values())
     assert recorder.validated == [] and recorder.heartbeats == [] and recorder.notices == []
     assert holder.num_active_serves == 0
-    assert holder.num_refused_peers == 2
+    assert holder.num_refused_peers == 3
 
 
 @in_module_loop
@@ -142,6 +145,36 @@ async def test_peers_with_the_key_read_and_others_are_refused(keyed_holder):
     finally:
         await keyed.close()
         await keyless_holder.close()
+
+
+@in_module_loop
+async def test_an_incompatible_peers_notice_needs_the_key_too(keyed_holder):
+    # a keyed peer the holder refuses for its layout still frees a lease (a notices-only
+    # connection); without the key its notice is refused like everything else
+    from kvbridge.transport import UcxxTransport
+
+    holder, recorder = keyed_holder
+    for key, name in ((KEY, "keyed-other"), (None, "keyless-other")):
+        caches = make_kv_caches(seed=0, block_size=32)
+        other = UcxxTransport(make_metadata(name, caches), caches, auth_key=key, cma=False)
+        await other.start()
+        try:
+            with pytest.raises(HandshakeError, match="block_size" if key else "cluster key"):
+                await other.connect(holder.address)
+            notice = other.notify_transfer_done(holder.address, "p-1", success=False,
+                                                reason="", token="tok")
+            if key is None:
+                with pytest.raises(HandshakeError, match="cluster key"):
+                    await notice
+                continue
+            await notice
+            for _ in range(200):
+                if recorder.notices:
+                    break
+                await asyncio.sleep(0.005)
+        finally:
+            await other.close()
+    assert [(n.peer_engine_id, n.request_id) for n in recorder.notices] == [("keyed-other", "p-1")]
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -23,6 +23,7 @@ import torch
 from _engine_builders import reference_greedy, tiny_model
 from _ipv6 import require_ipv6_loopback
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
+from _running import Running, started_since
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.loop_thread import LoopThread, get_loop_thread
 from kvbridge.connector.metadata import (
@@ -1373,10 +1374,12 @@ def test_a_store_whose_start_fails_leaves_nothing_running(network, redis_url):
                       loopback_network=network, index_url=redis_url,
                       write_port=taken.getsockname()[1])
     try:
+        before = Running.now()
         with pytest.raises(OSError):
             start_store_node(store)
         assert store.transport is None and store.index_client is None
         assert not [t for t in threading.enumerate() if t.name == "kvbridge-index-store-fails"]
+        assert started_since(before) == {"threads": [], "listening": [], "loop_tasks": []}
     finally:
         taken.close()
 

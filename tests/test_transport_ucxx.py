@@ -241,6 +241,71 @@ async def test_incompatible_peer_refused_naming_field(requester):
     _assert_requester_clean(requester)
 
 
+async def test_an_incompatible_peers_notice_reaches_the_holder_and_nothing_else_does(requester):
+    """Issue 28, item 3: a requester that refused a handoff because the holder is incompatible
+    still frees the holder's lease: its notice goes over a notices-only connection (no
+    compatibility check, no UCX endpoint), kept for the next notice, which carries nothing
+    else: a Read sent on one is refused and the connection keeps taking notices."""
+    from kvbridge.transport.control import read_frame
+    from kvbridge.transport.wire import (
+        ErrorMsg,
+        Hello,
+        HelloOk,
+        Read,
+        TransferDoneNotice,
+        decode_message,
+        encode_message,
+    )
+    from kvbridge.transport.wire import GroupReadMsg as Msg
+
+    caches = make_kv_caches(seed=3, block_size=32)
+    other = UcxxTransport(make_metadata("other", caches), caches)
+    notices: list[TransferDoneNotice] = []
+    other.set_callbacks(on_transfer_done=notices.append)
+    await other.start()
+
+    async def arrived(count: int) -> bool:
+        for _ in range(200):
+            if len(notices) >= count:
+                return True
+            await asyncio.sleep(0.005)
+        return False
+
+    try:
+        with pytest.raises(HandshakeError, match="block_size"):
+            await requester.connect(other.address)
+        for i in range(2):
+            await requester.notify_transfer_done(
+                other.address, f"p-{i}", success=False, reason="incompatible", token="tok"
+            )
+        assert await arrived(2)
+        assert [(n.peer_engine_id, n.request_id, n.token) for n in notices] == [
+            ("requester", "p-0", "tok"), ("requester", "p-1", "tok")]
+        assert len(requester._notice_conns) == 1  # one connection for both notices
+        assert requester.peer_data_path(other.address) is None  # and no read connection
+
+        reader, writer = await asyncio.open_connection(*other.address)
+        metadata = requester.metadata
+        writer.write(encode_message(Hello(
+            metadata=metadata, compat_hash=metadata.compat_hash, worker_address=b"",
+            notices_only=True)))
+        hello_ok = decode_message(await read_frame(reader))
+        assert isinstance(hello_ok, HelloOk) and hello_ok.cma is None
+        writer.write(encode_message(Read(
+            transfer_id=1, request_id="r", tag_base=1 << 20, chunk_bytes=1 << 14,
+            deadline_ms=2000, groups=[Msg(group_id=0, block_ids=[1], expected_hashes=None)])))
+        refused = decode_message(await read_frame(reader))
+        assert isinstance(refused, ErrorMsg) and refused.code == "bad_request"
+        assert "notices-only" in refused.message and other.num_active_serves == 0
+        writer.write(encode_message(TransferDoneNotice(
+            peer_engine_id="requester", request_id="p-2", success=True, reason="")))
+        assert await arrived(3) and notices[-1].request_id == "p-2"
+        writer.close()
+    finally:
+        await other.close()
+    _assert_requester_clean(requester)
+
+
 def _raw_frame(obj: object) -> bytes:
     payload = msgpack.packb(obj)
     return struct.pack(">I", len(payload)) + payload

@@ -346,10 +346,14 @@ class Transport(abc.ABC):
         token: str = "",
     ) -> None:
         """Completion notice for ``request_id`` (its ``on_transfer_done``), presenting the
-        lease ``token`` of its ticket.
+        lease ``token`` of its ticket. It reaches a peer that is incompatible with this node
+        too (a node that refused a handoff for that must still free the holder's blocks):
+        ``UcxxTransport`` then sends it over a notices-only connection (``wire.Hello``), the
+        loopback twin checks the cluster key alone; a peer with another cluster key refuses it.
 
         Raises:
             TransportError: peer unreachable.
+            HandshakeError: the peer refused even a notices-only connection (the cluster key).
         """
 
 

@@ -51,8 +51,12 @@ class RequesterConnection:
 
     Attributes:
         peer_engine_id: the requester's engine id (its ``Hello``).
-        endpoint: ucxx endpoint to the requester's worker, one per control connection.
+        endpoint: ucxx endpoint to the requester's worker, one per control connection; None on
+            a notices-only connection.
         writer: the control stream (replies and errors go out here).
+        notices_only: the requester asked for a connection that carries release notices
+            (``TransferDoneNotice``) alone (``Hello.notices_only``): no compatibility check,
+            no endpoint, every other message refused.
         serves: transfer id -> serve, the running ones and the latest finished ones.
         fillers: empty sends completing receives a cancelled read posted but was never sent.
     """
@@ -60,6 +64,7 @@ class RequesterConnection:
     peer_engine_id: str
     endpoint: object
     writer: asyncio.StreamWriter
+    notices_only: bool = False
     serves: OrderedDict[int, Serve] = field(default_factory=OrderedDict)
     fillers: set[asyncio.Future[object]] = field(default_factory=set)
 

@@ -12,6 +12,12 @@ its ``ReadCopied``. ``Cancel`` and ``ReadCopied`` go to the read's serve; ``Hear
 ``TransferDone`` to the connector's callbacks. A closed control connection (dead requester)
 aborts its endpoint at once, ending every send issued to it, and stops its serves.
 
+A ``Hello`` with ``notices_only`` opens a connection for release notices alone: after the
+cluster key check (when set) it is answered ``HelloOk`` whatever the peer's layout, no UCX
+endpoint is made, and every message on it but ``TransferDone`` is refused. A requester whose
+node is incompatible with this one (it refused the handoff for that) frees this node's blocks
+through it at once instead of at the lease's expiry.
+
 Every malformed message gets an ``ErrorMsg`` to that peer only; the server keeps serving.
 """
 
@@ -166,8 +172,9 @@ class UcxxHolder:
     async def _drop(self, conn: RequesterConnection) -> None:
         """The requester is gone (or misbehaved): abort the endpoint, which cancels every send
         still issued to it, and stop its serves; each serve releases its own staging."""
-        with contextlib.suppress(Exception):
-            conn.endpoint.abort(period=10**8)  # type: ignore[attr-defined]
+        if conn.endpoint is not None:
+            with contextlib.suppress(Exception):
+                conn.endpoint.abort(period=10**8)  # type: ignore[attr-defined]
         tasks = [s.task for s in conn.serves.values() if s.task is not None and s.running]
         for serve_task in tasks:
             serve_task.cancel()
@@ -192,9 +199,11 @@ class UcxxHolder:
                     raise WireError(f"expected Hello first, got {type(message).__name__}")
                 if self.auth_key is not None:  # before anything about this node is told
                     await self._authenticate(reader, writer, message, payload)
-            check_compatible(self.metadata, message.metadata)
-            check_worker_address(message.worker_address, self.worker_address)
-            endpoint = await endpoint_from_worker_address(message.worker_address)
+            endpoint = None
+            if not message.notices_only:  # a notice needs neither (module docstring)
+                check_compatible(self.metadata, message.metadata)
+                check_worker_address(message.worker_address, self.worker_address)
+                endpoint = await endpoint_from_worker_address(message.worker_address)
         except (WireError, HandshakeError, TimeoutError) as exc:
             if isinstance(exc, _Unauthenticated):
                 self.num_refused_peers += 1
@@ -209,11 +218,14 @@ class UcxxHolder:
             metadata=self.metadata,
             compat_hash=self.metadata.compat_hash,
             worker_address=self.worker_address,
-            cma=offer,
+            cma=None if message.notices_only else offer,
         )
         await write_message(writer, hello_ok)
         return RequesterConnection(
-            peer_engine_id=message.metadata.engine_id, endpoint=endpoint, writer=writer
+            peer_engine_id=message.metadata.engine_id,
+            endpoint=endpoint,
+            writer=writer,
+            notices_only=message.notices_only,
         )
 
     async def _authenticate(
@@ -259,7 +271,15 @@ class UcxxHolder:
             await self._dispatch(conn, message)
 
     async def _dispatch(self, conn: RequesterConnection, message: object) -> None:
-        if isinstance(message, Read):
+        if conn.notices_only and not isinstance(message, TransferDoneNotice):
+            await send_error(
+                conn.writer,
+                0,
+                "bad_request",
+                f"{type(message).__name__} on a notices-only connection (it carries TransferDone "
+                "alone)",
+            )
+        elif isinstance(message, Read):
             await self._start_read(conn, message)
         elif isinstance(message, Cancel):
             serve = conn.serves.get(message.transfer_id)

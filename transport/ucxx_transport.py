@@ -14,8 +14,15 @@ UCX state is per process: every ``UcxxTransport`` in a process shares one worker
 Endpoints: one per control connection on each side, created right after the handshake (never
 per read); a dropped connection aborts it, which cancels every UCX request still posted on it.
 
+Release notices (``notify_transfer_done``) go over the peer's read connection; when the peer
+refuses that handshake (incompatible layout, a UCX endpoint that cannot be made), over a
+notices-only connection (``wire.Hello.notices_only``: cluster key checked, no compatibility
+check, no endpoint), so a holder whose handoff this node refused frees its blocks at once rather
+than at the lease's expiry.
+
 Roles of the modules behind this class: the holder side is ``ucxx_holder`` (connections,
-checks, ``ReadOk``) with one serve class per data path (``ucx_serve``, ``cma_serve``); a read
+checks, ``ReadOk``) with one serve class per data path (``ucx_serve``, ``cma_serve``); the
+requester's half of the handshake is ``ucx_hello``; a read
 here is one ``read_path.ReadPath`` (the control exchange), chosen once per read from its
 connection: ``ucx_read.UcxReadPath`` or ``cma_read.CmaReadPath``.
 """
@@ -31,14 +38,7 @@ import torch
 import ucxx
 
 from .address import format_host_port
-from .auth import (
-    NONCE_BYTES,
-    check_auth_key,
-    holder_proof,
-    new_nonce,
-    proof_matches,
-    requester_proof,
-)
+from .auth import check_auth_key, new_nonce
 from .base import (
     DEFAULT_CHUNK_BYTES,
     GroupRead,
@@ -52,34 +52,22 @@ from .cma import INLINE_COPY_MAX_BYTES, CmaPeer, CmaReadError, cma_from_environm
 from .cma_board import BoardCounts, offer_same_host_reads
 from .cma_one_sided import OneSidedRead
 from .cma_read import CmaReadPath
-from .control import HolderConnection, read_frame, write_message
+from .control import HolderConnection
 from .errors import HandshakeError, PeerUnreachableError, TransferError, TransportError, WireError
 from .metadata import NodeMetadata, check_compatible
 from .plan import build_group_msgs
 from .read_path import ReadPath
 from .staging import StagingPool
 from .transfer import ReadState, begin_read, drive_read
+from .ucx_hello import HANDSHAKE_TIMEOUT_S, exchange_hello
 from .ucx_init import current_progress_mode, init_ucx
 from .ucx_progress import ProgressBooster, booster_for_running_loop
 from .ucx_read import UcxReadPath
 from .ucxx_holder import UcxxHolder, check_worker_address, endpoint_from_worker_address
-from .wire import (
-    AuthChallenge,
-    AuthProof,
-    ErrorMsg,
-    Heartbeat,
-    Hello,
-    HelloOk,
-    LeaseRef,
-    Read,
-    decode_message,
-    encode_message,
-    transfer_done_notice,
-)
+from .wire import Heartbeat, Hello, LeaseRef, Read, transfer_done_notice
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0
 
 class UcxxTransport(Transport):
     """``Transport`` over ucxx. See ``Transport`` for the contract.
@@ -142,6 +130,7 @@ class UcxxTransport(Transport):
         self._cma_failed: set[str] = set()  # incarnations whose memory a copy could not read
         self.board_counts = BoardCounts()  # this node's one-sided handoff reads (cma_board)
         self._conns: dict[PeerAddress, HolderConnection] = {}
+        self._notice_conns: dict[PeerAddress, HolderConnection] = {}  # peers that refused _conns
         self._connect_locks: dict[PeerAddress, asyncio.Lock] = {}
         self._reads: dict[int, ReadState] = {}
         self._booster = ProgressBooster(ucxx.progress, enabled=False)  # set by start()
@@ -204,9 +193,10 @@ class UcxxTransport(Transport):
         if self._server is not None:
             self._server.close()
         await self._holder.close()
-        for conn in list(self._conns.values()):
+        for conn in [*self._conns.values(), *self._notice_conns.values()]:
             await conn.close()
         self._conns.clear()
+        self._notice_conns.clear()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
@@ -225,7 +215,14 @@ class UcxxTransport(Transport):
             self._conns[peer] = conn
             return conn.remote
 
-    async def _open(self, peer: PeerAddress) -> HolderConnection:
+    async def _open(self, peer: PeerAddress, *, notices_only: bool = False) -> HolderConnection:
+        """A handshaken control connection to ``peer``: for reads (both sides check the other
+        is compatible; a UCX endpoint, and a same-host offer where accepted) or, with
+        ``notices_only``, for release notices alone (neither check, no endpoint).
+
+        Raises:
+            TransportError: unreachable. HandshakeError: refused, or no valid answer.
+        """
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(peer.host, peer.port), HANDSHAKE_TIMEOUT_S
@@ -240,24 +237,11 @@ class UcxxTransport(Transport):
                 compat_hash=self.metadata.compat_hash,
                 worker_address=self._holder.worker_address,
                 auth_nonce=nonce,
+                notices_only=notices_only,
             )
-            await write_message(writer, hello)
-            reply = await self._handshake_reply(reader, peer)
-            if self.auth_key is not None:  # the proofs cover the Hello as sent (deterministic)
-                hello_payload = bytes(encode_message(hello)[4:])
-                proof = self._check_holder_proof(reply, peer, nonce, hello_payload)
-                await write_message(writer, AuthProof(proof=proof))
-                reply = await self._handshake_reply(reader, peer)
-            elif isinstance(reply, AuthChallenge):
-                raise HandshakeError(
-                    f"peer {tuple(peer)} requires the cluster key (auth_key); this node has none"
-                )
-            if isinstance(reply, ErrorMsg):
-                raise HandshakeError(f"refused by peer {tuple(peer)}: {reply.message}")
-            if not isinstance(reply, HelloOk):
-                raise HandshakeError(
-                    f"expected HelloOk from {tuple(peer)}, got {type(reply).__name__}"
-                )
+            reply = await exchange_hello(reader, writer, peer, hello, self.auth_key)
+            if notices_only:
+                return HolderConnection(reader, writer, reply.metadata, reply.worker_address)
             check_compatible(self.metadata, reply.metadata)
             try:
                 check_worker_address(reply.worker_address, self._holder.worker_address)
@@ -277,35 +261,6 @@ class UcxxTransport(Transport):
         return HolderConnection(
             reader, writer, reply.metadata, reply.worker_address, endpoint, cma=cma_peer
         )
-
-    async def _handshake_reply(self, reader: asyncio.StreamReader, peer: PeerAddress) -> object:
-        """The holder's next handshake message (``HandshakeError`` if none comes in time)."""
-        try:
-            return decode_message(await asyncio.wait_for(read_frame(reader), HANDSHAKE_TIMEOUT_S))
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise HandshakeError(f"no handshake answer from {tuple(peer)}: {exc!r}") from None
-        except WireError as exc:
-            raise HandshakeError(f"bad handshake answer from {tuple(peer)}: {exc}") from None
-
-    def _check_holder_proof(
-        self, reply: object, peer: PeerAddress, nonce: bytes, hello_payload: bytes
-    ) -> bytes:
-        """Our ``AuthProof`` once ``reply`` proved the holder holds the cluster key (``auth``).
-
-        Raises:
-            HandshakeError: the holder refused us, or did not prove the key.
-        """
-        assert self.auth_key is not None
-        if isinstance(reply, ErrorMsg):
-            raise HandshakeError(f"refused by peer {tuple(peer)}: {reply.message}")
-        if not isinstance(reply, AuthChallenge) or len(reply.nonce) != NONCE_BYTES:
-            raise HandshakeError(
-                f"peer {tuple(peer)} did not prove the cluster key (a holder without auth_key?)"
-            )
-        if not proof_matches(holder_proof(self.auth_key, nonce, reply.nonce, hello_payload),
-                             reply.proof):
-            raise HandshakeError(f"peer {tuple(peer)} failed the cluster key check")
-        return requester_proof(self.auth_key, nonce, reply.nonce, hello_payload)
 
     async def send_heartbeat(
         self,
@@ -330,8 +285,35 @@ class UcxxTransport(Transport):
             peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason,
             token=token,
         )
-        await self.connect(peer)
-        await self._conns[PeerAddress(*peer)].send(notice)
+        conn = await self._notice_connection(PeerAddress(*peer))
+        await conn.send(notice)
+
+    async def _notice_connection(self, peer: PeerAddress) -> HolderConnection:
+        """Where a release notice to ``peer`` goes: its read connection (made now if needed:
+        the reads that follow a notice then find it open), or, when ``peer`` refused that
+        handshake, a notices-only connection (module docstring), kept for the next notice.
+
+        Raises:
+            TransportError: unreachable. HandshakeError: the notices-only handshake was refused
+                too (the cluster key).
+        """
+        conn = self._conns.get(peer)
+        if conn is not None and conn.alive:
+            return conn
+        conn = self._notice_conns.get(peer)
+        if conn is not None and conn.alive:  # this peer refused a read connection before
+            return conn
+        try:
+            await self.connect(peer)
+            return self._conns[peer]
+        except HandshakeError as exc:
+            logger.info("notices to %s go over a notices-only connection: %s", tuple(peer), exc)
+        async with self._connect_locks.setdefault(peer, asyncio.Lock()):
+            conn = self._notice_conns.get(peer)
+            if conn is None or not conn.alive:
+                conn = await self._open(peer, notices_only=True)
+                self._notice_conns[peer] = conn
+            return conn
 
     async def cancel(self, request_id: str) -> int:
         states = [s for s in self._reads.values() if s.request_id == request_id]

@@ -106,7 +106,7 @@ __all__ = [
     "transfer_done_notice",
 ]
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 # 2: Cancel carries num_chunks_posted (filler sends, see ucx_serve)
 # 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
 # 4: same-host reads: HelloOk.cma, Read.cma, ReadCopied (see ``cma``)
@@ -116,6 +116,7 @@ WIRE_VERSION = 8
 #    Hello.auth_nonce, AuthChallenge, AuthProof (see ``auth``)
 # 7: Read.lease (a handoff's lease in its own field, no longer inside an expected hash)
 # 8: Read.copy_first (a same-host read under a lease copies while the holder checks it)
+# 9: Hello.notices_only (a connection for TransferDone alone, open to an incompatible peer)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
@@ -169,12 +170,14 @@ def _check_compat_hash(metadata: NodeMetadata, compat_hash: str) -> None:
 class Hello(_Message):
     """The requester's handshake: its metadata, that metadata's ``compat_hash`` as the sender
     computed it (a peer hashing the same fields differently is refused), its UCX worker
-    address, and, when it holds a cluster key, a fresh ``auth_nonce`` (``auth``; empty: none)."""
+    address, and, when it holds a cluster key, a fresh ``auth_nonce`` (``auth``; empty: none).
+    ``notices_only``: for ``TransferDone`` alone, open to incompatible peers (``ucxx_holder``)."""
 
     metadata: NodeMetadata
     compat_hash: CompatHash
     worker_address: WorkerAddress
     auth_nonce: AuthBytes = b""
+    notices_only: bool = False
 
     def __post_init__(self) -> None:
         _check_compat_hash(self.metadata, self.compat_hash)
@@ -361,19 +364,8 @@ class ErrorMsg(_Message):
 
 
 Message = (
-    Hello
-    | AuthChallenge
-    | AuthProof
-    | HelloOk
-    | Read
-    | ReadOk
-    | ReadCopied
-    | ReadDone
-    | Cancel
-    | CancelOk
-    | Heartbeat
-    | TransferDoneNotice
-    | ErrorMsg
+    Hello | AuthChallenge | AuthProof | HelloOk | Read | ReadOk | ReadCopied | ReadDone | Cancel
+    | CancelOk | Heartbeat | TransferDoneNotice | ErrorMsg
 )
 
 
