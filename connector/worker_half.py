@@ -198,8 +198,9 @@ class KVBridgeWorker:
         try:
             get_loop_thread().run(transport.start(), _START_TIMEOUT_S)
             self.puller.start_heartbeats(transport, _START_TIMEOUT_S)
-        except BaseException:  # a refused start leaves nothing running
+        except BaseException:  # a refused start leaves nothing running, and no setting changed
             self._close(transport, notices=[])
+            self._restore_switch_interval()
             raise
         self.transport = transport
         logger.info(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 
 import pytest
 import redis
@@ -158,12 +159,14 @@ def test_a_refused_worker_start_leaves_nothing_running_and_can_shut_down(
         worker = _worker(transport, network, port=taken_port)
     else:
         _fail_heartbeats(monkeypatch)
-        worker = _worker(transport, network)
+        # opted in to the process-wide switch interval: a refused start puts it back too
+        worker = _worker(transport, network, gil_switch_interval_s=0.0005)
     try:
-        before = Running.now()
+        before, interval = Running.now(), sys.getswitchinterval()
         with pytest.raises((RuntimeError, OSError, ValueError)):
             worker.register_kv_caches({"layer.0": torch.zeros(16, 2, 1, 1, 2)})
         assert started_since(before) == _NOTHING
+        assert sys.getswitchinterval() == interval
         assert worker.transport is None and worker.get_handshake_metadata() is None
         if transport == "loopback" and other is None:
             assert network.lookup(("127.0.0.1", _LOOPBACK_PORT)) is None
