@@ -3,7 +3,7 @@
     python examples/proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --port 8000 [--index-url redis://127.0.0.1:6379/0]
 
-For each ``POST /v1/completions`` (DESIGN.md, "One disaggregated request, end to end"):
+For each ``POST /v1/completions`` (docs/architecture.md, "Life of a P/D request"):
 
 0. validate the client's body with the decode node's own parser
    (examples/completion_body.py): a body D would refuse is a 400 before anything is sent, so it

@@ -5,7 +5,7 @@
 to transport addresses; ``find_server_binary`` (``server_binary``) picks the Redis-protocol
 server a local index starts; ``IndexClient`` is one node's non-blocking use of both (publishing its
 block events, heart-beating, looking up remote prefixes), its ``IndexWorker`` thread the one
-that makes the backend calls (``lookup.py``: one lookup). DESIGN.md, "Block index".
+that makes the backend calls (``lookup.py``: one lookup). docs/architecture.md, "The block index".
 """
 
 from .client import IndexClient, block_index_for_url, open_index

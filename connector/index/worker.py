@@ -1,6 +1,6 @@
 """The one thread through which an ``IndexClient`` talks to the index backend.
 
-DESIGN.md, "Two halves that share nothing": a scheduling step never waits on the network. The
+docs/architecture.md, "The two connector halves": a scheduling step never waits on the network. The
 engine thread hands ``IndexWorker`` work through two bounded queues and never waits on it; the
 worker thread makes every backend call after ``start``: heartbeats (and registering again when
 fenced), the node's publish batches in the order they were accepted, and remote-prefix lookups
