@@ -296,7 +296,7 @@ def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -
 
 @functools.cache
 def _key_dtype(key_hash_bytes: int) -> np.dtype:
-    """A record of ``key_hash_bytes`` raw bytes (built once: building it costs 2 us a call)."""
+    """A record of ``key_hash_bytes`` raw bytes (built once per length, not per lookup)."""
     return np.dtype((np.void, key_hash_bytes))
 
 
@@ -307,8 +307,8 @@ def join_keys(block_hashes: Sequence[bytes], key_hash_bytes: int) -> tuple[bytes
     The hashes must share one non-zero length; on this hot path that is checked by the total
     length of one ``bytes.join`` (a mix whose lengths happen to add up is not caught here; its
     keys are then wrong, which costs a miss, and a hit stays advisory). Raises ValueError.
-    Cost for 625 sha256 hashes: one join and one strided numpy copy (about 4 us; 17 us on the
-    slowest hosts measured, of which the join takes 13).
+    Cost: one join and one strided numpy copy, whatever the number of hashes (the join is most
+    of it; docs/architecture.md, "Design measurements").
     """
     blob = b"".join(block_hashes)
     num_blocks = len(block_hashes)

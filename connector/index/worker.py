@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 # Queued batches are merged into one publish call up to this many ops (one round trip; the
 # backend applies a call's events in order, so a merged call equals the batches one by one).
 _MAX_OPS_PER_SEND = 4096
-# A resync's calls: a tenth of a 4,096-op call's 70-120 ms here, far below a 0.25 s timeout.
+# A resync's calls: a quarter of a full call, far below a socket timeout (a whole set in one
+# call ran past it and was sent again forever: docs/architecture.md, "Design measurements").
 _MAX_OPS_PER_RESYNC_CALL = 1024
 _GRACE_S = 0.25  # close: how long the worker may finish its call before it is interrupted
 _RESYNC_PROBE_S = 0.05  # resync mode: how often the backend is probed until it answers
