@@ -34,8 +34,8 @@ directory), medians over ``--iters`` x ``--repeats`` calls, garbage collector on
   interval at each round trip: the worst case, a Python-bound engine thread;
 - ``publish_us``: what ``publish`` of one 16-block ``BlockStored`` costs its caller.
 
-Target (DESIGN.md, "Performance targets"): ``lookup_us / ping_us <= 1.5`` (issue 14: 2.0); also
-printed:
+Target (docs/architecture.md, "Performance targets"): ``lookup_us / ping_us <= 1.5`` (issue 14:
+2.0); also printed:
 ``lookup_us / naive_us``. Starts its own ``redis-server`` on a free port (or ``valkey-server``:
 the binary the tests start, ``_cluster.server_binary``). The last line of output is one JSON
 object.
@@ -81,7 +81,7 @@ from kvbridge.connector.index import (
 from kvbridge.kvmanager import BlockStored
 
 NUM_BLOCKS = 625  # 10,000 tokens / block size 16
-TARGET = 1.5  # lookup / PING, DESIGN.md "Performance targets" (issue 14 asked 2.0)
+TARGET = 1.5  # lookup / PING, docs/architecture.md, "Performance targets" (issue 14 asked 2.0)
 _PING = b"*1\r\n$4\r\nPING\r\n"
 
 

@@ -5,7 +5,7 @@ blocks of 4, 16 and 64 KiB at random, distinct block ids, moved between the KV c
 contiguous staging buffer by ``gather_blocks`` / ``scatter_blocks`` (torch twin). The baseline is
 a contiguous copy of the same number of bytes measured in the same run; the figures are ratios
 ``baseline_seconds / op_seconds`` (1.0 = as fast as a plain memcpy; target >= 0.6 at 16 KiB and
-above, DESIGN.md "Performance targets"). Times are the median of ``REPEATS`` runs.
+above; docs/architecture.md, "Performance targets"). Times are the median of ``REPEATS`` runs.
 
 Prefill: tokens per second of ``ReferenceDecoder.forward`` (paged, one request, chunks of
 ``PREFILL_CHUNK`` tokens) on the tiny hybrid config, and of ``forward_full`` on the same prompt.

@@ -1,4 +1,4 @@
-"""Transport bandwidth, as ratios to baselines measured in the same run (DESIGN.md,
+"""Transport bandwidth, as ratios to baselines measured in the same run (docs/architecture.md,
 "Performance targets"):
 
 - host transfer: 64 MiB of contiguous blocks pulled with UcxxTransport between two processes /

@@ -54,8 +54,8 @@ key                          default   meaning
                                        to this long for a pull in flight to settle and returns
                                        at the first one (the engine has nothing else to run; a
                                        waiting engine thread leaves the GIL and the core to the
-                                       pull, and the request is promoted a step sooner: in vLLM
-                                       D's first token of a 2,048-token handoff ~25 -> ~10 ms);
+                                       pull, and the request is promoted a step sooner;
+                                       docs/architecture.md, "Design measurements");
                                        0 never waits
 ``idle_hold_wait_s``         0.01      on a step that computes no token while this node only
                                        holds leases for pullers (nothing of its own in flight),
@@ -125,8 +125,8 @@ _OFFLOAD = ("off", "evict", "write_through")
 _LOAD_MODES = ("auto", "async", "sync")
 AUTO_SYNC_MAX_BYTES = 4 << 20
 """``load_mode`` ``"auto"`` loads a one-sided handoff of at most this many KV bytes inside the
-step (``kvbridge.transport.cma.INLINE_COPY_MAX_BYTES``: the worker thread copies that much in
-about 0.3 ms here); a larger one runs over later steps."""
+step (``kvbridge.transport.cma.INLINE_COPY_MAX_BYTES``: a copy that short costs the step less
+than a step; docs/architecture.md, "Design measurements"); a larger one runs over later steps."""
 _OUTER_KEYS = frozenset(
     {
         "kv_connector",

@@ -3,7 +3,7 @@
 Everything that arrives over the network (``kv_transfer_params``, a peer's replies, index
 entries) is validated; a bad value raises ``KVTransferParamsError`` (or another
 ``KVConnectorError``), which the node catches at the request boundary: that request fails with a
-clear message and the node keeps serving (DESIGN.md, "Reliability rules").
+clear message and the node keeps serving (docs/architecture.md, "Validation of network input").
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ decides, through the transport's callbacks, whether a block may be served:
   the wrong request names other hashes: refused, the requester recomputes);
 - a block read through the block index is served while this node's mirror of its prefix-cache
   identities (``HeldBlockHashes``, fed by the scheduler half's ``BlockHashDelta`` orders) says
-  it holds the expected hash, so a block evicted and reused meanwhile is refused (DESIGN.md,
-  "Block index": a hit is advisory).
+  it holds the expected hash, so a block evicted and reused meanwhile is refused (a hit is
+  advisory: docs/architecture.md, "Life of an index hit").
 
 ``on_heartbeat`` extends the leases a puller depends on; ``on_transfer_done`` ends one. Tickets
 are capabilities (``lease``): a heartbeat or a release that does not present the lease's token

@@ -1,6 +1,6 @@
 """``KVBridgeConnector``: the P/D connector as kvbridge's engine loads it, one half per instance.
 
-One disaggregated request (DESIGN.md, "One disaggregated request, end to end"):
+One disaggregated request (docs/architecture.md, "Life of a P/D request"):
 
     P  request_finished -> delay_free, kv_transfer_params {remote_block_ids, lease...}
        (the lease grant goes to P's worker half in the next step's metadata; D's heartbeats

@@ -2,9 +2,9 @@
 
 A prefill node that finished a request with ``do_remote_decode`` keeps its blocks referenced
 (``delay_free``) until the decode node reports the pull done, or until the lease runs out; each
-heartbeat from the puller extends it (DESIGN.md, "Reliability rules": a prefill node never pins
-blocks forever). Expiry and release both hand the request id back once, as ``finished_sending``,
-so the scheduler frees the blocks exactly once whichever comes first.
+heartbeat from the puller extends it (docs/architecture.md, "Leases and heartbeats": a prefill
+node never pins blocks forever). Expiry and release both hand the request id back once, as
+``finished_sending``, so the scheduler frees the blocks exactly once whichever comes first.
 
 Tickets are capabilities (issue 15, "Security"): a lease is granted with the unguessable token
 its ticket carries (``secrets.token_urlsafe``, made by the scheduler half); a heartbeat, a

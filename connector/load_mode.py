@@ -5,9 +5,9 @@ vLLM offers two ways to load external KV (``get_num_new_matched_tokens`` returns
 steps and no step waits for the network, and sync, where the step that computes the request
 first waits for the load (as vLLM's ``ExampleConnector`` and LMCache load). Sync gives the
 first token one step sooner, and a step of vLLM costs milliseconds of scheduling and input
-preparation even for a one-token forward (measured here: 4-7 ms per step of the tests' tiny
-Llama, against a 0.3-1.3 ms one-sided read of a 2,048-token handoff), but a sync load stalls
-every request batched with it for as long as it takes.
+preparation even for a one-token forward, more than a one-sided read of a handoff
+(docs/architecture.md, "Design measurements"), but a sync load stalls every request batched
+with it for as long as it takes.
 
 ``load_mode`` ``"auto"`` (the default) takes sync only where the stall is a bounded memory copy:
 a handoff the worker half reads one-sided from a same-host holder's block board

@@ -1,7 +1,7 @@
 """What the two halves of a node's connector tell each other, and nothing else.
 
-The halves share no object (DESIGN.md, "Two halves that share nothing"; in vLLM they are separate
-objects, with a multiprocess executor separate processes). Each step:
+The halves share no object (docs/architecture.md, "The two connector halves"; in vLLM they are
+separate objects, with a multiprocess executor separate processes). Each step:
 
     scheduler half --- KVBridgeConnectorMetadata (build_connector_meta) ---> worker half
     worker half ---- finished_sending / finished_recving / load errors ----> scheduler half

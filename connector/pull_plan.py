@@ -3,8 +3,8 @@
 A request on D holds, per KV cache group, a block table whose first ``start_block`` positions
 came from its own prefix cache; the positions after that, up to the end of the external tokens,
 are the pull's targets. Position ``i`` of D's table receives position ``i`` of P's table — pairing
-is by position, never by counting from the end (DESIGN.md, "Reliability rules"), so a partial
-local hit simply trims the remote list from the front::
+is by position, never by counting from the end (docs/architecture.md, "Pairing by position"), so
+a partial local hit simply trims the remote list from the front::
 
     position:   0 ... start_block-1 | start_block ... end_block-1 | end_block ...
     D (local):  prefix-cache hits    | pull targets                | new tokens

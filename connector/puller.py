@@ -12,8 +12,8 @@
                                            sync ones too) that did not land
 
 While a pull is in flight its holder's lease is extended by heartbeats, grouped per holder
-(DESIGN.md, "Reliability rules": a prefill node never pins blocks forever, a decode node never
-waits forever: every pull has a deadline and every failure becomes failed blocks).
+(docs/architecture.md, "Reliability rules": a prefill node never pins blocks forever, a decode
+node never waits forever: every pull has a deadline, every failure becomes failed blocks).
 """
 
 from __future__ import annotations

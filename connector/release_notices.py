@@ -50,11 +50,10 @@ class DeferredNotices:
     """Release notices held back from the step that made them until the end of the next step.
 
     Why a step late. The step that reads a handoff one-sided also computes that request's first
-    token. Waking the connector loop to send the notice at the end of that step cost the engine
-    thread about a millisecond in vLLM (the loop takes the GIL while the step still samples and
-    reports: ``benchmarks/bench_vllm_pd.py``, D's first token 16.2 -> 13.2 ms, medians of five
-    and seven runs; against ``ExampleConnector`` 1.10 -> 0.87). One step later the same cost
-    falls on a later token. An engine steps again
+    token. Waking the connector loop to send the notice at the end of that step delayed that
+    token in vLLM (the loop takes the GIL while the step still samples and reports:
+    ``benchmarks/bench_vllm_pd.py``; docs/architecture.md, "Design measurements"). One step
+    later the same cost falls on a later token. An engine steps again
     after every step that computes a request (the request decodes on, or its finish is reported
     to the workers in the next ``SchedulerOutput.finished_req_ids``: vLLM's
     ``Scheduler.has_finished_requests``), except an offline engine whose caller stops stepping

@@ -3,8 +3,8 @@ allocation pairing, planning).
 
 It owns no transport, no KV tensor and no thread of its own; everything it wants done on the
 network goes to the worker half as that step's ``KVBridgeConnectorMetadata`` (``metadata.py``),
-and everything it learns back arrives as the worker's per-step output (DESIGN.md, "Two halves
-that share nothing"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
+and everything it learns back arrives as the worker's per-step output (docs/architecture.md,
+"The two connector halves"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
 
     admission       validate_kv_transfer_params   parse the ticket once; heart-beat it meanwhile;
                                                   warn of a role mismatch (``role_check``)
@@ -208,7 +208,7 @@ class KVBridgeScheduler:
         return MatchedTokens(num_new, load_async)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
-        """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
+        """A request without a ticket asks the index for its longest prefix held
         elsewhere, asynchronously: the first call starts the lookup and answers None ("ask
         again next step") until the answer is in; the client bounds the wait, after which the
         request goes on with its local hit alone."""

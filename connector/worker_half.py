@@ -3,7 +3,7 @@ serving, leases, heartbeats, notices).
 
 It never sees the scheduler half: its orders arrive each step as ``KVBridgeConnectorMetadata``
 and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
-``build_connector_worker_meta`` (DESIGN.md, "Two halves that share nothing"; vLLM:
+``build_connector_worker_meta`` (docs/architecture.md, "The two connector halves"; vLLM:
 ``KVConnectorBase_V1`` with ``role=WORKER``). One step, in the model runner's order:
 
     bind_connector_metadata(meta)

@@ -20,8 +20,8 @@ _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.u
 def _as_wide_rows(tensor: torch.Tensor) -> torch.Tensor:
     """View a contiguous ``[rows, ...]`` tensor as ``[rows, k]`` of the widest plain dtype that
     divides a row (16-byte complex128 first). ``index_copy_`` copies element by element on CPU,
-    so wider elements make a block scatter close to memcpy speed (benchmarks/bench_kernels.py:
-    0.45 -> 0.66 of a contiguous copy at 16 KiB blocks). Bits are copied unchanged."""
+    so wider elements bring a block scatter closer to memcpy speed (benchmarks/bench_kernels.py;
+    docs/architecture.md, "Design measurements"). Bits are copied unchanged."""
     rows = tensor.reshape(tensor.shape[0], -1)
     row_bytes = rows.shape[1] * rows.element_size()
     offset_bytes = rows.storage_offset() * rows.element_size()
@@ -88,8 +88,8 @@ def scatter_blocks_torch(
     checked upstream).
 
     On CPU numpy's fancy assignment moves each block with one memcpy (about a contiguous copy's
-    speed at 16 KiB blocks, against 0.5-0.57 for ``index_copy_`` even on 16-byte elements;
-    benchmarks/bench_kernels.py); elsewhere ``index_copy_``.
+    speed, well above ``index_copy_`` even on 16-byte elements; docs/architecture.md, "Design
+    measurements"); elsewhere ``index_copy_``.
     """
     if block_ids.device.type == "cpu" and staging.device.type == "cpu":
         ids = block_ids.numpy()

@@ -1,9 +1,9 @@
 """Host memory for KV tensors and staging buffers: 2 MiB-aligned and advised as huge pages.
 
 UCX moves host memory between processes on one host with CMA (``process_vm_readv``), which pins
-every page it copies: on 4 KiB pages that ran at 6-9 GB/s on these hosts, on 2 MiB pages at
-15-19 GB/s (64 MiB, two processes). Transparent huge pages are in ``madvise`` mode here, so
-memory is only huge when asked, before it is first touched.
+every page it copies: on 2 MiB pages it runs far faster than on 4 KiB pages
+(docs/architecture.md, "Design measurements"). Transparent huge pages are often in ``madvise``
+mode, so memory is only huge when asked, before it is first touched.
 """
 
 from __future__ import annotations

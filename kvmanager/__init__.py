@@ -1,7 +1,7 @@
 """kvbridge.kvmanager: one node's KV control plane (specs, hashing, block pool, managers).
 
-Public names follow DESIGN.md, "kvmanager contract"; behaviour follows the seed articles and
-vLLM v1 (vllm/v1/core/).
+Public names follow docs/architecture.md, "The kvmanager contract"; behaviour follows the seed
+articles and vLLM v1 (vllm/v1/core/).
 """
 
 from .block_hash import (

@@ -16,8 +16,9 @@ class BlockHashToBlockMap:
 
     Almost every key is held by exactly one block, so that block is stored as the dict value
     itself: caching a block creates no container object (a per-key inner dict would be one more
-    object for the cyclic garbage collector to track and walk; with 100,000 cached blocks that
-    made allocate+cache+free with eviction 4x slower). Only while two or more blocks hold the
+    object for the cyclic garbage collector to track and walk, which made allocate+cache+free
+    with eviction several times slower; docs/architecture.md, "Design measurements"). Only while
+    two or more blocks hold the
     same key (two requests computed the same block at the same time; either serves a hit) is the
     value a ``{block_id: block}`` dict, turned back into the bare block when one is left.
     Source of the behaviour: vllm/v1/core/block_pool.py (``BlockHashToBlockMap``), seed 001

@@ -1,9 +1,9 @@
 """The KV connector interface the scheduler and model runner call, and the no-op connector.
 
-``kvmanager`` declares the interface; ``kvbridge.connector`` implements it (DESIGN.md, "Layout":
-the scheduler needs a connector without importing one). Method names, arguments and call order
-follow vLLM's ``KVConnectorBase_V1`` (vllm/distributed/kv_transfer/kv_connector/v1/base.py). One
-class has two halves; an instance plays one of them, chosen by ``KVConnectorRole``:
+``kvmanager`` declares the interface; ``kvbridge.connector`` implements it (docs/architecture.md,
+"Layers": the scheduler needs a connector without importing one). Method names, arguments and
+call order follow vLLM's ``KVConnectorBase_V1`` (vllm/distributed/kv_transfer/kv_connector/v1/
+base.py). One class has two halves; an instance plays one of them, chosen by ``KVConnectorRole``:
 
 Scheduler side, called by ``Scheduler`` in this order within a step::
 
@@ -33,7 +33,7 @@ Worker side, called by ``ModelRunner.execute_model`` in this order within a step
 once at the end. A request id reported in ``finished_sending`` / ``finished_recving`` is
 reported once.
 
-Lifetime rules the scheduler relies on (DESIGN.md, "Reliability rules"):
+Lifetime rules the scheduler relies on (docs/architecture.md, "Aborts racing completions"):
 
 - A request whose async load is in flight when it finishes (an abort) is still reported in
   ``finished_recving`` once the load settles (landed, failed, cancelled or timed out); until then

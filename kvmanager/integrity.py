@@ -2,7 +2,8 @@
 
 Each violation raises ``RuntimeError`` naming the block and the numbers that disagree. The checks
 walk every block, so they are O(num_blocks + table sizes): not for the hot path. Invariants are
-seed 000's "六条必须一直成立的不变量" (1, 2 and the ownership rules) and DESIGN's contract.
+seed 000's "六条必须一直成立的不变量" (1, 2 and the ownership rules) and
+docs/architecture.md, "Invariants".
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def check_pool_integrity(pool: BlockPool) -> None:
       and nothing else.
 
     Reads only. Raises RuntimeError at the first violation, naming the block and the numbers
-    that disagree (DESIGN.md, "kvmanager contract"; seed 000's invariants 1 and 2).
+    that disagree (docs/architecture.md, "Invariants"; seed 000's invariants 1 and 2).
     """
     blocks = pool.blocks
     null = pool.null_block

@@ -2,8 +2,8 @@
 
 The ``Scheduler`` owns one tracker and keeps the queues; the tracker keeps everything about a
 request's external KV (vllm/v1/core/sched/scheduler.py: ``_update_waiting_for_remote_kv``,
-``_update_from_kv_xfer_finished``, ``_handle_invalid_blocks``; DESIGN.md, "Scheduler" and
-"Reliability rules"). Life of a load::
+``_update_from_kv_xfer_finished``, ``_handle_invalid_blocks``; docs/architecture.md, "The
+scheduler"; docs/architecture.md, "Load-failure policies"). Life of a load::
 
     admitted   record_admission: its external token range [num_local, num_local + external)
       sync  -> the range expires at end_step (the load ran inside this step's forward)

@@ -11,7 +11,7 @@ request with no computed tokens goes through::
     connector.update_state_after_alloc
     load_kv_async ? WAITING_FOR_REMOTE_KVS : RUNNING
 
-Token layout of such a request (DESIGN.md, "kvmanager contract")::
+Token layout of such a request (docs/architecture.md, "allocate_slots")::
 
     | local hit (cached) | external (connector) | new tokens (scheduled) |
     0             num_local_computed     num_computed          num_tokens

@@ -1,4 +1,5 @@
-"""Block index: both backends behave the same (DESIGN.md, "Block index"; issue 6 parts 1-3, 5).
+"""Block index: both backends behave the same (docs/architecture.md, "The block index"; issue 6
+parts 1-3, 5).
 
 Redis cases run against a real ``redis-server`` started by ``tests/_redis_fixture.py``.
 """

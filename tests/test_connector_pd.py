@@ -85,8 +85,9 @@ def test_partial_local_hit_pulls_only_the_missing_blocks(pair_factory):
 
 @pytest.mark.parametrize("extra_tokens_on_d", [0, 1])
 def test_2048_token_prompt_lands_in_the_right_blocks(pair_factory, extra_tokens_on_d):
-    # 2,048 tokens at block size 64 is exactly 32 blocks: the last token's block is full, so
-    # the recompute of the last token must not shift the pairing (DESIGN: pair by position).
+    # 2,048 tokens at block size 64 is exactly 32 blocks: the last token's block is full, so the
+    # last token's recompute must not shift the pairing (docs/architecture.md, "Pairing by
+    # position").
     pair = pair_factory(block_size=64, num_blocks=80, max_model_len=2112)
     prompt = long_prompt(2048)
     params = prefill(pair, "req-0", prompt)

@@ -1,5 +1,5 @@
-"""``import kvbridge`` and the vLLM adapter's package never import vLLM (DESIGN.md, "Inside
-vLLM"): only resolving ``KVBridgeConnector`` (``adapter.py``) does. Checked in a fresh
+"""``import kvbridge`` and the vLLM adapter's package never import vLLM (docs/architecture.md,
+"Inside vLLM"): only resolving ``KVBridgeConnector`` (``adapter.py``) does. Checked in a fresh
 interpreter, since this test process may already hold modules other tests imported."""
 
 from __future__ import annotations

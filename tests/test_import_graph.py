@@ -1,8 +1,9 @@
 """The import graph of kvbridge's four packages, read with ``ast`` (nothing is imported).
 
-DESIGN.md, "Layout": dependencies point one way (``connector`` -> ``transport``, ``kvmanager``,
-``kernels``; ``kvmanager`` -> ``kernels`` at most; ``transport`` -> ``kernels`` at most;
-``kernels`` -> nothing of ours) and there is no import cycle anywhere. STYLE.md: small modules,
+docs/architecture.md, "Which layer may import which": dependencies point one way (``connector``
+-> ``transport``, ``kvmanager``, ``kernels``; ``kvmanager`` -> ``kernels`` at most;
+``transport`` -> ``kernels`` at most; ``kernels`` -> nothing of ours) and there is no import cycle
+anywhere. STYLE.md: small modules,
 each opening with a docstring that says its role.
 
 Every ``import`` statement counts, wherever it stands: at module level, inside a function, under
@@ -30,7 +31,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 450
 # Our packages, lowest layer first, each with the packages of ours it may import (itself
-# included). DESIGN.md, "Layout".
+# included). docs/architecture.md, "Which layer may import which".
 ALLOWED_IMPORTS: dict[str, frozenset[str]] = {
     "kernels": frozenset({"kernels"}),
     "kvmanager": frozenset({"kvmanager", "kernels"}),

@@ -1,5 +1,5 @@
-"""IndexClient never makes its caller wait on the index (DESIGN.md, "Two halves that share
-nothing": a scheduling step never waits on the network; issue 12).
+"""IndexClient never makes its caller wait on the index (docs/architecture.md, "The two
+connector halves": a scheduling step never waits on the network; issue 12).
 
 A real ``redis-server`` (``tests/_redis_fixture.py``) is paused with ``CLIENT PAUSE ms ALL``
 from another connection: it then answers nobody, as a stalled or partitioned Redis would. Node

@@ -1,7 +1,7 @@
-"""The transport's module graph (DESIGN.md, "Layout"; STYLE.md, points 1-2): it imports nothing
-of ``connector`` or ``kvmanager``, no two of its modules import each other (directly or round a
-circle, counting imports inside functions and under ``TYPE_CHECKING``), and every module is small
-and opens with a docstring saying its role."""
+"""The transport's module graph (docs/architecture.md, "Which layer may import which"; STYLE.md,
+points 1-2): it imports nothing of ``connector`` or ``kvmanager``, no two of its modules import
+each other (directly or round a circle, counting imports inside functions and under
+``TYPE_CHECKING``), and every module is small and opens with a docstring saying its role."""
 
 from __future__ import annotations
 

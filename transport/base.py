@@ -3,7 +3,7 @@
 Roles. Every node is both a *holder* (serves reads of its KV blocks to peers) and a *requester*
 (pulls blocks from peers into its own KV tensors). A read is a pull: "give me these remote block
 ids, per group and layer, into these local block ids". Local and remote ids are paired by
-position (DESIGN.md, "Reliability rules").
+position (docs/architecture.md, "Pairing by position").
 
 Lease support. The transport carries the messages; the policy lives in the connector:
 
@@ -171,8 +171,8 @@ def _refuse_every_position(
 
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-"""Staging chunk size: large enough that per-message cost is small (DESIGN.md table: 2,048
-separate 16 KiB messages ran at 0.33 GB/s), small enough to pipeline gather/send/scatter."""
+"""Staging chunk size: large enough that per-message cost is small (one message per block is
+far slower: docs/architecture.md, "Design measurements"), small enough to pipeline the chunks."""
 
 
 class Transport(abc.ABC):

@@ -57,14 +57,14 @@ MAX_SEGMENT_BYTES = 4 << 20
 """Longer contiguous ranges are split, so copy threads share a long run and a cancel is seen
 within one call of ``IOV_MAX`` ranges of at most this size."""
 COPY_PARTS = 2
-"""Copy threads per large read. Measured here (2 cores, 32 MiB, huge pages): the kernel copies
-one contiguous range at about 19-21 GB/s on one thread and 25-26 GB/s on two; 2,048 random
-16 KiB blocks at 9-10 GB/s on one thread (each range pays its own page pinning) and 16-18 GB/s on
-two, sorted by source address. More threads than cores gained nothing."""
+"""Copy threads per large read: two threads copy random blocks (each range pays its own page
+pinning) much faster than one, and a long range somewhat faster; more threads than cores
+gained nothing (docs/architecture.md, "Design measurements"). Ranges are sorted by source
+address."""
 INLINE_COPY_MAX_BYTES = 4 << 20
-"""A read of at most this many bytes is copied on the event loop thread (2 MiB in 128 ranges,
-a 2,048-token handoff of the tests' tiny Llama: about 0.25 ms once the pages are mapped): two
-copy threads' wake-ups cost more than that on a loaded 2-core host."""
+"""A read of at most this many bytes is copied on the event loop thread: on a loaded host two
+copy threads' wake-ups cost more than such a copy (docs/architecture.md, "Design
+measurements")."""
 PROBE_BYTES = 16  # the holder's random probe (``CmaOffer.probe``)
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 

@@ -3,9 +3,9 @@ block holds, and a requester on the same host checks that board around its copy 
 asking the holder.
 
 Why (issue 13, "Performance"): a ``copy_first`` read (``cma_read``) costs one round trip to the
-holder's connector loop, overlapped with the copy, and on a busy host that loop answers late
-(measured here: 0.2-1.4 ms before the prefill engine's loop even reads the ``Read``, on top of
-a 0.25 ms copy). The board removes the holder from the read's critical path the way one-sided
+holder's connector loop, overlapped with the copy, and on a busy host that loop answers late,
+later than the copy takes (docs/architecture.md, "Design measurements"). The board removes the
+holder from the read's critical path the way one-sided
 RDMA reads do in FaRM (Dragojević et al., NSDI 2014: validate a version before and after the
 read), while the holder still decides what may be read: a block is on the board only while a
 lease holds it with the hash the board names.

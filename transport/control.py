@@ -3,7 +3,7 @@ and the requester's view of one holder connection.
 
 TCP carries only control messages; it is also how a requester learns that a holder died (the
 socket closes), because the shared-memory UCX endpoints run without peer-failure handling
-(DESIGN.md, "Transport").
+(docs/architecture.md, "The transport").
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Node metadata exchanged at handshake and the compatibility check between two nodes.
 
-DESIGN.md, "Transport": the handshake exchanges engine id, incarnation (new on every restart), a
-compatibility hash over (model, dtype, block size, KV layout per group, number of layers per
-group, hash function) and the KV region layout. Different block sizes or layouts on P and D are
-refused with a message naming the differing field (DESIGN.md, "Reliability rules").
+docs/architecture.md, "Handshake and compatibility check": the handshake exchanges engine id,
+incarnation (new on every restart), a compatibility hash over (model, dtype, block size, KV
+layout per group, number of layers per group, hash function) and the KV region layout. Different
+block sizes or layouts on P and D are refused with a message naming the differing field.
 
 Both types travel in the handshake as they are (``wire.Hello``): their field annotations carry
 the bounds a peer's metadata must respect (``limits``), checked when a peer's metadata is decoded.

@@ -11,7 +11,7 @@ inputs, so chunk ``k`` means the same blocks on both sides without sending the p
 A chunk never spans two group entries (their layer tensors differ). A chunk of entry ``i`` holds
 ``blocks_per_chunk = max(1, chunk_bytes // (num_layers * block_nbytes))`` blocks except the last.
 
-Hash checks on the holder (DESIGN.md, "Block index": a hit is advisory; issue 4, part 5). A block
+Hash checks on the holder (a hit is advisory: docs/architecture.md, "Life of an index hit"). A block
 read through the index is not referenced on the holder, so the holder may evict and reuse it at
 any time. The validator therefore runs twice per block of a read that sends expected hashes::
 

@@ -139,9 +139,9 @@ def copy_out(
 
 INLINE_COPY_MAX_BYTES = 1 << 20
 """Copies of at most this many bytes run on the event loop thread itself: handing a copy to a
-worker thread and back costs two thread wake-ups, each up to a scheduler tick (4 ms here) on a
-loaded 2-core host, while 1 MiB copies in about 0.1 ms. Larger copies run in a worker thread (torch
-releases the GIL), so UCX keeps progressing the chunks in flight."""
+worker thread and back costs two thread wake-ups, each up to a scheduler tick on a loaded host,
+more than such a copy takes (docs/architecture.md, "Design measurements"). Larger copies run in
+a worker thread (torch releases the GIL), so UCX keeps progressing the chunks in flight."""
 
 
 _COPY_THREADS = 2
@@ -155,9 +155,9 @@ def copy_executor() -> ThreadPoolExecutor:
 
     Why (``benchmarks/bench_transport.py``, paged case, 2-core host): with torch's default of one
     OpenMP thread per core, each gather/scatter forks onto the core that UCX and the peer process
-    keep busy and waits at the OpenMP barrier for a scheduler tick (a 1 MiB scatter took 8 ms
-    instead of 0.1 ms); a block copy is memory-bound (two copying threads moved no more bytes per
-    second than one here), so one thread per copy loses nothing."""
+    keep busy and waits at the OpenMP barrier for a scheduler tick (docs/architecture.md,
+    "Design measurements"); a block copy is memory-bound (two copying threads moved no more bytes
+    per second than one), so one thread per copy loses nothing."""
     return ThreadPoolExecutor(
         _COPY_THREADS, thread_name_prefix="kvbridge-copy", initializer=_one_openmp_thread
     )

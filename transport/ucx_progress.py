@@ -1,17 +1,17 @@
 """Active UCX progress while transfers are in flight ("booster"), on top of ucxx's blocking mode.
 
-Why (measured, see ``UcxxTransport``): ucxx's ``"blocking"`` progress mode progresses the worker
-only when the worker's epoll fd fires, plus a 1 s fallback. A message that arrived before its
-receive was posted (an eager message or a rendezvous RTS sitting in a shared-memory FIFO) does not
-always fire the fd again, so a small read from an otherwise busy process took 10-12 ms instead of
-about 0.5 ms. ``"polling"`` fixes that but keeps a core busy even when idle.
+Why (docs/architecture.md, "Design measurements"): ucxx's ``"blocking"`` progress mode
+progresses the worker only when the worker's epoll fd fires, plus a 1 s fallback. A message that
+arrived before its receive was posted (an eager message or a rendezvous RTS sitting in a
+shared-memory FIFO) does not always fire the fd again, so a small read from an otherwise busy
+process took many times its usual time. ``"polling"`` fixes that but keeps a core busy idle.
 
 So: blocking mode when idle, and while at least one read (requester side) or serve (holder side)
 is in flight, one task per event loop calls ``worker.progress()`` and yields (``sleep(0)``) in a
 loop ("spin"). A bulk serve holds it in "tick" mode instead (``hold(spin=False)``): progress, then
-sleep ``TICK_S``. Measured (``benchmarks/bench_transport.py``, 2-core host): the holder spinning
-through a multi-chunk serve took the core that the requester's receive and scatter needed (paged
-32 MiB read 12 ms, 8.5 ms without), while relying on epoll wake-ups alone is not safe: a requester
+sleep ``TICK_S``. On a small host (``benchmarks/bench_transport.py``) the holder spinning
+through a multi-chunk serve took the core that the requester's receive and scatter needed,
+while relying on epoll wake-ups alone is not safe: a requester
 without active progress stalled about half its bulk reads for the 1 s fallback (an event that did
 not wake the fd). A tick bounds such a miss to ``TICK_S`` and costs no busy core.
 
@@ -41,9 +41,9 @@ BOOSTED_PROGRESS_MODES = frozenset({"blocking"})
 _MAX_ARM_TRIES = 16
 
 TICK_S = 0.004
-"""Period of progress in tick mode (seconds; one scheduler tick here): bounds a missed epoll
-wake-up without a busy core. Measured on the paged read above: 0.5 ms ticks cost as much as
-spinning (12-16 ms), 2 ms and longer matched no ticks at all (8.3-8.5 ms)."""
+"""Period of progress in tick mode (seconds; one scheduler tick): bounds a missed epoll
+wake-up without a busy core. Much shorter ticks cost as much as spinning on the paged read
+above; this long costs nothing measurable (docs/architecture.md, "Design measurements")."""
 
 
 class ProgressBooster:
@@ -129,8 +129,8 @@ class ProgressBooster:
                 await asyncio.sleep(TICK_S)
                 continue
             # Both ends of a transfer spin while it is in flight; when they share a core (the
-            # other one is busy), each spinner kept it until the 4 ms scheduler tick and a 32 MiB
-            # read took 16 ms instead of 5. Yielding hands the core over at once.
+            # other one is busy), each spinner kept it until the scheduler tick, tripling a large
+            # read's time. Yielding hands the core over at once.
             os.sched_yield()
             await asyncio.sleep(0)
 

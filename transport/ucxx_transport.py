@@ -4,11 +4,11 @@ offers it in ``HelloOk``, the requester copies the blocks out of the holder's KV
 ``process_vm_readv`` after ``ReadOk``; one copy, no staging). ``peer_data_path`` says which path
 a peer's reads take.
 
-Set-up (DESIGN.md, "Transport", measured table): the handshake carries each side's UCX worker
-address; data endpoints are created from worker addresses with ``endpoint_error_handling=False``
-so UCX can use shared memory on one host; liveness comes from the TCP control connection and the
-deadlines, not from UCX. The progress mode is ``"blocking"`` unless ``progress_mode`` or
-``UCXPY_PROGRESS_MODE`` says otherwise (``"thread"`` reached about half the bandwidth here).
+Set-up (docs/architecture.md, "The transport"; why: docs/architecture.md, "Design measurements"):
+the handshake carries each side's UCX worker address; data endpoints are created from worker
+addresses with ``endpoint_error_handling=False`` so UCX can use shared memory on one host;
+liveness comes from the TCP control connection and the deadlines, not from UCX. The progress
+mode is ``"blocking"`` unless ``progress_mode`` or ``UCXPY_PROGRESS_MODE`` says otherwise.
 UCX state is per process: every ``UcxxTransport`` in a process shares one worker.
 
 Endpoints: one per control connection on each side, created right after the handshake (never

@@ -7,7 +7,7 @@ one step, checking every field's type, range and length (``limits``), then the v
 that does not fit raises ``WireError`` naming the field's path (msgspec's ``ValidationError``
 text, e.g. ``Expected `int` >= 1 - at `$.msg.transfer_id```); a frame of another version is
 refused as such, whatever else it holds. The server answers with an ``ErrorMsg`` and keeps
-serving (DESIGN.md, "Reliability rules": everything that arrives over the network is validated).
+serving (docs/architecture.md, "Validation of network input").
 Checks across fields (a hash per block id, a region per layer, a consistent ``compat_hash``) run
 in ``__post_init__``, which msgspec also runs when decoding; a local caller that builds such a
 message wrongly gets ``ValueError``.

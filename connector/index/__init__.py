@@ -7,7 +7,7 @@ server a local index starts; ``check_index_url`` (``url``) checks an ``index_url
 host in brackets) before anything connects; ``IndexClient`` is one node's non-blocking use of
 both (publishing its block events, heart-beating, looking up remote prefixes), its
 ``IndexWorker`` thread the one that makes the backend calls (``lookup.py``: one lookup).
-DESIGN.md, "Block index".
+docs/architecture.md, "The block index".
 """
 
 from .client import IndexClient, block_index_for_url, open_index

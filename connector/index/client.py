@@ -1,5 +1,5 @@
-"""A node's link to the cross-node block index (DESIGN.md, "Block index"; "Two halves that
-share nothing": a scheduling step never waits on the network).
+"""A node's link to the cross-node block index (docs/architecture.md, "Life of an index hit"; a
+scheduling step never waits on the network: docs/architecture.md, "The two connector halves").
 
 ``IndexClient`` is the engine thread's non-blocking face of the index: ``publish`` queues the
 node's ``BlockPool`` events, ``start_lookup`` / ``poll_lookup`` / ``cancel_lookup`` ask "which

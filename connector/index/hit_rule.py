@@ -6,7 +6,7 @@ that run is often 0 where the node's own cache restores the whole prompt. With a
 ``kvmanager.PrefixHitRule`` the backends read which of the prompt's blocks each holder holds in
 each group and hand them to :func:`hit_of_holder`, which runs the rule (the same code as
 ``HybridKVCacheCoordinator.find_longest_cache_hit``) over a ``CachedBlockSource`` view of those
-entries. DESIGN.md, "Block index"; vLLM: ``vllm/v1/core/kv_cache_coordinator.py``.
+entries. docs/architecture.md, "Hybrid hits"; vLLM: ``vllm/v1/core/kv_cache_coordinator.py``.
 """
 
 from __future__ import annotations

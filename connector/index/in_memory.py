@@ -1,7 +1,7 @@
 """``InMemoryBlockIndex``: the embedded ``BlockIndex`` backend, one process.
 
-Contract and freshness rules: ``protocol.py`` (DESIGN.md, "Block index"). Also the reference the
-Redis backend is tested against.
+Contract and freshness rules: ``protocol.py`` (docs/architecture.md, "The block index"). Also the
+reference the Redis backend is tested against.
 """
 
 from __future__ import annotations

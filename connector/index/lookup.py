@@ -1,4 +1,5 @@
-"""One remote-prefix lookup, from block hashes to a pullable answer (DESIGN.md, "Block index").
+"""One remote-prefix lookup, from block hashes to a pullable answer (docs/architecture.md, "Life
+of an index hit").
 
 ``resolve_remote_prefix`` asks the index for the longest prefix held on another node, checks that
 it beats the local hit, resolves the holder's address in the node directory and fetches its block

@@ -1,12 +1,12 @@
 """Block index: which node holds which block hash, and the longest prefix held anywhere.
 
-DESIGN.md, "Block index". A node publishes its ``BlockPool`` KV events (``BlockStored`` adds,
-``BlockRemoved`` removes, ``AllBlocksCleared`` drops all the node's entries); any node asks
-``longest_prefix(block_hashes, group_ids)`` for the deepest run of a request's blocks that one
-holder can serve whole (full-attention semantics: every block from block 0). Entries are keyed
-per KV cache group (hash + group id), several holders per hash. Two backends share this
-contract: :class:`InMemoryBlockIndex` (below, one process) and ``RedisBlockIndex``
-(``redis_index.py``, across nodes, one round trip).
+docs/architecture.md, "The block index". A node publishes its ``BlockPool`` KV events
+(``BlockStored`` adds, ``BlockRemoved`` removes, ``AllBlocksCleared`` drops all the node's
+entries); any node asks ``longest_prefix(block_hashes, group_ids)`` for the deepest run of a
+request's blocks that one holder can serve whole (full-attention semantics: every block from
+block 0). Entries are keyed per KV cache group (hash + group id), several holders per hash.
+Two backends share this contract: :class:`InMemoryBlockIndex` (below, one process) and
+``RedisBlockIndex`` (``redis_index.py``, across nodes, one round trip).
 
 Freshness and fencing:
 
@@ -26,8 +26,8 @@ after a gap (a batch dropped, Redis restarted empty) is refused (``"gap"``) and 
 re-publishes its whole cached set (``resync=True``: drop the node's entries, store the set,
 continue from that batch's number), after which the index again says exactly what it holds.
 
-A hit is advisory (DESIGN.md): the holder re-checks each block's hash when serving it. A stale
-entry costs a recompute, never wrong output.
+A hit is advisory (docs/architecture.md, "Life of an index hit"): the holder re-checks each
+block's hash when serving it. A stale entry costs a recompute, never wrong output.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -
 
 @functools.cache
 def _key_dtype(key_hash_bytes: int) -> np.dtype:
-    """A record of ``key_hash_bytes`` raw bytes (built once: building it costs 2 us a call)."""
+    """A record of ``key_hash_bytes`` raw bytes (built once per length, not per lookup)."""
     return np.dtype((np.void, key_hash_bytes))
 
 
@@ -307,8 +307,8 @@ def join_keys(block_hashes: Sequence[bytes], key_hash_bytes: int) -> tuple[bytes
     The hashes must share one non-zero length; on this hot path that is checked by the total
     length of one ``bytes.join`` (a mix whose lengths happen to add up is not caught here; its
     keys are then wrong, which costs a miss, and a hit stays advisory). Raises ValueError.
-    Cost for 625 sha256 hashes: one join and one strided numpy copy (about 4 us; 17 us on the
-    slowest hosts measured, of which the join takes 13).
+    Cost: one join and one strided numpy copy, whatever the number of hashes (the join is most
+    of it; docs/architecture.md, "Design measurements").
     """
     blob = b"".join(block_hashes)
     num_blocks = len(block_hashes)

@@ -3,10 +3,10 @@
 A lookup is one script call with a handful of small arguments and one large one (the prompt's
 lookup keys, 5 KB for 625 blocks). redis-py's generic ``execute_command`` adds per call its
 packer, the retry wrapper, observability records, response callbacks, and on a cluster the
-slot of the routing key and its redirect loop: on these hosts about 19 us of client time for
-a lookup (single server), nearly the script's own server time. Taking a connection from the pool
-and giving it back costs as much again (the pool's lock, its observability records and a poll
-for unread data: 28 us a call here, ``benchmarks/bench_index.py``; README, "Benchmarks"). So
+slot of the routing key and its redirect loop: client time for a lookup (single server) close
+to the script's own server time. Taking a connection from the pool and giving it back costs
+more again (the pool's lock, its observability records and a poll for unread data;
+``benchmarks/bench_index.py``; docs/architecture.md, "Design measurements"). So
 the call is packed into one RESP buffer (the script's name and route packed once per key prefix:
 ``ScriptHead``) and sent on a connection of the pool of the server that owns the key prefix that
 the calling thread took once and keeps (``HeldConnections``), its reply read with the client's

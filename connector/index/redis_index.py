@@ -1,14 +1,14 @@
 """``RedisBlockIndex``: the cross-node block index on a real Redis (redis-py), one round trip.
 
-Contract: ``BlockIndex`` in ``protocol.py`` (DESIGN.md, "Block index"). Every call is one
-``EVALSHA`` of a server-side Lua script; a server that does not know the script (restarted,
-flushed) gets the call again as ``EVAL`` with the source, which also caches it there. A
-longest-prefix lookup of any number of hashes costs one round trip. Writes go through the
-client's ``execute_command``; the lookups (``longest_prefix``, ``get_block_ids``) are packed
+Contract: ``BlockIndex`` in ``protocol.py`` (docs/architecture.md, "The block index"). Every
+call is one ``EVALSHA`` of a server-side Lua script; a server that does not know the script
+(restarted, flushed) gets the call again as ``EVAL`` with the source, which also caches it
+there. A longest-prefix lookup of any number of hashes costs one round trip. Writes go through
+the client's ``execute_command``; the lookups (``longest_prefix``, ``get_block_ids``) are packed
 here and sent on a connection of the client's pool that the calling thread keeps
 (``redis_direct.py``: redis-py's generic command path and the pool's hand-out cost a lookup
-about 19 + 28 us more here), falling back to ``execute_command`` for what only it handles (a
-script the server does not know, a cluster's redirects).
+more than the script's own server time), falling back to ``execute_command`` for what only it
+handles (a script the server does not know, a cluster's redirects).
 
 Key layout, scripts and the O(log N) lookup: ``redis_scripts.py`` (reads of a holder's own
 entries: ``redis_held_lookup.py``). A lookup sends the hashes cut to ``key_hash_bytes`` (5 KB

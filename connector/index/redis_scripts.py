@@ -205,9 +205,9 @@ Lookups of every holder (``all``) read every holder."""
 # HGET, EXISTS (the fast path). Otherwise one HRANDFIELD (at most LOOKUP_SAMPLE_HOLDERS holders;
 # HGETALL for every holder) per probed position and group, one GET/MGET
 # for the incarnations of the nodes met there, EXISTS (and ZRANGEBYSCORE where holes exist) per
-# candidate holder. Every ARGV byte costs about 1 ns in Redis's Lua string creation (5 us for
-# 625 keys), so nothing is copied out of the blob but the probed keys; no string is built per
-# entry (prefix compare with string.find, tier bytes with string.byte).
+# candidate holder. Redis hashes every byte of a Lua string it creates (docs/architecture.md,
+# "Design measurements"), so nothing is copied out of the blob but the probed keys; no string is
+# built per entry (prefix compare with string.find, tier bytes with string.byte).
 LOOKUP_LUA = """
 local P, L, blob, ng = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
 local all = ARGV[4] == '1'

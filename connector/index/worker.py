@@ -1,6 +1,6 @@
 """The one thread through which an ``IndexClient`` talks to the index backend.
 
-DESIGN.md, "Two halves that share nothing": a scheduling step never waits on the network. The
+docs/architecture.md, "The two connector halves": a scheduling step never waits on the network. The
 engine thread hands ``IndexWorker`` work through two bounded queues and never waits on it; the
 worker thread makes every backend call after ``start``: heartbeats (and registering again when
 fenced), the node's publish batches in the order they were accepted, and remote-prefix lookups
@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 # Queued batches are merged into one publish call up to this many ops (one round trip; the
 # backend applies a call's events in order, so a merged call equals the batches one by one).
 _MAX_OPS_PER_SEND = 4096
-# A resync's calls: a tenth of a 4,096-op call's 70-120 ms here, far below a 0.25 s timeout.
+# A resync's calls: a quarter of a full call, far below a socket timeout (a whole set in one
+# call ran past it and was sent again forever: docs/architecture.md, "Design measurements").
 _MAX_OPS_PER_RESYNC_CALL = 1024
 _GRACE_S = 0.25  # close: how long the worker may finish its call before it is interrupted
 _RESYNC_PROBE_S = 0.05  # resync mode: how often the backend is probed until it answers

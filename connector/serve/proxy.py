@@ -6,7 +6,7 @@
 An IPv6 node or index takes brackets (``--prefill http://[::1]:8100``, ``redis://[::1]:6379/0``);
 a URL that is not ``http(s)://host[:port]`` is refused at start, in one line.
 
-For each ``POST /v1/completions`` (DESIGN.md, "One disaggregated request, end to end"):
+For each ``POST /v1/completions`` (docs/architecture.md, "Life of a P/D request"):
 
 0. validate the client's body with the decode node's own parser
    (connector/serve/http_body.py): a body D would refuse is a 400 before anything is sent, so it

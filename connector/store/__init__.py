@@ -8,7 +8,7 @@ A node's side (offload): ``OffloadPlanner`` (``planner``, scheduler half) picks 
 blocks each step; ``OffloadSender`` (``sender``, worker half) snapshots them into host staging
 (``staging``) and writes them with ``StoreWriter`` (``writer``); the records between the halves
 are in ``offload_items``; ``url`` parses ``store_url``.
-DESIGN.md, "One disaggregated request, end to end" (the store tier).
+docs/architecture.md, "Life of a store offload and restore".
 """
 
 from .cache import StoreCache

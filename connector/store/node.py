@@ -1,5 +1,5 @@
-"""The remote store tier's node (issue 7, part 1; DESIGN.md, "One disaggregated request", last
-paragraph).
+"""The remote store tier's node (issue 7, part 1; docs/architecture.md, "Life of a store offload
+and restore").
 
 A ``StoreNode`` holds offloaded blocks in host memory (``StoreCache``: KV tensors shaped like a
 node's, a hash map, LRU eviction within ``capacity_bytes``), serves pulls with the same

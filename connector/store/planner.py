@@ -1,5 +1,5 @@
 """Offload policy, the scheduler half of offload: which cached blocks a node writes to the store
-tier this step (DESIGN.md, "One disaggregated request", the store tier paragraph).
+tier this step (docs/architecture.md, "Life of a store offload and restore").
 
 A block that is hashed and has ``ref_cnt == 0`` waits in the ``BlockPool`` free queue, still
 findable by its hash, until ``get_new_blocks`` pops it and drops the hash (seed 000: the free

@@ -34,7 +34,7 @@ class StagingPool:
     """Reusable host buffers (uint8 CPU tensors) for snapshots. Thread-safe (one lock): a buffer
     is taken on the thread that snapshots and given back on the thread that sent it.
 
-    A fresh 32 MiB tensor costs about ten times its gather in first-touch page faults
+    A fresh tensor costs far more than its gather in first-touch page faults
     (``benchmarks/bench_store.py``), so buffers are kept: at most ``max_idle_bytes`` of them
     wait unused; a buffer given back beyond that is dropped.
     """

@@ -250,9 +250,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         ``SupportsHMA``: the hybrid allocator stays on). ``block_ids`` is one list per group,
         by position from the request's first token; a sliding-window group's positions that
         fell out of the window are vLLM's null block (id 0), and the ticket keeps them so
-        (``remote_block_ids`` per group, DESIGN.md step 2). A request whose params were
-        refused at admission also returns ``{PARAMS_ERROR_KEY: message}`` (beside P's
-        ticket, if it is one)."""
+        (``remote_block_ids`` per group, docs/architecture.md, "Tickets"). A request whose
+        params were refused at admission also returns ``{PARAMS_ERROR_KEY: message}`` (beside
+        P's ticket, if it is one)."""
         self._hit_tiers.pop(request.request_id, None)  # vLLM skips the sources when not logging
         result = self._sched().request_finished(
             RequestView.of(request), tuple(list(ids) for ids in block_ids)

@@ -1,7 +1,7 @@
 """The edge between vLLM's objects and kvbridge's: settings, KV cache config, requests, KV tensors.
 
-Everything vLLM hands the adapter is translated here and nowhere else (DESIGN.md, "Inside
-vLLM"). Facts about vLLM 0.32.0 this relies on are measured in ``tests/vllm_probe``
+Everything vLLM hands the adapter is translated here and nowhere else (docs/architecture.md,
+"Inside vLLM"). Facts about vLLM 0.32.0 this relies on are measured in ``tests/vllm_probe``
 (``VLLM_API_NOTES.md``): the CPU attention backend's per-layer cache is block-major
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K stored transposed in the first half
 of each head's run); FlashAttention's (vllm/v1/attention/backends/flash_attn.py,

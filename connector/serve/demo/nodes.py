@@ -6,10 +6,11 @@ longest prefix from whichever node the block index names, then the rest from P:
 
 1. The prefix hop, when the index's deepest run of the prompt's blocks is held by another
    decode node and not by D: D is sent the prompt cut to that run plus one token, with
-   ``max_tokens`` 1 and no ``kv_transfer_params``. Its connector asks the index (DESIGN.md,
-   step 6) and pulls the run from the holder the index names (among holders of equal runs the
-   smallest engine id, so pd_pair's ``decode-*`` nodes come before ``prefill``), then computes
-   that one token. The hop runs while P prefills the whole prompt.
+   ``max_tokens`` 1 and no ``kv_transfer_params``. Its connector asks the index
+   (docs/architecture.md, "Life of an index hit") and pulls the run from the holder the index
+   names (among holders of equal runs the smallest engine id, so pd_pair's ``decode-*`` nodes
+   come before ``prefill``), then computes that one token. The hop runs while P prefills the
+   whole prompt.
 2. The P/D handover (``PDRouter.prefill``, then D with P's ``kv_transfer_params``): D's local
    prefix cache now holds the run, so D pulls only the rest from P (a partial local hit trims
    P's block list from the front).

@@ -1,8 +1,8 @@
 """The trace replay's store tier: a real ``StoreCache`` fed with the nodes' evicted blocks and
 pulled from like any holder (``kvbridge-replay --store-blocks N``, ``pull`` policy).
 
-DESIGN.md ("One disaggregated request", the store tier): cold cached blocks are written to a
-store node before they are evicted, the index records the store as a holder, and a later
+docs/architecture.md, "Life of a store offload and restore": cold cached blocks are written to
+a store node before they are evicted, the index records the store as a holder, and a later
 request pulls them back. The replay models the ``offload: "evict"`` writer
 (``connector/store/planner.py``: it writes cold cached blocks, the free queue's head, before
 ``get_new_blocks`` reuses them) at the last moment it may write a block: a node's
