@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_markdown_option", "finish", "markdown_section"]
+__all__ = ["add_markdown_option", "finish", "markdown_section", "ratios_table",
+           "rewrite_readme_ratios"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,3 +88,65 @@ def finish(report: Mapping[str, Any], *, name: str, title: str,
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else \
         text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
     markdown.write_text(text)
+    readme = REPO / "README.md"
+    if markdown.resolve() == (REPO / "docs" / "benchmarks.md").resolve() and readme.exists():
+        rewrite_readme_ratios(readme, markdown)
+
+
+KEY_RATIOS: dict[str, list[tuple[str, str, str]]] = {
+    # benchmark -> (figure, what it compares, target)
+    "transport": [
+        ("host_transfer_vs_memcpy", "64 MiB between two processes, same host / memcpy", ">= 1.0"),
+        ("paged_vs_contiguous", "2,048 random 16 KiB blocks / the same bytes contiguous",
+         ">= 0.9"),
+        ("ucx_host_transfer_vs_memcpy", "64 MiB over UCX / memcpy", ">= 0.6"),
+        ("ucx_paged_vs_contiguous", "paged / contiguous over UCX", ">= 0.7"),
+    ],
+    "kernels": [("gather_ratio_16k", "gather of 16 KiB blocks / a contiguous copy", ">= 0.9")],
+    "index": [("lookup_over_ping", "longest prefix of 625 hashes / one Redis PING", "<= 1.5")],
+    "store": [("restore_vs_recompute", "restore a 4,096-token prefix from the store / recompute",
+               "< 0.2")],
+    "vllm_pd": [("kvbridge_over_nixl", "vLLM D's first token, kvbridge / NixlConnector", "<= 0.5"),
+                ("wrong_ticket_over_recompute",
+                 "vLLM first token after a wrong ticket / a plain recompute", "<= 1.2")],
+}
+
+
+def _sections(text: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """``name -> (its "measured" line, figure -> value)`` of every section of the page."""
+    found = {}
+    for match in re.finditer(r"<!-- bench:(\w+) -->\n(.*?)<!-- /bench:\1 -->", text, re.S):
+        body = match.group(2)
+        when = re.search(r"— (\d{4}-\d\d-\d\d) [\d:]+ UTC, commit `([^`]+)`", body)
+        rows = dict(re.findall(r"^\| `([^`]+)` \| ([^|]*) \|", body, re.M))
+        found[match.group(1)] = (f"{when.group(1)}, `{when.group(2)}`" if when else "?",
+                                 {k: v.strip() for k, v in rows.items()})
+    return found
+
+
+def ratios_table(benchmarks_md: str) -> str:
+    """The README's table of key ratios, read from ``docs/benchmarks.md``'s sections (a figure
+    not measured yet shows as "not run")."""
+    sections = _sections(benchmarks_md)
+    lines = ["| ratio | value | target | measured |", "| --- | --- | --- | --- |"]
+    for name, figures in KEY_RATIOS.items():
+        measured, rows = sections.get(name, ("not run", {}))
+        for key, what, target in figures:
+            lines.append(f"| {what} | {rows.get(key, 'not run')} | {target} | {measured} |")
+    return "\n".join(lines)
+
+
+def rewrite_readme_ratios(readme: Path, benchmarks_md: Path) -> bool:
+    """Put ``ratios_table`` between README's ``<!-- ratios -->`` markers; True when it changed."""
+    text = readme.read_text()
+    begin, end = text.index("<!-- ratios -->") + len("<!-- ratios -->"), \
+        text.index("<!-- /ratios -->")
+    new = text[:begin] + "\n" + ratios_table(benchmarks_md.read_text()) + "\n" + text[end:]
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":  # python benchmarks/_report.py: README's ratios from docs/benchmarks.md
+    changed = rewrite_readme_ratios(REPO / "README.md", REPO / "docs" / "benchmarks.md")
+    print("README ratios rewritten" if changed else "README ratios up to date")

@@ -1,0 +1,88 @@
+"""The README's runnable shell blocks, and a runner for them (issue 29, part 4).
+
+A fenced ``bash`` block right after a ``<!-- run serve -->`` (``<!-- run serve vllm -->`` for the
+vLLM suite) line is a deployment a reader copies: servers started with ``&``, then a ``curl``.
+``run_block`` runs it as one bash script, as written, with only what a test needs changed:
+
+- the ports it names become free ports (two runs never collide with each other or a user's);
+- ``substitutions`` (for example ``MODEL`` -> a tiny checkpoint, ``redis-server`` -> the server
+  the suite found) are applied word for word;
+- ``curl`` retries until the servers it talks to answer (``--retry-connrefused``; a proxy
+  answers 502/503 until its backends are up, which curl also retries);
+- every process the script started is stopped afterwards (its own process group).
+
+The block passes when the script exits 0 and its last JSON line is a completion with tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbridge.connector.serve.demo.processes import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+_BLOCK = re.compile(r"^<!-- run (?P<kind>[\w ]+) -->\n```bash\n(?P<body>.*?)^```", re.M | re.S)
+_CURL_RETRY = ('curl() { command curl --retry 180 --retry-delay 1 --retry-connrefused '
+               '--retry-all-errors --max-time 120 "$@"; }\n')
+
+
+@dataclass(frozen=True)
+class Block:
+    kind: str  # "serve" or "serve vllm"
+    body: str
+    line: int  # where it starts in the README
+
+
+def readme_blocks(kind: str, path: Path = REPO / "README.md") -> list[Block]:
+    text = path.read_text()
+    return [Block(m.group("kind").strip(), m.group("body"), text.count("\n", 0, m.start()) + 1)
+            for m in _BLOCK.finditer(text) if m.group("kind").strip() == kind]
+
+
+def run_block(block: Block, *, substitutions: dict[str, str], timeout_s: float,
+              env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """Run ``block``; returns (its last JSON line, the whole output).
+
+    Raises:
+        AssertionError: the script failed or printed no completion (with its output).
+    """
+    script = block.body
+    ports = sorted({int(p) for p in re.findall(r"(?<=[: ])(\d{4})\b", script)})
+    for port in ports:
+        script = re.sub(rf"(?<=[: ]){port}\b", str(free_port()), script)
+    for word, value in substitutions.items():
+        script = re.sub(rf"(?<![\w/-]){re.escape(word)}(?![\w-])", value, script)
+    with tempfile.TemporaryFile("w+") as out:  # a pipe would stay open in the servers it left
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", _CURL_RETRY + script],
+                                stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)  # the servers it left running
+            time.sleep(1.0)  # let them go before the next test takes their ports' neighbours
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        out.seek(0)
+        output = out.read()
+    assert proc.returncode == 0, f"README block at line {block.line}:\n{output[-4000:]}"
+    # curl prints no newline after its answer, so a server's next line may follow it directly
+    decode = json.JSONDecoder().raw_decode
+    answers = [decode(line)[0] for line in output.splitlines() if line.startswith('{"')]
+    completions = [a for a in answers if "choices" in a]
+    assert completions, (
+        f"README block at line {block.line} printed no completion:\n{output[-4000:]}")
+    return completions[-1], output
