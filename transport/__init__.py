@@ -4,7 +4,7 @@
 processes on one host by cross-memory attach (``cma``); it is imported lazily, so loading this
 package does not load UCX. ``LoopbackTransport`` is its in-process twin for unit tests. ``wire``
 is the control schema (msgspec structs over msgpack, bounded by ``limits``), ``metadata`` the
-handshake metadata and compatibility check.
+handshake metadata and compatibility check, ``identity`` what a block's bytes depend on.
 """
 
 from typing import Any
@@ -31,6 +31,7 @@ from .errors import (
     TransportError,
     WireError,
 )
+from .identity import BlockIdentity, IdentityDifference
 from .loopback import LoopbackFaults, LoopbackNetwork, LoopbackTransport
 from .metadata import KV_LAYOUT_NAME, KVGroupLayout, NodeMetadata, check_compatible
 from .wire import WIRE_VERSION
@@ -49,12 +50,14 @@ __all__ = [
     "KV_LAYOUT_NAME",
     "WIRE_VERSION",
     "BlockBoard",
+    "BlockIdentity",
     "BlockValidator",
     "BoardCounts",
     "GroupRead",
     "HandshakeError",
     "HeartbeatCallback",
     "HolderCallbacks",
+    "IdentityDifference",
     "KVGroupLayout",
     "LeaseRef",
     "LoopbackFaults",

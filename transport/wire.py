@@ -106,7 +106,7 @@ __all__ = [
     "transfer_done_notice",
 ]
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 # 2: Cancel carries num_chunks_posted (filler sends, see ucx_serve)
 # 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
 # 4: same-host reads: HelloOk.cma, Read.cma, ReadCopied (see ``cma``)
@@ -116,6 +116,7 @@ WIRE_VERSION = 8
 #    Hello.auth_nonce, AuthChallenge, AuthProof (see ``auth``)
 # 7: Read.lease (a handoff's lease in its own field, no longer inside an expected hash)
 # 8: Read.copy_first (a same-host read under a lease copies while the holder checks it)
+# 9: NodeMetadata.identity (identity.BlockIdentity: model revision and KV cache dtype added)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
