@@ -63,14 +63,18 @@ def make_pd_pair(
     idle_hold_wait_s: float | None = None,
     load_mode: str = "async",
     sync_load_timeout_s: float = 2.0,
+    d_extra: dict[str, Any] | None = None,
 ) -> PDPair:
     """P (``kv_producer``) and D (``kv_consumer``) over one ``LoopbackNetwork``; P's holder
-    faults are ``pair.p_faults`` (mutable)."""
+    faults are ``pair.p_faults`` (mutable); ``d_extra``: more of D's
+    ``kv_connector_extra_config``."""
     network = LoopbackNetwork()
     faults = LoopbackFaults()
     model = tiny_model(hybrid=hybrid)
 
-    def node(engine_id: str, role: str, bs: int, max_num_seqs: int = 16) -> Engine:
+    def node(
+        engine_id: str, role: str, bs: int, max_num_seqs: int = 16, extra: dict | None = None
+    ) -> Engine:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
             num_blocks=num_blocks,
@@ -92,6 +96,7 @@ def make_pd_pair(
                 "sync_load_timeout_s": sync_load_timeout_s,
                 **({} if idle_pull_wait_s is None else {"idle_pull_wait_s": idle_pull_wait_s}),
                 **({} if idle_hold_wait_s is None else {"idle_hold_wait_s": idle_hold_wait_s}),
+                **(extra or {}),
             },
         }
         return create_engine(
@@ -103,7 +108,7 @@ def make_pd_pair(
         )
 
     p = node("prefill-0", "kv_producer", block_size)
-    d = node("decode-0", "kv_consumer", d_block_size or block_size, d_max_num_seqs)
+    d = node("decode-0", "kv_consumer", d_block_size or block_size, d_max_num_seqs, d_extra)
     return PDPair(p=p, d=d, hybrid=hybrid, p_faults=faults, network=network)
 
 
