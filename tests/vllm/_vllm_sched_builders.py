@@ -39,6 +39,7 @@ from kvbridge.connector.metadata import (
 )
 from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.connector.vllm.adapter import KVBridgeConnector, _Handshake, _WorkerReport
+from kvbridge.connector.vllm.translate import kv_cache_dtype_of, model_revision_of
 from kvbridge.transport import BlockIdentity
 from vllm import SamplingParams
 from vllm.config import (
@@ -170,7 +171,8 @@ def make_scheduler(
     )
     identity = BlockIdentity(  # what the worker half's transport would announce
         model_name=str(vllm_config.model_config.served_model_name),
-        kv_cache_dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+        model_revision=model_revision_of(vllm_config.model_config),
+        kv_cache_dtype=kv_cache_dtype_of(vllm_config.cache_config, vllm_config.model_config),
         block_size=BLOCK_SIZE,
         hash_fn_name=str(vllm_config.cache_config.prefix_caching_hash_algo),
     )
