@@ -49,10 +49,12 @@ class BlockIdentity:
         kv_cache_dtype: the KV cache's element type as the engine names it, which a tensor's
             dtype does not always tell: vLLM stores ``"fp8_e4m3"`` and ``"fp8_e5m2"`` both in
             ``uint8`` tensors (``"auto"`` is resolved to the model's dtype first).
-        kv_layout: the arrangement of the bytes inside a block (``KV_LAYOUT_NAME`` for
-            kvbridge's engine; vLLM's attention backend and axis order: ``vllm.translate``).
         block_size: tokens per block.
         hash_fn_name: the block hash function (which token prefix a hash names).
+        kv_layout: the arrangement of the bytes inside a block (``KV_LAYOUT_NAME`` for
+            kvbridge's engine; vLLM's attention backend and axis order: ``vllm.translate``).
+            Last, as the least specific: a vLLM layout name spells the block shape too, so a
+            peer of another block size is refused naming ``block_size``.
 
     Raises:
         ValueError: an empty name or a block size below 1 (a peer's identity decoded from
@@ -62,9 +64,9 @@ class BlockIdentity:
     model_name: Text
     model_revision: Text = ""
     kv_cache_dtype: ShortText
-    kv_layout: Text = KV_LAYOUT_NAME
     block_size: BlockSize
     hash_fn_name: ShortText
+    kv_layout: Text = KV_LAYOUT_NAME
 
     def __post_init__(self) -> None:
         for name in ("model_name", "kv_cache_dtype", "kv_layout", "hash_fn_name"):
