@@ -79,10 +79,14 @@ from kvbridge.connector.index import (
     RedisNodeDirectory,
 )
 from kvbridge.kvmanager import BlockStored
+from kvbridge.transport import BlockIdentity
 
 NUM_BLOCKS = 625  # 10,000 tokens / block size 16
 TARGET = 1.5  # lookup / PING, docs/architecture.md, "Performance targets" (issue 14 asked 2.0)
 _PING = b"*1\r\n$4\r\nPING\r\n"
+_BENCH_IDENTITY = BlockIdentity(
+    model_name="bench", kv_cache_dtype="bfloat16", block_size=16, hash_fn_name="sha256"
+)
 
 
 def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int]:
@@ -235,9 +239,9 @@ def _trace_shares(url: str, trace: Path, limit: int) -> dict:
     from kvbridge.connector.serve.replay import TokenExpander, read_trace, replay_main
 
     summary = replay_main([str(trace), "--index-url", url, "--limit", str(limit)])
-    model_name = summary["index_namespaces"]["index"]  # the index-routing policy's entries
+    identity = summary["index_namespaces"]["index"]  # the index-routing policy's entries
     index = RedisClusterBlockIndex(
-        IndexNamespace(model_name=model_name, block_size=16, hash_fn_name="sha256_cbor"), url,
+        IndexNamespace(identity=BlockIdentity(**identity)), url,
         socket_timeout_s=5.0, connect_timeout_s=5.0,
     )
     keys = index.keys_per_shard()
@@ -272,7 +276,7 @@ def _cluster_measures(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-cluster-") as workdir:
         procs, url = start_cluster(workdir)
         try:
-            namespace = IndexNamespace(model_name="bench", block_size=16, hash_fn_name="sha256")
+            namespace = IndexNamespace(identity=_BENCH_IDENTITY)
             index = RedisClusterBlockIndex(
                 namespace, url, socket_timeout_s=5.0, connect_timeout_s=5.0
             )
@@ -340,7 +344,7 @@ def main() -> None:
         proc, port = _start_redis(workdir)
         try:
             client = redis.Redis(port=port, socket_timeout=5.0)
-            namespace = IndexNamespace(model_name="bench", block_size=16, hash_fn_name="sha256")
+            namespace = IndexNamespace(identity=_BENCH_IDENTITY)
             index = RedisBlockIndex(namespace, client=client)
             hashes, partial = _populate(index)
             client.mset({b"naive:" + h: b"1" for h in hashes})

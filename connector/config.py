@@ -73,7 +73,12 @@ key                          default   meaning
                                        goes on with its local prefix hit alone
 ``index_ttl_s``              10.0      a node's index entries expire this long after its last
                                        heartbeat (heartbeats every third of it)
-``model_name``               kvbridge  part of the index namespace and the handshake
+``model_name``               kvbridge  the model whose KV the node holds: part of the block
+                                       identity (``kvbridge.transport.BlockIdentity``), which
+                                       the handshake checks and the index namespace is made of
+``model_revision``           ""        the revision of the model's weights, part of the block
+                                       identity too (vLLM: the commit ``--revision`` resolved
+                                       to); "": unknown, equal only to another unknown
 ``store_url``                None      ``"host:port"`` of a store node's write server (issue 7),
                                        ``"[ipv6]:port"`` for an IPv6 address
 ``offload``                  off       ``"off"``, ``"evict"`` (cold cached blocks, before reuse)
@@ -164,6 +169,7 @@ class KVTransferConfig:
     idle_hold_wait_s: float = 0.01
     index_ttl_s: float = 10.0
     model_name: str = "kvbridge"
+    model_revision: str = ""
     store_url: str | None = None
     offload: str = "off"
     offload_blocks_per_step: int = 32
@@ -224,6 +230,13 @@ class KVTransferConfig:
         self.auth_key_bytes()  # a missing variable or file, or a short key: refused now
         if not self.engine_id:
             raise KVTransferConfigError("engine_id must be a non-empty string")
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise KVTransferConfigError(f"model_name must be a non-empty string, got "
+                                        f"{self.model_name!r}")
+        if not isinstance(self.model_revision, str):
+            raise KVTransferConfigError(
+                f"model_revision must be a string ('' for unknown), got {self.model_revision!r}"
+            )
 
     def _check_addresses(self) -> None:
         """``host``, ``store_url`` and ``index_url`` (``kvbridge.transport.address``): an IPv6

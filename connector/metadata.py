@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from kvbridge.transport import GroupRead, LeaseRef
+from kvbridge.transport import BlockIdentity, GroupRead, LeaseRef
 
 __all__ = [
     "METADATA_SCHEMA_VERSION",
@@ -37,7 +37,7 @@ __all__ = [
     "encode_worker_meta",
 ]
 
-METADATA_SCHEMA_VERSION = 2  # 2: offload outcomes carry ``missing``
+METADATA_SCHEMA_VERSION = 3  # 2: offload outcomes carry ``missing``; 3: WorkerHandshake.identity
 
 
 class HolderRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,13 +210,16 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
 class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):
     """The worker half's transport, told once to the scheduler half when the transport has
     started (vLLM: ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): the
-    scheduler half advertises it in tickets and in the block index."""
+    scheduler half advertises it in tickets and in the block index. ``identity`` is the one
+    the transport's handshake announces (the worker half alone sees the KV tensors: their
+    dtype and layout); the scheduler half's index namespace is made of it."""
 
     version: int = METADATA_SCHEMA_VERSION
     engine_id: str
     incarnation: str
     host: str
     port: int
+    identity: BlockIdentity
 
 
 class _Versioned(msgspec.Struct):

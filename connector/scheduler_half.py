@@ -79,7 +79,7 @@ class KVBridgeScheduler:
         config: the node's validated settings.
         block_size: tokens per block (one block size for every group).
         num_groups: KV cache groups of the node.
-        hash_fn_name: the block hash function (part of the index namespace).
+        hash_fn_name: the block hash function (the worker's block identity names the same).
         kv_cache_config: the node's groups: index lookups find what the local coordinator's
             rule restores (``kvmanager.PrefixHitRule``); None: all taken as full attention.
     """
@@ -364,8 +364,8 @@ class KVBridgeScheduler:
             self._start_index(handshake)
 
     def _start_index(self, worker: WorkerHandshake) -> None:
-        namespace = IndexNamespace(model_name=self.config.model_name, block_size=self.block_size,
-                                   hash_fn_name=self.hash_fn_name)
+        # The block identity the worker's transport announces: its tensors' dtype and layout.
+        namespace = IndexNamespace(identity=worker.identity)
         index, directory = open_index(self.config.index_url, namespace)  # type: ignore[arg-type]
         client = IndexClient(
             index,

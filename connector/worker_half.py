@@ -145,6 +145,7 @@ class KVBridgeWorker:
         kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
         *,
         kv_layout: str = KV_LAYOUT_NAME,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         """Start this node's transport over the KV tensors (group order from the config).
 
@@ -158,6 +159,10 @@ class KVBridgeWorker:
                 handshake's ``num_layers`` counts regions.
             kv_layout: the name of the bytes' real layout inside a block (the handshake refuses
                 a peer whose layout differs).
+            kv_cache_dtype: the cache's element type as the engine names it, where the
+                tensors' dtype does not say it (vLLM's fp8 caches are ``uint8``); None: the
+                tensors' dtype. With ``config.model_name`` and ``config.model_revision``, both
+                are the node's ``BlockIdentity`` (the handshake's and the index namespace's).
 
         Raises:
             RuntimeError: when called twice.
@@ -177,6 +182,8 @@ class KVBridgeWorker:
             kv_caches_by_group=by_group,
             model_name=self.config.model_name,
             hash_fn_name=self.hash_fn_name,
+            model_revision=self.config.model_revision,
+            kv_cache_dtype=kv_cache_dtype,
             kv_layout=kv_layout,
         )
         metadata = replace(metadata, incarnation=str(self.incarnation))
@@ -378,12 +385,17 @@ class KVBridgeWorker:
         self._board_counts_seen = (one_sided, fallbacks)
 
     def get_handshake_metadata(self) -> WorkerHandshake | None:
-        """The transport's identity and address once ``register_kv_caches`` started it."""
+        """The transport's incarnation, address and block identity once ``register_kv_caches``
+        started it."""
         if self.transport is None:
             return None
         host, port = self.transport.address
         return WorkerHandshake(
-            engine_id=self.config.engine_id, incarnation=str(self.incarnation), host=host, port=port
+            engine_id=self.config.engine_id,
+            incarnation=str(self.incarnation),
+            host=host,
+            port=port,
+            identity=self.transport.metadata.identity,
         )
 
     def _set_switch_interval(self) -> None:

@@ -64,15 +64,18 @@ def make_pd_pair(
     load_mode: str = "async",
     sync_load_timeout_s: float = 2.0,
     extra_config: dict | None = None,
+    d_extra: dict[str, Any] | None = None,
 ) -> PDPair:
     """P (``kv_producer``) and D (``kv_consumer``) over one ``LoopbackNetwork``; P's holder
     faults are ``pair.p_faults`` (mutable); ``extra_config`` is merged into both nodes'
-    ``kv_connector_extra_config``."""
+    ``kv_connector_extra_config``, ``d_extra`` into D's alone (after it)."""
     network = LoopbackNetwork()
     faults = LoopbackFaults()
     model = tiny_model(hybrid=hybrid)
 
-    def node(engine_id: str, role: str, bs: int, max_num_seqs: int = 16) -> Engine:
+    def node(
+        engine_id: str, role: str, bs: int, max_num_seqs: int = 16, extra: dict | None = None
+    ) -> Engine:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
             num_blocks=num_blocks,
@@ -95,6 +98,7 @@ def make_pd_pair(
                 **({} if idle_pull_wait_s is None else {"idle_pull_wait_s": idle_pull_wait_s}),
                 **({} if idle_hold_wait_s is None else {"idle_hold_wait_s": idle_hold_wait_s}),
                 **(extra_config or {}),
+                **(extra or {}),
             },
         }
         return create_engine(
@@ -106,7 +110,7 @@ def make_pd_pair(
         )
 
     p = node("prefill-0", "kv_producer", block_size)
-    d = node("decode-0", "kv_consumer", d_block_size or block_size, d_max_num_seqs)
+    d = node("decode-0", "kv_consumer", d_block_size or block_size, d_max_num_seqs, d_extra)
     return PDPair(p=p, d=d, hybrid=hybrid, p_faults=faults, network=network)
 
 

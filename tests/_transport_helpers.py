@@ -23,7 +23,7 @@ import asyncio
 import sys
 
 import torch
-from kvbridge.transport import BlockValidator, LeaseRef, NodeMetadata
+from kvbridge.transport import BlockIdentity, BlockValidator, LeaseRef, NodeMetadata
 
 NUM_BLOCKS = 64
 HELPER_LEASE = LeaseRef(request_id="p-" + "x" * 198, token="tok-helper")
@@ -55,12 +55,29 @@ def make_kv_caches(
     ]
 
 
-def make_metadata(engine_id: str, kv_caches_by_group: list[list[torch.Tensor]]) -> NodeMetadata:
+def make_metadata(
+    engine_id: str, kv_caches_by_group: list[list[torch.Tensor]], **identity: str
+) -> NodeMetadata:
+    """Metadata of the tensors under model ``tiny-llama``, hash ``sha256_cbor``; ``identity``:
+    other block identity fields (``model_revision``, ``kv_cache_dtype``, ``kv_layout``, or
+    those two names)."""
     return NodeMetadata.from_kv_caches(
         engine_id=engine_id,
         kv_caches_by_group=kv_caches_by_group,
-        model_name="tiny-llama",
-        hash_fn_name="sha256_cbor",
+        **{"model_name": "tiny-llama", "hash_fn_name": "sha256_cbor", **identity},
+    )
+
+
+def caches_and_metadata(
+    engine_id: str, identity: BlockIdentity, *, seed: int
+) -> tuple[list[list[torch.Tensor]], NodeMetadata]:
+    """``make_kv_caches(seed=seed)`` (bfloat16) of ``identity.block_size`` and their metadata
+    under every other field of ``identity`` (its ``kv_cache_dtype`` may name another dtype
+    than the tensors', as vLLM's fp8 caches in ``uint8`` tensors do)."""
+    caches = make_kv_caches(seed=seed, block_size=identity.block_size)
+    fields = {name: value for name, value in identity.as_items() if name != "block_size"}
+    return caches, NodeMetadata.from_kv_caches(
+        engine_id=engine_id, kv_caches_by_group=caches, **fields
     )
 
 

@@ -42,6 +42,7 @@ from kvbridge.connector.transfer_params import (
     ticket_of,
 )
 from kvbridge.transport import (
+    BlockIdentity,
     HostPort,
     check_host,
     format_host_port,
@@ -49,7 +50,8 @@ from kvbridge.transport import (
     parse_host_port,
 )
 
-NAMESPACE = IndexNamespace(model_name="ipv6", block_size=16, hash_fn_name="sha256_cbor")
+NAMESPACE = IndexNamespace(identity=BlockIdentity(model_name="ipv6", kv_cache_dtype="float32",
+                                                  block_size=16, hash_fn_name="sha256_cbor"))
 
 # ---------------------------------------------------------------------- the parser
 # Each is its own canonical form: format_host_port(*parse_host_port(x)) gives x back.

@@ -13,6 +13,7 @@ _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_replay_boun
 
 
 def _load_bench() -> ModuleType:
+    sys.path.insert(0, str(_BENCH.parent))  # its sibling _report, as when run as a script
     spec = importlib.util.spec_from_file_location("kvbridge_bench_replay_bound", _BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -7,16 +7,19 @@ Redis cases run against a real ``redis-server`` started by ``tests/_redis_fixtur
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
+from _identity_builders import BASE_IDENTITY, IDENTITY_FIELDS, OTHER_VALUE, one_field_apart
 from kvbridge.connector.index import (
     NO_HIT,
     BlockIndex,
@@ -24,12 +27,14 @@ from kvbridge.connector.index import (
     InMemoryBlockIndex,
     PrefixHit,
     RedisBlockIndex,
+    open_index,
 )
 from kvbridge.connector.index.redis_direct import HeldConnections
 from kvbridge.connector.index.redis_scripts import LOOKUP_SAMPLE_HOLDERS
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.transport import BlockIdentity
 
-_NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
+_NS = IndexNamespace(identity=BASE_IDENTITY)
 _TTL_S = 30.0
 
 
@@ -220,26 +225,52 @@ def test_bad_arguments_raise_value_error(index: BlockIndex) -> None:
         index.register_node("a:b", 1, ttl_s=_TTL_S)
 
 
-@pytest.mark.parametrize("kind", ["memory", "redis"])
-def test_different_namespaces_never_match(kind: str, request: pytest.FixtureRequest) -> None:
-    prompt = _hashes(8)
-    writer = _make_index(kind, request, _NS)
+def _open_shared(kind: str, request: pytest.FixtureRequest, identity: BlockIdentity) -> BlockIndex:
+    """The index a node of ``identity`` opens: ``open_index`` shares one in-process backend per
+    namespace ("memory"); Redis keeps every namespace's keys on the one server."""
     if kind == "memory":
-        # One process: a namespace is one index object, so a second namespace is a second object.
-        readers = [InMemoryBlockIndex(IndexNamespace(model_name="m2", block_size=16,
-                                                     hash_fn_name="sha256_cbor"))]
-    else:
-        readers = [
-            _make_index(kind, request, IndexNamespace(model_name=m, block_size=b, hash_fn_name=f))
-            for m, b, f in [("m2", 16, "sha256_cbor"), ("tiny-llama", 32, "sha256_cbor"),
-                            ("tiny-llama", 16, "xxhash_cbor")]
-        ]
+        return open_index("memory", IndexNamespace(identity=identity))[0]
+    return _make_index(kind, request, IndexNamespace(identity=identity))
+
+
+def test_every_identity_field_has_a_case() -> None:
+    # A field added to BlockIdentity needs another value here, or no test below covers it.
+    assert set(OTHER_VALUE) == set(IDENTITY_FIELDS)
+
+
+@pytest.mark.parametrize("field", IDENTITY_FIELDS)
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_nodes_one_identity_field_apart_never_see_each_others_blocks(
+    kind: str, field: str, request: pytest.FixtureRequest
+) -> None:
+    # Issue 28 item 7: two nodes that differ in the KV cache dtype alone (or the model revision,
+    # the KV layout, ...) hold blocks whose bytes differ under one block hash; the index must
+    # never name one to the other. Before, the namespace held the model, block size and hash
+    # function only: the dtype, revision and layout cases found the writer's 8 blocks.
+    base = dataclasses.replace(BASE_IDENTITY, model_name=f"ns-{uuid.uuid4().hex[:8]}")
+    other = one_field_apart(field, base)
+    assert IndexNamespace(identity=base).key_prefix != IndexNamespace(identity=other).key_prefix
+    prompt = _hashes(8)
+    writer, reader = _open_shared(kind, request, base), _open_shared(kind, request, other)
     writer.register_node("A", 1, ttl_s=_TTL_S)
     writer.publish("A", 1, [_stored(prompt)])
-    assert writer.longest_prefix(prompt).num_blocks == 8
-    for reader in readers:
-        reader.register_node("A", 1, ttl_s=_TTL_S)
-        assert reader.longest_prefix(prompt) == NO_HIT
+    reader.register_node("B", 1, ttl_s=_TTL_S)
+    reader.publish("B", 1, [_stored(prompt[:3])])
+    assert _runs(writer.longest_prefix(prompt)) == [("A", 8)]  # B's 3 blocks are not here
+    assert _runs(reader.longest_prefix(prompt)) == [("B", 3)]  # nor A's 8 there
+    # The same identity again (another node's view of it) shares the writer's entries.
+    twin = _open_shared(kind, request, dataclasses.replace(base))
+    assert _runs(twin.longest_prefix(prompt)) == [("A", 8)]
+
+
+def test_the_key_prefix_keeps_the_model_readable_and_short() -> None:
+    identity = dataclasses.replace(
+        BASE_IDENTITY, model_name="org/Model:v1 {x}", kv_layout="vllm:" + "x" * 300
+    )
+    prefix = IndexNamespace(identity=identity).key_prefix
+    # The model %-quoted (no ':' or '{}' inside a segment: Redis Cluster hash tags wrap the
+    # prefix), then 16 hex digits of the identity's digest, whatever the other fields' length.
+    assert prefix == f"kvbridge:bi:org%2FModel%3Av1%20%7Bx%7D:{identity.digest[:16]}:k8"
 
 
 def test_garbage_entries_are_skipped_and_counted(redis_url: str) -> None:

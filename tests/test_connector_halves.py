@@ -11,17 +11,21 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
+import torch
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import PDPair, assert_pair_empty, decode, long_prompt, prefill
 from kvbridge.connector import KVBridgeConnector, KVTransferConfig, KVTransferConfigError
 from kvbridge.connector.factory import create_engine
 from kvbridge.connector.metadata import (
     METADATA_SCHEMA_VERSION,
+    WorkerHandshake,
     decode_metadata,
     decode_worker_meta,
     encode_metadata,
     encode_worker_meta,
 )
+from kvbridge.connector.scheduler_half import KVBridgeScheduler
+from kvbridge.connector.worker_half import KVBridgeWorker
 from kvbridge.kvmanager.connector_interface import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -29,7 +33,8 @@ from kvbridge.kvmanager.connector_interface import (
     KVConnectorRole,
 )
 from kvbridge.kvmanager.engine import EngineConfig
-from kvbridge.transport import LoopbackFaults, LoopbackNetwork
+from kvbridge.kvmanager.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvbridge.transport import BlockIdentity, LoopbackFaults, LoopbackNetwork
 
 MAX_TOKENS = 4
 
@@ -235,6 +240,35 @@ def test_pd_pair_whose_halves_speak_only_msgpack_bytes_gives_single_node_tokens(
         assert_pair_empty(pair)
     finally:
         pair.close()
+
+
+def test_the_index_namespace_is_the_block_identity_the_workers_handshake_announces():
+    # Issue 28 item 7: the KV cache dtype and layout are known to the worker half alone (its
+    # tensors; vLLM's fp8 caches are uint8 tensors); the scheduler half's index namespace is
+    # the identity the worker's transport announces at handshake, across msgpack. Before, the
+    # namespace was the scheduler's model name, block size and hash function only.
+    config = KVTransferConfig(transport="loopback", index_url="memory", engine_id="node-id",
+                              model_name="identity-halves", model_revision="5d0f2ab1")
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.uint8)
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    worker = KVBridgeWorker(config, kv_cache_config, hash_fn_name="sha256_cbor",
+                            loopback_network=LoopbackNetwork())
+    scheduler = KVBridgeScheduler(config, block_size=16, num_groups=1, hash_fn_name="sha256_cbor")
+    try:
+        worker.register_kv_caches({"l0": torch.zeros(8, 2, 16, 2, 8, dtype=torch.uint8)},
+                                  kv_layout="vllm:cuda-attn:test", kv_cache_dtype="fp8_e5m2")
+        handshake = worker.get_handshake_metadata()
+        scheduler.set_xfer_handshake_metadata(
+            msgspec.msgpack.decode(msgspec.msgpack.encode(handshake), type=WorkerHandshake)
+        )
+        assert scheduler.index_client is not None
+        assert scheduler.index_client.index.namespace.identity == BlockIdentity(
+            model_name="identity-halves", model_revision="5d0f2ab1", kv_cache_dtype="fp8_e5m2",
+            kv_layout="vllm:cuda-attn:test", block_size=16, hash_fn_name="sha256_cbor",
+        ) == worker.transport.metadata.identity
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
 
 
 def test_an_unknown_extra_config_key_is_refused_naming_it():

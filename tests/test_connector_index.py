@@ -4,12 +4,16 @@ asks the index for a request's longest prefix before it falls back to local APC.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 
 import pytest
+import torch
 from _engine_builders import reference_greedy, tiny_model
 from _pd_builders import assert_node_empty, long_prompt, run_to_completion
 from kvbridge.connector.factory import create_engine
+from kvbridge.kernels.model import ReferenceDecoder
 from kvbridge.kvmanager import BlockStored, Request, SamplingParams
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.transport import LoopbackNetwork
@@ -18,8 +22,12 @@ BLOCK_SIZE = 16
 MAX_TOKENS = 3
 
 
-def make_node(engine_id: str, network: LoopbackNetwork, index_url: str, **extra) -> Engine:
-    """A ``kv_both`` node: serves its blocks to others, pulls theirs via the index."""
+def make_node(
+    engine_id: str, network: LoopbackNetwork, index_url: str, *,
+    model: ReferenceDecoder | None = None, **extra,
+) -> Engine:
+    """A ``kv_both`` node of ``model`` (the tiny one): serves its blocks to others, pulls theirs
+    via the index."""
     config = EngineConfig(
         num_blocks=160, block_size=BLOCK_SIZE, max_model_len=1100, max_num_batched_tokens=1100
     )
@@ -36,7 +44,7 @@ def make_node(engine_id: str, network: LoopbackNetwork, index_url: str, **extra)
         },
     }
     return create_engine(
-        tiny_model(hybrid=False), config, kv_transfer_config, loopback_network=network
+        model or tiny_model(hybrid=False), config, kv_transfer_config, loopback_network=network
     )
 
 
@@ -220,6 +228,45 @@ def test_salt_and_lora_never_cross_hit_through_the_index(nodes, b_kwargs, c_kwar
     serve(c, "req-0", prompt, **c_kwargs)
     assert stats(c)["num_index_hits"] == int(hit)
     assert_node_empty(b)
+    assert_node_empty(c)
+
+
+@functools.cache
+def _bfloat16_model() -> ReferenceDecoder:
+    """The tiny model's weights in bfloat16: its KV cache is bfloat16, the block identity's
+    ``kv_cache_dtype`` too."""
+    return ReferenceDecoder(dataclasses.replace(tiny_model(hybrid=False).config,
+                                                dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("index_url", ["redis", "memory"])
+@pytest.mark.parametrize(
+    "c_kwargs, hit",
+    [
+        ({}, True),  # the same block identity: C pulls A's blocks
+        ({"model_revision": "5d0f2ab1"}, False),  # another revision of the same weights
+        ({"model": "bfloat16"}, False),  # another KV cache dtype
+    ],
+)
+def test_a_node_of_another_block_identity_never_finds_the_blocks(nodes, c_kwargs, hit, index_url):
+    # Issue 28 item 7: blocks whose bytes differ under one hash never cross through the index.
+    # Before, the namespace held the model name, block size and hash function only: the
+    # bfloat16 node found A's float32 blocks, pulled, and its handshake refused them (a
+    # failed load, then a recompute); the revision was no setting at all.
+    if c_kwargs.get("model") == "bfloat16":
+        c_kwargs = {**c_kwargs, "model": _bfloat16_model()}
+    url = {"redis": None, "memory": "memory"}[index_url]
+    model_name = f"identity-{index_url}-{hit}-{sorted(c_kwargs)}"  # "memory": its own backend
+    a = nodes("node-a", index_url=url, model_name=model_name)
+    c = nodes("node-c", index_url=url, model_name=model_name, **c_kwargs)
+    prompt = long_prompt(6 * BLOCK_SIZE + 1)
+    serve(a, "warm", prompt)
+    tokens = serve(c, "req-0", prompt)
+    s = stats(c)
+    assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (hit, hit, 0)
+    if "model" not in c_kwargs:  # the reference is the float32 model's
+        assert tokens == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    assert_node_empty(a)
     assert_node_empty(c)
 
 

@@ -7,6 +7,7 @@ every block free on both nodes.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -337,6 +338,28 @@ def test_different_block_sizes_are_refused_naming_the_field(pair_factory):
     assert_node_empty(pair.p)
     assert _stats(pair.p)["num_released_leases"] == 1
     assert_node_empty(pair.d)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_decode_node_of_another_model_revision_loads_nothing_from_the_prefill_node(
+    pair_factory, policy, caplog
+):
+    # Issue 28 item 7: another revision of the same weights computes other KV for the same
+    # tokens under the same block hashes; the handshake refuses it, naming the field, and the
+    # request follows the load failure policy. Before, model_revision was no setting at all.
+    pair = pair_factory(load_failure_policy=policy, d_extra={"model_revision": "5d0f2ab1"})
+    prompt = long_prompt(70)
+    params = prefill(pair, "req-0", prompt)
+    with caplog.at_level(logging.WARNING, logger="kvbridge.connector.puller"):
+        output = decode(pair, "req-0", prompt, params, MAX_TOKENS)
+    assert "model_revision: local '', remote '5d0f2ab1'" in caplog.text  # P refused D's Hello
+    s = _stats(pair.d)
+    assert (s["num_failed_loads"], s["num_blocks_received"]) == (1, 0)
+    if policy == "recompute":
+        assert output.token_ids == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
+    else:
+        assert output.finish_reason == "error"
+    assert_pair_empty(pair)  # D's release notice freed P's blocks (loopback)
 
 
 def _malformed(params, mutate):

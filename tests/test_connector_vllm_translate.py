@@ -8,15 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvbridge.connector import KVTransferConfigError
+from kvbridge.connector import IndexNamespace, KVTransferConfigError
 from kvbridge.connector.pull_plan import window_gap_groups
 from kvbridge.connector.vllm.translate import (
     RequestView,
     blocks_first_views,
     config_from_vllm,
     kv_cache_config_from_vllm,
+    kv_cache_dtype_of,
     kv_cache_regions,
     kv_layout_name,
+    model_revision_of,
 )
 from kvbridge.kvmanager.request import RequestStatus
 from kvbridge.transport import HandshakeError, NodeMetadata, check_compatible
@@ -75,6 +77,84 @@ def test_a_contradicting_failure_policy_and_unknown_keys_are_refused_by_name():
         config_from_vllm(_vllm_transfer_config(load_failure_policy="recompute"), model_name="m")
     with pytest.raises(KVTransferConfigError, match="lease_sec"):
         config_from_vllm(_vllm_transfer_config(lease_sec=3), model_name="m")
+
+
+class _ResolvedRevision(str):
+    """Stands in for ``huggingface_hub.ResolvedRevision``: the revision asked for as its
+    string value, the commit it resolved to in ``resolved`` (vLLM's ``model_config.revision``
+    for a model from the Hub)."""
+
+    def __new__(cls, initial: str, resolved: str):
+        revision = super().__new__(cls, initial)
+        revision.resolved = resolved
+        return revision
+
+
+@pytest.mark.parametrize(
+    ("revision", "expected"),
+    [
+        (_ResolvedRevision("main", "5d0f2ab1" * 5), "5d0f2ab1" * 5),  # the commit "main" is now
+        ("v1.1", "v1.1"),  # not resolved (a local path, offline): as given
+        (None, ""),  # a local path without --revision: unknown
+    ],
+)
+def test_the_model_revision_is_the_commit_vllm_loaded(revision, expected):
+    model_config = SimpleNamespace(revision=revision, code_revision="c", tokenizer_revision="t")
+    assert model_revision_of(model_config) == expected
+    config = config_from_vllm(_vllm_transfer_config(), model_name="m", model_revision=expected)
+    assert config.model_revision == expected
+
+
+def test_a_model_revision_vllm_does_not_know_may_be_set_and_one_it_knows_not_contradicted():
+    # A local path has no revision vLLM knows: the operator may name one for the identity.
+    config = config_from_vllm(_vllm_transfer_config(model_revision="v2"), model_name="m")
+    assert config.model_revision == "v2"
+    with pytest.raises(KVTransferConfigError, match="model_revision='v2' contradicts"):
+        config_from_vllm(
+            _vllm_transfer_config(model_revision="v2"), model_name="m", model_revision="5d0f2ab1"
+        )
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "skip_layers", "expected"),
+    [
+        ("auto", [], "bfloat16"),  # the model's dtype: the bytes of a cache set to "bfloat16"
+        ("bfloat16", [], "bfloat16"),
+        ("fp8_e4m3", [], "fp8_e4m3"),
+        ("fp8_e5m2", [], "fp8_e5m2"),
+        ("fp8", [], "fp8"),  # not merged with fp8_e4m3: its variant depends on the platform
+        ("fp8_e4m3", ["sliding_window", "0"], "fp8_e4m3+skip:0,sliding_window"),
+    ],
+)
+def test_the_kv_cache_dtype_is_vllms_cache_dtype_with_auto_resolved(
+    cache_dtype, skip_layers, expected
+):
+    cache_config = SimpleNamespace(cache_dtype=cache_dtype, kv_cache_dtype_skip_layers=skip_layers)
+    assert kv_cache_dtype_of(cache_config, SimpleNamespace(dtype=torch.bfloat16)) == expected
+
+
+def test_fp8_variants_in_equal_uint8_tensors_are_two_identities():
+    # Issue 28 item 7: vLLM keeps fp8_e4m3 and fp8_e5m2 caches in uint8 tensors of one shape,
+    # so the layout name (backend, shape, dtype "uint8") is the same for both. Before, the
+    # handshake compared nothing else and two such nodes exchanged blocks (each read the
+    # other's bytes in its own fp8 format); now the identity names the cache dtype.
+    config = kv_cache_config_from_vllm(_vllm_cache_config(FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.uint8)))
+    cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=torch.uint8)
+    regions = kv_cache_regions({"model.layers.0.self_attn.attn": cache}, config, backend="cpu-attn")
+    node_a, node_b = (
+        NodeMetadata.from_kv_caches(
+            engine_id=f"node-{fmt}",
+            kv_caches_by_group=[list(regions.regions_by_layer["model.layers.0.self_attn.attn"])],
+            model_name="m", hash_fn_name="sha256", kv_layout=regions.kv_layout,
+            kv_cache_dtype=kv_cache_dtype_of(SimpleNamespace(cache_dtype=fmt), None),
+        )
+        for fmt in ("fp8_e4m3", "fp8_e5m2")
+    )
+    with pytest.raises(HandshakeError, match="kv_cache_dtype: local 'fp8_e4m3', remote 'fp8_e5m2'"):
+        check_compatible(node_a, node_b)
+    namespaces = {IndexNamespace(identity=n.identity).key_prefix for n in (node_a, node_b)}
+    assert len(namespaces) == 2
 
 
 def test_kv_cache_config_keeps_blocks_layers_and_page_size():

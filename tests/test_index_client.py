@@ -8,6 +8,7 @@ from another connection: it then answers nobody, as a stalled or partitioned Red
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from _identity_builders import BASE_IDENTITY
 from kvbridge.connector.index import (
     IndexClient,
     IndexNamespace,
@@ -29,7 +31,7 @@ from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-_NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
+_NS = IndexNamespace(identity=BASE_IDENTITY)
 _TTL_S = 30.0  # no heartbeat falls inside a test
 _HOST = "127.0.0.1"
 _PORTS = {"node-a": 7001, "node-b": 7002}
@@ -306,7 +308,7 @@ def test_production_timeouts_answer_unavailable_during_a_pause(redis_url, pause_
 
 def _memory_clients(model_name: str) -> tuple[IndexClient, IndexClient]:
     """Two started clients on the in-process backend, a namespace of their own."""
-    namespace = IndexNamespace(model_name=model_name, block_size=16, hash_fn_name="sha256_cbor")
+    namespace = IndexNamespace(identity=dataclasses.replace(BASE_IDENTITY, model_name=model_name))
     index, directory = open_index("memory", namespace)
     made = []
     for node_id in ("node-a", "node-b"):

@@ -21,7 +21,7 @@ from kvbridge.connector.index.protocol import events_to_ops
 from kvbridge.connector.index.redis_cluster import bucket_of, parse_cluster_url
 from kvbridge.kvmanager import BlockRemoved, BlockStored, Request, SamplingParams
 from kvbridge.kvmanager.engine import Engine
-from kvbridge.transport import LoopbackNetwork
+from kvbridge.transport import BlockIdentity, LoopbackNetwork
 
 # The single-server tests, run here against the cluster (pytest resolves their fixtures in this
 # module: ``index``, ``redis_url``, ``redis_server``, ``hybrid_nodes`` and ``nodes`` below, and
@@ -47,6 +47,7 @@ from test_connector_index import (  # noqa: F401
     make_node,
     serve,
     stats,
+    test_a_node_of_another_block_identity_never_finds_the_blocks,
     test_blocks_are_published_only_after_the_forward_that_computes_them,
     test_request_pulls_the_longest_prefix_then_falls_back_to_local_apc,
     test_salt_and_lora_never_cross_hit_through_the_index,
@@ -65,7 +66,9 @@ from test_index_hit_rule import (  # noqa: F401
     test_when_the_window_blocks_are_gone_the_index_finds_what_the_node_restores,
 )
 
-NAMESPACE = IndexNamespace(model_name="test-model", block_size=16, hash_fn_name="sha256")
+NAMESPACE = IndexNamespace(identity=BlockIdentity(
+    model_name="test-model", kv_cache_dtype="float32", block_size=16, hash_fn_name="sha256"
+))
 
 
 @pytest.fixture
@@ -111,8 +114,8 @@ def nodes(redis_cluster_url):
     network = LoopbackNetwork()
     made = []
 
-    def build(engine_id: str, **extra):
-        engine = make_node(engine_id, network, redis_cluster_url, **extra)
+    def build(engine_id: str, *, index_url: str | None = None, **extra):
+        engine = make_node(engine_id, network, index_url or redis_cluster_url, **extra)
         made.append(engine)
         return engine
 
@@ -339,8 +342,7 @@ def test_replay_trace_runs_on_the_cluster_and_names_the_namespaces_it_wrote(
     # The index-routing policy's entries are where the summary says (the cluster benchmark
     # counts them there).
     index = RedisClusterBlockIndex(
-        IndexNamespace(model_name=summary["index_namespaces"]["index"], block_size=16,
-                       hash_fn_name="sha256_cbor"),
+        IndexNamespace(identity=BlockIdentity(**summary["index_namespaces"]["index"])),
         redis_cluster_url,
     )
     try:

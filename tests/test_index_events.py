@@ -38,11 +38,13 @@ from kvbridge.kvmanager import (
     SamplingParams,
 )
 from kvbridge.kvmanager.engine import Engine, EngineConfig
-from kvbridge.transport import LoopbackNetwork
+from kvbridge.transport import BlockIdentity, LoopbackNetwork
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 3
-NAMESPACE = IndexNamespace(model_name="events", block_size=BLOCK_SIZE, hash_fn_name="sha256")
+NAMESPACE = IndexNamespace(identity=BlockIdentity(
+    model_name="events", kv_cache_dtype="float32", block_size=BLOCK_SIZE, hash_fn_name="sha256"
+))
 
 
 def _hash(i: int) -> bytes:

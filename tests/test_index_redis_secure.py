@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _identity_builders import BASE_IDENTITY
 from _redis_secure_fixture import SecureRedis, make_tls_files, start_secure_redis
 from kvbridge.connector.index import IndexNamespace, open_index
 from kvbridge.connector.index.node_directory import NodeAddress
@@ -21,7 +22,7 @@ from kvbridge.kvmanager.kv_events import BlockStored
 pytestmark = pytest.mark.timeout(60)
 
 PASSWORD = "pa:ss/w@rd-0123"  # URL-special characters, percent-encoded in the URL
-_NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
+_NS = IndexNamespace(identity=BASE_IDENTITY)
 
 
 @pytest.fixture(scope="module")

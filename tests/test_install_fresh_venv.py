@@ -7,6 +7,7 @@ and installed into the venv, and the test checks that the commands import it fro
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -23,8 +24,11 @@ def test_pip_install_gives_every_command_outside_the_checkout(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    source = tmp_path / "src"  # a copy: setuptools builds in the source tree (build/, egg-info)
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache", ".pkg"))
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
-                    "--no-deps", "--no-build-isolation", str(REPO)],
+                    "--no-deps", "--no-build-isolation", str(source)],
                    check=True, capture_output=True, timeout=600, cwd=tmp_path)
     where = subprocess.run(
         [str(python), "-c", "import kvbridge.connector.serve as s; print(s.__file__)"],

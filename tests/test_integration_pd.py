@@ -176,9 +176,11 @@ def test_body_refused_by_decode_releases_the_prefill_lease(nodes):
 
 async def test_proxy_routes_through_prefill_then_decode(nodes, redis_server):
     from kvbridge.connector.serve.proxy import PDRouter, PrefixLocator, build_app
+    from kvbridge.transport import BlockIdentity
 
-    locator = PrefixLocator(redis_server.url, model_name="kvbridge-tiny",
-                            block_size=BLOCK_SIZE, hash_fn="sha256_cbor")
+    locator = PrefixLocator(redis_server.url, identity=BlockIdentity(
+        model_name="kvbridge-tiny", kv_cache_dtype="float32", block_size=BLOCK_SIZE,
+        hash_fn_name="sha256_cbor"))
     router = PDRouter([nodes["prefill"].url], [nodes["decode"].url], locator=locator)
     prompt = [*PROMPT[:-2], ord("?"), ord("?")]
     expected = _reference(prompt, MAX_TOKENS)
@@ -205,12 +207,13 @@ def test_prefill_restart_old_ticket_recomputes_and_index_drops_old_entries(nodes
     from kvbridge.connector.index.protocol import IndexNamespace
     from kvbridge.connector.index.redis_index import RedisBlockIndex
     from kvbridge.kvmanager import Request, get_request_block_hasher
+    from kvbridge.transport import BlockIdentity
 
     group, old = nodes["group"], nodes["prefill"]
     ticket = _prefill(old.url, PROMPT)
     index = RedisBlockIndex(
-        IndexNamespace(model_name="kvbridge-tiny", block_size=BLOCK_SIZE,
-                       hash_fn_name="sha256_cbor"),
+        IndexNamespace(identity=BlockIdentity(model_name="kvbridge-tiny", kv_cache_dtype="float32",
+                                              block_size=BLOCK_SIZE, hash_fn_name="sha256_cbor")),
         redis_server.url,
     )
     probe = Request("probe", PROMPT, SamplingParams(max_tokens=1),

@@ -114,9 +114,10 @@ def test_pull_takes_the_prefix_from_its_holder_and_caches_it_on_the_puller(
     requests = replay.read_trace(trace)
     expander = replay.TokenExpander(args.block_size)
     args.max_model_len = 65
-    index = replay.InMemoryBlockIndex(replay.IndexNamespace(
-        model_name="replay", block_size=args.block_size, hash_fn_name=args.hash_fn
-    ))
+    index = replay.InMemoryBlockIndex(replay.IndexNamespace(identity=replay.BlockIdentity(
+        model_name="replay", kv_cache_dtype="float16", block_size=args.block_size,
+        hash_fn_name=args.hash_fn,
+    )))
     run = replay.Replay(args, index, "pull")
     result = run.run(requests, expander)
     assert result.requests_per_node == [2, 1, 0, 0]
@@ -167,9 +168,10 @@ def _pull_replay(
     requests = replay.read_trace(trace)
     expander = replay.TokenExpander(args.block_size)
     args.max_model_len = max(expander.num_tokens(r) for r in requests) + 1
-    index = replay.InMemoryBlockIndex(replay.IndexNamespace(
-        model_name="replay", block_size=args.block_size, hash_fn_name=args.hash_fn
-    ))
+    index = replay.InMemoryBlockIndex(replay.IndexNamespace(identity=replay.BlockIdentity(
+        model_name="replay", kv_cache_dtype="float16", block_size=args.block_size,
+        hash_fn_name=args.hash_fn,
+    )))
     run = replay.Replay(args, index, "pull")
     run.run(requests, expander)
     return run, index, requests

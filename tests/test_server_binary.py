@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import redis
+from _identity_builders import BASE_IDENTITY
 from _redis_fixture import start_redis_server
 from kvbridge.connector.index import IndexNamespace, RedisBlockIndex
 from kvbridge.connector.index.server_binary import ENV_VAR, find_server_binary
 from kvbridge.connector.serve.demo.processes import ProcessGroup, StartupError
 from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored
 
-_NS = IndexNamespace(model_name="tiny-llama", block_size=16, hash_fn_name="sha256_cbor")
+_NS = IndexNamespace(identity=BASE_IDENTITY)
 
 
 def _fake_server(folder: Path, name: str, banner: str) -> Path:

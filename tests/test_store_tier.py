@@ -350,6 +350,35 @@ def test_stale_index_entry_for_a_block_the_store_no_longer_holds_is_a_load_error
 
 
 # ---------------------------------------------------------------------- bad writes
+def test_a_node_of_another_model_revision_never_writes_to_nor_restores_from_the_store(
+    network, redis_url, cleanup
+):
+    # Issue 28 item 7, store tier: a store keeps the blocks of one block identity. A node of
+    # another revision of the model (its KV differs under the same hashes) has its puts
+    # refused (the put's compat_hash covers the identity) and never finds the store's blocks
+    # in the index (another namespace). Before, model_revision was no setting at all.
+    engines, stores = cleanup
+    store = make_store(network, redis_url, capacity_blocks=64, model_revision="5d0f2ab1")
+    stores.append(store)
+    node = make_node("node-a", network, redis_url, store)  # revision "" (unknown)
+    engines.append(node)
+    namespace = node.scheduler.connector.scheduler_half.index_client.index.namespace
+    assert namespace.key_prefix != store.namespace.key_prefix
+    prompt_a, prompt_b = two_documents()
+    # (1) A, then B evicts most of A: A's cold blocks go to the store, which refuses them.
+    serve(node, "a-0", prompt_a)
+    serve(node, "b-0", prompt_b)
+    s = stats(node)
+    assert s["num_offloaded_blocks"] == 0 and s["num_offload_failures"] >= 1
+    assert store.cache.num_held() == 0 and store.stats.num_put_errors >= 1
+    # (2) A again: nothing comes from the store, the node computes it (right tokens).
+    out = serve(node, "a-1", prompt_a)
+    assert out.token_ids == reference_greedy(prompt_a, MAX_TOKENS, hybrid=False)
+    s = stats(node)
+    assert (s["store_hit_tokens"], s["num_restored_blocks"], s["num_failed_loads"]) == (0, 0, 0)
+    assert_node_empty(node)
+
+
 def _raw_put(address: tuple[str, int], frame: bytes) -> dict:
     with socket.create_connection(address, timeout=5) as sock:
         sock.sendall(frame)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
-from _transport_helpers import make_kv_caches, make_metadata
+from _identity_builders import (
+    BASE_IDENTITY,
+    IDENTITY_FIELDS,
+    holder_refusal,
+    one_field_apart,
+)
+from _transport_helpers import caches_and_metadata, make_kv_caches, make_metadata
 from kvbridge.transport import (
     GroupRead,
     HandshakeError,
@@ -123,6 +130,33 @@ async def test_incompatible_peer_refused_naming_field():
     holder, requester = await _pair(block_size=32)
     with pytest.raises(HandshakeError, match="block_size: local 32, remote 16"):
         await requester.connect(holder.address)
+
+
+@pytest.mark.parametrize("field", IDENTITY_FIELDS)
+async def test_a_peer_one_block_identity_field_apart_is_refused_naming_it(field):
+    # Issue 28 item 7: P and D that differ in one field of the block identity only (the KV cache
+    # dtype's name over equal tensors, as vLLM's fp8 variants; the model revision; the layout)
+    # hold different bytes under one block hash: the handshake refuses, no byte moves. Before,
+    # there was no model_revision, and a kv_cache_dtype apart from the tensors' dtype at all.
+    network = LoopbackNetwork()
+    holder_caches, holder_metadata = caches_and_metadata("prefill", one_field_apart(field), seed=7)
+    caches, metadata = caches_and_metadata("decode", BASE_IDENTITY, seed=0)
+    twin_caches, twin_metadata = caches_and_metadata("decode-twin", BASE_IDENTITY, seed=0)
+    holder = LoopbackTransport(holder_metadata, holder_caches, network=network)
+    requester = LoopbackTransport(metadata, caches, network=network)
+    twin = LoopbackTransport(twin_metadata, twin_caches, network=network)
+    for transport in (holder, requester, twin):
+        await transport.start()
+    # The holder checks first, speaking from its side ("local" = the holder).
+    with pytest.raises(HandshakeError, match=re.escape(holder_refusal(field))):
+        await requester.connect(holder.address)
+    with pytest.raises(HandshakeError, match=field):
+        await requester.read_blocks(holder.address, "r", _reads([1, 2], [1, 2]), deadline_s=5)
+    assert all(not cache.any() for group in caches for cache in group)  # nothing landed
+    # A node of the same identity is served (equal identities still share).
+    assert (await requester.connect(twin.address)).identity == BASE_IDENTITY
+    for transport in (holder, requester, twin):
+        await transport.close()
 
 
 async def test_stalled_holder_hits_deadline():

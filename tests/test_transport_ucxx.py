@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import socket
 import struct
 import subprocess
@@ -26,7 +27,19 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from _transport_helpers import HELPER_LEASE, NUM_BLOCKS, make_kv_caches, make_metadata
+from _identity_builders import (
+    BASE_IDENTITY,
+    IDENTITY_FIELDS,
+    holder_refusal,
+    one_field_apart,
+)
+from _transport_helpers import (
+    HELPER_LEASE,
+    NUM_BLOCKS,
+    caches_and_metadata,
+    make_kv_caches,
+    make_metadata,
+)
 from kvbridge.transport import (
     GroupRead,
     HandshakeError,
@@ -222,6 +235,20 @@ async def assert_lease_guards_the_block_without_a_hash(
 
 async def test_the_reads_lease_guards_the_block_without_a_hash(holder, requester):
     await assert_lease_guards_the_block_without_a_hash(holder.address, requester, HOLDER_SEED)
+
+
+@pytest.mark.parametrize("field", IDENTITY_FIELDS)
+async def test_a_peer_one_block_identity_field_apart_is_refused_naming_it(requester, field):
+    # Issue 28 item 7 over UCX: the identity travels in the Hello and both sides compare it.
+    assert requester.metadata.identity == BASE_IDENTITY
+    caches, metadata = caches_and_metadata("other", one_field_apart(field), seed=3)
+    other = UcxxTransport(metadata, caches)
+    await other.start()
+    try:
+        with pytest.raises(HandshakeError, match=re.escape(holder_refusal(field))):
+            await requester.connect(other.address)
+    finally:
+        await other.close()
 
 
 async def test_incompatible_peer_refused_naming_field(requester):

@@ -256,10 +256,9 @@ def test_hello_with_forged_compat_hash_is_refused():
     ("change", "fragment"),
     [
         ({"dtype": "complex64"}, "Invalid enum value 'complex64' - at `$.msg.metadata.dtype`"),
-        ({"block_size": 0}, "Expected `int` >= 1 - at `$.msg.metadata.block_size`"),
         ({"groups": []}, "length >= 1 - at `$.msg.metadata.groups`"),
         ({"engine_id": "e" * 513}, "length <= 512 - at `$.msg.metadata.engine_id`"),
-        ({"hash_fn_name": None}, "Expected `str`, got `None` - at `$.msg.metadata.hash_fn_name`"),
+        ({"identity": None}, "Expected `object`, got `None` - at `$.msg.metadata.identity`"),
     ],
 )
 def test_malformed_metadata_names_the_field(change, fragment):
@@ -268,6 +267,35 @@ def test_malformed_metadata_names_the_field(change, fragment):
     with pytest.raises(WireError) as info:
         _decode(obj)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"block_size": 0}, "Expected `int` >= 1 - at `$.block_size`"),
+        ({"hash_fn_name": None}, "Expected `str`, got `None` - at `$.hash_fn_name`"),
+        ({"model_revision": "r" * 513}, "length <= 512 - at `$.model_revision`"),
+        ({"kv_cache_dtype": "d" * 65}, "length <= 64 - at `$.kv_cache_dtype`"),
+        ({"kv_cache_dtype": ""}, "kv_cache_dtype must be non-empty - at `$`"),
+        ({"model_name": ""}, "model_name must be non-empty - at `$`"),
+    ],
+)
+def test_malformed_block_identity_names_the_field(change, fragment):
+    obj = _hello_obj(make_metadata("p", make_kv_caches(seed=0)))
+    obj["msg"]["metadata"]["identity"].update(change)
+    with pytest.raises(WireError) as info:
+        _decode(obj)
+    assert fragment.replace("`$", "`$.msg.metadata.identity") in str(info.value)
+
+
+def test_a_peer_may_leave_out_the_identity_fields_with_defaults():
+    # model_revision "" (unknown) and kvbridge's own kv_layout are what a peer that sends
+    # neither means: its metadata decodes to the same identity and the same compat_hash.
+    metadata = make_metadata("p", make_kv_caches(seed=0))
+    obj = _hello_obj(metadata)
+    del obj["msg"]["metadata"]["identity"]["model_revision"]
+    del obj["msg"]["metadata"]["identity"]["kv_layout"]
+    assert _decode(obj).metadata.identity == metadata.identity
 
 
 @pytest.mark.parametrize(

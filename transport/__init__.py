@@ -4,8 +4,9 @@
 processes on one host by cross-memory attach (``cma``); it is imported lazily, so loading this
 package does not load UCX. ``LoopbackTransport`` is its in-process twin for unit tests. ``wire``
 is the control schema (msgspec structs over msgpack, bounded by ``limits``), ``metadata`` the
-handshake metadata and compatibility check, ``address`` the syntax of hosts and ``host:port``
-(IPv6 in brackets) that every address kvbridge takes or hands out goes through.
+handshake metadata and compatibility check, ``identity`` what a block's bytes depend on,
+``address`` the syntax of hosts and ``host:port`` (IPv6 in brackets) that every address kvbridge
+takes or hands out goes through.
 """
 
 from typing import Any
@@ -41,6 +42,7 @@ from .errors import (
     TransportError,
     WireError,
 )
+from .identity import BlockIdentity, IdentityDifference
 from .loopback import LoopbackFaults, LoopbackNetwork, LoopbackTransport
 from .metadata import KV_LAYOUT_NAME, KVGroupLayout, NodeMetadata, check_compatible
 from .wire import WIRE_VERSION
@@ -59,6 +61,7 @@ __all__ = [
     "KV_LAYOUT_NAME",
     "WIRE_VERSION",
     "BlockBoard",
+    "BlockIdentity",
     "BlockValidator",
     "BoardCounts",
     "GroupRead",
@@ -66,6 +69,7 @@ __all__ = [
     "HeartbeatCallback",
     "HolderCallbacks",
     "HostPort",
+    "IdentityDifference",
     "KVGroupLayout",
     "LeaseRef",
     "LoopbackFaults",

@@ -1,14 +1,17 @@
 """Node metadata exchanged at handshake and the compatibility check between two nodes.
 
 docs/architecture.md, "Handshake and compatibility check": the handshake exchanges engine id,
-incarnation (new on every restart), a compatibility hash over (model, dtype, block size, KV
-layout per group, number of layers per group, hash function) and the KV region layout. Different
-block sizes or layouts on P and D are refused with a message naming the differing field.
+incarnation (new on every restart), a compatibility hash over the block identity
+(``identity.BlockIdentity``: model, model revision, KV cache dtype, KV layout, block size, hash
+function) and the KV region geometry (number of layers, block shape and dtype per group), and
+that geometry itself. A peer that differs in any of them is refused with a message naming the
+differing field (docs/architecture.md, "Reliability rules").
 
-Both types travel in the handshake as they are (``wire.Hello``): their field annotations carry
+These types travel in the handshake as they are (``wire.Hello``): their field annotations carry
 the bounds a peer's metadata must respect (``limits``), checked when a peer's metadata is decoded.
-A field with a default (``incarnation``, ``kv_layout``) may be left out by a peer, which is the
-same as sending that value; ``compat_hash`` travels beside the metadata and covers ``kv_layout``.
+A field with a default (``incarnation``, ``identity.kv_layout``, ``identity.model_revision``) may
+be left out by a peer, which is the same as sending that value; ``compat_hash`` travels beside
+the metadata and covers every field two nodes must agree on.
 """
 
 from __future__ import annotations
@@ -24,19 +27,8 @@ import torch
 from msgspec import Meta
 
 from .errors import HandshakeError
-from .limits import (
-    MAX_GROUPS,
-    BlockShape,
-    BlockSize,
-    DtypeName,
-    NumBlocks,
-    NumLayers,
-    ShortText,
-    Text,
-)
-
-KV_LAYOUT_NAME = "blocks_first:[num_blocks,2,block_size,num_kv_heads,head_size]"
-"""Name of the per-layer KV tensor layout (kvbridge.kernels.layout); part of the compat hash."""
+from .identity import KV_LAYOUT_NAME, BlockIdentity
+from .limits import MAX_GROUPS, BlockShape, DtypeName, NumBlocks, NumLayers, Text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,18 +83,15 @@ class KVGroupLayout:
 class NodeMetadata:
     """What a node tells its peers at handshake.
 
-    ``num_blocks`` may differ between nodes; everything else in ``groups`` must match, and so must
-    ``model_name``, ``dtype``, ``block_size`` and ``hash_fn_name``.
+    Every field of ``identity`` must match (``BlockIdentity``), and so must ``dtype`` (group 0's
+    tensors') and everything in ``groups`` but ``num_blocks``.
     """
 
     engine_id: Text
-    model_name: Text
+    identity: BlockIdentity
     dtype: DtypeName
-    block_size: BlockSize
-    hash_fn_name: ShortText
     groups: Annotated[tuple[KVGroupLayout, ...], Meta(min_length=1, max_length=MAX_GROUPS)]
     incarnation: Text = field(default_factory=lambda: uuid.uuid4().hex)
-    kv_layout: Text = KV_LAYOUT_NAME
 
     @classmethod
     def from_kv_caches(
@@ -112,36 +101,43 @@ class NodeMetadata:
         kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
         model_name: str,
         hash_fn_name: str,
+        model_revision: str = "",
+        kv_cache_dtype: str | None = None,
         kv_layout: str = KV_LAYOUT_NAME,
     ) -> NodeMetadata:
         """Metadata of a node whose KV tensors are ``kv_caches_by_group[g][layer]``; ``dtype`` and
-        ``block_size`` are read from group 0 (axis 2 of the tensor is the block size).
-        ``kv_layout`` names the bytes' real arrangement inside a block when the tensors are a
-        blocks-first view of another engine's cache (two nodes must name the same layout)."""
+        the block size are read from group 0 (axis 2 of the tensor is the block size).
+
+        ``kv_cache_dtype`` names the cache's element type when the tensors' dtype does not
+        (vLLM's fp8 caches are ``uint8`` tensors); None: the tensors' dtype. ``kv_layout`` names
+        the bytes' real arrangement inside a block when the tensors are a blocks-first view of
+        another engine's cache. Both, and ``model_revision``, are in the ``BlockIdentity``.
+
+        Raises:
+            ValueError: no group, tensors that disagree, or an empty name.
+        """
         groups = tuple(KVGroupLayout.from_kv_caches(caches) for caches in kv_caches_by_group)
         if not groups:
             raise ValueError("kv_caches_by_group is empty: a node has at least one KV cache group")
-        return cls(
-            engine_id=engine_id,
+        identity = BlockIdentity(
             model_name=model_name,
-            dtype=groups[0].dtype,
+            model_revision=model_revision,
+            kv_cache_dtype=kv_cache_dtype or groups[0].dtype,
+            kv_layout=kv_layout,
             block_size=groups[0].block_shape[1],
             hash_fn_name=hash_fn_name,
-            groups=groups,
-            kv_layout=kv_layout,
         )
+        return cls(engine_id=engine_id, identity=identity, dtype=groups[0].dtype, groups=groups)
 
     @property
     def compat_hash(self) -> str:
-        """sha256 (hex) over everything two nodes must agree on (not engine id, incarnation,
-        or num_blocks)."""
+        """sha256 (hex) over everything two nodes must agree on: every field of the identity
+        (``BlockIdentity.as_items``), the dtype and each group's geometry (not engine id,
+        incarnation, or num_blocks)."""
         payload = msgpack.packb(
             [
-                self.model_name,
+                [list(item) for item in self.identity.as_items()],
                 self.dtype,
-                self.block_size,
-                self.hash_fn_name,
-                self.kv_layout,
                 [[g.num_layers, list(g.block_shape), g.dtype] for g in self.groups],
             ]
         )
@@ -149,18 +145,21 @@ class NodeMetadata:
 
 
 def check_compatible(local: NodeMetadata, remote: NodeMetadata) -> None:
-    """Refuse a peer whose KV layout differs from ours.
+    """Refuse a peer whose blocks are not ours: another block identity or KV geometry.
 
     Raises:
-        HandshakeError: naming the first differing field, e.g.
+        HandshakeError: naming the first differing field, identity fields first (in
+            ``BlockIdentity``'s order), e.g. ``"model_revision: local 'a1', remote 'b2'"``,
             ``"block_size: local 16, remote 32"`` or ``"groups[1].num_layers: local 4, remote 2"``.
     """
-    for name in ("model_name", "dtype", "block_size", "hash_fn_name", "kv_layout"):
-        mine, theirs = getattr(local, name), getattr(remote, name)
-        if mine != theirs:
-            raise HandshakeError(
-                f"incompatible peer {remote.engine_id!r}: {name}: local {mine!r}, remote {theirs!r}"
-            )
+    difference = local.identity.first_difference(remote.identity)
+    if difference is not None:
+        raise HandshakeError(f"incompatible peer {remote.engine_id!r}: {difference}")
+    if local.dtype != remote.dtype:
+        raise HandshakeError(
+            f"incompatible peer {remote.engine_id!r}: dtype: local {local.dtype!r}, "
+            f"remote {remote.dtype!r}"
+        )
     if len(local.groups) != len(remote.groups):
         raise HandshakeError(
             f"incompatible peer {remote.engine_id!r}: num_groups: local {len(local.groups)}, "

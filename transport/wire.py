@@ -116,7 +116,8 @@ WIRE_VERSION = 9
 #    Hello.auth_nonce, AuthChallenge, AuthProof (see ``auth``)
 # 7: Read.lease (a handoff's lease in its own field, no longer inside an expected hash)
 # 8: Read.copy_first (a same-host read under a lease copies while the holder checks it)
-# 9: Hello.notices_only (a connection for TransferDone alone, open to an incompatible peer)
+# 9: Hello.notices_only (a connection for TransferDone alone, open to an incompatible peer);
+#    NodeMetadata.identity (identity.BlockIdentity: model revision and KV cache dtype added)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 

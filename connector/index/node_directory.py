@@ -124,7 +124,7 @@ class RedisNodeDirectory:
 
     Args:
         client: a redis-py client (its socket timeouts bound every call).
-        key_prefix: the index namespace's key prefix (model, block size, hash function).
+        key_prefix: the index namespace's key prefix (the nodes' block identity).
     """
 
     def __init__(self, client: redis.Redis, key_prefix: str) -> None:

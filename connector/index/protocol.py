@@ -41,6 +41,7 @@ from urllib.parse import quote
 
 import numpy as np
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.transport.identity import BlockIdentity
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
@@ -100,31 +101,45 @@ def tier_for_medium(medium: str | None, default_tier: Tier) -> Tier:
 
 @dataclass(frozen=True, kw_only=True)
 class IndexNamespace:
-    """What makes two caches compatible: keys of different namespaces never match."""
+    """Where a node's entries live: keys of different namespaces never match.
 
-    model_name: str
-    block_size: int
-    hash_fn_name: str
-    # Entries are keyed by the first key_hash_bytes of each block hash. 8 bytes: a false match
-    # needs a 64-bit collision at the same position of one node's entries (~1e6 / 2**64 per probe)
-    # and would cost a recompute (the holder re-checks the full hash); a lookup of 625 hashes
-    # sends 5 KB instead of 20 KB, which is most of its cost.
+    Args:
+        identity: the nodes' ``BlockIdentity`` (``kvbridge.transport``): every field of it,
+            the one description the handshake checks too, is in ``key_prefix``; a node takes
+            its own from its worker half's handshake metadata.
+        key_hash_bytes: entries are keyed by the first this many bytes of each block hash.
+            8 bytes: a false match needs a 64-bit collision at the same position of one node's
+            entries (~1e6 / 2**64 per probe) and would cost a recompute (the holder re-checks
+            the full hash); a lookup of 625 hashes sends 5 KB instead of 20 KB, which is most
+            of its cost.
+
+    Raises:
+        ValueError: ``key_hash_bytes`` below 8.
+    """
+
+    identity: BlockIdentity
     key_hash_bytes: int = 8
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.key_hash_bytes < 8:
             raise ValueError(f"key_hash_bytes must be at least 8, got {self.key_hash_bytes}")
-        if not self.model_name or not self.hash_fn_name:
-            raise ValueError("model_name and hash_fn_name must be non-empty")
+
+    @property
+    def model_name(self) -> str:
+        return self.identity.model_name
+
+    @property
+    def block_size(self) -> int:
+        return self.identity.block_size
 
     @property
     def key_prefix(self) -> str:
-        """``kvbridge:bi:<model>:<block_size>:<hash_fn>:k<key_hash_bytes>``, names %-quoted."""
-        model = quote(self.model_name, safe="")
-        hash_fn = quote(self.hash_fn_name, safe="")
-        return f"kvbridge:bi:{model}:{self.block_size}:{hash_fn}:k{self.key_hash_bytes}"
+        """``kvbridge:bi:<model>:<identity>:k<key_hash_bytes>``: the model name %-quoted (for
+        people reading the keys), ``<identity>`` the first 16 hex digits of the identity's
+        ``digest`` (over every field of it, the model name included). No ``{``, ``}`` or
+        ``:`` inside a segment (Redis Cluster hash tags wrap the prefix: ``redis_cluster``)."""
+        model = quote(self.identity.model_name, safe="")
+        return f"kvbridge:bi:{model}:{self.identity.digest[:16]}:k{self.key_hash_bytes}"
 
 
 class IndexOp(NamedTuple):

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -46,6 +46,9 @@ from kvbridge.transport import check_host, parse_base_url
 from .cli import CommandParser, serve_http
 from .http_body import BadRequest, CompletionBody
 from .http_disconnect import CLIENT_CLOSED_STATUS, ClientDisconnected, DisconnectWatch
+
+if TYPE_CHECKING:
+    from kvbridge.transport import BlockIdentity
 
 __all__ = ["PDResult", "PDRouter", "PrefixLocator", "build_app", "main"]
 
@@ -87,18 +90,17 @@ class PrefixLocator:
     Args:
         index_url: ``redis://...`` or ``redis-cluster://HOST:PORT[,...]`` of the index the
             nodes publish to.
-        model_name, block_size, hash_fn: the index namespace (must equal the nodes').
+        identity: the nodes' ``kvbridge.transport.BlockIdentity`` (model, revision, KV cache
+            dtype, layout, block size, hash function): the index namespace, so every field
+            must equal the nodes' or no lookup finds their blocks.
     """
 
-    def __init__(self, index_url: str, *, model_name: str, block_size: int, hash_fn: str) -> None:
+    def __init__(self, index_url: str, *, identity: BlockIdentity) -> None:
         from kvbridge.connector.index import IndexNamespace, block_index_for_url
         from kvbridge.kvmanager import get_request_block_hasher
 
-        self._index = block_index_for_url(
-            index_url,
-            IndexNamespace(model_name=model_name, block_size=block_size, hash_fn_name=hash_fn),
-        )
-        self._hasher = get_request_block_hasher(block_size, hash_fn)
+        self._index = block_index_for_url(index_url, IndexNamespace(identity=identity))
+        self._hasher = get_request_block_hasher(identity.block_size, identity.hash_fn_name)
 
     def holders(self, prompt_token_ids: Sequence[int]) -> list[tuple[str, int]]:
         """``(node_id, num_blocks)`` of every holder, longest first (empty: no hit or no index)."""
@@ -326,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         "--index-url", default=None,
         help="redis://... or redis-cluster://HOST:PORT[,...] for index-aware P choice",
     )
-    parser.add_argument("--model-name", default="kvbridge-tiny", help="index namespace model")
+    # The nodes' block identity (kvbridge.transport.BlockIdentity), the index namespace; the
+    # defaults are examples/node_server.py's with --model tiny.
+    parser.add_argument("--model-name", default="kvbridge-tiny", help="the nodes' model_name")
+    parser.add_argument("--model-revision", default="", help="the nodes' model_revision")
+    parser.add_argument("--kv-cache-dtype", default="float32", help="the nodes' KV cache dtype")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hash-fn", default="sha256_cbor")
     args = parser.parse_args(argv)
@@ -339,12 +345,16 @@ def main(argv: list[str] | None = None) -> int:
             for url in urls:
                 parse_base_url(url, what=flag)
         if args.index_url:
-            locator = PrefixLocator(
-                args.index_url,
+            from kvbridge.transport import BlockIdentity
+
+            identity = BlockIdentity(
                 model_name=args.model_name,
+                model_revision=args.model_revision,
+                kv_cache_dtype=args.kv_cache_dtype,
                 block_size=args.block_size,
-                hash_fn=args.hash_fn,
+                hash_fn_name=args.hash_fn,
             )
+            locator = PrefixLocator(args.index_url, identity=identity)
     except ValueError as exc:
         parser.error(str(exc))
     router = PDRouter(args.prefill, args.decode, locator=locator)

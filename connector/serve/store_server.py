@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--engine-id", default="store-0")
     parser.add_argument("--model-name", default="kvbridge")
+    parser.add_argument("--model-revision", default="", help="the writers' model_revision")
     parser.add_argument("--hash-fn", default="sha256_cbor")
     parser.add_argument("--read-guard-s", type=float, default=30.0)
     args = parser.parse_args(argv)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity_bytes=args.capacity_bytes,
             engine_id=args.engine_id,
             model_name=args.model_name,
+            model_revision=args.model_revision,
             hash_fn_name=args.hash_fn,
             index_url=args.index_url,
             host=args.host,

@@ -125,7 +125,8 @@ class StoreNode:
         block_size: tokens per block (must match the nodes').
         capacity_bytes: host memory for blocks, across all groups and layers.
         engine_id: the store's node id in the index and at handshake.
-        model_name, hash_fn_name: must equal the nodes' (handshake and index namespace).
+        model_name, model_revision, hash_fn_name: the nodes' (its ``BlockIdentity``: a put
+            of another identity is refused; such a node never finds or pulls its blocks).
         index_url: ``redis://...`` or ``"memory"``; None: publish nothing (tests of the cache).
         host, port: where the transport serves pulls (port 0: any free one); a hostname or an
             IP address, IPv6 bare (``"::1"``).
@@ -146,6 +147,7 @@ class StoreNode:
         capacity_bytes: int,
         engine_id: str = "store-0",
         model_name: str = "kvbridge",
+        model_revision: str = "",
         hash_fn_name: str = "sha256_cbor",
         index_url: str | None = None,
         host: str = "127.0.0.1",
@@ -176,11 +178,10 @@ class StoreNode:
             kv_caches_by_group=self.kv_caches_by_group,
             model_name=model_name,
             hash_fn_name=hash_fn_name,
+            model_revision=model_revision,
         )
         self.metadata = replace(self.metadata, incarnation=str(self.incarnation))
-        self.namespace = IndexNamespace(
-            model_name=model_name, block_size=block_size, hash_fn_name=hash_fn_name
-        )
+        self.namespace = IndexNamespace(identity=self.metadata.identity)
         self.index_url = index_url
         self.index_ttl_s = index_ttl_s
         self.max_put_bytes = max_put_bytes
@@ -307,8 +308,8 @@ class StoreNode:
         if put.compat_hash != self.metadata.compat_hash:
             raise StoreWireError(
                 f"compat_hash {put.compat_hash[:16]}... is not this store's "
-                f"{self.metadata.compat_hash[:16]}... (other model, dtype, block size, layout "
-                "or hash function)"
+                f"{self.metadata.compat_hash[:16]}... (another block identity: model, "
+                "revision, KV dtype, layout, block size or hash function; or KV geometry)"
             )
         for i, group in enumerate(put.groups):
             if group.group_id >= len(self.cache.groups):

@@ -7,7 +7,8 @@ One frame::
 Messages (every header carries ``"v": STORE_SCHEMA_VERSION`` and ``"type"``):
 
 - ``put`` (writer -> store): ``compat_hash`` (str, the writer's ``NodeMetadata.compat_hash``: the
-  store refuses another model, dtype, block size, layout or hash function) and ``groups``, a list
+  store refuses another block identity, e.g. another model revision or KV cache dtype, or KV
+  geometry) and ``groups``, a list
   of ``{"group_id", "block_hashes", "parent_hashes", "nbytes"}``. ``parent_hashes[i]`` is the hash
   that precedes ``block_hashes[i]`` in its chain (``b""`` for a request's first block). The
   payload is the groups' bytes back to back; group ``k``'s ``nbytes`` bytes are the

@@ -48,7 +48,9 @@ from .translate import (
     RequestView,
     config_from_vllm,
     kv_cache_config_from_vllm,
+    kv_cache_dtype_of,
     kv_cache_regions,
+    model_revision_of,
 )
 
 if TYPE_CHECKING:
@@ -123,8 +125,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         route_to_vllm()  # kvbridge's log lines in vLLM's stream and format (logs.py)
-        model_name = str(vllm_config.model_config.served_model_name or "vllm")
-        self.config = config_from_vllm(vllm_config.kv_transfer_config, model_name=model_name)
+        model_config = vllm_config.model_config
+        self.config = config_from_vllm(
+            vllm_config.kv_transfer_config,
+            model_name=str(model_config.served_model_name or "vllm"),
+            model_revision=model_revision_of(model_config),
+        )
+        self._kv_cache_dtype = kv_cache_dtype_of(vllm_config.cache_config, model_config)
         self._ours = kv_cache_config_from_vllm(kv_cache_config)
         # Several groups (vLLM's hybrid allocator): a failed pull is reported by request
         # (``failed_recving``), since vLLM refuses block-level load errors there.
@@ -300,10 +307,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the attention backend's caches as they are: block-major (the CPU backend)
         or K/V-split (FlashAttention: two regions per layer), named in the handshake
-        (``translate.kv_cache_regions``)."""
+        (``translate.kv_cache_regions``) with the device and vLLM's attention backends of the
+        layers (as vLLM's NIXL connector: two backends are two layouts, shapes alike or not)."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
         first = next(iter(kv_caches.values()))
-        regions = kv_cache_regions(kv_caches, self._ours, backend=f"{first.device.type}-attn")
-        self._work().register_kv_caches(regions.regions_by_layer, kv_layout=regions.kv_layout)
+        names = sorted({b.get_name() for b in get_current_attn_backends(self._vllm_config)})
+        backend = f"{first.device.type}-{'+'.join(names)}"
+        regions = kv_cache_regions(kv_caches, self._ours, backend=backend)
+        self._work().register_kv_caches(
+            regions.regions_by_layer, kv_layout=regions.kv_layout,
+            kv_cache_dtype=self._kv_cache_dtype,
+        )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         handshake = self._work().get_handshake_metadata()

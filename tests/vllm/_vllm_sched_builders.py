@@ -39,6 +39,8 @@ from kvbridge.connector.metadata import (
 from kvbridge.connector.serve.demo import tiny_checkpoint as _model
 from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.connector.vllm.adapter import KVBridgeConnector, _Handshake, _WorkerReport
+from kvbridge.connector.vllm.translate import kv_cache_dtype_of, model_revision_of
+from kvbridge.transport import BlockIdentity
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -167,8 +169,16 @@ def make_scheduler(
         block_size=BLOCK_SIZE,
         log_stats=True,
     )
+    identity = BlockIdentity(  # what the worker half's transport would announce
+        model_name=str(vllm_config.model_config.served_model_name),
+        model_revision=model_revision_of(vllm_config.model_config),
+        kv_cache_dtype=kv_cache_dtype_of(vllm_config.cache_config, vllm_config.model_config),
+        block_size=BLOCK_SIZE,
+        hash_fn_name=str(vllm_config.cache_config.prefix_caching_hash_algo),
+    )
     handshake = WorkerHandshake(
-        engine_id=engine_id, incarnation=f"{engine_id}-inc-1", host=WORKER_HOST, port=WORKER_PORT
+        engine_id=engine_id, incarnation=f"{engine_id}-inc-1", host=WORKER_HOST, port=WORKER_PORT,
+        identity=identity,
     )
     connector_of(scheduler).set_xfer_handshake_metadata_pp_aware(
         {(0, 0): _Handshake(msgspec.msgpack.encode(handshake))}

@@ -56,6 +56,7 @@ from typing import Any
 
 import httpx
 import torch
+from kvbridge.transport import BlockIdentity
 from tqdm import tqdm
 
 from ..cli import CommandParser
@@ -277,6 +278,14 @@ async def _run_workload(
         await pd_router.aclose()
 
 
+def _node_identity(args: argparse.Namespace) -> BlockIdentity:
+    """The block identity of the nodes this run starts (examples/node_server.py's defaults)."""
+    dtype = load_model(args.model).config.dtype
+    return BlockIdentity(model_name=f"kvbridge-{args.model}", block_size=args.block_size,
+                         kv_cache_dtype=str(dtype).removeprefix("torch."),
+                         hash_fn_name="sha256_cbor")
+
+
 def _verify(args: argparse.Namespace, completed: list[Completed]) -> tuple[int, list[float]]:
     model = load_model(args.model)
     runner = ReferenceRunner(model, block_size=args.block_size, max_model_len=args.max_model_len)
@@ -373,8 +382,7 @@ def run(args: argparse.Namespace) -> int:
         spread = None
         if args.nodes > 1:
             locator = None if index_url == "memory" else PrefixLocator(
-                index_url, model_name=f"kvbridge-{args.model}", block_size=args.block_size,
-                hash_fn="sha256_cbor")
+                index_url, identity=_node_identity(args))
             spread = SpreadRouter(engine_ids_of([d.url for d in decodes]), locator=locator,
                                   block_size=args.block_size)
         try:

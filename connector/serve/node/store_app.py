@@ -41,6 +41,7 @@ def build_store_node(args: argparse.Namespace, model_config: Any, config: dict[s
         capacity_bytes=args.store_capacity_mb << 20,
         engine_id=str(config.get("engine_id", f"store-{args.port}")),
         model_name=str(extra.get("model_name", "kvbridge")),
+        model_revision=str(extra.get("model_revision", "")),
         index_url=extra.get("index_url"),
         host=str(extra.get("host", "127.0.0.1")),
         port=int(extra.get("port", 0)),

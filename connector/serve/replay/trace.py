@@ -85,6 +85,7 @@ from kvbridge.kvmanager import (
     KVCacheManager,
     Request,
 )
+from kvbridge.transport import BlockIdentity
 from redis.cluster import RedisCluster
 
 from ..cli import CommandParser
@@ -405,13 +406,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     run_tag = new_incarnation()  # a namespace per run and policy: no other run's entries
     ping_client = _ping_client(args.index_url)
     results = []
-    namespaces: dict[str, str] = {}
+    namespaces: dict[str, dict[str, object]] = {}
     for policy in args.policies:
-        namespace = IndexNamespace(
-            model_name=f"replay-{run_tag}-{policy}", block_size=args.block_size,
-            hash_fn_name=args.hash_fn,
-        )
-        namespaces[policy] = namespace.model_name
+        namespace = IndexNamespace(identity=BlockIdentity(  # kv_cache_dtype: Replay's spec's
+            model_name=f"replay-{run_tag}-{policy}", kv_cache_dtype="float16",
+            block_size=args.block_size, hash_fn_name=args.hash_fn))
+        namespaces[policy] = dict(namespace.identity.as_items())
         index = _open_index(args.index_url, namespace)
         results.append(Replay(args, index, policy, ping_client).run(requests, expander))
         index.close()
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         **({"store_blocks": args.store_blocks} if args.store_blocks else {}),
         "block_size": args.block_size,
         "index_url": args.index_url.partition("://")[0] or "memory",
-        "index_namespaces": namespaces,  # each policy's model_name in the index
+        "index_namespaces": namespaces,  # each policy's BlockIdentity fields in the index
         "unbounded_hit_ratio": round(oracle_ratio, 4),
         "wall_s": round(wall_s, 2),
     }
