@@ -32,7 +32,7 @@ from .errors import (
     WireError,
 )
 from .loopback import LoopbackFaults, LoopbackNetwork, LoopbackTransport
-from .metadata import KV_LAYOUT_NAME, KVGroupLayout, NodeMetadata, check_compatible
+from .metadata import KV_LAYOUT_NAME, KVGroupLayout, KVHeads, NodeMetadata, check_compatible
 from .wire import WIRE_VERSION
 
 
@@ -56,6 +56,7 @@ __all__ = [
     "HeartbeatCallback",
     "HolderCallbacks",
     "KVGroupLayout",
+    "KVHeads",
     "LeaseRef",
     "LoopbackFaults",
     "LoopbackNetwork",
