@@ -35,6 +35,7 @@ import torch
 from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
 from kvbridge.transport import (
     KV_LAYOUT_NAME,
+    KVHeads,
     LoopbackFaults,
     LoopbackNetwork,
     LoopbackTransport,
@@ -61,6 +62,7 @@ from .stats import KVTransferStats
 from .store.offload_items import OffloadItem
 from .store.sender import OffloadSender
 from .store.url import parse_store_url
+from .tp_layout import TPLayout
 
 __all__ = ["KVBridgeWorker"]
 
@@ -133,6 +135,7 @@ class KVBridgeWorker:
         self._failed_recving: set[str] = set()
         self._board_counts_seen = (0, 0)  # transport.board_counts moved into stats so far
         self._one_sided_reported: list[tuple[str, str]] | None = []  # the last report's holders
+        self.tp_layout: TPLayout | None = None  # set by register_kv_caches
         self.report_failed_recving = False
         """Keep the failed pulls' request ids for ``take_failed_recving`` (vLLM's adapter
         sets it for several KV cache groups; nobody else takes them)."""
@@ -143,6 +146,7 @@ class KVBridgeWorker:
         kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
         *,
         kv_layout: str = KV_LAYOUT_NAME,
+        tp_layout: TPLayout | None = None,
     ) -> None:
         """Start this node's transport over the KV tensors (group order from the config).
 
@@ -156,9 +160,14 @@ class KVBridgeWorker:
                 handshake's ``num_layers`` counts regions.
             kv_layout: the name of the bytes' real layout inside a block (the handshake refuses
                 a peer whose layout differs).
+            tp_layout: this rank's place in a tensor-parallel engine: the transport names the
+                KV heads its blocks hold (``KVHeads``), every read names the heads it moves, and
+                pulls read each head from the holder's rank that holds it (``Puller.sources``).
+                None: a worker that does not name its heads (kvbridge's own engine).
 
         Raises:
             RuntimeError: when called twice.
+            ValueError: ``tp_layout`` whose heads the tensors do not hold (axis 3 of each).
         """
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice for one node's connector")
@@ -170,12 +179,21 @@ class KVBridgeWorker:
             [region for name in group.layer_names for region in _regions(kv_caches[name])]
             for group in self.kv_cache_config.kv_cache_groups
         ]
+        kv_heads = None
+        if tp_layout is not None:
+            kv_heads = KVHeads(first=tp_layout.heads.start, total=tp_layout.total_num_kv_heads,
+                               sliceable=tp_layout.heads_sliceable)
+            held = tp_layout.heads.stop - tp_layout.heads.start
+            shapes = {tuple(t.shape) for g in by_group for t in g if t.shape[3] != held}
+            if shapes:
+                raise ValueError(f"rank {tp_layout} holds {held} KV heads, tensors {shapes}")
         metadata = NodeMetadata.from_kv_caches(
             engine_id=self.config.engine_id,
             kv_caches_by_group=by_group,
             model_name=self.config.model_name,
             hash_fn_name=self.hash_fn_name,
             kv_layout=kv_layout,
+            kv_heads=kv_heads,
         )
         metadata = replace(metadata, incarnation=str(self.incarnation))
         if self.offload_sender is not None:
@@ -195,6 +213,7 @@ class KVBridgeWorker:
         transport.set_callbacks(**checks.as_kwargs())  # type: ignore[arg-type]
         get_loop_thread().run(transport.start(), _START_TIMEOUT_S)
         self.transport = transport
+        self.tp_layout = self.puller.tp_layout = tp_layout
         self.puller.start_heartbeats(transport, _START_TIMEOUT_S)
         logger.info(
             "%s: transport %s listening on %s:%d",
@@ -263,7 +282,7 @@ class KVBridgeWorker:
             self.puller.waiting_tickets.discard(ticket)
         loop = get_loop_thread()
         for notice in meta.notices:
-            loop.submit(send_notice(transport, notice))
+            loop.submit(send_notice(transport, notice, self.puller.puller_rank))
         for plan in meta.pulls:
             self.puller.submit(transport, plan)
         if self.offload_sender is not None and meta.offload_items:
@@ -349,7 +368,9 @@ class KVBridgeWorker:
         else:
             self._one_sided_reported = holders
         return KVBridgeWorkerMeta(
+            tp_rank=0 if self.tp_layout is None else self.tp_layout.tp_rank,
             stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s),
+            pulls=self.puller.take_reports(),
             offload_outcomes=[tuple(outcome) for outcome in outcomes],
             store_incarnation=0 if self.offload_sender is None
             else self.offload_sender.store_incarnation,
@@ -375,8 +396,14 @@ class KVBridgeWorker:
         if self.transport is None:
             return None
         host, port = self.transport.address
+        layout = self.tp_layout
+        if layout is None:
+            return WorkerHandshake(engine_id=self.config.engine_id,
+                                   incarnation=str(self.incarnation), host=host, port=port)
         return WorkerHandshake(
-            engine_id=self.config.engine_id, incarnation=str(self.incarnation), host=host, port=port
+            engine_id=self.config.engine_id, incarnation=str(self.incarnation), host=host,
+            port=port, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+            total_num_kv_heads=layout.total_num_kv_heads, heads_sliceable=layout.heads_sliceable,
         )
 
     def shutdown(self) -> None:
@@ -389,7 +416,7 @@ class KVBridgeWorker:
         notices = puller.take_deferred_notices()  # the last steps' one-sided loads' holders
 
         async def _close() -> None:
-            await send_notices(transport, notices)
+            await send_notices(transport, notices, puller.puller_rank)
             await puller.close()
             await transport.close()
 

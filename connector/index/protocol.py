@@ -110,6 +110,10 @@ class IndexNamespace:
     # and would cost a recompute (the holder re-checks the full hash); a lookup of 625 hashes
     # sends 5 KB instead of 20 KB, which is most of its cost.
     key_hash_bytes: int = 8
+    # The KV heads a block of this domain holds, for engines that shard them (tensor parallel:
+    # "tp2h8", 2 ranks of 8 heads): a block published by one rank layout is found only by
+    # engines of the same layout. "": every head in one block (the key prefix is unchanged).
+    kv_heads_layout: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -121,10 +125,14 @@ class IndexNamespace:
 
     @property
     def key_prefix(self) -> str:
-        """``kvbridge:bi:<model>:<block_size>:<hash_fn>:k<key_hash_bytes>``, names %-quoted."""
+        """``kvbridge:bi:<model>:<block_size>:<hash_fn>:k<key_hash_bytes>`` (then
+        ``:<kv_heads_layout>`` when set), names %-quoted."""
         model = quote(self.model_name, safe="")
         hash_fn = quote(self.hash_fn_name, safe="")
-        return f"kvbridge:bi:{model}:{self.block_size}:{hash_fn}:k{self.key_hash_bytes}"
+        prefix = f"kvbridge:bi:{model}:{self.block_size}:{hash_fn}:k{self.key_hash_bytes}"
+        if self.kv_heads_layout:
+            prefix += ":" + quote(self.kv_heads_layout, safe="")
+        return prefix
 
 
 class IndexOp(NamedTuple):
