@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvbridge.transport import GroupRead
+from kvbridge.transport import GroupRead, NodeMetadata
+from kvbridge.transport.heads import heads_error
 
 from .errors import KVConnectorError
 from .metadata import HolderRef, PullPlan, Ticket
@@ -40,6 +41,7 @@ __all__ = [
     "plan_group_pulls",
     "pull_sources",
     "sliding_windows_of",
+    "source_error",
     "window_gap_groups",
 ]
 
@@ -101,6 +103,20 @@ def pull_sources(plan: PullPlan, layout: TPLayout | None) -> list[PullSource]:
         PullSource(holders[source.remote_rank], (source.heads.start, source.heads.stop))
         for source in head_sources(layout, len(holders))
     ]
+
+
+def source_error(plan: PullPlan, layout: TPLayout | None, holder: NodeMetadata,
+                 heads: tuple[int, int] | None) -> str | None:
+    """Why the holder rank ``holder`` (its handshake's metadata) cannot serve the ``heads``
+    of a read of ``plan`` (a part of its blocks its layout does not keep in one byte range,
+    heads it does not hold), naming both tensor-parallel sizes and the head count; None when
+    it can (or the read names no heads)."""
+    error = None if heads is None else heads_error(holder, heads)
+    if error is None:
+        return None
+    local = "?" if layout is None else layout.tp_size
+    return (f"prefill tp_size {len(plan.holders())}, decode tp_size {local}, "
+            f"{holder.total_kv_heads} KV heads: {error}")
 
 
 def only_local_blocks(reads: list[GroupRead], local_block_ids: set[int]) -> list[GroupRead]:

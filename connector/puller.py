@@ -38,7 +38,7 @@ from .errors import KVConnectorError
 from .heartbeats import WaitingTickets, send_heartbeats
 from .loop_thread import get_loop_thread
 from .metadata import HolderRef, PullPlan, PullReport, ReleaseNotice, Ticket
-from .pull_plan import PullSource, only_local_blocks, pull_sources
+from .pull_plan import PullSource, only_local_blocks, pull_sources, source_error
 from .release_notices import DeferredNotices, PullerRank, send_notice, send_notices
 from .stats import KVTransferStats
 from .tp_layout import TPLayout
@@ -350,6 +350,9 @@ class Puller:
                     f"{peer_meta.incarnation}, the plan names {holder.engine_id}/"
                     f"{holder.incarnation} (restarted or replaced)"
                 )
+            error = source_error(plan, self.tp_layout, peer_meta, heads)
+            if error is not None:  # before any read: the holder's layout cannot serve it
+                raise KVConnectorError(error)
             reads = [g for g in plan.groups if g.local_block_ids]
             refused, num_bytes = await self._read_under_lease(
                 transport, peer, plan, reads, deadline_at, heads

@@ -78,7 +78,7 @@ class Engine:
 
 
 def _engine(name: str, role: str, tp_size: int, model: dict[str, torch.Tensor] | None,
-            network: LoopbackNetwork) -> Engine:
+            network: LoopbackNetwork, sliceable: bool = True) -> Engine:
     config = KVTransferConfig.from_dict({
         "engine_id": name, "kv_role": role,
         "kv_connector_extra_config": {"transport": "loopback", "model_name": "tiny",
@@ -86,7 +86,8 @@ def _engine(name: str, role: str, tp_size: int, model: dict[str, torch.Tensor] |
     })
     workers, head_major = [], []
     for rank in range(tp_size):
-        layout = TPLayout(tp_rank=rank, tp_size=tp_size, total_num_kv_heads=TOTAL_HEADS)
+        layout = TPLayout(tp_rank=rank, tp_size=tp_size, total_num_kv_heads=TOTAL_HEADS,
+                          heads_sliceable=sliceable)
         first, stop = layout.heads
         held = stop - first
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=held, head_size=HEAD_SIZE,
@@ -175,9 +176,9 @@ def engines():
     made: list[Engine] = []
     network = LoopbackNetwork()
 
-    def make(p_size: int, d_size: int, seed: int = 3):
+    def make(p_size: int, d_size: int, seed: int = 3, p_sliceable: bool = True):
         model = _model(seed)
-        p = _engine("prefill", "kv_producer", p_size, model, network)
+        p = _engine("prefill", "kv_producer", p_size, model, network, p_sliceable)
         made.append(p)
         d = _engine("decode", "kv_consumer", d_size, None, network)
         made.append(d)
@@ -296,3 +297,16 @@ def test_an_engine_that_names_no_heads_refuses_a_tensor_parallel_ticket(engines)
                                                       host="127.0.0.1", port=1))
     with pytest.raises(KVTransferParamsError, match="remote_tp_size: 2: this engine does not"):
         plain.validate_kv_transfer_params("d-1", params, NUM_TOKENS)
+
+
+def test_a_prefill_whose_layout_cannot_serve_a_head_slice_fails_naming_both_sizes(
+        engines, caplog):
+    """P of one rank whose blocks do not keep a run of heads in one byte range (FlashAttention's
+    "NHD"), D of two ranks: each D rank's pull fails before any read, its warning naming both
+    tensor-parallel sizes and the head count; D recomputes; P is released."""
+    p, d, _ = engines(1, 2, p_sliceable=False)
+    sending = _decode(d, p, _prefill(p))
+    assert sending == [{"p-1"}]
+    assert all(w.get_block_ids_with_load_errors() == set(D_BLOCKS[:NUM_PULLED]) for w in d.workers)
+    assert "prefill tp_size 1, decode tp_size 2, 4 KV heads: KV heads [0, 2) of this node's " \
+        "[0, 4) are not one byte range" in caplog.text
