@@ -8,7 +8,12 @@ clear message and the node keeps serving (docs/architecture.md, "Validation of n
 
 from __future__ import annotations
 
-__all__ = ["KVConnectorError", "KVTransferConfigError", "KVTransferParamsError"]
+__all__ = [
+    "KVConnectorError",
+    "KVTransferConfigError",
+    "KVTransferParamsError",
+    "unreachable_reason",
+]
 
 
 class KVConnectorError(Exception):
@@ -26,3 +31,9 @@ class KVTransferParamsError(KVConnectorError, ValueError):
         super().__init__(f"kv_transfer_params.{field}: {problem}")
         self.field = field
         self.problem = problem
+
+
+def unreachable_reason(exc: Exception, engine_id: str) -> str:
+    """A pull's error for a holder that cannot be reached, saying what to check."""
+    return (f"{exc}; is {engine_id} running, and is the transport address it advertises (its "
+            f"kv_connector_extra_config 'host'/'port') reachable from this host?")

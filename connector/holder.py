@@ -206,12 +206,16 @@ class HolderChecks:
 
     def on_transfer_done(self, notice: TransferDoneNotice) -> None:
         """The puller is done with a request (or gave up): end its lease now, if the notice
-        presents the lease's token."""
+        presents the lease's token and every rank of the puller has sent one
+        (``LeaseTable.release``)."""
         if not self.leases.token_ok(notice.request_id, notice.token):
             self.stats.add("num_refused_lease_tokens")
             return
         held = self.leases.block_ids(notice.request_id)
-        if self.leases.release(notice.request_id, notice.token) and held is not None:
+        ended = self.leases.release(
+            notice.request_id, notice.token, notice.puller_rank, notice.num_pullers
+        )
+        if ended and held is not None:
             self.stats.add("num_released_leases")
             if notice.success:
                 self.stats.add("bytes_sent", self._held_nbytes(held))

@@ -17,6 +17,10 @@ lease's partial last block the lease itself), so that a same-host reader can che
 without a round trip. An entry is cleared before the lease that holds its block ends, under the
 table's lock, so before ``pop_finished`` can hand the request back for its blocks to be freed.
 
+A puller of several ranks (tensor parallel: each rank pulls its own KV heads) sends one release
+per rank (``release``'s ``puller_rank`` of ``num_pullers``): the lease ends when every rank's
+has come, so a rank still reading keeps the blocks; a release of one rank changes nothing else.
+
 A same-host read that copies before the holder's check (``transport``: ``Read.copy_first``)
 pins its lease (``pin``): until it unpins, or the pin's own end passes, the lease neither
 expires nor ends by a release (deferred to the last unpin), so its blocks stay as they were
@@ -35,7 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbridge.transport import BlockBoard, full_block_tag, lease_block_tag
 
@@ -55,9 +59,20 @@ class _Lease:
     num_pins: int = 0  # copy-first reads that may still be copying (``pin``)
     pinned_until: float = 0.0  # the latest pin's own end (table clock)
     release_pending: bool = False  # released while pinned: ends at the last unpin
+    released_by: set[int] = field(default_factory=set)  # puller ranks done (``release``)
 
     def pinned(self, now: float) -> bool:
         return self.num_pins > 0 and now < self.pinned_until
+
+
+@dataclass(slots=True)
+class _EarlyRelease:
+    """Releases of a lease not granted yet: the token they presented, the puller ranks that
+    sent one, and how many ranks the puller has."""
+
+    token: str
+    released_by: set[int]
+    num_pullers: int
 
 
 def _same_token(granted: str, presented: str) -> bool:
@@ -90,8 +105,8 @@ class LeaseTable:
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
         self._block_to_leases: dict[tuple[int, int], set[str]] = {}  # (group, block) -> ids
-        # released before granted -> the token the release presented
-        self._released_early: OrderedDict[str, str] = OrderedDict()
+        # released before granted -> the token and puller ranks of those releases
+        self._released_early: OrderedDict[str, _EarlyRelease] = OrderedDict()
         self._released: list[str] = []
         self._num_expired = 0
         self._num_released = 0
@@ -144,12 +159,16 @@ class LeaseTable:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             expires_at = self._clock() + self.lease_s
-            early_token = self._released_early.pop(request_id, None)
-            if early_token is not None and _same_token(token, early_token):
-                # The puller's notice came before the grant: the lease ends as it starts.
-                self._end(request_id)
-                return expires_at
-            lease = _Lease(expires_at, held, positions, tuple(block_hashes), token)
+            early = self._released_early.pop(request_id, None)
+            released_by: set[int] = set()
+            if early is not None and _same_token(token, early.token):
+                if len(early.released_by) >= early.num_pullers:
+                    # The puller's notices came before the grant: the lease ends as it starts.
+                    self._end(request_id)
+                    return expires_at
+                released_by = early.released_by
+            lease = _Lease(expires_at, held, positions, tuple(block_hashes), token,
+                           released_by=released_by)
             self._leases[request_id] = lease
             for group_id, group_positions in enumerate(positions):
                 for block_id in group_positions:
@@ -273,26 +292,39 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             return lease is None or _same_token(lease.token, token)
 
-    def release(self, request_id: str, token: str = "") -> bool:
-        """The puller is done (or gave up): end the lease now, if ``token`` is its token. False
-        if it was not held, or the token is wrong (the lease is untouched); an id not held yet
-        is remembered with the token (a bounded number), so a grant with that token that
-        arrives after its release notice ends at once instead of waiting out the lease. A
-        pinned lease ends at its last ``unpin`` (True now: it vouches for nothing more)."""
+    def release(
+        self, request_id: str, token: str = "", puller_rank: int = 0, num_pullers: int = 1
+    ) -> bool:
+        """Rank ``puller_rank`` of a puller of ``num_pullers`` ranks is done (or gave up): end
+        the lease now if every rank of it has released, and ``token`` is its token. False if it
+        was not held, the token is wrong (the lease is untouched), or other puller ranks have
+        not released yet (the rank is remembered); an id not held yet is remembered with the
+        token and rank (a bounded number), so a grant with that token that arrives after every
+        rank's release notice ends at once instead of waiting out the lease. A pinned lease
+        ends at its last ``unpin`` (True now: it vouches for nothing more)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is not None and not _same_token(lease.token, token):
                 return False
-            if lease is not None and lease.num_pins:
+            if lease is None:
+                early = self._released_early.pop(request_id, None)
+                if early is None or not _same_token(early.token, token):
+                    early = _EarlyRelease(token, set(), num_pullers)
+                early.released_by.add(puller_rank)
+                early.num_pullers = num_pullers
+                self._released_early[request_id] = early
+                while len(self._released_early) > _MAX_EARLY_RELEASES:
+                    self._released_early.popitem(last=False)
+                return False
+            lease.released_by.add(puller_rank)
+            if len(lease.released_by) < num_pullers:
+                return False  # another rank of the puller may still be reading
+            if lease.num_pins:
                 if lease.release_pending:
                     return False
                 lease.release_pending = True
                 return True
-            if self._drop(request_id) is None:
-                self._released_early[request_id] = token
-                while len(self._released_early) > _MAX_EARLY_RELEASES:
-                    self._released_early.popitem(last=False)
-                return False
+            self._drop(request_id)
             self._end(request_id)
             return True
 

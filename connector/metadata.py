@@ -27,6 +27,7 @@ __all__ = [
     "KVBridgeWorkerMeta",
     "LeaseGrant",
     "PullPlan",
+    "PullReport",
     "ReleaseNotice",
     "StatsDelta",
     "Ticket",
@@ -37,7 +38,10 @@ __all__ = [
     "encode_worker_meta",
 ]
 
-METADATA_SCHEMA_VERSION = 3  # 2: offload outcomes carry ``missing``; 3: WorkerHandshake.identity
+METADATA_SCHEMA_VERSION = 3
+# 2: offload outcomes carry ``missing``
+# 3: WorkerHandshake.identity; tensor parallelism: PullPlan.remote_ranks, WorkerHandshake's
+#    layout, reports by rank
 
 
 class HolderRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,6 +89,10 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
         sync: the pull feeds this step's forward (``load_mode`` ``"sync"``): the worker half
             waits for it in ``start_load_kv`` and reports only its failed blocks, never the
             request in ``finished_recving`` (vLLM's synchronous external load).
+        remote_ranks: every rank of a tensor-parallel holder by tp rank (``holder`` is rank 0;
+            each holds ``lease`` under the same id and token at its own address); empty: a
+            holder of one rank. Each local rank reads the KV heads it holds from the ranks
+            that hold them (``tp_layout.head_sources``).
     """
 
     request_id: str
@@ -95,6 +103,19 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
     num_external_tokens: int
     created_at: float
     sync: bool = False
+    remote_ranks: list[HolderRef] = msgspec.field(default_factory=list)
+
+    def holders(self) -> list[HolderRef]:
+        """The holder's ranks by tp rank (``[holder]`` for a holder of one rank)."""
+        return self.remote_ranks or [self.holder]
+
+    def rank_leases(self) -> list[Ticket]:
+        """``lease`` at every rank of the holder (empty for a pull without a lease)."""
+        lease = self.lease
+        if lease is None:
+            return []
+        request_id, token = lease.remote_request_id, lease.token
+        return [Ticket(h.host, h.port, request_id, token) for h in self.holders()]
 
     def local_block_ids(self) -> list[int]:
         """Every local block this pull writes or was meant to write."""
@@ -185,16 +206,32 @@ class StatsDelta(msgspec.Struct, kw_only=True):
     queue_s: list[float] = msgspec.field(default_factory=list)
 
 
+class PullReport(msgspec.Struct, frozen=True, array_like=True):
+    """How one rank's part of one request's pull settled (``stats.PullTally`` counts the
+    request once, when every rank's report is in): ``num_blocks`` local blocks planned, of
+    which ``num_failed_blocks`` did not land; seconds the pull took and queued."""
+
+    request_id: str
+    num_blocks: int
+    num_failed_blocks: int
+    transfer_s: float
+    queue_s: float
+
+
 class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     """What the worker half reports each step besides finished ids and load errors: its
-    statistics since its last report, what became of the offload items it was given
-    (``store.offload_items.OffloadOutcome`` records) with the incarnation of the store that
-    answered the latest put (``OffloadSender.store_incarnation``; 0: none), and, when they
-    changed, the holders (engine id, incarnation) it can read handoffs from one-sided
-    (``Transport.one_sided_holders``; None: unchanged), for ``load_mode`` ``"auto"``."""
+    statistics since its last report (``tp_rank``: which rank's), the pulls that settled since
+    (``pulls``: the node counts each request once, whatever its number of ranks), what became
+    of the offload items it was given (``store.offload_items.OffloadOutcome`` records) with the
+    incarnation of the store that answered the latest put
+    (``OffloadSender.store_incarnation``; 0: none), and, when they changed, the holders (engine
+    id, incarnation) it can read handoffs from one-sided (``Transport.one_sided_holders``;
+    None: unchanged), for ``load_mode`` ``"auto"``."""
 
     version: int = METADATA_SCHEMA_VERSION
+    tp_rank: int = 0
     stats: StatsDelta = msgspec.field(default_factory=StatsDelta)
+    pulls: list[PullReport] = msgspec.field(default_factory=list)
     offload_outcomes: list[tuple[int, bytes, bool, bool]] = msgspec.field(default_factory=list)
     store_incarnation: int = 0
     one_sided_holders: list[tuple[str, str]] | None = None
@@ -203,16 +240,21 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
         """Nothing to tell the scheduler half (an engine may skip sending such a report; a
         report that only changes ``one_sided_holders`` is not empty)."""
         stats = self.stats
-        return not (stats.counters or stats.transfer_s or self.offload_outcomes
+        return not (stats.counters or stats.transfer_s or self.pulls or self.offload_outcomes
                     or self.one_sided_holders is not None)
 
 
 class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):
     """The worker half's transport, told once to the scheduler half when the transport has
-    started (vLLM: ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): the
-    scheduler half advertises it in tickets and in the block index. ``identity`` is the one
-    the transport's handshake announces (the worker half alone sees the KV tensors: their
-    dtype and layout); the scheduler half's index namespace is made of it."""
+    started (vLLM: ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``, one per
+    rank): the scheduler half advertises it in tickets and in the block index. ``identity`` is
+    the one the transport's handshake announces (the worker half alone sees the KV tensors:
+    their dtype and layout); the scheduler half's index namespace is made of it.
+
+    A rank of a tensor-parallel engine also says its place: ``tp_rank`` of ``tp_size``, the
+    model's ``total_num_kv_heads`` and whether its blocks keep a run of heads in one byte range
+    (``heads_sliceable``); ``total_num_kv_heads`` 0: a worker that does not name its heads
+    (kvbridge's own engine)."""
 
     version: int = METADATA_SCHEMA_VERSION
     engine_id: str
@@ -220,6 +262,10 @@ class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     port: int
     identity: BlockIdentity
+    tp_rank: int = 0
+    tp_size: int = 1
+    total_num_kv_heads: int = 0
+    heads_sliceable: bool = False
 
 
 class _Versioned(msgspec.Struct):

@@ -18,24 +18,34 @@ legitimately hold a null block where D needs one (P dropped a block that left *i
 token earlier): ``window_gap_groups`` finds those before anything is allocated, so that D can
 compute the request itself instead. A full-attention group keeps every block of a request, so a
 ticket naming P's null block there is wrong, never a gap.
+
+A rank of a tensor-parallel D reads the KV heads it holds of those blocks from the rank(s) of P
+holding them (``pull_sources``; the arithmetic is ``tp_layout``'s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from kvbridge.transport import GroupRead
+from kvbridge.transport import GroupRead, NodeMetadata
+from kvbridge.transport.heads import heads_error
 
-from .metadata import HolderRef, Ticket
+from .errors import KVConnectorError
+from .metadata import HolderRef, PullPlan, Ticket
+from .tp_layout import TPLayout, head_sources
 
 __all__ = [
     "NO_HASH",
+    "PullSource",
     "RemoteMatch",
     "cdiv",
+    "only_local_blocks",
     "plan_group_pulls",
+    "pull_sources",
     "sliding_windows_of",
+    "source_error",
     "window_gap_groups",
 ]
 
@@ -57,6 +67,7 @@ class RemoteMatch:
     num_local_tokens: int
     num_remote_tokens: int
     load_async: bool = True  # what get_num_new_matched_tokens told the scheduler
+    remote_ranks: tuple[HolderRef, ...] = ()  # a tensor-parallel holder's ranks (PullPlan's)
 
 
 NO_HASH = b""
@@ -66,6 +77,69 @@ the holder serves such a position only while that lease is held, has the ticket'
 covers the block, so a late puller never reads a block the holder has reused and a peer without
 the ticket never reads it at all. A pull without a lease (through the block index) never
 reaches such a position: the index lists full blocks only."""
+
+
+class PullSource(NamedTuple):
+    """One read of a pull: the holder's rank and the model's KV heads ``(start, stop)`` it
+    moves of each block (None: the heads the reading node holds, or whole blocks of a node
+    that names none: ``Transport.read_blocks``)."""
+
+    holder: HolderRef
+    heads: tuple[int, int] | None
+
+
+def pull_sources(plan: PullPlan, layout: TPLayout | None) -> list[PullSource]:
+    """Where a rank of layout ``layout`` reads ``plan`` from: a handoff of a tensor-parallel
+    D or P, one read per P rank holding some of the rank's heads (``tp_layout.head_sources``);
+    otherwise one read of ``plan.holder`` (a pull found through the index reads the same heads
+    of its one holder, whose check refuses heads it does not hold).
+
+    Raises:
+        KVConnectorError: a holder of several ranks and a reader that names no heads (the
+            scheduler half plans no such pull: ``transfer_params`` refuses the ticket).
+    """
+    holders = plan.holders()
+    if layout is None or plan.lease is None:
+        if len(holders) > 1:
+            raise KVConnectorError(f"a holder of {len(holders)} ranks, a reader naming no heads")
+        return [PullSource(plan.holder, None)]
+    return [
+        PullSource(holders[source.remote_rank], (source.heads.start, source.heads.stop))
+        for source in head_sources(layout, len(holders))
+    ]
+
+
+def source_error(plan: PullPlan, layout: TPLayout | None, holder: NodeMetadata,
+                 heads: tuple[int, int] | None) -> str | None:
+    """Why the holder rank ``holder`` (its handshake's metadata) cannot serve the ``heads``
+    of a read of ``plan`` (a part of its blocks its layout does not keep in one byte range,
+    heads it does not hold), naming both tensor-parallel sizes and the head count; None when
+    it can (or the read names no heads)."""
+    error = None if heads is None else heads_error(holder, heads)
+    if error is None:
+        return None
+    local = "?" if layout is None else layout.tp_size
+    return (f"prefill tp_size {len(plan.holders())}, decode tp_size {local}, "
+            f"{holder.total_kv_heads} KV heads: {error}")
+
+
+def only_local_blocks(reads: list[GroupRead], local_block_ids: set[int]) -> list[GroupRead]:
+    """The parts of ``reads`` whose local block is in ``local_block_ids``."""
+    out = []
+    for g in reads:
+        keep = [i for i, b in enumerate(g.local_block_ids) if b in local_block_ids]
+        if keep:
+            out.append(
+                GroupRead(
+                    group_id=g.group_id,
+                    remote_block_ids=[g.remote_block_ids[i] for i in keep],
+                    local_block_ids=[g.local_block_ids[i] for i in keep],
+                    expected_hashes=None
+                    if g.expected_hashes is None
+                    else [g.expected_hashes[i] for i in keep],
+                )
+            )
+    return out
 
 
 def plan_group_pulls(

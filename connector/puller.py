@@ -14,6 +14,10 @@
 While a pull is in flight its holder's lease is extended by heartbeats, grouped per holder
 (docs/architecture.md, "Reliability rules": a prefill node never pins blocks forever, a decode
 node never waits forever: every pull has a deadline, every failure becomes failed blocks).
+
+Tensor parallelism (``tp_layout``): a rank reads its KV heads from the holder's ranks holding
+them, one read per source rank at once; the holder refuses heads it does not hold. Heartbeats
+and release notices go to every holder rank (``heartbeats``, ``release_notices``).
 """
 
 from __future__ import annotations
@@ -35,13 +39,16 @@ from kvbridge.transport import (
     format_host_port,
 )
 
-from .errors import KVConnectorError
+from .errors import KVConnectorError, unreachable_reason
+from .heartbeats import WaitingTickets, heartbeat_loop
 from .loop_thread import get_loop_thread
-from .metadata import PullPlan, ReleaseNotice, Ticket
-from .release_notices import NOTIFY_TIMEOUT_S, DeferredNotices, send_notice, send_notices
+from .metadata import HolderRef, PullPlan, PullReport, ReleaseNotice, Ticket
+from .pull_plan import PullSource, only_local_blocks, pull_sources, source_error
+from .release_notices import DeferredNotices, PullerRank, send_notice, send_notices
 from .stats import KVTransferStats
+from .tp_layout import TPLayout
 
-__all__ = ["PullOutcome", "Puller", "Settled", "WaitingTickets"]
+__all__ = ["PullOutcome", "Puller", "Settled"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +59,6 @@ it holds blocks)."""
 SYNC_SETTLE_GRACE_S = 5.0
 """How long past its deadline ``wait_settled`` waits for a sync pull before calling it a bug
 (the transport settles every read by its deadline, a cancelled one included)."""
-TICKET_MAX_WAIT_S = 300.0
-"""A ticket heart-beaten this long without its request's pull starting is dropped, so a request
-lost between admission and the queue cannot pin a prefill node's blocks forever."""
 
 
 class PullOutcome(NamedTuple):
@@ -66,6 +70,15 @@ class PullOutcome(NamedTuple):
     error: str | None
 
 
+class _Part(NamedTuple):
+    """How the read from one of a pull's source ranks ended."""
+
+    failed: set[int]
+    num_bytes: int
+    error: str | None
+    same_host: bool
+
+
 class Settled(NamedTuple):
     """What ``Puller.pop_settled`` reports: ``request_ids`` of async pulls that settled
     (landed or not), the local blocks that did not land (sync pulls' too), and
@@ -74,38 +87,6 @@ class Settled(NamedTuple):
     request_ids: set[str]
     failed_block_ids: set[int]
     failed_request_ids: set[str]
-
-
-class WaitingTickets:
-    """Handoff tickets of admitted requests whose pull has not started: their leases on the
-    prefill node need heartbeats while the request waits in the queue (a queue longer than the
-    lease would otherwise lose the blocks). The worker thread adds and removes (from the step's
-    orders), the loop thread reads; one lock."""
-
-    def __init__(self, max_wait_s: float = TICKET_MAX_WAIT_S) -> None:
-        self._max_wait_s = max_wait_s
-        self._added_at: dict[Ticket, float] = {}
-        self._lock = threading.Lock()
-
-    def add(self, ticket: Ticket) -> None:
-        with self._lock:
-            self._added_at.setdefault(ticket, time.monotonic())
-
-    def discard(self, ticket: Ticket) -> None:
-        with self._lock:
-            self._added_at.pop(ticket, None)
-
-    def snapshot(self) -> list[Ticket]:
-        """The tickets to heartbeat now (older than ``max_wait_s`` ones are dropped)."""
-        now = time.monotonic()
-        with self._lock:
-            for ticket in [t for t, at in self._added_at.items() if now - at > self._max_wait_s]:
-                del self._added_at[ticket]
-            return list(self._added_at)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._added_at)
 
 
 class Puller:
@@ -141,10 +122,31 @@ class Puller:
         self._inflight: dict[str, Future[PullOutcome]] = {}
         self._sync: set[str] = set()  # requests of ``_inflight`` whose pull is sync
         # local request id -> (holder, request id on the holder), for heartbeats
-        self._heartbeat_targets: dict[str, Ticket] = {}  # request id here -> its lease
+        self._heartbeat_targets: dict[str, list[Ticket]] = {}  # request id here -> its leases
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._notices: set[asyncio.Task[None]] = set()
         self._deferred_notices = DeferredNotices()  # one-sided loads' holders, told a step late
+        self.tp_layout: TPLayout | None = None
+        """This rank's place in a tensor-parallel engine (set before the first pull; None: a
+        worker that does not name its KV heads, which reads whole blocks of one rank)."""
+        self._reports: list[PullReport] = []  # settled pulls not yet reported (``take_reports``)
+        self._reports_lock = threading.Lock()
+
+    @property
+    def puller_rank(self) -> PullerRank:
+        """Who sends this node's release notices: its rank of how many."""
+        layout = self.tp_layout
+        return PullerRank(0, 1) if layout is None else PullerRank(layout.tp_rank, layout.tp_size)
+
+    def take_reports(self) -> list[PullReport]:
+        """The pulls that settled since the last call (any thread)."""
+        with self._reports_lock:
+            reports, self._reports = self._reports, []
+        return reports
+
+    def sources(self, plan: PullPlan) -> list[PullSource]:
+        """Where this rank reads ``plan`` from (``pull_plan.pull_sources``)."""
+        return pull_sources(plan, self.tp_layout)
 
     # ------------------------------------------------------------------ engine thread
     def start_heartbeats(self, transport: Transport, timeout_s: float) -> None:
@@ -178,23 +180,28 @@ class Puller:
         ``_pull`` (nothing counted)."""
         if plan.lease is None or plan.unloadable_block_ids:
             return None
-        holder = plan.holder
         started = time.monotonic()
-        result = transport.read_one_sided(
-            PeerAddress(holder.host, holder.port),
-            plan.request_id,
-            [g for g in plan.groups if g.local_block_ids],
-            lease=plan.lease.lease_ref(),
-            incarnation=holder.incarnation,
-        )
-        if result is None:
-            return None
-        self._record(plan, started, set(), result.num_bytes_landed, None)
-        self.stats.add("bytes_received_same_host", result.num_bytes_landed)
+        groups = [g for g in plan.groups if g.local_block_ids]
+        num_bytes = 0
+        for holder, heads in self.sources(plan):  # one source whose board declines: ask them
+            result = transport.read_one_sided(
+                PeerAddress(holder.host, holder.port),
+                plan.request_id,
+                groups,
+                lease=plan.lease.lease_ref(),
+                incarnation=holder.incarnation,
+                heads=heads,
+            )
+            if result is None:
+                return None
+            num_bytes += result.num_bytes_landed
+        self._record(plan, started, set(), num_bytes, None)
+        self.stats.add("bytes_received_same_host", num_bytes)
         # the holder may free its blocks now; told a step later, because waking the connector
         # loop in this step would take the GIL from it (``DeferredNotices``)
-        self._deferred_notices.add(ReleaseNotice(ticket=plan.lease, success=True, reason=""))
-        return PullOutcome(plan.request_id, (), result.num_bytes_landed, None)
+        for ticket in plan.rank_leases():
+            self._deferred_notices.add(ReleaseNotice(ticket=ticket, success=True, reason=""))
+        return PullOutcome(plan.request_id, (), num_bytes, None)
 
     def send_deferred_notices(self, transport: Transport) -> None:
         """End of a step (``get_finished``, after its forward): hand the release notices of the
@@ -202,7 +209,7 @@ class Puller:
         (``DeferredNotices``: why a step late)."""
         notices = self._deferred_notices.end_step()
         if notices:
-            get_loop_thread().submit(send_notices(transport, notices))
+            get_loop_thread().submit(send_notices(transport, notices, self.puller_rank))
 
     def take_deferred_notices(self) -> list[ReleaseNotice]:
         """The release notices not yet handed to the loop (for a worker shutting down)."""
@@ -281,18 +288,64 @@ class Puller:
 
     # ------------------------------------------------------------------ connector loop
     async def _pull(self, transport: Transport, plan: PullPlan) -> PullOutcome:
-        """Pull one request's blocks. Never raises: every failure becomes failed blocks."""
-        holder = plan.holder
-        peer = PeerAddress(holder.host, holder.port)
+        """Pull one request's blocks: one read per source rank (``sources``), all at once.
+        Never raises: every failure becomes failed blocks."""
         started = time.monotonic()
         deadline_at = started + (self.sync_load_timeout_s if plan.sync else self.load_timeout_s)
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
-        error: str | None = None
+        errors: list[str] = []
         if failed:  # the holder's null block at a position D needs: a wrong ticket
-            error = f"{len(failed)} block(s) the holder's table names as its null block"
-        if plan.lease is not None:  # a handoff under a lease (index pulls have none)
-            self._heartbeat_targets[plan.request_id] = plan.lease
+            errors.append(f"{len(failed)} block(s) the holder's table names as its null block")
+        leases = plan.rank_leases()  # a handoff under a lease (index pulls have none)
+        if leases:
+            self._heartbeat_targets[plan.request_id] = leases
+        try:
+            parts = await asyncio.gather(
+                *(
+                    self._pull_part(transport, plan, holder, heads, started, deadline_at)
+                    for holder, heads in self.sources(plan)
+                )
+            )
+        except Exception as exc:  # sources() refused the plan: nothing was read
+            parts = [_Part(set(plan.local_block_ids()), 0, f"{type(exc).__name__}: {exc}", False)]
+        finally:
+            self._heartbeat_targets.pop(plan.request_id, None)
+        for part in parts:
+            failed.update(part.failed)
+            num_bytes += part.num_bytes
+            if part.error:
+                errors.append(part.error)
+        error = "; ".join(errors) or None
+        self._record(plan, started, failed, num_bytes, error)
+        if not failed and all(part.same_host for part in parts):
+            self.stats.add("bytes_received_same_host", num_bytes)
+        # The holder may free its blocks now (every rank of it); the request need not wait.
+        for ticket in leases:
+            notice = ReleaseNotice(ticket=ticket, success=not failed, reason=error or "")
+            task = asyncio.get_running_loop().create_task(
+                send_notice(transport, notice, self.puller_rank)
+            )
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+        return PullOutcome(plan.request_id, tuple(sorted(failed)), num_bytes, error)
+
+    async def _pull_part(
+        self,
+        transport: Transport,
+        plan: PullPlan,
+        holder: HolderRef,
+        heads: tuple[int, int] | None,
+        started: float,
+        deadline_at: float,
+    ) -> _Part:
+        """Read the KV ``heads`` of ``plan``'s blocks from one rank of the holder. Never
+        raises: every failure becomes failed blocks (all of the plan's, when the bytes of
+        some may have landed)."""
+        peer = PeerAddress(holder.host, holder.port)
+        failed: set[int] = set()
+        num_bytes = 0
+        error: str | None = None
         try:
             peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
             if (peer_meta.engine_id, peer_meta.incarnation) != (
@@ -304,9 +357,12 @@ class Puller:
                     f"{peer_meta.incarnation}, the plan names {holder.engine_id}/"
                     f"{holder.incarnation} (restarted or replaced)"
                 )
+            error = source_error(plan, self.tp_layout, peer_meta, heads)
+            if error is not None:  # before any read: the holder's layout cannot serve it
+                raise KVConnectorError(error)
             reads = [g for g in plan.groups if g.local_block_ids]
             refused, num_bytes = await self._read_under_lease(
-                transport, peer, plan, reads, deadline_at
+                transport, peer, plan, reads, deadline_at, heads
             )
             failed.update(refused)
             if refused:
@@ -317,24 +373,11 @@ class Puller:
             error = str(exc)
         except PeerUnreachableError as exc:
             failed.update(plan.local_block_ids())
-            error = (f"{exc}; is {holder.engine_id} running, and is the transport address it "
-                     f"advertises (its kv_connector_extra_config 'host'/'port') reachable from "
-                     f"this host?")
+            error = unreachable_reason(exc, holder.engine_id)
         except (TimeoutError, Exception) as exc:
             failed.update(plan.local_block_ids())
             error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._heartbeat_targets.pop(plan.request_id, None)
-        self._record(plan, started, failed, num_bytes, error)
-        if not failed and transport.peer_data_path(peer) == "cma":
-            self.stats.add("bytes_received_same_host", num_bytes)
-        if plan.lease is not None:
-            # The holder may free its blocks now; the request need not wait for that.
-            notice = ReleaseNotice(ticket=plan.lease, success=not failed, reason=error or "")
-            task = asyncio.get_running_loop().create_task(send_notice(transport, notice))
-            self._notices.add(task)
-            task.add_done_callback(self._notices.discard)
-        return PullOutcome(plan.request_id, tuple(sorted(failed)), num_bytes, error)
+        return _Part(failed, num_bytes, error, transport.peer_data_path(peer) == "cma")
 
     async def _read_under_lease(
         self,
@@ -343,9 +386,11 @@ class Puller:
         plan: PullPlan,
         reads: list[GroupRead],
         deadline_at: float,
+        heads: tuple[int, int] | None = None,
     ) -> tuple[set[int], int]:
-        """Read ``reads`` under the plan's lease (``Read.lease``, None for an index pull);
-        returns the local blocks refused and the bytes landed.
+        """Read ``reads`` (the KV ``heads`` of their blocks, ``Transport.read_blocks``) under
+        the plan's lease (``Read.lease``, None for an index pull); returns the local blocks
+        refused and the bytes landed.
 
         A handoff's lease reaches the holder's worker half only at the holder's next step
         after it answered the ticket, so a fast puller can arrive first and see its blocks
@@ -364,6 +409,7 @@ class Puller:
                 reads,
                 deadline_s=max(deadline_at - time.monotonic(), 1e-3),
                 lease=lease,
+                heads=heads,
             )
             num_bytes += result.num_bytes_landed
             refused = set(result.failed_local_block_ids)
@@ -371,13 +417,18 @@ class Puller:
             if not refused or wait_s is None or time.monotonic() + wait_s >= deadline_at:
                 break
             await asyncio.sleep(wait_s)
-            reads = _only(reads, refused)
+            reads = only_local_blocks(reads, refused)
         return refused, num_bytes
 
     def _record(
         self, plan: PullPlan, started: float, failed: set[int], num_bytes: int, error: str | None
     ) -> None:
         stats = self.stats
+        num_blocks = sum(len(g.local_block_ids) for g in plan.groups)
+        report = PullReport(plan.request_id, num_blocks, len(failed), time.monotonic() - started,
+                            started - plan.created_at)
+        with self._reports_lock:
+            self._reports.append(report)
         if plan.holder.tier == "store":  # a restore from the store tier
             landed = [b for g in plan.groups for b in g.local_block_ids if b not in failed]
             stats.add("num_restored_blocks", len(landed))
@@ -386,53 +437,11 @@ class Puller:
             stats.record_failed_load(num_failed_blocks=len(failed))
             logger.warning("pull of %s failed: %s", plan.request_id, error)
         else:
-            stats.record_load(
-                nbytes=num_bytes,
-                num_blocks=sum(len(g.local_block_ids) for g in plan.groups),
-                transfer_s=time.monotonic() - started,
-                queue_s=started - plan.created_at,
-            )
+            stats.record_load(nbytes=num_bytes, num_blocks=num_blocks,
+                              transfer_s=report.transfer_s, queue_s=report.queue_s)
 
     async def _create_heartbeat_task(self, transport: Transport) -> asyncio.Task[None]:
-        return asyncio.get_running_loop().create_task(self._heartbeat_loop(transport))
-
-    async def _heartbeat_loop(self, transport: Transport) -> None:
-        """Extend the leases of every pull in flight and of every admitted request still
-        waiting for its pull, one message per holder; and send the release notices that no
-        step has sent since the last tick (an engine that stopped stepping: ``DeferredNotices``)."""
-        while True:
-            await asyncio.sleep(self.heartbeat_interval_s)
-            notices = self._deferred_notices.take_all()
-            if notices:
-                await send_notices(transport, notices)
-            by_peer: dict[PeerAddress, list[Ticket]] = {}
-            for ticket in [*self._heartbeat_targets.values(), *self.waiting_tickets.snapshot()]:
-                by_peer.setdefault(PeerAddress(ticket.host, ticket.port), []).append(ticket)
-            for peer, tickets in by_peer.items():
-                request_ids = [t.remote_request_id for t in tickets]
-                tokens = [t.token for t in tickets]  # each lease's capability (``lease``)
-                try:
-                    await asyncio.wait_for(
-                        transport.send_heartbeat(peer, request_ids, tokens), NOTIFY_TIMEOUT_S
-                    )
-                except Exception as exc:  # the pull's own deadline handles a dead holder
-                    logger.debug("heartbeat to %s failed: %s", peer, exc)
-
-
-def _only(reads: list[GroupRead], local_block_ids: set[int]) -> list[GroupRead]:
-    """The parts of ``reads`` whose local block is in ``local_block_ids``."""
-    out = []
-    for g in reads:
-        keep = [i for i, b in enumerate(g.local_block_ids) if b in local_block_ids]
-        if keep:
-            out.append(
-                GroupRead(
-                    group_id=g.group_id,
-                    remote_block_ids=[g.remote_block_ids[i] for i in keep],
-                    local_block_ids=[g.local_block_ids[i] for i in keep],
-                    expected_hashes=None
-                    if g.expected_hashes is None
-                    else [g.expected_hashes[i] for i in keep],
-                )
-            )
-    return out
+        return asyncio.get_running_loop().create_task(heartbeat_loop(
+            transport, interval_s=self.heartbeat_interval_s, deferred=self._deferred_notices,
+            in_flight=lambda: [t for ts in self._heartbeat_targets.values() for t in ts],
+            waiting=self.waiting_tickets, puller_rank=self.puller_rank))

@@ -4,6 +4,9 @@
 the handoffs a worker read one-sided (``Puller._pull_here``) until a step later, so that the
 wake-up of the connector loop falls outside the step that computes the handed-off request's
 first token.
+
+A tensor-parallel puller's ranks each send their own notice to every rank of the holder
+(``PullerRank``); the holder's lease ends once every puller rank has (``lease``).
 """
 
 from __future__ import annotations
@@ -11,20 +14,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import NamedTuple
 
 from kvbridge.transport import PeerAddress, Transport
 
 from .metadata import ReleaseNotice
 
-__all__ = ["NOTIFY_TIMEOUT_S", "DeferredNotices", "send_notice", "send_notices"]
+__all__ = ["NOTIFY_TIMEOUT_S", "DeferredNotices", "PullerRank", "send_notice", "send_notices"]
 
 logger = logging.getLogger(__name__)
 
 NOTIFY_TIMEOUT_S = 5.0
 
 
-async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
-    """Deliver a release notice; best effort (an unreachable holder releases at lease expiry)."""
+class PullerRank(NamedTuple):
+    """Which rank of the puller sends a notice (``rank`` of ``num_ranks``: its tensor-parallel
+    rank and size; ``(0, 1)`` for a puller of one rank)."""
+
+    rank: int
+    num_ranks: int
+
+
+SOLE_PULLER = PullerRank(0, 1)
+
+
+async def send_notice(
+    transport: Transport, notice: ReleaseNotice, puller: PullerRank = SOLE_PULLER
+) -> None:
+    """Deliver a release notice from ``puller``; best effort (an unreachable holder releases
+    at lease expiry)."""
     ticket = notice.ticket
     try:
         await asyncio.wait_for(
@@ -34,6 +52,8 @@ async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
                 success=notice.success,
                 reason=notice.reason,
                 token=ticket.token,
+                puller_rank=puller.rank,
+                num_pullers=puller.num_ranks,
             ),
             NOTIFY_TIMEOUT_S,
         )
@@ -41,9 +61,11 @@ async def send_notice(transport: Transport, notice: ReleaseNotice) -> None:
         logger.info("release notice for %s not delivered: %s", ticket.remote_request_id, exc)
 
 
-async def send_notices(transport: Transport, notices: list[ReleaseNotice]) -> None:
+async def send_notices(
+    transport: Transport, notices: list[ReleaseNotice], puller: PullerRank = SOLE_PULLER
+) -> None:
     """Deliver release notices at once (``send_notice`` each)."""
-    await asyncio.gather(*(send_notice(transport, notice) for notice in notices))
+    await asyncio.gather(*(send_notice(transport, notice, puller) for notice in notices))
 
 
 class DeferredNotices:

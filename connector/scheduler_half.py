@@ -18,6 +18,11 @@ and everything it learns back arrives as the worker's per-step output (docs/arch
                     update_connector_output       the worker's identity and statistics; the
                                                   step's block events go to the index
                     request_finished              prefill side: grant a lease, return the ticket
+
+A tensor-parallel engine has one worker half per rank and one scheduler half: the scheduler
+half learns every rank's transport (``set_xfer_handshake_metadata``), names them all in its
+tickets, sends each step's orders to every rank alike (each rank pulls its own KV heads), and
+counts the ranks' reports once per request (``rank_reports``).
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ from kvbridge.kvmanager.request import RequestStatus
 
 from .block_events import hash_delta_of
 from .config import KVTransferConfig
+from .engine_ranks import EngineRanks, match_leases, rank_holders
 from .errors import KVTransferParamsError
-from .index import IndexClient, IndexNamespace, RemotePrefix, open_index
+from .index import IndexClient, IndexNamespace, open_index
+from .index_match import match_from_index
 from .load_mode import LoadModePolicy
 from .metadata import (
-    HolderRef,
     KVBridgeConnectorMetadata,
     KVBridgeWorkerMeta,
     LeaseGrant,
@@ -48,13 +54,15 @@ from .metadata import (
     WorkerHandshake,
 )
 from .pull_plan import RemoteMatch, cdiv, plan_group_pulls, sliding_windows_of, window_gap_groups
+from .rank_reports import RankReports
 from .role_check import RoleCheck
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
 from .transfer_params import (
     RemotePrefillParams,
-    release_notice_for_rejected,
+    rank_tickets,
+    release_notices_for_rejected,
     ticket_of,
     wants_remote_decode,
     wants_remote_prefill,
@@ -92,15 +100,17 @@ class KVBridgeScheduler:
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
         self.stats = KVTransferStats()
+        self.rank_reports = RankReports(self.stats)  # the ranks' reports, each request once
         # "sync": pulls run inside the step computing the request; "auto": one-sided handoffs
         self._load_async = config.load_mode != "sync"
         self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
-        self.worker: WorkerHandshake | None = None
+        self.worker: WorkerHandshake | None = None  # rank 0's
+        self.ranks = EngineRanks((), None)  # every rank's handshake and the heads' layout
         self.index_client: IndexClient | None = None
         self._block_pool: BlockPool | None = None
         self._take_pool_events: Any = None
         self._tickets: dict[str, RemotePrefillParams] = {}  # parsed once, at admission
-        self._waiting: dict[str, Ticket] = {}  # admitted, their pull not planned yet
+        self._waiting: dict[str, list[Ticket]] = {}  # admitted, pull not planned: every P rank's
         self._matches: dict[str, RemoteMatch] = {}
         self._lookups: set[str] = set()  # requests with an index lookup started
         self._meta = KVBridgeConnectorMetadata()
@@ -138,14 +148,14 @@ class KVBridgeScheduler:
             try:
                 ticket = RemotePrefillParams.parse(
                     params, num_groups=self.num_groups, block_size=self.block_size,
-                    num_prompt_tokens=num_prompt_tokens,
+                    num_prompt_tokens=num_prompt_tokens, local_tp=self.ranks.tp_layout,
                 )
             except KVTransferParamsError:
                 self.stats.add("num_rejected_params")
                 raise
             self._tickets[request_id] = ticket
-            self._waiting[request_id] = ticket_of(ticket)
-            self._meta.tickets_to_watch.append(ticket_of(ticket))
+            self._waiting[request_id] = rank_tickets(ticket)
+            self._meta.tickets_to_watch.extend(rank_tickets(ticket))
         return ticket
 
     def validate_kv_transfer_params(
@@ -160,10 +170,9 @@ class KVBridgeScheduler:
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: ask its prefill
-        node to release the blocks now (best effort, ``release_notice_for_rejected``)."""
-        notice = release_notice_for_rejected(kv_transfer_params, reason)
-        if notice is not None:
-            self._meta.notices.append(notice)
+        node (every rank) to release the blocks now (best effort,
+        ``release_notices_for_rejected``)."""
+        self._meta.notices.extend(release_notices_for_rejected(kv_transfer_params, reason))
 
     # ------------------------------------------------------------------ schedule()
     def get_num_new_matched_tokens(
@@ -191,12 +200,13 @@ class KVBridgeScheduler:
             logger.warning("request %s: %s; computing it locally", request.request_id, reason)
             self._forget_waiting(request.request_id)
             params["do_remote_prefill"] = False  # type: ignore[index]
-            self._meta.notices.append(ReleaseNotice(ticket=ticket_of(ticket), success=False,
-                                                    reason=reason))
+            self._meta.notices.extend(
+                ReleaseNotice(ticket=t, success=False, reason=reason) for t in rank_tickets(ticket)
+            )
             self.stats.add("num_window_gaps")
             return MatchedTokens(0, False)
-        holder = HolderRef(engine_id=ticket.remote_engine_id, port=ticket.remote_port,
-                           incarnation=ticket.remote_incarnation, host=ticket.remote_host)
+        ranks = rank_holders(ticket)
+        holder = ranks[0]
         # vLLM: no async load of zero tokens
         num_blocks = cdiv(num_remote, self.block_size) - num_computed_tokens // self.block_size
         load_async = num_new > 0 and self._load_async and not self._load_policy.loads_in_step(
@@ -204,55 +214,21 @@ class KVBridgeScheduler:
         self._matches[request.request_id] = RemoteMatch(
             holder=holder, remote_block_ids=ticket.remote_block_ids, ticket=ticket_of(ticket),
             num_local_tokens=num_computed_tokens, num_remote_tokens=num_remote,
-            load_async=load_async)
+            load_async=load_async, remote_ranks=ranks if len(ranks) > 1 else ())
         return MatchedTokens(num_new, load_async)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
-        """A request without a ticket asks the index for its longest prefix held
-        elsewhere, asynchronously: the first call starts the lookup and answers None ("ask
-        again next step") until the answer is in; the client bounds the wait, after which the
-        request goes on with its local hit alone."""
-        client = self.index_client
-        if client is None or request.skip_reading_prefix_cache:
-            return MatchedTokens(0, False)
-        request_id = request.request_id
-        if request_id not in self._lookups:
-            # Never plan the last token's block: it is recomputed for its logits anyway.
-            hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
-            self.stats.add("num_index_lookups")
-            client.start_lookup(
-                request_id,
-                hashes,
-                num_local_blocks=num_computed_tokens // self.block_size,
-                min_gain_blocks=self.config.min_remote_hit_blocks,
-            )
-            self._lookups.add(request_id)
-        result = client.poll_lookup(request_id)
-        if not result.done:
-            return MatchedTokens(None, False)
-        self._lookups.discard(request_id)
-        found: RemotePrefix | None = result.prefix
-        if found is None:
-            return MatchedTokens(0, False)
-        num_remote_tokens = found.num_blocks * self.block_size
-        if num_remote_tokens <= num_computed_tokens:
-            return MatchedTokens(0, False)
-        tier = found.holder.tier
-        self._matches[request_id] = RemoteMatch(
-            holder=HolderRef(
-                engine_id=found.holder.node_id,
-                incarnation=str(found.holder.incarnation),
-                host=found.address.host,
-                port=found.address.port,
-                tier=tier,
-            ),
-            remote_block_ids=tuple(tuple(ids) for ids in found.block_ids),
-            ticket=None,
-            num_local_tokens=num_computed_tokens,
-            num_remote_tokens=num_remote_tokens,
-            load_async=self._load_async,  # the pull is planned as the engine is told
+        """The longest prefix held elsewhere (docs/architecture.md, "Life of an index hit"),
+        asked of the index without waiting
+        (``index_match.match_from_index``: None until it answers)."""
+        matched, match = match_from_index(
+            self.index_client, self._lookups, request, num_computed_tokens,
+            block_size=self.block_size, min_gain_blocks=self.config.min_remote_hit_blocks,
+            load_async=self._load_async, stats=self.stats,
         )
-        return MatchedTokens(num_remote_tokens - num_computed_tokens, self._load_async)
+        if match is not None:
+            self._matches[request.request_id] = match
+        return matched
 
     def match_tier(self, request_id: str) -> str | None:
         """The matched holder's tier (``HolderRef.tier``) until the allocation; None: none."""
@@ -273,9 +249,10 @@ class KVBridgeScheduler:
             if isinstance(request.kv_transfer_params, dict):
                 request.kv_transfer_params["do_remote_prefill"] = False
             if num_external_tokens == 0:
-                # The local prefix cache covers everything P offered: P only releases.
-                self._meta.notices.append(
-                    ReleaseNotice(ticket=match.ticket, success=True, reason="local prefix hit")
+                # The local prefix cache covers everything P offered: P (every rank) releases.
+                self._meta.notices.extend(
+                    ReleaseNotice(ticket=t, success=True, reason="local prefix hit")
+                    for t in match_leases(match)
                 )
                 return
         if num_external_tokens == 0:
@@ -303,6 +280,7 @@ class KVBridgeScheduler:
                 num_external_tokens=num_external_tokens,
                 created_at=time.monotonic(),
                 sync=not match.load_async,
+                remote_ranks=list(match.remote_ranks),
             )
         )
         self.stats.record_pull_planned(match.holder.engine_id, via_index=match.ticket is None,
@@ -336,8 +314,7 @@ class KVBridgeScheduler:
         pull them through the index in between.
         """
         if worker_meta is not None:
-            delta = worker_meta.stats
-            self.stats.apply_report(delta.counters, delta.transfer_s, delta.queue_s)
+            self.rank_reports.apply(worker_meta)
             self._load_policy.observe(worker_meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
             events, self._unpublished = self._unpublished, []
@@ -350,22 +327,31 @@ class KVBridgeScheduler:
                 self.offload_planner.apply_outcomes(outcomes, worker_meta.store_incarnation)
             self._meta.offload_items.extend(self.offload_planner.plan(self._block_pool))
 
-    def set_xfer_handshake_metadata(self, handshake: WorkerHandshake) -> None:
-        """Learn the worker half's transport (once, before the first step); with an index
-        configured, register this node there under that address and incarnation.
+    def set_xfer_handshake_metadata(
+        self, handshake: WorkerHandshake | Mapping[int, WorkerHandshake]
+    ) -> None:
+        """Learn the worker halves' transports (once, before the first step): one handshake,
+        or every rank's by tp rank (vLLM's ``set_xfer_handshake_metadata``); with an index
+        configured, register this node there under rank 0's address and incarnation.
 
         Raises:
-            RuntimeError: a second handshake (a restarted worker needs a new scheduler half).
+            RuntimeError: a second call (a restarted worker needs a new scheduler half).
+            ValueError: ranks that do not make one engine: a missing rank, or ranks that
+                disagree on the tensor-parallel size or the model's KV heads.
         """
         if self.worker is not None:
             raise RuntimeError("the worker half's handshake arrived twice")
-        self.worker = handshake
+        self.ranks = EngineRanks.of(handshake)
+        self.worker = self.ranks.workers[0]
+        self.rank_reports.set_num_ranks(self.ranks.tp_size)
         if self.config.index_url:
-            self._start_index(handshake)
+            self._start_index(self.worker)
 
     def _start_index(self, worker: WorkerHandshake) -> None:
-        # The block identity the worker's transport announces: its tensors' dtype and layout.
-        namespace = IndexNamespace(identity=worker.identity)
+        # The block identity the worker's transport announces (its tensors' dtype and layout);
+        # a TP engine's blocks are found by engines of its layout only.
+        namespace = IndexNamespace(identity=worker.identity,
+                                   kv_heads_layout=self.ranks.index_layout())
         index, directory = open_index(self.config.index_url, namespace)  # type: ignore[arg-type]
         client = IndexClient(
             index,
@@ -398,8 +384,9 @@ class KVBridgeScheduler:
         self._tickets.pop(request_id, None)
         waiting = self._forget_waiting(request_id)
         if waiting is not None:  # finished (aborted) before its pull: release P's blocks now
-            self._meta.notices.append(
-                ReleaseNotice(ticket=waiting, success=False, reason="finished before its pull")
+            self._meta.notices.extend(
+                ReleaseNotice(ticket=t, success=False, reason="finished before its pull")
+                for t in waiting
             )
         params = request.kv_transfer_params
         if not (self.kv_role.is_producer and wants_remote_decode(params)):
@@ -428,14 +415,15 @@ class KVBridgeScheduler:
             remote_block_size=self.block_size,
             lease_expires_at=time.time() + self.config.lease_s,
             remote_lease_token=grant.token,
+            **self.ranks.ticket_fields(),
         )
         return RequestFinishedResult(True, out.to_dict())
 
-    def _forget_waiting(self, request_id: str) -> Ticket | None:
-        ticket = self._waiting.pop(request_id, None)
-        if ticket is not None:
-            self._meta.tickets_to_forget.append(ticket)
-        return ticket
+    def _forget_waiting(self, request_id: str) -> list[Ticket] | None:
+        tickets = self._waiting.pop(request_id, None)
+        if tickets is not None:
+            self._meta.tickets_to_forget.extend(tickets)
+        return tickets
 
     def has_pending_orders(self) -> bool:
         """True when the next ``build_connector_meta`` carries orders for the worker half."""

@@ -25,7 +25,6 @@ nothing to wait for, since a request only runs after its load settled.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -35,6 +34,7 @@ import torch
 from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
 from kvbridge.transport import (
     KV_LAYOUT_NAME,
+    KVHeads,
     LoopbackFaults,
     LoopbackNetwork,
     LoopbackTransport,
@@ -63,6 +63,8 @@ from .stats import KVTransferStats
 from .store.offload_items import OffloadItem
 from .store.sender import OffloadSender
 from .store.url import parse_store_url
+from .switch_interval import SwitchInterval
+from .tp_layout import TPLayout
 
 __all__ = ["KVBridgeWorker"]
 
@@ -105,6 +107,7 @@ class KVBridgeWorker:
         loopback_faults: LoopbackFaults | None = None,
     ) -> None:
         self.config = config
+        self._switch_interval = SwitchInterval(config.gil_switch_interval_s, config.engine_id)
         self.kv_cache_config = kv_cache_config
         self.hash_fn_name = hash_fn_name
         self.incarnation = new_incarnation()
@@ -135,6 +138,7 @@ class KVBridgeWorker:
         self._failed_recving: set[str] = set()
         self._board_counts_seen = (0, 0)  # transport.board_counts moved into stats so far
         self._one_sided_reported: list[tuple[str, str]] | None = []  # the last report's holders
+        self.tp_layout: TPLayout | None = None  # set by register_kv_caches
         self.report_failed_recving = False
         """Keep the failed pulls' request ids for ``take_failed_recving`` (vLLM's adapter
         sets it for several KV cache groups; nobody else takes them)."""
@@ -146,6 +150,7 @@ class KVBridgeWorker:
         *,
         kv_layout: str = KV_LAYOUT_NAME,
         kv_cache_dtype: str | None = None,
+        tp_layout: TPLayout | None = None,
     ) -> None:
         """Start this node's transport over the KV tensors (group order from the config).
 
@@ -163,20 +168,33 @@ class KVBridgeWorker:
                 tensors' dtype does not say it (vLLM's fp8 caches are ``uint8``); None: the
                 tensors' dtype. With ``config.model_name`` and ``config.model_revision``, both
                 are the node's ``BlockIdentity`` (the handshake's and the index namespace's).
+            tp_layout: this rank's place in a tensor-parallel engine: the transport names the
+                KV heads its blocks hold (``KVHeads``), every read names the heads it moves, and
+                pulls read each head from the holder's rank that holds it (``Puller.sources``).
+                None: a worker that does not name its heads (kvbridge's own engine).
 
         Raises:
             RuntimeError: when called twice.
+            ValueError: ``tp_layout`` whose heads the tensors do not hold (axis 3 of each).
             OSError: the transport's port is taken (``host``, ``port``); ValueError: a loopback
                 address in use. A start refused at any step closes what it had started
                 (transport, heartbeats) before it raises: ``transport`` stays None.
         """
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice for one node's connector")
-        self._set_switch_interval()
+        self._switch_interval.apply()
         by_group = [
             [region for name in group.layer_names for region in _regions(kv_caches[name])]
             for group in self.kv_cache_config.kv_cache_groups
         ]
+        kv_heads = None
+        if tp_layout is not None:
+            kv_heads = KVHeads(first=tp_layout.heads.start, total=tp_layout.total_num_kv_heads,
+                               sliceable=tp_layout.heads_sliceable)
+            held = tp_layout.heads.stop - tp_layout.heads.start
+            shapes = {tuple(t.shape) for g in by_group for t in g if t.shape[3] != held}
+            if shapes:
+                raise ValueError(f"rank {tp_layout} holds {held} KV heads, tensors {shapes}")
         metadata = NodeMetadata.from_kv_caches(
             engine_id=self.config.engine_id,
             kv_caches_by_group=by_group,
@@ -185,6 +203,7 @@ class KVBridgeWorker:
             model_revision=self.config.model_revision,
             kv_cache_dtype=kv_cache_dtype,
             kv_layout=kv_layout,
+            kv_heads=kv_heads,
         )
         metadata = replace(metadata, incarnation=str(self.incarnation))
         if self.offload_sender is not None:
@@ -202,12 +221,13 @@ class KVBridgeWorker:
             ],
         )
         transport.set_callbacks(**checks.as_kwargs())  # type: ignore[arg-type]
+        self.tp_layout = self.puller.tp_layout = tp_layout
         try:
             get_loop_thread().run(transport.start(), _START_TIMEOUT_S)
             self.puller.start_heartbeats(transport, _START_TIMEOUT_S)
         except BaseException:  # a refused start leaves nothing running, and no setting changed
             self._close(transport, notices=[])
-            self._restore_switch_interval()
+            self._switch_interval.restore()
             raise
         self.transport = transport
         logger.info(
@@ -277,7 +297,7 @@ class KVBridgeWorker:
             self.puller.waiting_tickets.discard(ticket)
         loop = get_loop_thread()
         for notice in meta.notices:
-            loop.submit(send_notice(transport, notice))
+            loop.submit(send_notice(transport, notice, self.puller.puller_rank))
         for plan in meta.pulls:
             self.puller.submit(transport, plan)
         if self.offload_sender is not None and meta.offload_items:
@@ -363,7 +383,9 @@ class KVBridgeWorker:
         else:
             self._one_sided_reported = holders
         return KVBridgeWorkerMeta(
+            tp_rank=0 if self.tp_layout is None else self.tp_layout.tp_rank,
             stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s),
+            pulls=self.puller.take_reports(),
             offload_outcomes=[tuple(outcome) for outcome in outcomes],
             store_incarnation=0 if self.offload_sender is None
             else self.offload_sender.store_incarnation,
@@ -390,36 +412,16 @@ class KVBridgeWorker:
         if self.transport is None:
             return None
         host, port = self.transport.address
+        layout = self.tp_layout
+        tp = {} if layout is None else dict(
+            tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+            total_num_kv_heads=layout.total_num_kv_heads, heads_sliceable=layout.heads_sliceable)
         return WorkerHandshake(
-            engine_id=self.config.engine_id,
-            incarnation=str(self.incarnation),
-            host=host,
-            port=port,
-            identity=self.transport.metadata.identity,
-        )
-
-    def _set_switch_interval(self) -> None:
-        """Opt-in only (``gil_switch_interval_s``, default None): a library does not change its
-        host's process-wide settings unasked. When set, pulls that hop between the engine
-        thread and the connector loop wait less behind a busy engine thread; the previous
-        interval comes back at ``shutdown`` unless someone changed it since."""
-        interval = self.config.gil_switch_interval_s
-        if interval is None:
-            return
-        self._previous_switch_interval = (sys.getswitchinterval(), interval)
-        sys.setswitchinterval(interval)
-        logger.info("%s: sys.setswitchinterval(%g) for this whole process "
-                    "(gil_switch_interval_s; was %g)", self.config.engine_id, interval,
-                    self._previous_switch_interval[0])
-
-    def _restore_switch_interval(self) -> None:
-        previous = getattr(self, "_previous_switch_interval", None)
-        self._previous_switch_interval = None
-        if previous is not None and sys.getswitchinterval() == previous[1]:
-            sys.setswitchinterval(previous[0])
+            engine_id=self.config.engine_id, incarnation=str(self.incarnation), host=host,
+            port=port, identity=self.transport.metadata.identity, **tp)
 
     def shutdown(self) -> None:
-        self._restore_switch_interval()
+        self._switch_interval.restore()
         if self.offload_sender is not None:
             self.offload_sender.close()
         transport, self.transport = self.transport, None
@@ -434,7 +436,7 @@ class KVBridgeWorker:
         puller = self.puller
 
         async def _close() -> None:
-            await send_notices(transport, notices)
+            await send_notices(transport, notices, puller.puller_rank)
             await puller.close()
             await transport.close()
 

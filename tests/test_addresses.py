@@ -38,7 +38,7 @@ from kvbridge.connector.serve.node import server as node_server
 from kvbridge.connector.store import parse_store_url
 from kvbridge.connector.transfer_params import (
     RemotePrefillParams,
-    release_notice_for_rejected,
+    release_notices_for_rejected,
     ticket_of,
 )
 from kvbridge.transport import (
@@ -244,7 +244,7 @@ def test_a_ticket_with_an_ipv6_host_round_trips_through_kv_transfer_params(host)
     parsed = RemotePrefillParams.parse(on_the_wire, num_groups=1, block_size=16)
     assert parsed == params
     assert ticket_of(parsed) == Ticket(host, 7600, "p-req", "tok")  # bare: port is its own field
-    notice = release_notice_for_rejected(on_the_wire, "refused")
+    (notice,) = release_notices_for_rejected(on_the_wire, "refused")
     assert notice is not None and (notice.ticket.host, notice.ticket.port) == (host, 7600)
 
 
@@ -254,7 +254,7 @@ def test_a_ticket_whose_remote_host_is_no_host_is_refused_by_name(host):
     with pytest.raises(KVTransferParamsError) as info:
         RemotePrefillParams.parse(on_the_wire, num_groups=1, block_size=16)
     assert info.value.field == "remote_host" and repr(host) in str(info.value)
-    assert release_notice_for_rejected(on_the_wire, "refused") is None  # no notice to junk
+    assert release_notices_for_rejected(on_the_wire, "refused") == []  # no notice to junk
 
 
 # ---------------------------------------------------------------------- node directory

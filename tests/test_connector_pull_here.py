@@ -25,7 +25,7 @@ class _FakeTransport:
         self.calls: list[str] = []
         self.notices: list[tuple[str, bool, str]] = []
 
-    def read_one_sided(self, peer, request_id, groups, *, lease, incarnation):
+    def read_one_sided(self, peer, request_id, groups, *, lease, incarnation, heads=None):
         self.calls.append(f"one_sided:{incarnation}:{lease.request_id}")
         if not self.one_sided:
             return None
@@ -40,7 +40,7 @@ class _FakeTransport:
 
         return _Meta()
 
-    async def read_blocks(self, peer, request_id, groups, *, deadline_s, lease=None):
+    async def read_blocks(self, peer, request_id, groups, *, deadline_s, lease=None, heads=None):
         self.calls.append("read_blocks")
         num = sum(len(g.local_block_ids) for g in groups)
         return ReadResult(request_id, num, num * BYTES_PER_BLOCK, ())
@@ -48,7 +48,8 @@ class _FakeTransport:
     def peer_data_path(self, peer):
         return "cma"
 
-    async def notify_transfer_done(self, peer, request_id, *, success, reason, token):
+    async def notify_transfer_done(self, peer, request_id, *, success, reason, token,
+                                   puller_rank=0, num_pullers=1):
         self.notices.append((request_id, success, token))
 
     async def send_heartbeat(self, peer, request_ids, tokens):

@@ -27,7 +27,7 @@ from kvbridge.connector.metadata import (
     ReleaseNotice,
     Ticket,
 )
-from kvbridge.connector.transfer_params import RemotePrefillParams, release_notice_for_rejected
+from kvbridge.connector.transfer_params import RemotePrefillParams, release_notices_for_rejected
 from kvbridge.connector.worker_half import KVBridgeWorker
 from kvbridge.kvmanager import SamplingParams
 from kvbridge.kvmanager.engine import Engine, EngineConfig
@@ -108,12 +108,27 @@ def test_a_refused_tickets_notice_is_one_the_holder_decodes_or_none(bad, notifie
     params = _ticket_params(**bad)
     with pytest.raises(KVTransferParamsError) as refused:
         RemotePrefillParams.parse(params, num_groups=1, block_size=16)
-    notice = release_notice_for_rejected(params, str(refused.value))
-    assert (notice is not None) == notified
-    if notice is not None:
+    notices = release_notices_for_rejected(params, str(refused.value))
+    assert len(notices) == int(notified)
+    for notice in notices:
         msg = transfer_done_notice(peer_engine_id="d", request_id=notice.ticket.remote_request_id,
                                    success=False, reason=notice.reason, token=notice.ticket.token)
         assert decode_message(encode_message(msg)[4:]).reason.startswith("rejected: ")
+
+
+def test_a_refused_ticket_of_a_tensor_parallel_prefill_releases_every_rank_it_names():
+    """P of two ranks holds the lease on each: both are told, and a rank entry too broken to
+    name an address (or one repeating rank 0's) is skipped, not fatal."""
+    ranks = [{"host": "127.0.0.1", "port": 5555, "incarnation": "1"},
+             {"host": "127.0.0.1", "port": 5556, "incarnation": "2"},
+             {"host": 7, "port": "x"}, "junk"]
+    params = _ticket_params(remote_tp_size=2, remote_ranks=ranks, remote_num_kv_heads=2)
+    with pytest.raises(KVTransferParamsError, match="remote_ranks"):
+        RemotePrefillParams.parse(params, num_groups=1, block_size=16)
+    notices = release_notices_for_rejected(params, "bad ranks")
+    assert [(n.ticket.host, n.ticket.port) for n in notices] == [
+        ("127.0.0.1", 5555), ("127.0.0.1", 5556)]
+    assert {(n.ticket.remote_request_id, n.ticket.token) for n in notices} == {("p-1", "tok")}
 
 
 @pytest.mark.parametrize("num_blocks", [10, 1500])

@@ -213,3 +213,32 @@ def test_split_peer_of_another_layout_or_geometry_is_refused_naming_the_field(wo
         get_loop_thread().run(d.transport.connect(p.transport.address), _TIMEOUT_S)
     same = workers("prefill-1", network, [_flash_cache(), _flash_cache()])
     get_loop_thread().run(d.transport.connect(same.transport.address), _TIMEOUT_S)  # accepted
+
+
+# ---------------------------------------------------------------- tensor-parallel ranks
+def test_a_cpu_rank_names_the_models_heads_and_is_sliceable():
+    """A rank of a TP=2 engine holds 1 of the model's 2 heads: its layout name counts the
+    model's 2, the same as a TP=1 engine's (so they pair), and a head run is a byte range."""
+    config = kv_cache_config_from_vllm(_vllm_cache_config(num_layers=1, heads=1))
+    rank = torch.randn(NUM_BLOCKS, 1, BLOCK_SIZE, 2 * HEAD_SIZE)
+    regions = kv_cache_regions({LAYERS[0]: rank}, config, backend="cpu-attn",
+                               total_num_kv_heads=HEADS)
+    whole = kv_cache_regions({LAYERS[0]: _cpu_cache()},
+                             kv_cache_config_from_vllm(_vllm_cache_config(num_layers=1)),
+                             backend="cpu-attn", total_num_kv_heads=HEADS)
+    assert regions.kv_layout == whole.kv_layout == "vllm:cpu-attn:blocks_first[2,16,16]:float32"
+    assert regions.heads_sliceable and whole.heads_sliceable
+
+
+@pytest.mark.parametrize(("order", "heads", "sliceable"), [
+    ("NHD", 2, False),  # a head's run strides over the tokens: whole rows only
+    ("HND", 2, True),  # heads outermost in each half: a run of heads is one byte range
+    ("NHD", 1, True),  # one head: a row is that head
+])
+def test_a_split_cache_is_sliceable_when_heads_are_outermost(order, heads, sliceable):
+    config = kv_cache_config_from_vllm(_vllm_cache_config(num_layers=1, heads=heads))
+    cache = _flash_cache(order, heads=heads)
+    regions = kv_cache_regions({LAYERS[0]: cache}, config, backend="cuda-attn",
+                               total_num_kv_heads=4)
+    assert regions.heads_sliceable is sliceable
+    assert regions.kv_layout.startswith("vllm:cuda-attn:kv_split[16,4,8]:")  # the model's 4

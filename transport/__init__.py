@@ -44,7 +44,7 @@ from .errors import (
 )
 from .identity import BlockIdentity, IdentityDifference
 from .loopback import LoopbackFaults, LoopbackNetwork, LoopbackTransport
-from .metadata import KV_LAYOUT_NAME, KVGroupLayout, NodeMetadata, check_compatible
+from .metadata import KV_LAYOUT_NAME, KVGroupLayout, KVHeads, NodeMetadata, check_compatible
 from .wire import WIRE_VERSION
 
 
@@ -71,6 +71,7 @@ __all__ = [
     "HostPort",
     "IdentityDifference",
     "KVGroupLayout",
+    "KVHeads",
     "LeaseRef",
     "LoopbackFaults",
     "LoopbackNetwork",

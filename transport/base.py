@@ -214,9 +214,11 @@ class Transport(abc.ABC):
         *,
         lease: LeaseRef,
         incarnation: str,
+        heads: tuple[int, int] | None = None,
     ) -> ReadResult | None:
         """A handoff read done on the calling thread (any thread) with no message to the
-        holder, where the transport can vouch for it by itself (``UcxxTransport``: a same-host
+        holder (``heads`` as for ``read_blocks``; the holder's handshake must say it holds
+        them), where the transport can vouch for it by itself (``UcxxTransport``: a same-host
         holder with a block board, ``cma_board``); every block lands, bytes-exact, before it
         returns. None, with nothing counted, where it cannot (no connection to ``peer`` yet, a
         peer whose incarnation is not ``incarnation``, no board, a board that does not vouch
@@ -285,12 +287,20 @@ class Transport(abc.ABC):
         *,
         deadline_s: float,
         lease: LeaseRef | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> ReadResult:
         """Pull ``remote_block_ids`` of each group from ``peer`` into ``local_block_ids`` here.
 
         ``lease``: the handoff's lease on ``peer`` this read is made under (sent as
         ``Read.lease``; the holder's validator guards the positions with an empty expected
         hash by it), None for a read through the block index.
+
+        ``heads``: the model's KV heads ``(start, stop)`` to move of each block (``Read.heads``,
+        ``transport.heads``): both nodes must hold them, the holder refuses the read otherwise
+        (``TransferError`` naming what it holds). None: the heads this node holds when its
+        metadata names them (``NodeMetadata.kv_heads``), else whole rows. A tensor-parallel
+        rank reading from a holder of another tensor-parallel size passes the part it reads
+        from that holder.
 
         Blocks are gathered on the holder into staging chunks of about ``DEFAULT_CHUNK_BYTES``,
         sent, and scattered here chunk by chunk (kvbridge.kernels gather/scatter).
@@ -303,7 +313,8 @@ class Transport(abc.ABC):
 
         Raises:
             ValueError: caller mistake (unknown group, lengths differ, local id out of
-                ``[1, num_blocks)`` or repeated, ``deadline_s <= 0``).
+                ``[1, num_blocks)`` or repeated, ``deadline_s <= 0``, heads this node does not
+                hold).
             HandshakeError: incompatible peer.
             TransferTimeoutError: ``deadline_s`` passed (holder hung or dead).
             TransferCancelledError: ``cancel(request_id)`` was called.
@@ -344,12 +355,16 @@ class Transport(abc.ABC):
         success: bool,
         reason: str = "",
         token: str = "",
+        puller_rank: int = 0,
+        num_pullers: int = 1,
     ) -> None:
         """Completion notice for ``request_id`` (its ``on_transfer_done``), presenting the
-        lease ``token`` of its ticket. It reaches a peer that is incompatible with this node
-        too (a node that refused a handoff for that must still free the holder's blocks):
-        ``UcxxTransport`` then sends it over a notices-only connection (``wire.Hello``), the
-        loopback twin checks the cluster key alone; a peer with another cluster key refuses it.
+        lease ``token`` of its ticket; from rank ``puller_rank`` of a puller of ``num_pullers``
+        ranks (tensor parallel: the lease ends once every rank's notice came). It reaches a peer
+        that is incompatible with this node too (a node that refused a handoff for that must
+        still free the holder's blocks): ``UcxxTransport`` then sends it over a notices-only
+        connection (``wire.Hello``), the loopback twin checks the cluster key alone; a peer
+        with another cluster key refuses it.
 
         Raises:
             TransportError: peer unreachable.

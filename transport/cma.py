@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from .errors import TransportError
+from .heads import row_slice
 from .metadata import NodeMetadata
 from .staging import copy_executor, join_threads
 from .wire import CmaOffer
@@ -237,28 +238,41 @@ class CmaPeer:
         local_kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
         entries: Sequence[tuple[int, Sequence[int], Sequence[int]]],
         parts: int = COPY_PARTS,
+        *,
+        heads: tuple[int, int] | None = None,
+        local: NodeMetadata | None = None,
     ) -> CmaPlan:
         """Ranges copying, per ``(group_id, remote_block_ids, local_block_ids)`` entry, every
-        layer of remote block ``remote_block_ids[i]`` into local block ``local_block_ids[i]``.
+        layer of remote block ``remote_block_ids[i]`` into local block ``local_block_ids[i]``:
+        the whole block, or of a read of ``heads`` (``Read.heads``) the bytes of those heads
+        on each side (``heads.row_slice``; ``local`` is this node's metadata, which it then
+        needs).
 
         Ids must already be checked (``plan.check_read`` on the holder, ``build_group_msgs``
-        here). Ranges are sorted by source address (neighbouring pages pin together), runs that
-        are contiguous on both sides merge into one range, ranges above ``MAX_SEGMENT_BYTES``
-        split, and the list is cut into ``parts`` pieces of about equal bytes.
+        here), and so must ``heads`` (``heads.heads_error`` on both sides). Ranges are sorted by
+        source address (neighbouring pages pin together), runs that are contiguous on both
+        sides merge into one range, ranges above ``MAX_SEGMENT_BYTES`` split, and the list is
+        cut into ``parts`` pieces of about equal bytes.
         """
         remote_addrs, local_addrs, lengths = [], [], []
         for group_id, remote_ids, local_ids in entries:
             if not len(remote_ids):
                 continue
-            block_nbytes = self.remote.groups[group_id].block_nbytes
-            remote_offsets = np.asarray(remote_ids, dtype=np.uint64) * np.uint64(block_nbytes)
-            local_offsets = np.asarray(local_ids, dtype=np.uint64) * np.uint64(block_nbytes)
+            remote_row = row_slice(self.remote, group_id, heads)
+            local_row = remote_row if local is None else row_slice(local, group_id, heads)
+            remote_stride = self.remote.groups[group_id].block_nbytes
+            remote_offsets = np.asarray(remote_ids, dtype=np.uint64) * np.uint64(remote_stride)
+            remote_offsets += np.uint64(remote_row.offset)
             for remote_base, local_tensor in zip(
                 self.offer.regions[group_id], local_kv_caches_by_group[group_id], strict=True
             ):
+                local_stride = local_tensor.stride(0) * local_tensor.element_size()
+                local_offsets = np.asarray(local_ids, dtype=np.uint64) * np.uint64(local_stride)
                 remote_addrs.append(remote_offsets + np.uint64(remote_base))
-                local_addrs.append(local_offsets + np.uint64(local_tensor.data_ptr()))
-                lengths.append(np.full(len(remote_offsets), block_nbytes, dtype=np.uint64))
+                local_addrs.append(
+                    local_offsets + np.uint64(local_tensor.data_ptr() + local_row.offset)
+                )
+                lengths.append(np.full(len(remote_offsets), remote_row.nbytes, dtype=np.uint64))
         if not lengths:
             return CmaPlan(parts=[], nbytes=0)
         remote_all = np.concatenate(remote_addrs)

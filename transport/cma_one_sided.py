@@ -15,6 +15,7 @@ import torch
 
 from .cma import CmaPeer, CmaPlan, CmaReadError
 from .cma_board import BoardCheck, full_block_tag, lease_block_tag
+from .heads import heads_error
 from .metadata import NodeMetadata
 from .wire import GroupReadMsg, LeaseRef
 
@@ -34,10 +35,15 @@ class OneSidedRead:
             expected hashes in every group.
         local_block_ids: per entry of ``groups``, the local ids.
         lease: the handoff's lease; it names the tag of a position without a hash.
+        heads: the model's KV heads the read expects (``Read.heads``; None: those ``local``
+            holds, or whole rows), and
+        local: this node's metadata (needed with ``heads``). The holder is not asked, so the
+            requester checks here that the holder's handshake said it holds them
+            (``heads.heads_error``).
 
     Raises:
-        ValueError: a remote id outside the holder's blocks, or a group without expected
-            hashes.
+        ValueError: a remote id outside the holder's blocks, a group without expected
+            hashes, or heads the holder (or this node) does not hold as asked.
     """
 
     def __init__(
@@ -48,9 +54,21 @@ class OneSidedRead:
         groups: Sequence[GroupReadMsg],
         local_block_ids: Sequence[Sequence[int]],
         lease: LeaseRef,
+        *,
+        heads: tuple[int, int] | None = None,
+        local: NodeMetadata | None = None,
     ):
         if peer.offer.board_address is None:
             raise ValueError("the holder offers no block board")
+        if heads is None and local is not None and local.kv_heads is not None:
+            heads = local.held_heads  # as ``transfer.begin_read``: the heads this node holds
+        for side, metadata in (("holder", remote), ("requester", local)):
+            error = None if metadata is None else heads_error(metadata, heads)
+            if error is not None:
+                raise ValueError(f"{side}: {error}")
+        if heads is not None and local is None:
+            raise ValueError("a read of heads needs this node's metadata (local)")
+        self._heads, self._local = heads, local
         partial_tag = lease_block_tag(lease.request_id, lease.token)
         blocks = []
         for group in groups:
@@ -83,7 +101,9 @@ class OneSidedRead:
         """
         if not self._check.before_copy():
             return False
-        self.plan = self._peer.plan(self._caches, self._entries)
+        self.plan = self._peer.plan(
+            self._caches, self._entries, heads=self._heads, local=self._local
+        )
         return True
 
     def after_copy(self) -> bool:

@@ -56,6 +56,7 @@ from .cma_board import BoardCounts
 from .cma_one_sided import OneSidedRead
 from .control import HolderConnection
 from .errors import TransferError, TransportError
+from .heads import heads_error
 from .metadata import NodeMetadata
 from .plan import block_nbytes_by_entry, pick
 from .read_path import DropConnection, ReadPath
@@ -96,10 +97,12 @@ class CmaReadPath(ReadPath):
         board_counts: BoardCounts | None = None,
     ):
         assert isinstance(conn.cma, CmaPeer)
-        # Copy before the holder's check only from blocks its layout has: a ticket's ids are
-        # network input, and the holder refuses the others before anything is copied.
+        # Copy before the holder's check only from blocks (and KV heads) its layout has: a
+        # ticket's ids are network input, and the holder refuses the others before anything is
+        # copied.
         copy_first = (
             read.lease is not None
+            and heads_error(conn.remote, read.heads) is None
             and all(group.expected_hashes is not None for group in read.groups)
             and all(
                 not group.block_ids
@@ -119,7 +122,8 @@ class CmaReadPath(ReadPath):
         self._board_counts = board_counts if board_counts is not None else BoardCounts()
 
     def _before_reply(self) -> None:
-        self._plan = self._make_plan(None)  # while the holder checks the read
+        if heads_error(self.conn.remote, self.read.heads) is None:  # else the holder refuses
+            self._plan = self._make_plan(None)  # while the holder checks the read
 
     async def _exchange(
         self,
@@ -175,7 +179,7 @@ class CmaReadPath(ReadPath):
         assert read.lease is not None  # copy_first
         one = OneSidedRead(
             self._peer, self.conn.remote, self._caches, read.groups, state.local_block_ids,
-            read.lease,
+            read.lease, heads=read.heads, local=self._metadata,
         )
         try:
             if not one.before_copy():
@@ -237,7 +241,7 @@ class CmaReadPath(ReadPath):
             remote = pick(group.block_ids, positions, 0, len(positions))
             local = pick(self.state.local_block_ids[entry], positions, 0, len(positions))
             entries.append((group.group_id, remote, local))
-        return self._peer.plan(self._caches, entries)
+        return self._peer.plan(self._caches, entries, heads=self.read.heads, local=self._metadata)
 
     async def _before_read_done(self) -> None:
         await self.conn.send(ReadCopied(transfer_id=self.read.transfer_id))

@@ -26,6 +26,9 @@ MAX_REQUEST_IDS = 1 << 16  # per Heartbeat
 MIN_CHUNK_BYTES = 1 << 12
 MAX_CHUNK_BYTES = 1 << 30
 MAX_DEADLINE_MS = 24 * 3600 * 1000
+MAX_KV_HEADS = 1 << 16
+MAX_PULLERS = 1 << 12
+"""Ranks of a tensor-parallel puller whose release notices together end one lease."""
 MAX_TAG_BASE = (1 << 63) - 1 - MAX_BLOCKS_PER_READ
 """Chunk ``k`` of a read has UCX tag ``tag_base + k`` (``transfer.tag_base_for`` stays below
 ``2**62``); int64 is msgspec's bound limit."""
@@ -71,6 +74,10 @@ Probe = Annotated[bytes, Meta(min_length=1, max_length=64)]
 NumLayers = Annotated[int, Meta(ge=1, le=MAX_LAYERS)]
 NumBlocks = Annotated[int, Meta(ge=1, le=1 << 31)]
 BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
+KVHeadIndex = Annotated[int, Meta(ge=0, le=MAX_KV_HEADS - 1)]
+NumKVHeads = Annotated[int, Meta(ge=1, le=MAX_KV_HEADS)]
+PullerRank = Annotated[int, Meta(ge=0, le=MAX_PULLERS - 1)]
+NumPullers = Annotated[int, Meta(ge=1, le=MAX_PULLERS)]
 BlockShape = Annotated[tuple[Annotated[int, Meta(ge=1, le=1 << 20)], ...], Meta(max_length=8)]
 DtypeName = Literal[
     "float16", "bfloat16", "float32", "float64", "uint8", "int8", "float8_e4m3fn", "float8_e5m2"

@@ -29,6 +29,7 @@ from .base import (
     check_kv_caches_match,
 )
 from .errors import HandshakeError, PeerUnreachableError, TransferError, TransportError, WireError
+from .heads import row_slice
 from .metadata import NodeMetadata, check_compatible
 from .plan import (
     block_nbytes_by_entry,
@@ -40,6 +41,7 @@ from .plan import (
     plan_chunks,
     recheck_blocks,
 )
+from .staging import copy_in, copy_out
 from .transfer import (
     ReadState,
     begin_read,
@@ -241,6 +243,7 @@ class LoopbackTransport(Transport):
         *,
         deadline_s: float,
         lease: LeaseRef | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> ReadResult:
         read, state = begin_read(
             self.metadata,
@@ -249,6 +252,7 @@ class LoopbackTransport(Transport):
             deadline_s=deadline_s,
             chunk_bytes=self.chunk_bytes,
             lease=lease,
+            heads=heads,
         )
         transfer_id = read.transfer_id
         self._reads[transfer_id] = state
@@ -314,13 +318,15 @@ class LoopbackTransport(Transport):
         success: bool,
         reason: str = "",
         token: str = "",
+        puller_rank: int = 0,
+        num_pullers: int = 1,
     ) -> None:
         holder = self._holder(peer)
         self._authenticate(holder)  # as the control connection's handshake would
         notice = _roundtrip(
             transfer_done_notice(
                 peer_engine_id=self.engine_id, request_id=request_id, success=success,
-                reason=reason, token=token,
+                reason=reason, token=token, puller_rank=puller_rank, num_pullers=num_pullers,
             )
         )
         await asyncio.sleep(0)
@@ -365,7 +371,9 @@ class LoopbackTransport(Transport):
             raise state.error(TransferError, f"holder {self.engine_id!r} went away")
         good = [good_positions(len(g.block_ids), mismatched[i]) for i, g in enumerate(read.groups)]
         group_ids = [g.group_id for g in read.groups]
-        chunks = plan_chunks(self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes)
+        chunks = plan_chunks(
+            self.metadata, group_ids, [len(p) for p in good], read.chunk_bytes, read.heads
+        )
         late: list[list[int]] = [[] for _ in read.groups]
         for chunk_idx, chunk in enumerate(chunks):
             if faults.drop_after_chunks is not None and chunk_idx >= faults.drop_after_chunks:
@@ -378,16 +386,29 @@ class LoopbackTransport(Transport):
             positions = good[chunk.entry][chunk.start : chunk.stop]
             src_caches = self.kv_caches_by_group[group.group_id]
             dst_caches = requester.kv_caches_by_group[group.group_id]
-            src_ids = torch.tensor([group.block_ids[p] for p in positions], dtype=torch.int64)
-            dst_ids = torch.tensor(
-                [state.local_block_ids[chunk.entry][p] for p in positions], dtype=torch.int64
-            )
-            staging = gather_blocks(src_caches, src_ids.to(src_caches[0].device))
+            src_list = [group.block_ids[p] for p in positions]
+            dst_list = [state.local_block_ids[chunk.entry][p] for p in positions]
+            src_row = row_slice(self.metadata, group.group_id, read.heads)
+            dst_row = row_slice(requester.metadata, group.group_id, read.heads)
+            if src_row.whole and dst_row.whole:
+                src_ids = torch.tensor(src_list, dtype=torch.int64)
+                staging = gather_blocks(src_caches, src_ids.to(src_caches[0].device))
+            else:  # the heads asked for: a byte range of each row on one side or both
+                src_row, dst_row = src_row._replace(whole=False), dst_row._replace(whole=False)
+                staging = torch.empty(
+                    (len(src_caches), len(src_list), src_row.nbytes),
+                    dtype=torch.uint8, device=src_caches[0].device,
+                )
+                copy_out(src_caches, src_list, staging, src_row)
             # the bytes are copied out: re-check, as the UCX holder does after each gather
             late[chunk.entry].extend(self._recheck(group, positions, read.lease))
-            scatter_blocks(
-                staging.to(dst_caches[0].device), dst_caches, dst_ids.to(dst_caches[0].device)
-            )
+            if dst_row.whole:
+                dst_ids = torch.tensor(dst_list, dtype=torch.int64)
+                scatter_blocks(
+                    staging.to(dst_caches[0].device), dst_caches, dst_ids.to(dst_caches[0].device)
+                )
+            else:
+                copy_in(staging.to(dst_caches[0].device), dst_caches, dst_list, dst_row)
             state.landed[chunk.entry].update(positions)
             state.num_bytes_landed += staging.numel() * staging.element_size()
             await asyncio.sleep(0)

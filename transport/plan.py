@@ -9,7 +9,9 @@ inputs, so chunk ``k`` means the same blocks on both sides without sending the p
                                     k=0    k=1   k=2  k=3    k=4
 
 A chunk never spans two group entries (their layer tensors differ). A chunk of entry ``i`` holds
-``blocks_per_chunk = max(1, chunk_bytes // (num_layers * block_nbytes))`` blocks except the last.
+``blocks_per_chunk = max(1, chunk_bytes // (num_layers * row_nbytes))`` blocks except the last,
+where ``row_nbytes`` is what the read moves of one block of one layer: the whole block, or the
+bytes of the KV heads it names (``heads``: the same on both sides).
 
 Hash checks on the holder (a hit is advisory: docs/architecture.md, "Life of an index hit"). A block
 read through the index is not referenced on the holder, so the holder may evict and reuse it at
@@ -32,6 +34,7 @@ from typing import NamedTuple
 
 from .base import BlockValidator, GroupRead
 from .errors import WireError
+from .heads import check_heads, row_slice
 from .limits import MAX_BLOCKS_PER_READ
 from .metadata import NodeMetadata
 from .wire import GroupReadMsg, LeaseRef, Read
@@ -45,19 +48,25 @@ class Chunk(NamedTuple):
     stop: int
 
 
-def blocks_per_chunk(metadata: NodeMetadata, group_id: int, chunk_bytes: int) -> int:
-    """How many blocks (all layers) of ``group_id`` fit in ``chunk_bytes``; at least 1."""
+def blocks_per_chunk(
+    metadata: NodeMetadata, group_id: int, chunk_bytes: int,
+    heads: tuple[int, int] | None = None,
+) -> int:
+    """How many blocks (all layers; of each, the bytes of ``heads``) of ``group_id`` fit in
+    ``chunk_bytes``; at least 1."""
     layout = metadata.groups[group_id]
-    return max(1, chunk_bytes // (layout.num_layers * layout.block_nbytes))
+    return max(1, chunk_bytes // (layout.num_layers * row_slice(metadata, group_id, heads).nbytes))
 
 
 def plan_chunks(
-    metadata: NodeMetadata, group_ids: Sequence[int], num_good: Sequence[int], chunk_bytes: int
+    metadata: NodeMetadata, group_ids: Sequence[int], num_good: Sequence[int], chunk_bytes: int,
+    heads: tuple[int, int] | None = None,
 ) -> list[Chunk]:
-    """The chunk plan for entries with ``num_good[i]`` good blocks of group ``group_ids[i]``."""
+    """The chunk plan for entries with ``num_good[i]`` good blocks of group ``group_ids[i]``, of
+    a read of ``heads`` (``Read.heads``)."""
     chunks = []
     for entry, (group_id, count) in enumerate(zip(group_ids, num_good, strict=False)):
-        step = blocks_per_chunk(metadata, group_id, chunk_bytes)
+        step = blocks_per_chunk(metadata, group_id, chunk_bytes, heads)
         chunks.extend(
             Chunk(entry, start, min(start + step, count)) for start in range(0, count, step)
         )
@@ -65,9 +74,11 @@ def plan_chunks(
 
 
 def block_nbytes_by_entry(metadata: NodeMetadata, read: Read) -> list[int]:
-    """Bytes of one block over all layers of its group, per group entry of ``read``."""
+    """Bytes ``read`` moves of one block over all layers of its group (the heads it names),
+    per group entry."""
     return [
-        metadata.groups[g.group_id].num_layers * metadata.groups[g.group_id].block_nbytes
+        metadata.groups[g.group_id].num_layers
+        * row_slice(metadata, g.group_id, read.heads).nbytes
         for g in read.groups
     ]
 
@@ -157,12 +168,14 @@ def build_group_msgs(
 
 
 def check_read(metadata: NodeMetadata, read: Read) -> None:
-    """Holder side: every group id and remote block id of ``read`` must exist here.
+    """Holder side: every group id and remote block id of ``read`` must exist here, and its
+    KV heads be the ones this node holds (``heads.check_heads``).
 
     Raises:
         WireError: naming the first bad group id or block id (block 0, the null block, is
-            never served).
+            never served), or the heads held and asked for.
     """
+    check_heads(metadata, read.heads)
     for entry, group in enumerate(read.groups):
         if group.group_id >= len(metadata.groups):
             raise WireError(

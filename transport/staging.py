@@ -4,7 +4,8 @@ Buffers are flat ``uint8`` tensors of a fixed capacity on the KV tensors' device
 list and reused, because UCX registers memory on first use and a registration hit is much cheaper
 than a fresh one. A chunk of ``n`` blocks of ``L`` layers views the first
 ``L * n * block_nbytes`` bytes as ``[L, n, *block_shape]`` in the KV dtype
-(kvbridge.kernels.layout, "staging buffer").
+(kvbridge.kernels.layout, "staging buffer"); a read of part of each row (the KV heads it names:
+``heads.RowSlice``) views ``[L, n, row.nbytes]`` bytes instead.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 from kvbridge.kernels import gather_blocks, scatter_blocks
 from kvbridge.kernels.host_memory import host_buffer
+
+from .heads import RowSlice
 
 
 class StagingPool:
@@ -67,12 +70,16 @@ def chunk_view(
     num_blocks: int,
     block_shape: tuple[int, ...],
     dtype: torch.dtype,
+    row: RowSlice | None = None,
 ) -> torch.Tensor:
-    """``[num_layers, num_blocks, *block_shape]`` view of the front of a flat byte buffer.
+    """``[num_layers, num_blocks, *block_shape]`` view of the front of a flat byte buffer, or
+    ``[num_layers, num_blocks, row.nbytes]`` uint8 for a partial ``row``.
 
     Raises:
         ValueError: the buffer is too small.
     """
+    if row is not None and not row.whole:
+        block_shape, dtype = (row.nbytes,), torch.uint8
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = num_layers * num_blocks
     for size in block_shape:
@@ -106,12 +113,40 @@ def run_start(block_ids: Sequence[int]) -> int | None:
     return first
 
 
+def row_bytes_view(kv_cache: torch.Tensor, row: RowSlice) -> torch.Tensor:
+    """``[num_blocks, row.nbytes]`` uint8 view of the ``row`` bytes of every block of a
+    contiguous ``[num_blocks, ...]`` tensor (strided: row ``b`` starts at
+    ``b * block_nbytes + row.offset``)."""
+    rows = kv_cache.reshape(kv_cache.shape[0], -1).view(torch.uint8)
+    return rows[:, row.offset : row.offset + row.nbytes]
+
+
+def _ids_tensor(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(block_ids), dtype=torch.int64).to(device)
+
+
 def copy_in(
-    staging: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]
+    staging: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    row: RowSlice | None = None,
 ) -> None:
-    """Requester side: ``kv_caches[l][block_ids[i]] = staging[l, i]``. A run of ids is one slice
-    copy per layer; other ids go through ``kvbridge.kernels.scatter_blocks``. Mutates the caches.
+    """Requester side: ``kv_caches[l][block_ids[i]] = staging[l, i]``; with a partial ``row``
+    only those bytes of each block (``staging`` then ``[L, n, row.nbytes]`` uint8). A run of ids
+    is one slice copy per layer; other ids go through ``kvbridge.kernels.scatter_blocks`` (a
+    partial row: ``index_copy_``). Mutates the caches.
     """
+    if row is not None and not row.whole:
+        start = run_start(block_ids)
+        ids = None if start is not None else _ids_tensor(block_ids, kv_caches[0].device)
+        for layer, kv_cache in enumerate(kv_caches):
+            rows = row_bytes_view(kv_cache, row)
+            if ids is None:
+                rows[start : start + len(block_ids)].copy_(staging[layer])
+            else:
+                rows.index_copy_(0, ids, staging[layer])
+        synchronize(staging)
+        return
     start = run_start(block_ids)
     if start is not None:
         for layer, kv_cache in enumerate(kv_caches):
@@ -123,10 +158,25 @@ def copy_in(
 
 
 def copy_out(
-    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], staging: torch.Tensor
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    staging: torch.Tensor,
+    row: RowSlice | None = None,
 ) -> None:
     """Holder side: ``staging[l, i] = kv_caches[l][block_ids[i]]`` (slice copies for a run,
-    else ``kvbridge.kernels.gather_blocks``). Mutates ``staging`` only."""
+    else ``kvbridge.kernels.gather_blocks``); with a partial ``row`` only those bytes of each
+    block (``staging`` ``[L, n, row.nbytes]`` uint8). Mutates ``staging`` only."""
+    if row is not None and not row.whole:
+        start = run_start(block_ids)
+        ids = None if start is not None else _ids_tensor(block_ids, kv_caches[0].device)
+        for layer, kv_cache in enumerate(kv_caches):
+            rows = row_bytes_view(kv_cache, row)
+            if ids is None:
+                staging[layer].copy_(rows[start : start + len(block_ids)])
+            else:
+                torch.index_select(rows, 0, ids, out=staging[layer])
+        synchronize(staging)
+        return
     start = run_start(block_ids)
     if start is not None:
         for layer, kv_cache in enumerate(kv_caches):

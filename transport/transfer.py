@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .base import GroupRead, ReadResult
 from .errors import TransferCancelledError, TransferError, TransferTimeoutError
+from .heads import heads_error
 from .metadata import NodeMetadata
 from .plan import build_group_msgs
 from .wire import GroupReadMsg, LeaseRef, Read
@@ -209,16 +210,28 @@ def begin_read(
     deadline_s: float,
     chunk_bytes: int,
     lease: LeaseRef | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[Read, ReadState]:
     """The ``Read`` message and the requester's ``ReadState`` of a new read (both transports);
-    ``lease`` travels as ``Read.lease``.
+    ``lease`` travels as ``Read.lease``, ``heads`` as ``Read.heads`` (None: the heads this node
+    holds, when it names them, ``NodeMetadata.kv_heads``; else whole rows).
 
     Raises:
-        ValueError: ``deadline_s <= 0``, or groups that do not fit ``metadata``
-            (``plan.build_group_msgs``).
+        ValueError: ``deadline_s <= 0``, groups that do not fit ``metadata``
+            (``plan.build_group_msgs``), or heads this node's blocks do not hold
+            (``heads.heads_error``).
     """
     if deadline_s <= 0:
         raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    if heads is None and metadata.kv_heads is not None:
+        heads = metadata.held_heads
+    if heads is not None:
+        heads = (int(heads[0]), int(heads[1]))
+        if not 0 <= heads[0] < heads[1]:
+            raise ValueError(f"heads {heads}: not a run of KV heads")
+    error = heads_error(metadata, heads)
+    if error is not None:
+        raise ValueError(f"cannot receive KV heads {heads}: {error}")
     msgs, local_block_ids = build_group_msgs(metadata, groups)
     transfer_id = next_transfer_id()
     state = ReadState(
@@ -235,5 +248,6 @@ def begin_read(
         deadline_ms=max(1, int(deadline_s * 1000)),
         groups=msgs,
         lease=lease,
+        heads=heads,
     )
     return read, state

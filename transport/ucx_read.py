@@ -27,6 +27,7 @@ import torch
 
 from .control import HolderConnection
 from .errors import TransferError
+from .heads import row_slice
 from .metadata import NodeMetadata
 from .plan import Chunk, pick, plan_chunks
 from .read_path import CANCEL_REPLY_TIMEOUT_S, DropConnection, ReadPath
@@ -84,7 +85,7 @@ class UcxReadPath(ReadPath):
         group_ids = [g.group_id for g in read.groups]
         self._good = good
         chunks = self._chunks = plan_chunks(
-            self._metadata, group_ids, [len(p) for p in good], read.chunk_bytes
+            self._metadata, group_ids, [len(p) for p in good], read.chunk_bytes, read.heads
         )
         for chunk_idx in range(min(self._window, len(chunks))):
             self._post(chunk_idx)
@@ -113,6 +114,7 @@ class UcxReadPath(ReadPath):
                         posted.target,
                         self._caches[group_id],
                         self._local_ids(chunk_idx),
+                        row_slice(self._metadata, group_id, read.heads),
                         nbytes=posted.target.nbytes,
                     )
                 finally:
@@ -127,12 +129,13 @@ class UcxReadPath(ReadPath):
 
     def _post(self, chunk_idx: int) -> None:
         """Post the receive of chunk ``chunk_idx``: into the KV tensor itself when the chunk is
-        one layer's run of ids, else into staging."""
+        one layer's run of ids read whole, else into staging."""
         chunk = self._chunks[chunk_idx]
         group_id = self.read.groups[chunk.entry].group_id
         caches = self._caches[group_id]
         ids = self._local_ids(chunk_idx)
-        start = run_start(ids) if len(caches) == 1 else None
+        row = row_slice(self._metadata, group_id, self.read.heads)
+        start = run_start(ids) if len(caches) == 1 and row.whole else None
         buffer: torch.Tensor | None = None
         if start is not None:
             target = caches[0][start : start + len(ids)]
@@ -140,7 +143,7 @@ class UcxReadPath(ReadPath):
             layout = self._metadata.groups[group_id]
             buffer = self._staging.acquire()
             target = chunk_view(
-                buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
+                buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype, row
             )
         recv = asyncio.ensure_future(
             self.conn.endpoint.recv(  # type: ignore[attr-defined]

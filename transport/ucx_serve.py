@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .base import BlockValidator
+from .heads import row_slice
 from .metadata import NodeMetadata
 from .plan import Chunk, expects_read_done, good_positions, pick, plan_chunks, recheck_blocks
 from .serve import RequesterConnection, Serve, ServeCount
@@ -115,7 +116,7 @@ class UcxServe(Serve):
             ]
             group_ids = [g.group_id for g in read.groups]
             chunks = plan_chunks(
-                self._metadata, group_ids, [len(p) for p in good], read.chunk_bytes
+                self._metadata, group_ids, [len(p) for p in good], read.chunk_bytes, read.heads
             )
             # progress UCX while serving: spinning for a one-chunk (latency-bound) serve, on
             # ticks for a multi-chunk (bulk) one, so the copies keep the core (``ucx_progress``)
@@ -157,7 +158,8 @@ class UcxServe(Serve):
             layout = self._metadata.groups[group.group_id]
             positions = good[chunk.entry][chunk.start : chunk.stop]
             ids = pick(group.block_ids, good[chunk.entry], chunk.start, chunk.stop)
-            start = run_start(ids) if len(caches) == 1 else None
+            row = row_slice(self._metadata, group.group_id, read.heads)  # the heads asked for
+            start = run_start(ids) if len(caches) == 1 and row.whole else None
             buffer: torch.Tensor | None = None
             recheck: tuple[int, list[int]] | None = None
             if start is not None:  # one layer, a run of ids: send from the KV tensor itself
@@ -166,11 +168,11 @@ class UcxServe(Serve):
             else:
                 buffer = pool.acquire()
                 source = chunk_view(
-                    buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype
+                    buffer, layout.num_layers, len(ids), layout.block_shape, caches[0].dtype, row
                 )
                 try:
                     # big gathers off the event loop, so UCX keeps progressing issued chunks
-                    await run_copy(copy_out, caches, ids, source, nbytes=source.nbytes)
+                    await run_copy(copy_out, caches, ids, source, row, nbytes=source.nbytes)
                     # the bytes are in staging now: a block evicted during the copy shows here
                     self._recheck(chunk.entry, positions)
                 except BaseException:

@@ -280,10 +280,12 @@ class UcxxTransport(Transport):
         success: bool,
         reason: str = "",
         token: str = "",
+        puller_rank: int = 0,
+        num_pullers: int = 1,
     ) -> None:
         notice = transfer_done_notice(
             peer_engine_id=self.engine_id, request_id=request_id, success=success, reason=reason,
-            token=token,
+            token=token, puller_rank=puller_rank, num_pullers=num_pullers,
         )
         conn = await self._notice_connection(PeerAddress(*peer))
         await conn.send(notice)
@@ -332,14 +334,11 @@ class UcxxTransport(Transport):
         *,
         deadline_s: float,
         lease: LeaseRef | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> ReadResult:
         read, state = begin_read(
-            self.metadata,
-            request_id,
-            groups,
-            deadline_s=deadline_s,
-            chunk_bytes=self.chunk_bytes,
-            lease=lease,
+            self.metadata, request_id, groups, deadline_s=deadline_s,
+            chunk_bytes=self.chunk_bytes, lease=lease, heads=heads,
         )
         transfer_id = read.transfer_id
         self._reads[transfer_id] = state
@@ -375,6 +374,7 @@ class UcxxTransport(Transport):
         *,
         lease: LeaseRef,
         incarnation: str,
+        heads: tuple[int, int] | None = None,
     ) -> ReadResult | None:
         """See ``Transport.read_one_sided``: for a connected same-host holder with a board, a
         read of at most ``cma.INLINE_COPY_MAX_BYTES`` (``cma_one_sided``)."""
@@ -384,7 +384,8 @@ class UcxxTransport(Transport):
         try:
             msgs, local_block_ids = build_group_msgs(self.metadata, groups)
             one = OneSidedRead(
-                conn.cma, conn.remote, self.kv_caches_by_group, msgs, local_block_ids, lease
+                conn.cma, conn.remote, self.kv_caches_by_group, msgs, local_block_ids, lease,
+                heads=heads, local=self.metadata,
             )
             if not one.before_copy() or one.plan.nbytes > INLINE_COPY_MAX_BYTES:
                 return None

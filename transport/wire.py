@@ -47,21 +47,17 @@ from .limits import (
     MAX_HASH_BYTES,
     MAX_STR_LEN,
     MIN_CHUNK_BYTES,
-    Address,
-    AddressesByGroup,
     AuthBytes,
-    BlockHashes,
-    BlockIds,
     ChunkBytes,
     CompatHash,
     DeadlineMs,
-    GroupId,
+    KVHeadIndex,
     LongText,
     NumChunks,
-    Pid,
+    NumKVHeads,
+    NumPullers,
     PositionsByEntry,
-    Probe,
-    RequestId,
+    PullerRank,
     RequestIds,
     ShortText,
     TagBase,
@@ -72,6 +68,7 @@ from .limits import (
     clip_text,
 )
 from .metadata import NodeMetadata
+from .wire_fields import CmaOffer, GroupReadMsg, LeaseRef
 
 __all__ = [
     "FRAME_HEADER",
@@ -117,50 +114,16 @@ WIRE_VERSION = 9
 # 7: Read.lease (a handoff's lease in its own field, no longer inside an expected hash)
 # 8: Read.copy_first (a same-host read under a lease copies while the holder checks it)
 # 9: Hello.notices_only (a connection for TransferDone alone, open to an incompatible peer);
-#    NodeMetadata.identity (identity.BlockIdentity: model revision and KV cache dtype added)
+#    NodeMetadata.identity (identity.BlockIdentity: model revision and KV cache dtype added);
+#    tensor parallelism: Read.heads (the KV heads a read expects, checked by the holder),
+#    TransferDone.puller_rank / num_pullers (a lease ends when every puller rank let go),
+#    NodeMetadata.kv_heads
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=True):
     """Base of every control message: frozen, keyword-only, tagged by its class name."""
-
-
-class GroupReadMsg(msgspec.Struct, frozen=True, kw_only=True):
-    """One group's part of a ``Read``: remote block ids and, optionally, one expected hash per
-    id (``plan``, "Hash checks on the holder"). An empty expected hash is guarded by the read's
-    ``lease`` alone, or not checked when the read has none."""
-
-    group_id: GroupId
-    block_ids: BlockIds
-    expected_hashes: BlockHashes | None
-
-    def __post_init__(self) -> None:
-        hashes = self.expected_hashes
-        if hashes is not None and len(hashes) != len(self.block_ids):
-            raise ValueError(f"{len(hashes)} expected_hashes for {len(self.block_ids)} block_ids")
-
-
-class CmaOffer(msgspec.Struct, frozen=True, kw_only=True):
-    """What a holder on host memory tells requesters at handshake (``HelloOk.cma``).
-
-    Attributes:
-        host_id: the holder's boot id; a requester on another boot (another host) ignores it.
-        pid: the holder's process id (in the holder's pid namespace).
-        probe_address, probe: a live 16-byte buffer in the holder and its content.
-        regions: ``[group][layer]`` address of each KV tensor's first byte
-            (``[num_blocks, *block_shape]``, contiguous, as ``NodeMetadata`` describes).
-        board_address: the holder's block board (``cma_board``: one entry per block of each
-            group, ``NodeMetadata``'s ``num_blocks``), which lets a handoff read skip the
-            holder's round trip; None: no board (every read asks the holder).
-    """
-
-    host_id: ShortText
-    pid: Pid
-    probe_address: Address
-    probe: Probe
-    regions: AddressesByGroup
-    board_address: Address | None = None
 
 
 def _check_compat_hash(metadata: NodeMetadata, compat_hash: str) -> None:
@@ -226,17 +189,6 @@ class HelloOk(_Message):
                 )
 
 
-class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
-    """A handoff's lease on the holder, as a read presents it: ``request_id`` names the lease
-    there (the prefill side's request id) and ``token`` is its ticket's capability
-    (``remote_lease_token``; empty: none presented). The holder's validator serves a position
-    with an empty expected hash only while this lease is held, has this token and covers the
-    block."""
-
-    request_id: RequestId
-    token: ShortText = ""
-
-
 class Read(_Message):
     """Pull request. The holder sends chunk ``k`` of the plan with UCX tag ``tag_base + k``;
     with ``cma`` it sends nothing: the requester copies the blocks itself after ``ReadOk``
@@ -245,7 +197,9 @@ class Read(_Message):
     index. ``copy_first`` (a ``cma`` read under a lease, with expected hashes in every group):
     the requester copies without waiting for ``ReadOk``; the holder vouches for a position
     only through the read's own lease, pins that lease until ``ReadCopied`` (or the deadline
-    plus a grace) and sends no ``ReadDone`` (``cma_read``)."""
+    plus a grace) and sends no ``ReadDone`` (``cma_read``). ``heads``: the model's KV heads
+    ``[start, stop)`` the requester expects of each block (``heads``); the holder refuses the
+    read unless it holds them; None: whole rows of a node that holds every head."""
 
     transfer_id: TransferId
     request_id: Text
@@ -256,8 +210,11 @@ class Read(_Message):
     cma: bool = False
     lease: LeaseRef | None = None
     copy_first: bool = False
+    heads: tuple[KVHeadIndex, NumKVHeads] | None = None
 
     def __post_init__(self) -> None:
+        if self.heads is not None and self.heads[0] >= self.heads[1]:
+            raise ValueError(f"heads {list(self.heads)}: an empty run")
         total = sum(len(group.block_ids) for group in self.groups)
         if total > MAX_BLOCKS_PER_READ:
             raise ValueError(f"a read of {total} blocks exceeds {MAX_BLOCKS_PER_READ}")
@@ -338,13 +295,21 @@ class Heartbeat(_Message):
 class TransferDoneNotice(_Message, tag="TransferDone"):
     """A requester's completion notice for one request (success or failure), as sent and as the
     holder's ``on_transfer_done`` receives it; ``peer_engine_id`` is the requester's engine id,
-    ``token`` the lease token of the request's ticket (a lease ends only for its token)."""
+    ``token`` the lease token of the request's ticket (a lease ends only for its token).
+    ``puller_rank`` of ``num_pullers``: a tensor-parallel requester's ranks each send one, and
+    the lease ends once every rank's has come (``connector.lease``)."""
 
     peer_engine_id: Text
     request_id: Text
     success: bool
     reason: LongText
     token: Text = ""
+    puller_rank: PullerRank = 0
+    num_pullers: NumPullers = 1
+
+    def __post_init__(self) -> None:
+        if self.puller_rank >= self.num_pullers:
+            raise ValueError(f"puller_rank {self.puller_rank} of {self.num_pullers} pullers")
 
 
 def transfer_done_notice(*, reason: str, **fields: Any) -> TransferDoneNotice:

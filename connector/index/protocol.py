@@ -119,6 +119,10 @@ class IndexNamespace:
 
     identity: BlockIdentity
     key_hash_bytes: int = 8
+    # The KV heads a block of this domain holds, for engines that shard them (tensor parallel:
+    # "tp2h8", 2 ranks of 8 heads): a block published by one rank layout is found only by
+    # engines of the same layout. "": every head in one block (the key prefix is unchanged).
+    kv_heads_layout: str = ""
 
     def __post_init__(self) -> None:
         if self.key_hash_bytes < 8:
@@ -134,12 +138,16 @@ class IndexNamespace:
 
     @property
     def key_prefix(self) -> str:
-        """``kvbridge:bi:<model>:<identity>:k<key_hash_bytes>``: the model name %-quoted (for
-        people reading the keys), ``<identity>`` the first 16 hex digits of the identity's
-        ``digest`` (over every field of it, the model name included). No ``{``, ``}`` or
-        ``:`` inside a segment (Redis Cluster hash tags wrap the prefix: ``redis_cluster``)."""
+        """``kvbridge:bi:<model>:<identity>:k<key_hash_bytes>`` (then ``:<kv_heads_layout>``
+        when set): the model name %-quoted (for people reading the keys), ``<identity>`` the
+        first 16 hex digits of the identity's ``digest`` (over every field of it, the model
+        name included). No ``{``, ``}`` or ``:`` inside a segment (Redis Cluster hash tags
+        wrap the prefix: ``redis_cluster``)."""
         model = quote(self.identity.model_name, safe="")
-        return f"kvbridge:bi:{model}:{self.identity.digest[:16]}:k{self.key_hash_bytes}"
+        prefix = f"kvbridge:bi:{model}:{self.identity.digest[:16]}:k{self.key_hash_bytes}"
+        if self.kv_heads_layout:
+            prefix += ":" + quote(self.kv_heads_layout, safe="")
+        return prefix
 
 
 class IndexOp(NamedTuple):

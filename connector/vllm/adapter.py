@@ -11,6 +11,15 @@ the blocks the worker reports in ``get_block_ids_with_load_errors``.
 Everything the halves say to each other travels as msgpack bytes inside vLLM's metadata types
 (``_StepOrders``, ``_WorkerReport``, ``_Handshake``): vLLM pickles those between processes,
 and bytes pickle as themselves.
+
+Tensor parallelism (issue 30): vLLM builds one worker half per rank and sends each step's
+orders to all of them. Each rank registers the KV heads its cache holds (``TPLayout``: vLLM's
+rank and size, the model's KV heads) and pulls exactly those, from the prefill rank(s) holding
+them; the scheduler half takes every rank's handshake and names every rank in its tickets.
+vLLM's ``KVOutputAggregator`` reports a request finished once every rank has (the default
+``get_finished_count``, the world size), which is when each rank's pull or lease has ended.
+Layouts the connector does not serve are refused when the engine starts, before anything is
+started (``refuse_unsupported_layout``).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from ..metadata import (
 )
 from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
+from ..tp_layout import TPLayout
 from ..worker_half import KVBridgeWorker
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
@@ -51,6 +61,7 @@ from .translate import (
     kv_cache_dtype_of,
     kv_cache_regions,
     model_revision_of,
+    refuse_unsupported_layout,
 )
 
 if TYPE_CHECKING:
@@ -114,8 +125,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     ``EXTERNAL_UNSPECIFIED`` (vLLM's label for a remote store).
 
     Raises:
-        KVTransferConfigError: bad ``kv_connector_extra_config`` (naming the key), or a KV
-            cache group kvbridge cannot move.
+        KVTransferConfigError: bad ``kv_connector_extra_config`` (naming the key), a KV cache
+            group kvbridge cannot move, or a parallel layout it does not serve (pipeline,
+            data or context parallel, MLA: ``translate.refuse_unsupported_layout``), all
+            before anything is started.
     """
 
     _cache_hit_source = CacheHitSource.P2P
@@ -123,8 +136,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        refuse_unsupported_layout(vllm_config)  # first: nothing is started for a refused one
         super().__init__(vllm_config, role, kv_cache_config)
         route_to_vllm()  # kvbridge's log lines in vLLM's stream and format (logs.py)
+        self._vllm_config = vllm_config
         model_config = vllm_config.model_config
         self.config = config_from_vllm(
             vllm_config.kv_transfer_config,
@@ -167,6 +182,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         half = self._scheduler if self._scheduler is not None else self._worker
         assert half is not None
         return half.stats
+
+    @property
+    def rank_stats(self) -> dict[int, KVTransferStats]:
+        """The scheduler half: each worker rank's own statistics, by tp rank
+        (``RankReports.by_rank``); the worker half: {}."""
+        return {} if self._scheduler is None else self._scheduler.rank_reports.by_rank
 
     def _sched(self) -> KVBridgeScheduler:
         if self._scheduler is None:
@@ -273,11 +294,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        handshake = metadata.get(0)
-        if isinstance(handshake, _Handshake):
-            self._sched().set_xfer_handshake_metadata(
-                msgspec.msgpack.decode(handshake.payload, type=WorkerHandshake)
-            )
+        """Every worker rank's transport (``tp_rank -> _Handshake``): the tickets name them
+        all, so each decode rank reads its heads from the prefill rank that holds them."""
+        handshakes = {
+            int(rank): msgspec.msgpack.decode(handshake.payload, type=WorkerHandshake)
+            for rank, handshake in metadata.items()
+            if isinstance(handshake, _Handshake)
+        }
+        if handshakes:
+            self._sched().set_xfer_handshake_metadata(handshakes)
 
     # ================================================================== statistics
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -308,16 +333,32 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Register the attention backend's caches as they are: block-major (the CPU backend)
         or K/V-split (FlashAttention: two regions per layer), named in the handshake
         (``translate.kv_cache_regions``) with the device and vLLM's attention backends of the
-        layers (as vLLM's NIXL connector: two backends are two layouts, shapes alike or not)."""
+        layers (as vLLM's NIXL connector: two backends are two layouts, shapes alike or not),
+        and this rank's place among vLLM's tensor-parallel ranks (the KV heads its cache holds:
+        ``tp_layout``)."""
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
         first = next(iter(kv_caches.values()))
         names = sorted({b.get_name() for b in get_current_attn_backends(self._vllm_config)})
         backend = f"{first.device.type}-{'+'.join(names)}"
-        regions = kv_cache_regions(kv_caches, self._ours, backend=backend)
+        total = int(self._vllm_config.model_config.get_total_num_kv_heads())
+        tp_size = int(self._vllm_config.parallel_config.tensor_parallel_size)
+        tp_rank = 0
+        if tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = int(get_tensor_model_parallel_rank())
+        regions = kv_cache_regions(kv_caches, self._ours, backend=backend,
+                                   total_num_kv_heads=total)
+        layout = TPLayout(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_num_kv_heads=total,
+            heads_sliceable=regions.heads_sliceable,
+        )
         self._work().register_kv_caches(
             regions.regions_by_layer, kv_layout=regions.kv_layout,
-            kv_cache_dtype=self._kv_cache_dtype,
+            kv_cache_dtype=self._kv_cache_dtype, tp_layout=layout,
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

@@ -45,6 +45,7 @@ __all__ = [
     "kv_groups_name",
     "kv_layout_name",
     "model_revision_of",
+    "refuse_unsupported_layout",
 ]
 
 
@@ -132,6 +133,43 @@ def kv_cache_dtype_of(cache_config: Any, model_config: Any) -> str:
     return f"{name}+skip:{','.join(sorted(map(str, skipped)))}" if skipped else name
 
 
+def refuse_unsupported_layout(vllm_config: Any) -> None:
+    """Refuse, naming the setting, a parallel layout the connector does not serve; the
+    adapter calls it first thing, so a refused engine has no transport, thread or port of
+    kvbridge's. Served: tensor parallelism (each rank moves the KV heads it holds). Refused:
+
+    - ``pipeline_parallel_size`` > 1: a rank holds some layers only, and tickets name no
+      pipeline stage;
+    - ``data_parallel_size`` > 1: data-parallel engines would share one ``engine_id``;
+    - ``decode_context_parallel_size`` / ``prefill_context_parallel_size`` > 1: a rank holds
+      part of each block's tokens;
+    - MLA models (``use_mla``): one latent KV replicated on every rank, which the head-sliced
+      handoff does not model.
+
+    Raises:
+        KVTransferConfigError: one line naming the first refused setting and its value.
+    """
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for name in (
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    ):
+        value = getattr(parallel, name, 1)
+        if isinstance(value, int) and value > 1:
+            raise KVTransferConfigError(
+                f"{name}={value}: kvbridge moves KV between engines split by tensor parallelism "
+                "only; run it with this setting at 1"
+            )
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None and getattr(model_config, "use_mla", False) is True:
+        raise KVTransferConfigError(
+            "use_mla=True: kvbridge does not move an MLA model's latent KV yet; use a model "
+            "with multi-head / grouped-query attention"
+        )
+
+
 def _torch_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -170,11 +208,25 @@ def kv_cache_config_from_vllm(kv_cache_config: Any) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=int(kv_cache_config.num_blocks), kv_cache_groups=groups)
 
 
-def kv_layout_name(backend: str, tensor: torch.Tensor) -> str:
+def kv_layout_name(
+    backend: str, tensor: torch.Tensor, total_num_kv_heads: int | None = None
+) -> str:
     """The handshake's name of a vLLM cache layout: the attention backend and the per-block
-    shape, so two engines whose bytes are arranged differently refuse each other."""
-    block_shape = ",".join(str(s) for s in tensor.shape[1:])
+    shape, so two engines whose bytes are arranged differently refuse each other. With
+    ``total_num_kv_heads``, a head-major block (``[num_blocks, heads, ...]``, the CPU
+    backend's) names the model's heads in place of the rank's, so ranks of engines of
+    different tensor-parallel sizes name one layout."""
+    shape = [int(s) for s in tensor.shape[1:]]
+    if total_num_kv_heads is not None and _heads_first(tensor):
+        shape[0] = total_num_kv_heads
+    block_shape = ",".join(map(str, shape))
     return f"vllm:{backend}:blocks_first[{block_shape}]:{str(tensor.dtype).removeprefix('torch.')}"
+
+
+def _heads_first(tensor: torch.Tensor) -> bool:
+    """A block-major ``[num_blocks, heads, block_size, 2 * head_size]`` cache (the CPU
+    backend's, ``VLLM_API_NOTES.md``): each head's run is one byte range of a block."""
+    return tensor.dim() == 4
 
 
 def blocks_first_views(
@@ -227,15 +279,21 @@ class KVCacheRegions(NamedTuple):
             and never interprets them).
         kv_layout: the handshake's name of the bytes' real arrangement (backend, kind, per-block
             geometry, in-block axis order, dtype); two engines whose names differ refuse each
-            other naming ``kv_layout``.
+            other naming ``kv_layout``. With the model's KV head count given, the name counts
+            the model's heads, not the rank's (the same on every rank of any TP size).
+        heads_sliceable: a run of the rank's KV heads is one byte range of each region row
+            (heads outermost in a block: the CPU backend's ``[heads, block_size, ...]``, a
+            K/V-split "HND" cache; or a single head), so a read may move part of a row.
     """
 
     regions_by_layer: dict[str, tuple[torch.Tensor, ...]]
     kv_layout: str
+    heads_sliceable: bool = False
 
 
 def kv_cache_regions(
-    kv_caches: Mapping[str, torch.Tensor], config: KVCacheConfig, *, backend: str
+    kv_caches: Mapping[str, torch.Tensor], config: KVCacheConfig, *, backend: str,
+    total_num_kv_heads: int | None = None,
 ) -> KVCacheRegions:
     """The regions and layout name of vLLM's per-layer caches, for ``register_kv_caches``.
 
@@ -260,11 +318,14 @@ def kv_cache_regions(
     first_name = config.kv_cache_groups[0].layer_names[0]
     first = kv_caches[first_name]
     groups = kv_groups_name(config)
+    num_kv_heads = config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
     if not _is_kv_split(first, config.num_blocks):
         views = blocks_first_views(kv_caches, config)
+        heads_first = _heads_first(first) and int(first.shape[1]) == num_kv_heads
         return KVCacheRegions(
             {name: (view,) for name, view in views.items()},
-            kv_layout_name(backend, first) + groups,
+            kv_layout_name(backend, first, total_num_kv_heads if heads_first else None) + groups,
+            heads_sliceable=heads_first or num_kv_heads == 1,
         )
     regions: dict[str, tuple[torch.Tensor, ...]] = {}
     first_order = None
@@ -283,10 +344,15 @@ def kv_cache_regions(
                     f"layer {name}: cache of shape {tuple(tensor.shape)} orders a block "
                     f"{order}, layer {first_name} {first_order}: one node moves one layout"
                 )
-    block_shape = ",".join(str(s) for s in first.shape[2:])
+    shape = [int(s) for s in first.shape[2:]]  # (block_size, heads, head_size)
+    if total_num_kv_heads is not None:
+        shape[1] = total_num_kv_heads
+    block_shape = ",".join(map(str, shape))
     dtype = str(first.dtype).removeprefix("torch.")
+    assert first_order is not None
     return KVCacheRegions(
-        regions, f"vllm:{backend}:kv_split[{block_shape}]:{first_order}:{dtype}{groups}"
+        regions, f"vllm:{backend}:kv_split[{block_shape}]:{first_order}:{dtype}{groups}",
+        heads_sliceable=num_kv_heads == 1 or first_order.startswith("H"),
     )
 
 

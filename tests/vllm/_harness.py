@@ -155,6 +155,16 @@ class Node:
         """The scheduler-side connector's ``stats.snapshot()`` (in-process nodes only)."""
         return self.call({"cmd": "stats"}, 60)["stats"]
 
+    def rank_stats(self) -> dict[int, dict[str, Any]]:
+        """Each worker rank's own ``stats.snapshot()`` by tp rank, as the scheduler-side
+        connector has them from the ranks' reports (in-process nodes only)."""
+        return {int(r): s for r, s in self.call({"cmd": "stats"}, 60)["rank_stats"].items()}
+
+    def pid_listening_on(self, port: int) -> int | None:
+        """The process of the node's group that listens on TCP ``port`` (a worker rank's
+        transport), or None."""
+        return _listening_pid(self.pid, port)
+
     def metrics(self) -> dict[str, float]:
         """vLLM's own metrics of kvbridge and of external prefix hits (``_node.py``,
         ``metrics``), read in the node's frontend (both modes)."""
@@ -249,6 +259,36 @@ def _group_pids(pgid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
     return pids
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes: set[str] = set()
+    try:
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            target = os.readlink(fd.path)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        pass
+    return inodes
+
+
+def _listening_pid(pgid: int, port: int) -> int | None:
+    """The pid of group ``pgid`` holding a LISTEN TCP socket on ``port``."""
+    listening: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pgid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                listening.add(cols[9])  # 0A: LISTEN
+    for pid in _group_pids(pgid):
+        if _socket_inodes(pid) & listening:
+            return pid
+    return None
 
 
 def _established_remote_ports(pgid: int) -> set[int]:

@@ -17,7 +17,8 @@ Then, one JSON object per line in, one out:
   -> ``{"ok": true, "outputs": [{"token_ids", "kv_transfer_params", "finish_reason",
   "first_token_latency", "num_cached_tokens"}], "wall_s"}``; greedy, ``ignore_eos``.
 - ``{"cmd": "stats"}`` -> ``{"ok": true, "stats": <the scheduler-side connector's
-  stats.snapshot()> | null}`` (in-process only: in mp mode the scheduler lives in EngineCore).
+  stats.snapshot()> | null, "rank_stats": {tp_rank: snapshot}}`` (each worker rank's own, a
+  tensor-parallel engine's; in-process only: in mp mode the scheduler lives in EngineCore).
 - ``{"cmd": "metrics"}`` -> ``{"ok": true, "metrics": {name: value}}``: vLLM's own metrics as
   ``llm.get_metrics()`` reads them from this process's Prometheus registry (the frontend's, in
   both modes), counters named ``vllm:kvbridge_*``, ``vllm:external_prefix_cache_hits`` and
@@ -132,7 +133,9 @@ class _Engine:
         sched = self._scheduler()
         connector = getattr(sched, "connector", None)
         stats = getattr(connector, "stats", None)
-        return {"stats": None if stats is None else stats.snapshot()}
+        by_rank = getattr(connector, "rank_stats", None) or {}
+        return {"stats": None if stats is None else stats.snapshot(),
+                "rank_stats": {str(rank): s.snapshot() for rank, s in by_rank.items()}}
 
     def metrics(self) -> dict[str, Any]:
         from vllm.v1.metrics.reader import Counter, Histogram

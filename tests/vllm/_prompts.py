@@ -49,6 +49,14 @@ PROMPTS: dict[str, list[int]] = {
     # vLLM's metrics of the pulls (fresh on every D)
     "metrics_a": tokens(50, 3 * BLOCK),
     "metrics_b": tokens(51, 500),
+    # tensor-parallel engines (test_pd_tp.py): one group per pairing, so no D finds a prompt
+    # of another pairing in its prefix cache
+    "tp_a31": tokens(70, 31), "tp_a64": tokens(71, 64), "tp_a1000": tokens(72, 1000),
+    "tp_b31": tokens(73, 31), "tp_b64": tokens(74, 64), "tp_b1000": tokens(75, 1000),
+    "tp_c31": tokens(76, 31), "tp_c64": tokens(77, 64), "tp_c1000": tokens(78, 1000),
+    "tp_swapped": tokens(79, 300),
+    "tp_killed": tokens(80, 600),
+    "tp_after": tokens(81, 90),
     # the harness self-check (NixlConnector)
     "nixl_a": tokens(40, 70),
     "nixl_b": tokens(41, 100),

@@ -31,6 +31,7 @@ import torch
 from kvbridge.connector.metadata import (
     KVBridgeConnectorMetadata,
     KVBridgeWorkerMeta,
+    PullReport,
     StatsDelta,
     WorkerHandshake,
     decode_metadata,
@@ -136,8 +137,14 @@ def make_scheduler(
     policy: str = "fail",
     extra: dict[str, Any] | None = None,
     hybrid: bool = False,
+    tp_size: int | None = None,
 ) -> Scheduler:
     """A real vLLM ``Scheduler`` whose connector is ``KVBridgeConnector``'s scheduler half.
+
+    ``tp_size``: the workers' handshakes name their ranks as a tensor-parallel engine's do
+    (rank ``r`` of ``tp_size``, the tiny Llama's 2 KV heads, head-major; port
+    ``WORKER_PORT + r``, incarnation ``<engine_id>-inc-<r + 1>``); None: one handshake that
+    names no heads.
 
     The KV cache is one full-attention group of the tiny Llama's two layers (2 KV heads,
     head size 32, float32), ``NUM_BLOCKS`` blocks of ``BLOCK_SIZE`` tokens. ``hybrid``: the
@@ -176,13 +183,15 @@ def make_scheduler(
         block_size=BLOCK_SIZE,
         hash_fn_name=str(vllm_config.cache_config.prefix_caching_hash_algo),
     )
-    handshake = WorkerHandshake(
-        engine_id=engine_id, incarnation=f"{engine_id}-inc-1", host=WORKER_HOST, port=WORKER_PORT,
-        identity=identity,
-    )
-    connector_of(scheduler).set_xfer_handshake_metadata_pp_aware(
-        {(0, 0): _Handshake(msgspec.msgpack.encode(handshake))}
-    )
+    handshakes = {}
+    for rank in range(tp_size or 1):
+        tp = {} if tp_size is None else dict(
+            tp_rank=rank, tp_size=tp_size, total_num_kv_heads=2, heads_sliceable=True)
+        handshake = WorkerHandshake(engine_id=engine_id, incarnation=f"{engine_id}-inc-{rank + 1}",
+                                    host=WORKER_HOST, port=WORKER_PORT + rank, identity=identity,
+                                    **tp)
+        handshakes[(0, rank)] = _Handshake(msgspec.msgpack.encode(handshake))
+    connector_of(scheduler).set_xfer_handshake_metadata_pp_aware(handshakes)
     return scheduler
 
 
@@ -244,9 +253,12 @@ def ticket_for(
     return params
 
 
-def worker_report(**counters: int) -> _WorkerReport:
-    """The ``kv_connector_worker_meta`` a worker half sends with these counter increments."""
-    meta = KVBridgeWorkerMeta(stats=StatsDelta(counters=dict(counters)))
+def worker_report(*, pulls: Iterable[PullReport] = (), tp_rank: int = 0,
+                  **counters: int) -> _WorkerReport:
+    """The ``kv_connector_worker_meta`` a worker half (rank ``tp_rank``) sends with these
+    counter increments and settled ``pulls``."""
+    meta = KVBridgeWorkerMeta(tp_rank=tp_rank, stats=StatsDelta(counters=dict(counters)),
+                              pulls=list(pulls))
     return _WorkerReport([encode_worker_meta(meta)])
 
 

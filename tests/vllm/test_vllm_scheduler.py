@@ -40,7 +40,7 @@ from _vllm_sched_builders import (
     ticket_for,
     worker_report,
 )
-from kvbridge.connector.metadata import LeaseGrant, ReleaseNotice, Ticket
+from kvbridge.connector.metadata import LeaseGrant, PullReport, ReleaseNotice, Ticket
 from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.connector.vllm.adapter import PARAMS_ERROR_KEY
 from kvbridge.transport import LeaseRef
@@ -353,9 +353,13 @@ def test_d_invalid_blocks_recompute(bad_position):
         scheduler,
         invalid_block_ids={bad},
         finished_recving={request.request_id},
-        worker_meta=worker_report(num_load_errors_blocks=1, num_failed_loads=1),
+        worker_meta=worker_report(
+            pulls=[PullReport(request.request_id, 3, 1, 0.01, 0.0)],
+            num_load_errors_blocks=1, num_failed_loads=1,
+        ),
     )
-    assert connector_of(scheduler).stats.num_load_errors_blocks == 1
+    stats = connector_of(scheduler).stats
+    assert (stats.num_load_errors_blocks, stats.num_failed_loads) == (1, 1)
     resumed = step(scheduler)
     valid = bad_position * BLOCK_SIZE  # cut back to the first bad block
     assert resumed.scheduled == {request.request_id: 70 - valid}
