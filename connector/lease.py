@@ -21,6 +21,12 @@ A puller of several ranks (tensor parallel: each rank pulls its own KV heads) se
 per rank (``release``'s ``puller_rank`` of ``num_pullers``): the lease ends when every rank's
 has come, so a rank still reading keeps the blocks; a release of one rank changes nothing else.
 
+A read refused under a lease is final unless the lease may still be on its way
+(``grant_pending``): P hands a lease to its worker half at its next step after answering the
+ticket, so a fast puller can arrive before it; a lease that is held (another prompt's ticket
+names other hashes) or that ended (a stale ticket) never starts serving later, and the
+requester is told at once rather than asking again (``transport.ReadOk.lease_pending``).
+
 A same-host read that copies before the holder's check (``transport``: ``Read.copy_first``)
 pins its lease (``pin``): until it unpins, or the pin's own end passes, the lease neither
 expires nor ends by a release (deferred to the last unpin), so its blocks stay as they were
@@ -46,6 +52,9 @@ from kvbridge.transport import BlockBoard, full_block_tag, lease_block_tag
 __all__ = ["LeaseTable"]
 
 _MAX_EARLY_RELEASES = 4096
+_MAX_ENDED = 4096
+"""Ended leases remembered (``grant_pending``); an older one reads as never granted, which
+costs its reader a few retries (``puller.LEASE_GRANT_RETRY_S``), never a wrong block."""
 
 
 @dataclass(slots=True)
@@ -107,6 +116,8 @@ class LeaseTable:
         self._block_to_leases: dict[tuple[int, int], set[str]] = {}  # (group, block) -> ids
         # released before granted -> the token and puller ranks of those releases
         self._released_early: OrderedDict[str, _EarlyRelease] = OrderedDict()
+        # the latest leases that ended (released or expired) -> their token (``grant_pending``)
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self._released: list[str] = []
         self._num_expired = 0
         self._num_released = 0
@@ -164,6 +175,7 @@ class LeaseTable:
             if early is not None and _same_token(token, early.token):
                 if len(early.released_by) >= early.num_pullers:
                     # The puller's notices came before the grant: the lease ends as it starts.
+                    self._remember_ended(request_id, token)
                     self._end(request_id)
                     return expires_at
                 released_by = early.released_by
@@ -182,9 +194,17 @@ class LeaseTable:
         self._num_released += 1
         self._released_cond.notify_all()
 
+    def _remember_ended(self, request_id: str, token: str) -> None:
+        """Keep ``request_id``'s ended lease for ``grant_pending`` (under the lock)."""
+        self._ended[request_id] = token
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
+
     def _drop(self, request_id: str) -> _Lease | None:
         lease = self._leases.pop(request_id, None)
         if lease is not None:
+            self._remember_ended(request_id, lease.token)
             for group_id, group_positions in enumerate(lease.positions):
                 for block_id in group_positions:
                     ids = self._block_to_leases.get((group_id, block_id))
@@ -327,6 +347,23 @@ class LeaseTable:
             self._drop(request_id)
             self._end(request_id)
             return True
+
+    def grant_pending(self, request_id: str, token: str) -> bool:
+        """Whether a lease ``request_id`` with ``token`` may yet be granted here, so that a read
+        it refused now may be served when asked again: False when such a lease is held (held
+        or expired: its blocks are what they will be), ended (one of the last ``_MAX_ENDED``),
+        or was released before its grant; True otherwise, a lease held with another token
+        included (a read without the ticket's token learns nothing of the lease). Any thread.
+        """
+        with self._lock:
+            lease = self._leases.get(request_id)
+            early = self._released_early.get(request_id)
+            known = (
+                lease.token
+                if lease is not None
+                else self._ended.get(request_id, None if early is None else early.token)
+            )
+            return known is None or not _same_token(known, token)
 
     def is_held(self, request_id: str) -> bool:
         """True while ``request_id``'s lease is granted and not yet expired or released."""

@@ -117,7 +117,8 @@ WIRE_VERSION = 9
 #    NodeMetadata.identity (identity.BlockIdentity: model revision and KV cache dtype added);
 #    tensor parallelism: Read.heads (the KV heads a read expects, checked by the holder),
 #    TransferDone.puller_rank / num_pullers (a lease ends when every puller rank let go),
-#    NodeMetadata.kv_heads
+#    NodeMetadata.kv_heads;
+#    ReadOk.lease_pending (a refusal under a lease not granted yet; otherwise it is final)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
@@ -231,10 +232,14 @@ class Read(_Message):
 
 class ReadOk(_Message):
     """The holder accepted a ``Read``; ``mismatched[i]`` lists positions in ``groups[i]`` whose
-    block no longer carries the expected hash (not sent)."""
+    block no longer carries the expected hash (not sent). ``lease_pending``: some position was
+    refused under the read's ``lease``, which this holder has not been handed yet and which has
+    not ended (``base.HolderCallbacks.lease_pending``), so the same read may be served later;
+    False: every refusal is final."""
 
     transfer_id: TransferId
     mismatched: PositionsByEntry
+    lease_pending: bool = False
 
 
 class ReadCopied(_Message):
