@@ -271,10 +271,10 @@ def test_a_null_block_in_the_ticket_is_a_load_error_recomputed(pair, reference):
     a block: a wrong ticket, not a sliding window's gap. Under ``recompute`` D's load reports
     that block (and only the blocks from it on are recomputed): the right tokens, one failed
     load, no window gap, and P's lease released by D's failure notice."""
-    name = "t64"
+    name = "null_block"  # a prompt D never saw: no local hit trims the null position away
     (p_out,) = pair.p.generate(prefill_requests([PROMPTS[name]]))
     ticket = dict(p_out["kv_transfer_params"])
-    ticket["remote_block_ids"] = [[0, *ids[1:]] for ids in ticket["remote_block_ids"]]
+    ticket["remote_block_ids"] = [[ids[0], 0, *ids[2:]] for ids in ticket["remote_block_ids"]]
     before = pair.d.stats()
     (out,) = pair.d.generate([request(PROMPTS[name], N_NEW, ticket)])
     after = pair.d.stats()
