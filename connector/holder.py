@@ -5,7 +5,8 @@ decides, through the transport's callbacks, whether a block may be served:
 
 - a block read under a handoff's lease (``LeaseTable``) is served while the lease is held and
   protects that block at a position with the hash the requester expects (a ticket handed to
-  the wrong request names other hashes: refused, the requester recomputes);
+  the wrong request names other hashes: refused, the requester recomputes at once; only a
+  lease this node may yet be handed, ``lease_pending``, lets the requester ask again);
 - a block read through the block index is served while this node's mirror of its prefix-cache
   identities (``HeldBlockHashes``, fed by the scheduler half's ``BlockHashDelta`` orders) says
   it holds the expected hash, so a block evicted and reused meanwhile is refused (DESIGN.md,
@@ -107,6 +108,7 @@ class HolderChecks:
             "lease_validator": self.validate_by_lease,
             "lease_pin": self.pin_lease,
             "lease_unpin": self.unpin_lease,
+            "lease_pending": self.lease_pending,
             "on_heartbeat": self.on_heartbeat,
             "on_transfer_done": self.on_transfer_done,
             "serve_unchecked_reads": False,  # every block served needs a hash or the lease
@@ -193,6 +195,13 @@ class HolderChecks:
     def unpin_lease(self, lease: LeaseRef) -> None:
         """Undo one ``pin_lease`` (``LeaseTable.unpin``). Loop thread."""
         self.leases.unpin(lease.request_id)
+
+    def lease_pending(self, lease: LeaseRef) -> bool:
+        """Whether ``lease`` may yet be granted here (``LeaseTable.grant_pending``), so a read
+        refused under it now may be served when asked again; False for a lease held or ended
+        (another prompt's ticket, a stale one): the requester fails the load at once. Loop
+        thread."""
+        return self.leases.grant_pending(lease.request_id, lease.token)
 
     def on_heartbeat(self, peer_engine_id: str, request_ids: list[str], tokens: list[str]) -> None:
         """Extend the leases named with their right token (``tokens[i]`` for

@@ -17,6 +17,12 @@ lease's partial last block the lease itself), so that a same-host reader can che
 without a round trip. An entry is cleared before the lease that holds its block ends, under the
 table's lock, so before ``pop_finished`` can hand the request back for its blocks to be freed.
 
+A read refused under a lease is final unless the lease may still be on its way
+(``grant_pending``): P hands a lease to its worker half at its next step after answering the
+ticket, so a fast puller can arrive before it; a lease that is held (another prompt's ticket
+names other hashes) or that ended (a stale ticket) never starts serving later, and the
+requester is told at once rather than asking again (``transport.ReadOk.lease_pending``).
+
 A same-host read that copies before the holder's check (``transport``: ``Read.copy_first``)
 pins its lease (``pin``): until it unpins, or the pin's own end passes, the lease neither
 expires nor ends by a release (deferred to the last unpin), so its blocks stay as they were
@@ -42,6 +48,9 @@ from kvbridge.transport import BlockBoard, full_block_tag, lease_block_tag
 __all__ = ["LeaseTable"]
 
 _MAX_EARLY_RELEASES = 4096
+_MAX_ENDED = 4096
+"""Ended leases remembered (``grant_pending``); an older one reads as never granted, which
+costs its reader a few retries (``puller.LEASE_GRANT_RETRY_S``), never a wrong block."""
 
 
 @dataclass(slots=True)
@@ -92,6 +101,8 @@ class LeaseTable:
         self._block_to_leases: dict[tuple[int, int], set[str]] = {}  # (group, block) -> ids
         # released before granted -> the token the release presented
         self._released_early: OrderedDict[str, str] = OrderedDict()
+        # the latest leases that ended (released or expired) -> their token (``grant_pending``)
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self._released: list[str] = []
         self._num_expired = 0
         self._num_released = 0
@@ -147,6 +158,7 @@ class LeaseTable:
             early_token = self._released_early.pop(request_id, None)
             if early_token is not None and _same_token(token, early_token):
                 # The puller's notice came before the grant: the lease ends as it starts.
+                self._remember_ended(request_id, token)
                 self._end(request_id)
                 return expires_at
             lease = _Lease(expires_at, held, positions, tuple(block_hashes), token)
@@ -163,9 +175,17 @@ class LeaseTable:
         self._num_released += 1
         self._released_cond.notify_all()
 
+    def _remember_ended(self, request_id: str, token: str) -> None:
+        """Keep ``request_id``'s ended lease for ``grant_pending`` (under the lock)."""
+        self._ended[request_id] = token
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
+
     def _drop(self, request_id: str) -> _Lease | None:
         lease = self._leases.pop(request_id, None)
         if lease is not None:
+            self._remember_ended(request_id, lease.token)
             for group_id, group_positions in enumerate(lease.positions):
                 for block_id in group_positions:
                     ids = self._block_to_leases.get((group_id, block_id))
@@ -295,6 +315,22 @@ class LeaseTable:
                 return False
             self._end(request_id)
             return True
+
+    def grant_pending(self, request_id: str, token: str) -> bool:
+        """Whether a lease ``request_id`` with ``token`` may yet be granted here, so that a read
+        it refused now may be served when asked again: False when such a lease is held (held
+        or expired: its blocks are what they will be), ended (one of the last ``_MAX_ENDED``),
+        or was released before its grant; True otherwise, a lease held with another token
+        included (a read without the ticket's token learns nothing of the lease). Any thread.
+        """
+        with self._lock:
+            lease = self._leases.get(request_id)
+            known = (
+                lease.token
+                if lease is not None
+                else self._ended.get(request_id, self._released_early.get(request_id))
+            )
+            return known is None or not _same_token(known, token)
 
     def is_held(self, request_id: str) -> bool:
         """True while ``request_id``'s lease is granted and not yet expired or released."""

@@ -39,9 +39,9 @@ __all__ = ["PullOutcome", "Puller", "Settled", "WaitingTickets"]
 logger = logging.getLogger(__name__)
 
 LEASE_GRANT_RETRY_S = (0.01, 0.02, 0.05, 0.1, 0.2)
-"""Waits before reading refused blocks again under a lease the holder may not have been
-granted yet (its next step hands the grant over; vLLM's engine steps every millisecond while
-it holds blocks)."""
+"""Waits before reading refused blocks again under a lease the holder has not been granted
+yet (``ReadResult.lease_pending``: its next step hands the grant over; vLLM's engine steps
+every millisecond while it holds blocks). Any other refusal ends the pull at once."""
 SYNC_SETTLE_GRACE_S = 5.0
 """How long past its deadline ``wait_settled`` waits for a sync pull before calling it a bug
 (the transport settles every read by its deadline, a cancelled one included)."""
@@ -334,9 +334,10 @@ class Puller:
 
         A handoff's lease reaches the holder's worker half only at the holder's next step
         after it answered the ticket, so a fast puller can arrive first and see its blocks
-        refused. Under a lease, refused blocks are read again after short waits (at most
-        ``LEASE_GRANT_WAIT_S`` in all, never past the deadline); what is still refused then
-        (another prompt's ticket, a lease already ended) fails as before.
+        refused. When the holder says so (``ReadResult.lease_pending``), refused blocks are
+        read again after short waits (``LEASE_GRANT_RETRY_S``, never past the deadline). Any
+        other refusal is final and ends the pull at once: another prompt's ticket (the lease
+        names other hashes), a stale one (the lease ended), an index pull's evicted block.
         """
         num_bytes = 0
         refused: set[int] = set()
@@ -352,8 +353,10 @@ class Puller:
             )
             num_bytes += result.num_bytes_landed
             refused = set(result.failed_local_block_ids)
+            if not refused or not result.lease_pending:
+                break
             wait_s = next(waits, None)
-            if not refused or wait_s is None or time.monotonic() + wait_s >= deadline_at:
+            if wait_s is None or time.monotonic() + wait_s >= deadline_at:
                 break
             await asyncio.sleep(wait_s)
             reads = _only(reads, refused)

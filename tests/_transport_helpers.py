@@ -10,7 +10,9 @@ stdin closes::
         [--layers-per-group 1,2] [--evict-after-check 0:30 ...]
 
 Its ``block_validator`` accepts the expected hash ``b"{group_id}:{block_id}"`` only, and an empty
-one only under the read's lease ``HELPER_LEASE`` (a block without a hash). A block named
+one only under the read's lease ``HELPER_LEASE`` (a block without a hash); its ``lease_pending``
+says only ``PENDING_LEASE`` may yet be granted (a read refused under it may be asked again,
+any other refusal is final). A block named
 by ``--evict-after-check GROUP:BLOCK`` passes the first check that sees it and is "evicted"
 right after (as if the holder's engine reused it between the check and the gather), so every
 later check fails it: the holder's re-check after the copy must catch it.
@@ -28,6 +30,8 @@ from kvbridge.transport import BlockValidator, LeaseRef, NodeMetadata
 NUM_BLOCKS = 64
 HELPER_LEASE = LeaseRef(request_id="p-" + "x" * 198, token="tok-helper")
 """The one lease the helper validators honour (a 200-byte request id: longer than any hash)."""
+PENDING_LEASE = LeaseRef(request_id="p-not-granted-yet", token="tok-helper")
+"""A lease the helper holder has not been handed yet: refused, with ``ReadOk.lease_pending``."""
 LAYERS_PER_GROUP = (3, 2)  # group 0: full attention layers, group 1: sliding window layers
 
 
@@ -120,6 +124,7 @@ async def _serve(args: argparse.Namespace) -> None:
         lease_validator=make_hash_validator(evict_after_check, by_lease=True),
         lease_pin=lambda lease, seconds: lease == HELPER_LEASE,
         lease_unpin=lambda lease: None,
+        lease_pending=lambda lease: lease == PENDING_LEASE,
     )
     await transport.start()
     print(f"PORT {transport.address.port}", flush=True)

@@ -322,10 +322,13 @@ async def test_a_handoff_read_lands_on_the_board_alone(pair):
 
 @in_module_loop
 @pytest.mark.parametrize(
-    "case", ["another prompt's hashes", "another token", "no lease granted yet"]
+    "case",
+    ["another prompt's hashes", "another token", "a lease that ended", "no lease granted yet"],
 )
 async def test_a_read_the_board_does_not_vouch_for_asks_the_holder(pair, case):
-    """The holder's own checks then decide, and name what is wrong."""
+    """The holder's own checks then decide, and name what is wrong; only a lease it may yet
+    be handed makes the refusal worth asking again (``ReadResult.lease_pending``: the
+    requester fails another prompt's ticket or a stale one at once)."""
     holder, requester = pair
     lease = _fresh_lease(holder)
     hashes = HASHES
@@ -333,9 +336,11 @@ async def test_a_read_the_board_does_not_vouch_for_asks_the_holder(pair, case):
         hashes = [HASHES[0], b"another prompt"]
     elif case == "another token":
         lease = LeaseRef(request_id=lease.request_id, token="guess")
-    else:
+    elif case == "a lease that ended":
         holder.leases.release(lease.request_id, "tok")
         holder.leases.pop_finished()
+    else:
+        lease = LeaseRef(request_id=f"p-{next(_lease_ids)}", token="tok")
     before = _counts(requester)
     result = await requester.read_blocks(
         holder.transport.address, "d-2", _handoff([13, 14, 15], hashes), deadline_s=20,
@@ -346,9 +351,12 @@ async def test_a_read_the_board_does_not_vouch_for_asks_the_holder(pair, case):
     expected_failed = {
         "another prompt's hashes": (14,),
         "another token": (13, 14, 15),
+        "a lease that ended": (13, 14, 15),
         "no lease granted yet": (13, 14, 15),
     }[case]
     assert result.failed_local_block_ids == expected_failed
+    # a read without the lease's token learns nothing of the lease: it reads as not granted
+    assert result.lease_pending == (case in ("another token", "no lease granted yet"))
 
 
 @in_module_loop

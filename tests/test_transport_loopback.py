@@ -67,7 +67,7 @@ async def test_read_lands_both_groups_by_position():
     ]
     result = await requester.read_blocks(holder.address, "r", reads, deadline_s=5)
     # 3 blocks * 3 layers + 1 block * 2 layers, 1 KiB each
-    assert result == (result.request_id, 4, 11 * 1024, ())
+    assert result == (result.request_id, 4, 11 * 1024, (), False)
     assert result.ok
     for local_id, remote_id in [(2, 9), (50, 3), (7, 40)]:
         _assert_block_equal(requester, holder, 0, local_id, remote_id)

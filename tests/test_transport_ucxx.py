@@ -26,7 +26,13 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from _transport_helpers import HELPER_LEASE, NUM_BLOCKS, make_kv_caches, make_metadata
+from _transport_helpers import (
+    HELPER_LEASE,
+    NUM_BLOCKS,
+    PENDING_LEASE,
+    make_kv_caches,
+    make_metadata,
+)
 from kvbridge.transport import (
     GroupRead,
     HandshakeError,
@@ -182,7 +188,9 @@ async def assert_lease_guards_the_block_without_a_hash(
 ) -> None:
     """Remote block 12 has no hash (a handoff's partial last block): it lands only in a read
     presenting the holder's lease (``Read.lease``, here with a 200-byte request id); a read
-    without it, or with another token, gets it failed and never written.
+    without it, or with another token, or under a lease the holder has not been handed yet,
+    gets it failed and never written. Only the last refusal says that asking again may help
+    (``ReadResult.lease_pending``, from ``ReadOk``); the others are final.
 
     Over the same-host copy a read under a lease is copy-first (``Read.copy_first``): it
     copies before the holder's check, so the holder then vouches for every position through
@@ -199,12 +207,13 @@ async def assert_lease_guards_the_block_without_a_hash(
         )
 
     wrong = msgspec.structs.replace(HELPER_LEASE, token="tok-guess")
-    for local_id, lease in [(21, None), (23, wrong)]:
+    for local_id, lease in [(21, None), (23, wrong), (27, PENDING_LEASE)]:
         for layer in requester.kv_caches_by_group[0]:
             layer[[local_id - 1, local_id]] = 0
         result = await requester.read_blocks(
             holder_address, "req-no-lease", [read(local_id)], deadline_s=20, lease=lease
         )
+        assert result.lease_pending == (lease == PENDING_LEASE), lease
         if copy_first and lease is not None:
             assert result.failed_local_block_ids == (local_id - 1, local_id)
             assert result.num_blocks_landed == 0
@@ -215,6 +224,7 @@ async def assert_lease_guards_the_block_without_a_hash(
         holder_address, "req-lease", [read(25)], deadline_s=20, lease=HELPER_LEASE
     )
     assert (result.num_blocks_landed, result.failed_local_block_ids) == (2, ())
+    assert not result.lease_pending
     for mine, theirs in zip(requester.kv_caches_by_group[0], source[0], strict=True):
         assert torch.equal(mine[24], theirs[11]) and torch.equal(mine[25], theirs[12])
     _assert_requester_clean(requester)

@@ -28,7 +28,10 @@ can send a read, a heartbeat or a notice, and before it learns this node's layou
   referenced on the holder and may be evicted and reused meanwhile: those blocks' bytes were
   sent, but the requester counts them as failed, never as landed; ``plan``, "Hash checks on the
   holder"). Both kinds come back to the requester in
-  ``ReadResult.failed_local_block_ids`` (never stale bytes counted as landed). The validator
+  ``ReadResult.failed_local_block_ids`` (never stale bytes counted as landed). A read under a
+  lease whose positions were refused also learns whether asking again may help
+  (``lease_pending``: the holder has not been handed that lease yet); otherwise the refusal is
+  final. The validator
   must be cheap (dict / attribute reads). A node whose validator has effects meant once per read
   (stats, LRU touches) registers a side-effect-free ``block_rechecker`` (same signature) for the
   re-checks; without one, ``block_validator`` serves both. The transport compares nothing
@@ -88,13 +91,17 @@ class ReadResult(NamedTuple):
     never written here; failed the re-check after the holder copied them out, their rows here
     hold whatever was sent (possibly another request's KV) and must not be used. Every other
     local id did land, bytes-exact. ``num_blocks_landed`` / ``num_bytes_landed`` count landed
-    blocks only.
+    blocks only. ``lease_pending``: the holder refused positions of a read under a lease that
+    it has not been handed yet and that has not ended (``HolderCallbacks.lease_pending``), so
+    the same read may be served once it is; False: the refusal is final (another prompt's
+    hashes, a lease that ended, no lease).
     """
 
     request_id: str
     num_blocks_landed: int
     num_bytes_landed: int
     failed_local_block_ids: tuple[int, ...]
+    lease_pending: bool = False
 
     @property
     def ok(self) -> bool:
@@ -110,6 +117,7 @@ none, else one per request id."""
 TransferDoneCallback = Callable[[TransferDoneNotice], None]
 LeasePin = Callable[[LeaseRef, float], bool]
 LeaseUnpin = Callable[[LeaseRef], None]
+LeasePending = Callable[[LeaseRef], bool]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +143,10 @@ class HolderCallbacks:
     lease_unpin: LeaseUnpin | None = None
     """``(lease) -> None``: undo one ``lease_pin`` (the read's ``ReadCopied``, ``Cancel`` or
     deadline)."""
+    lease_pending: LeasePending | None = None
+    """``(lease) -> pending``: asked when a read under ``lease`` has refused positions; True
+    when the holder may yet be handed that lease (not held with that token, not ended), so
+    asking again may succeed (``ReadOk.lease_pending``). None: every refusal is final."""
     serve_unchecked_reads: bool = True
     """Whether a read group sent without expected hashes is served (a raw transport: yes); a
     connector's holder and the store say no, so every block they serve is vouched for by a hash
@@ -145,6 +157,17 @@ class HolderCallbacks:
         """The validator of the re-checks after a copy: ``block_rechecker``, else
         ``block_validator``."""
         return self.block_rechecker if self.block_rechecker is not None else self.block_validator
+
+    def refusal_pending(self, lease: LeaseRef | None, mismatched: Sequence[Sequence[int]]) -> bool:
+        """What a holder answers in ``ReadOk.lease_pending`` for a read under ``lease`` whose
+        refused positions are ``mismatched`` (per group entry): True only when some position
+        was refused and ``lease_pending`` says the lease may yet be granted."""
+        return (
+            lease is not None
+            and self.lease_pending is not None
+            and any(mismatched)
+            and self.lease_pending(lease)
+        )
 
     def validators_for(self, copy_first: bool) -> tuple[BlockValidator | None, ...]:
         """``(check, re-check)`` validators of a read: a ``copy_first`` read is checked by the
@@ -235,6 +258,7 @@ class Transport(abc.ABC):
         lease_validator: BlockValidator | None = None,
         lease_pin: LeasePin | None = None,
         lease_unpin: LeaseUnpin | None = None,
+        lease_pending: LeasePending | None = None,
         serve_unchecked_reads: bool = True,
     ) -> None:
         """Register the holder-side hooks (see the module docstring); ``None`` leaves one unset.
@@ -248,6 +272,7 @@ class Transport(abc.ABC):
             lease_validator=lease_validator,
             lease_pin=lease_pin,
             lease_unpin=lease_unpin,
+            lease_pending=lease_pending,
             serve_unchecked_reads=serve_unchecked_reads,
         )
 

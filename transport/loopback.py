@@ -158,6 +158,7 @@ class LoopbackTransport(Transport):
         # holder side: transfer ids of reads being served, for tests' leak checks
         self.serving_transfer_ids: set[int] = set()
         self.num_cancels_received = 0
+        self.num_reads_received = 0  # holder side: every ``Read`` that reached it, for tests
 
     @property
     def address(self) -> PeerAddress:
@@ -279,6 +280,7 @@ class LoopbackTransport(Transport):
         self, holder: LoopbackTransport, read: Read, state: ReadState
     ) -> ReadResult:
         read = _roundtrip(read)
+        holder.num_reads_received += 1
         holder.serving_transfer_ids.add(read.transfer_id)
         try:
             return await holder._serve(read, self, state)
@@ -359,6 +361,7 @@ class LoopbackTransport(Transport):
             extra = [p for p, b in enumerate(group.block_ids) if b in faults.fail_block_ids]
             mismatched[entry] = sorted(set(mismatched[entry]) | set(extra))
         state.mismatched = mismatched
+        state.lease_pending = self.callbacks.refusal_pending(read.lease, mismatched)
         if faults.stall:
             await self._dropped.wait()
             raise state.error(TransferError, f"holder {self.engine_id!r} went away")

@@ -150,6 +150,7 @@ class ReadPath(abc.ABC):
             for p in ps
         ):
             raise state.error(TransferError, "holder sent a ReadOk that does not fit the read")
+        state.lease_pending = reply.lease_pending
         return reply.mismatched
 
     def _before_reply(self) -> None:  # noqa: B027 (a hook: most paths have nothing to do)

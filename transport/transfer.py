@@ -53,6 +53,7 @@ class ReadState:
     landed: list[set[int]] = field(default_factory=list)
     mismatched: list[list[int]] = field(default_factory=list)
     num_bytes_landed: int = 0
+    lease_pending: bool = False  # the holder's ``ReadOk.lease_pending``
     confirmed: bool = False
     cancel_event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -122,6 +123,7 @@ class ReadState:
             num_blocks_landed=sum(len(s) for s in self.landed),
             num_bytes_landed=self.num_bytes_landed,
             failed_local_block_ids=failed,
+            lease_pending=self.lease_pending and bool(failed),
         )
 
     def error(self, cls: type[TransferError], message: str) -> TransferError:

@@ -4,7 +4,8 @@ With a cluster key the handshake first runs ``auth``'s challenge-response: a pee
 gets one ``ErrorMsg`` (code ``"unauthenticated"``) and nothing else.
 
 Per read: check ids (``plan.check_read``), ask the connector's ``block_validator`` (under the
-read's ``lease``), answer ``ReadOk`` (positions whose block failed the check are never served),
+read's ``lease``), answer ``ReadOk`` (positions whose block failed the check are never served;
+``lease_pending`` when the read's lease may yet be granted, ``HolderCallbacks.refusal_pending``),
 then start one
 ``serve.Serve`` chosen from ``Read.cma``: ``ucx_serve.UcxServe`` sends the blocks as UCX tag
 messages, ``cma_serve.CmaServe`` lets the requester copy them (same host) and re-checks them on
@@ -321,10 +322,13 @@ class UcxxHolder:
         unpin = None
         if read.copy_first:
             mismatched, unpin = self._pin_copy_first(read, mismatched)
+        reply = ReadOk(
+            transfer_id=read.transfer_id,
+            mismatched=mismatched,
+            lease_pending=self.callbacks.refusal_pending(read.lease, mismatched),
+        )
         try:
-            await write_message(
-                conn.writer, ReadOk(transfer_id=read.transfer_id, mismatched=mismatched)
-            )
+            await write_message(conn.writer, reply)
         except BaseException:
             if unpin is not None:  # no serve will run to unpin it
                 unpin()

@@ -106,7 +106,7 @@ __all__ = [
     "transfer_done_notice",
 ]
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 # 2: Cancel carries num_chunks_posted (filler sends, see ucx_serve)
 # 3: ReadDone (the holder's re-check of each block after its bytes left, see ``ReadDone``)
 # 4: same-host reads: HelloOk.cma, Read.cma, ReadCopied (see ``cma``)
@@ -116,6 +116,7 @@ WIRE_VERSION = 8
 #    Hello.auth_nonce, AuthChallenge, AuthProof (see ``auth``)
 # 7: Read.lease (a handoff's lease in its own field, no longer inside an expected hash)
 # 8: Read.copy_first (a same-host read under a lease copies while the holder checks it)
+# 9: ReadOk.lease_pending (a refusal under a lease not granted yet; otherwise it is final)
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 << 20
 
@@ -270,10 +271,14 @@ class Read(_Message):
 
 class ReadOk(_Message):
     """The holder accepted a ``Read``; ``mismatched[i]`` lists positions in ``groups[i]`` whose
-    block no longer carries the expected hash (not sent)."""
+    block no longer carries the expected hash (not sent). ``lease_pending``: some position was
+    refused under the read's ``lease``, which this holder has not been handed yet and which has
+    not ended (``base.HolderCallbacks.lease_pending``), so the same read may be served later;
+    False: every refusal is final."""
 
     transfer_id: TransferId
     mismatched: PositionsByEntry
+    lease_pending: bool = False
 
 
 class ReadCopied(_Message):
