@@ -85,6 +85,9 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
         sync: the pull feeds this step's forward (``load_mode`` ``"sync"``): the worker half
             waits for it in ``start_load_kv`` and reports only its failed blocks, never the
             request in ``finished_recving`` (vLLM's synchronous external load).
+        refused: why the scheduler half refused the ticket itself (another prompt's, under
+            the ``"fail"`` policy): every block is in ``unloadable_block_ids``, nothing is
+            read, and the load fails with this error; ``""`` otherwise.
     """
 
     request_id: str
@@ -95,6 +98,7 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
     num_external_tokens: int
     created_at: float
     sync: bool = False
+    refused: str = ""
 
     def local_block_ids(self) -> list[int]:
         """Every local block this pull writes or was meant to write."""

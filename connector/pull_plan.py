@@ -53,6 +53,7 @@ class RemoteMatch:
     num_local_tokens: int
     num_remote_tokens: int
     load_async: bool = True  # what get_num_new_matched_tokens told the scheduler
+    refused: str = ""  # why D refused the ticket itself: the load fails without a read
 
 
 NO_HASH = b""

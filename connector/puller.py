@@ -281,7 +281,7 @@ class Puller:
         deadline_at = started + (self.sync_load_timeout_s if plan.sync else self.load_timeout_s)
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
-        error: str | None = None
+        error: str | None = plan.refused or None  # refused: no block to read
         if plan.lease is not None:  # a handoff under a lease (index pulls have none)
             self._heartbeat_targets[plan.request_id] = plan.lease
         try:

@@ -52,6 +52,7 @@ from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
 from .transfer_params import (
     RemotePrefillParams,
+    prompt_digest,
     release_notice_for_rejected,
     ticket_of,
     wants_remote_decode,
@@ -182,6 +183,18 @@ class KVBridgeScheduler:
         # (a sliding-window group then keeps the block that token's window starts in).
         num_remote = min(ticket.remote_num_tokens, request.num_prompt_tokens - 1)
         num_new = max(num_remote - num_computed_tokens, 0)
+        refused = num_new and self._another_prompt(request, ticket)
+        if refused and self.config.load_failure_policy == "recompute":
+            # D computes it at once (what the policy would do after a failed load, without
+            # the load); P releases now, and the ticket is used up
+            logger.warning("request %s: %s; computing it locally", request.request_id, refused)
+            self._forget_waiting(request.request_id)
+            params["do_remote_prefill"] = False  # type: ignore[index]
+            self._meta.notices.append(ReleaseNotice(ticket=ticket_of(ticket), success=False,
+                                                    reason=refused))
+            self.stats.record_failed_load(num_failed_blocks=cdiv(num_remote, self.block_size)
+                                          - num_computed_tokens // self.block_size)
+            return MatchedTokens(0, False)
         gaps = num_new and window_gap_groups(
             remote_block_ids=ticket.remote_block_ids, sliding_windows=self._sliding_windows,
             num_computed_tokens=num_remote, start_block=num_computed_tokens // self.block_size,
@@ -204,8 +217,21 @@ class KVBridgeScheduler:
         self._matches[request.request_id] = RemoteMatch(
             holder=holder, remote_block_ids=ticket.remote_block_ids, ticket=ticket_of(ticket),
             num_local_tokens=num_computed_tokens, num_remote_tokens=num_remote,
-            load_async=load_async)
+            load_async=load_async, refused=refused or "")
         return MatchedTokens(num_new, load_async)
+
+    def _another_prompt(self, request: Request, ticket: RemotePrefillParams) -> str:
+        """Why ``ticket`` is for another prompt than ``request``'s (its ``remote_prompt_digest``
+        is not the request's own ``prompt_digest``), or ``""``: it may be this prompt's (equal
+        digests, or either side has none)."""
+        theirs = ticket.remote_prompt_digest
+        if not theirs or ticket.remote_num_tokens > request.num_prompt_tokens:
+            return ""
+        ours = prompt_digest(request, ticket.remote_num_tokens, self.block_size)
+        if not ours or ours == theirs:
+            return ""
+        return (f"the ticket is for another prompt: its remote_prompt_digest is not this "
+                f"request's over its first {ticket.remote_num_tokens} tokens")
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
@@ -293,6 +319,9 @@ class KVBridgeScheduler:
             end_block=end_block,
             block_hashes=request.block_hashes,
         )
+        if match.refused:  # a load that fails under the policy without reading anything
+            unloadable = [*unloadable, *(b for g in groups for b in g.local_block_ids)]
+            groups = []
         self._meta.pulls.append(
             PullPlan(
                 request_id=request.request_id,
@@ -303,6 +332,7 @@ class KVBridgeScheduler:
                 num_external_tokens=num_external_tokens,
                 created_at=time.monotonic(),
                 sync=not match.load_async,
+                refused=match.refused,
             )
         )
         self.stats.record_pull_planned(match.holder.engine_id, via_index=match.ticket is None,
@@ -428,6 +458,7 @@ class KVBridgeScheduler:
             remote_block_size=self.block_size,
             lease_expires_at=time.time() + self.config.lease_s,
             remote_lease_token=grant.token,
+            remote_prompt_digest=prompt_digest(request, num_tokens, self.block_size),
         )
         return RequestFinishedResult(True, out.to_dict())
 

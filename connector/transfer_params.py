@@ -5,12 +5,21 @@ nixl_connector.py). A request for P carries ``{"do_remote_decode": true}``; P's
 ``request_finished`` answers with ``RemotePrefillParams.to_dict()``, which the proxy forwards to
 D unchanged. Everything here came over the network, so ``RemotePrefillParams.parse`` checks every
 field's type and range and raises ``KVTransferParamsError`` naming the field.
+
+A ticket names P's blocks, not the prompt they hold, and a proxy can pair it with another
+request. P's hash check refuses a full block of another prompt (``holder``), but a partial last
+block has no hash: only the lease guards it, and a prompt that shares every full block with the
+ticket's would load the other prompt's tail. So the ticket also carries ``prompt_digest`` of the
+tokens it covers (``remote_prompt_digest``), and D compares it with its own request's before
+pulling anything (``scheduler_half``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +31,7 @@ from .metadata import ReleaseNotice, Ticket
 
 __all__ = [
     "RemotePrefillParams",
+    "prompt_digest",
     "release_notice_for_rejected",
     "ticket_of",
     "wants_remote_decode",
@@ -30,6 +40,8 @@ __all__ = [
 
 _MAX_BLOCK_ID = 2**31 - 1
 _LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]{0,64}")
+_DIGEST = re.compile(r"(?:[0-9a-f]{64})?")
+_DIGEST_DOMAIN = b"kvbridge.prompt_digest.v1"
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -75,6 +87,9 @@ class RemotePrefillParams:
             releases and serves the lease's unhashed block only to a peer presenting it.
             Optional when parsing (``""``: a ticket without one, which P refuses when its lease
             has a token).
+        remote_prompt_digest: ``prompt_digest`` of P's request over ``remote_num_tokens``
+            (64 lowercase hex digits), or ``""`` (optional: a prompt it cannot cover, a P that
+            sends none); D refuses a ticket whose digest is not its own request's.
     """
 
     remote_engine_id: str
@@ -87,6 +102,7 @@ class RemotePrefillParams:
     remote_block_size: int
     lease_expires_at: float
     remote_lease_token: str = ""
+    remote_prompt_digest: str = ""
 
     @classmethod
     def parse(
@@ -125,6 +141,11 @@ class RemotePrefillParams:
         if not isinstance(token, str) or not _LEASE_TOKEN.fullmatch(token):
             raise KVTransferParamsError(
                 "remote_lease_token", "expected at most 64 URL-safe base64 characters"
+            )
+        digest = params.get("remote_prompt_digest", "")
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise KVTransferParamsError(
+                "remote_prompt_digest", "expected 64 lowercase hex digits or an empty string"
             )
         for key, value in (
             ("remote_engine_id", engine_id),
@@ -177,6 +198,7 @@ class RemotePrefillParams:
             remote_block_size=remote_block_size,
             lease_expires_at=float(expires),
             remote_lease_token=token,
+            remote_prompt_digest=digest,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -194,6 +216,7 @@ class RemotePrefillParams:
             "remote_block_size": self.remote_block_size,
             "lease_expires_at": self.lease_expires_at,
             "remote_lease_token": self.remote_lease_token,
+            "remote_prompt_digest": self.remote_prompt_digest,
         }
 
 
@@ -214,6 +237,54 @@ def _check_group_ids(group_id: int, ids: Any, num_blocks: int) -> tuple[int, ...
     if len(set(real)) != len(real):
         raise KVTransferParamsError(field, "block ids repeat")
     return tuple(ids)
+
+
+def prompt_digest(request: Any, num_tokens: int, block_size: int) -> str:
+    """What a ticket for ``request``'s first ``num_tokens`` prompt tokens must carry
+    (``remote_prompt_digest``): 64 hex digits of SHA-256 over the hash of the last full block
+    among them (``request.block_hashes``: it chains every full block's tokens and extra keys),
+    the token ids after it (the partial last block, which has no hash), the LoRA name and the
+    cache salt (a prompt shorter than a block has no block hash to carry them).
+
+    Args:
+        request: kvbridge's ``Request`` or the vLLM adapter's ``RequestView``: reads
+            ``block_hashes``, ``prompt_token_ids``, ``lora_name``, ``cache_salt`` and, when
+            present, ``mm_features`` and ``prompt_embeds``.
+        num_tokens: the prompt tokens covered, ``1 <= num_tokens <= num_prompt_tokens``.
+        block_size: tokens per block of ``request.block_hashes``.
+
+    Returns:
+        The digest, or ``""`` when it would not cover the request's inputs (multimodal inputs
+        or prompt embeddings: their bytes are not in the token ids; no token ids; fewer block
+        hashes than full blocks, e.g. a request without a block hasher). P and D compute it
+        alike from the same inputs, so a digest differs only for another prompt.
+
+    Raises:
+        ValueError: ``num_tokens`` outside ``[1, num_prompt_tokens]`` (a caller mistake).
+    """
+    token_ids = getattr(request, "prompt_token_ids", None)
+    if token_ids is None or getattr(request, "mm_features", None):
+        return ""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return ""
+    if not 1 <= num_tokens <= len(token_ids):
+        raise ValueError(f"num_tokens {num_tokens} outside [1, {len(token_ids)}]")
+    num_full = num_tokens // block_size
+    block_hashes = request.block_hashes
+    if len(block_hashes) < num_full:
+        return ""
+    digest = hashlib.sha256(_DIGEST_DOMAIN)
+    last = bytes(block_hashes[num_full - 1]) if num_full else b""
+    tail = token_ids[num_full * block_size : num_tokens]
+    for part in (
+        last,
+        struct.pack(f"<{len(tail)}q", *tail),
+        (getattr(request, "lora_name", None) or "").encode(),
+        (getattr(request, "cache_salt", None) or "").encode(),
+    ):
+        digest.update(struct.pack("<Q", len(part)))
+        digest.update(part)
+    return digest.hexdigest()
 
 
 def ticket_of(params: RemotePrefillParams) -> Ticket:

@@ -318,7 +318,10 @@ class RequestView:
 
     ``kv_transfer_params`` is vLLM's dict itself (the half marks a used ticket in it, as vLLM's
     NIXL connector does); ``status`` maps vLLM's status by name (an unknown one counts as an
-    error: nothing is handed over for it).
+    error: nothing is handed over for it). ``prompt_token_ids``, ``lora_name`` and
+    ``cache_salt`` feed a ticket's ``transfer_params.prompt_digest``; ``prompt_token_ids`` is
+    None for a prompt whose inputs are not all token ids (prompt embeddings, multimodal
+    features), which then gets no digest.
     """
 
     request_id: str
@@ -328,6 +331,9 @@ class RequestView:
     block_hashes: Sequence[bytes]
     skip_reading_prefix_cache: bool
     status: RequestStatus
+    prompt_token_ids: Sequence[int] | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, request: Any) -> RequestView:
@@ -340,4 +346,14 @@ class RequestView:
             block_hashes=request.block_hashes,
             skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
             status=_STATUS_BY_NAME.get(status, RequestStatus.FINISHED_ERROR),
+            prompt_token_ids=_plain_prompt_token_ids(request),
+            lora_name=getattr(getattr(request, "lora_request", None), "lora_name", None),
+            cache_salt=getattr(request, "cache_salt", None),
         )
+
+
+def _plain_prompt_token_ids(request: Any) -> Sequence[int] | None:
+    """A vLLM request's prompt token ids when they are its whole input, else None."""
+    if getattr(request, "prompt_embeds", None) is not None or getattr(request, "mm_features", None):
+        return None
+    return getattr(request, "prompt_token_ids", None)
