@@ -48,6 +48,7 @@ PROMPTS: dict[str, list[int]] = {
     "killed": tokens(31, 250),
     "after": tokens(32, 90),
     "after_stall": tokens(35, 95),
+    "after_wrong": tokens(36, 85),
     "old_ticket": tokens(33, 120),
     "reborn": tokens(34, 130),
     # vLLM's metrics of the pulls (fresh on every D)
