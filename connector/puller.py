@@ -279,9 +279,12 @@ class Puller:
         peer = PeerAddress(holder.host, holder.port)
         started = time.monotonic()
         deadline_at = started + (self.sync_load_timeout_s if plan.sync else self.load_timeout_s)
+        if plan.refused:  # D refused the ticket itself: nothing to read, nobody to ask
+            return self._settle(transport, plan, started, set(plan.local_block_ids()), 0,
+                                plan.refused)
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
-        error: str | None = plan.refused or None  # refused: no block to read
+        error: str | None = None
         if plan.lease is not None:  # a handoff under a lease (index pulls have none)
             self._heartbeat_targets[plan.request_id] = plan.lease
         try:
@@ -310,6 +313,20 @@ class Puller:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self._heartbeat_targets.pop(plan.request_id, None)
+        return self._settle(transport, plan, started, failed, num_bytes, error)
+
+    def _settle(
+        self,
+        transport: Transport,
+        plan: PullPlan,
+        started: float,
+        failed: set[int],
+        num_bytes: int,
+        error: str | None,
+    ) -> PullOutcome:
+        """Count a pull that ended (``failed``: its local blocks that did not land) and tell
+        its holder to release the lease (in a task of its own: the request need not wait)."""
+        peer = PeerAddress(plan.holder.host, plan.holder.port)
         self._record(plan, started, failed, num_bytes, error)
         if not failed and transport.peer_data_path(peer) == "cma":
             self.stats.add("bytes_received_same_host", num_bytes)
