@@ -22,7 +22,6 @@ that share nothing"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,25 +33,24 @@ from kvbridge.kvmanager.request import RequestStatus
 from .block_events import hash_delta_of
 from .config import KVTransferConfig
 from .errors import KVTransferParamsError
+from .handoff import TicketRefusal, issue_ticket, ticket_refusal
 from .index import IndexClient, IndexNamespace, RemotePrefix, open_index
 from .load_mode import LoadModePolicy
 from .metadata import (
     HolderRef,
     KVBridgeConnectorMetadata,
     KVBridgeWorkerMeta,
-    LeaseGrant,
     PullPlan,
     ReleaseNotice,
     Ticket,
     WorkerHandshake,
 )
-from .pull_plan import RemoteMatch, cdiv, plan_group_pulls, sliding_windows_of, window_gap_groups
+from .pull_plan import RemoteMatch, cdiv, plan_group_pulls, sliding_windows_of
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
 from .transfer_params import (
     RemotePrefillParams,
-    prompt_digest,
     release_notice_for_rejected,
     ticket_of,
     wants_remote_decode,
@@ -183,31 +181,11 @@ class KVBridgeScheduler:
         # (a sliding-window group then keeps the block that token's window starts in).
         num_remote = min(ticket.remote_num_tokens, request.num_prompt_tokens - 1)
         num_new = max(num_remote - num_computed_tokens, 0)
-        refused = num_new and self._another_prompt(request, ticket)
-        if refused and self.config.load_failure_policy == "recompute":
-            # D computes it at once (what the policy would do after a failed load, without
-            # the load); P releases now, and the ticket is used up
-            logger.warning("request %s: %s; computing it locally", request.request_id, refused)
-            self._forget_waiting(request.request_id)
-            params["do_remote_prefill"] = False  # type: ignore[index]
-            self._meta.notices.append(ReleaseNotice(ticket=ticket_of(ticket), success=False,
-                                                    reason=refused))
-            self.stats.record_failed_load(num_failed_blocks=cdiv(num_remote, self.block_size)
-                                          - num_computed_tokens // self.block_size)
-            return MatchedTokens(0, False)
-        gaps = num_new and window_gap_groups(
-            remote_block_ids=ticket.remote_block_ids, sliding_windows=self._sliding_windows,
-            num_computed_tokens=num_remote, start_block=num_computed_tokens // self.block_size,
-            block_size=self.block_size)
-        if gaps:  # D computes it itself, P releases now, and the ticket is used up
-            reason = f"P no longer holds the start of the last token's window (groups {gaps})"
-            logger.warning("request %s: %s; computing it locally", request.request_id, reason)
-            self._forget_waiting(request.request_id)
-            params["do_remote_prefill"] = False  # type: ignore[index]
-            self._meta.notices.append(ReleaseNotice(ticket=ticket_of(ticket), success=False,
-                                                    reason=reason))
-            self.stats.add("num_window_gaps")
-            return MatchedTokens(0, False)
+        refusal = ticket_refusal(
+            ticket, request, num_computed_tokens=num_computed_tokens, num_remote=num_remote,
+            block_size=self.block_size, sliding_windows=self._sliding_windows) if num_new else None
+        if refusal and (refusal.window_gap or self.config.load_failure_policy == "recompute"):
+            return self._compute_locally(request, ticket, refusal)
         holder = HolderRef(engine_id=ticket.remote_engine_id, port=ticket.remote_port,
                            incarnation=ticket.remote_incarnation, host=ticket.remote_host)
         # vLLM: no async load of zero tokens
@@ -217,21 +195,23 @@ class KVBridgeScheduler:
         self._matches[request.request_id] = RemoteMatch(
             holder=holder, remote_block_ids=ticket.remote_block_ids, ticket=ticket_of(ticket),
             num_local_tokens=num_computed_tokens, num_remote_tokens=num_remote,
-            load_async=load_async, refused=refused or "")
+            load_async=load_async, refused=refusal.reason if refusal else "")
         return MatchedTokens(num_new, load_async)
 
-    def _another_prompt(self, request: Request, ticket: RemotePrefillParams) -> str:
-        """Why ``ticket`` is for another prompt than ``request``'s (its ``remote_prompt_digest``
-        is not the request's own ``prompt_digest``), or ``""``: it may be this prompt's (equal
-        digests, or either side has none)."""
-        theirs = ticket.remote_prompt_digest
-        if not theirs or ticket.remote_num_tokens > request.num_prompt_tokens:
-            return ""
-        ours = prompt_digest(request, ticket.remote_num_tokens, self.block_size)
-        if not ours or ours == theirs:
-            return ""
-        return (f"the ticket is for another prompt: its remote_prompt_digest is not this "
-                f"request's over its first {ticket.remote_num_tokens} tokens")
+    def _compute_locally(self, request: Request, ticket: RemotePrefillParams,
+                         refusal: TicketRefusal) -> MatchedTokens:
+        """D computes ``request`` itself (``handoff``: a window gap, or another prompt's ticket
+        under ``recompute``, counted as a failed load): P releases now, the ticket is used up."""
+        logger.warning("request %s: %s; computing it locally", request.request_id, refusal.reason)
+        self._forget_waiting(request.request_id)
+        request.kv_transfer_params["do_remote_prefill"] = False  # type: ignore[index]
+        self._meta.notices.append(ReleaseNotice(ticket=ticket_of(ticket), success=False,
+                                                reason=refusal.reason))
+        if refusal.window_gap:
+            self.stats.add("num_window_gaps")
+        else:
+            self.stats.record_failed_load(num_failed_blocks=refusal.num_blocks)
+        return MatchedTokens(0, False)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
@@ -436,31 +416,11 @@ class KVBridgeScheduler:
             return RequestFinishedResult(False, None)
         if request.status not in _PRODUCER_DONE or self.worker is None:
             return RequestFinishedResult(False, None)  # aborted or failed: nothing to hand over
-        num_tokens = request.num_prompt_tokens
-        num_blocks = cdiv(num_tokens, self.block_size)
-        held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
-        grant = LeaseGrant(
-            request_id=request_id,
-            block_ids=[list(ids) for ids in held],
-            block_hashes=list(request.block_hashes[: num_tokens // self.block_size]),
-            lease_s=self.config.lease_s,
-            token=secrets.token_urlsafe(16),  # the ticket's capability: 128 random bits
-        )
+        grant, ticket = issue_ticket(request, block_ids, engine_id=self.config.engine_id,
+                                     worker=self.worker, block_size=self.block_size,
+                                     lease_s=self.config.lease_s)
         self._meta.lease_grants.append(grant)
-        out = RemotePrefillParams(
-            remote_engine_id=self.config.engine_id,
-            remote_incarnation=self.worker.incarnation,
-            remote_request_id=request_id,
-            remote_host=self.worker.host,
-            remote_port=self.worker.port,
-            remote_block_ids=held,
-            remote_num_tokens=num_tokens,
-            remote_block_size=self.block_size,
-            lease_expires_at=time.time() + self.config.lease_s,
-            remote_lease_token=grant.token,
-            remote_prompt_digest=prompt_digest(request, num_tokens, self.block_size),
-        )
-        return RequestFinishedResult(True, out.to_dict())
+        return RequestFinishedResult(True, ticket.to_dict())
 
     def _forget_waiting(self, request_id: str) -> Ticket | None:
         ticket = self._waiting.pop(request_id, None)

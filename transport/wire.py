@@ -224,11 +224,10 @@ class HelloOk(_Message):
 
 
 class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
-    """A handoff's lease on the holder, as a read presents it: ``request_id`` names the lease
-    there (the prefill side's request id) and ``token`` is its ticket's capability
-    (``remote_lease_token``; empty: none presented). The holder's validator serves a position
-    with an empty expected hash only while this lease is held, has this token and covers the
-    block."""
+    """A handoff's lease on the holder, as a read presents it: ``request_id`` names the lease there
+    (the prefill side's request id) and ``token`` is its ticket's capability
+    (``remote_lease_token``; empty: none presented). The holder's validator serves a position with
+    an empty expected hash only while this lease is held, has this token and covers the block."""
 
     request_id: RequestId
     token: ShortText = ""
@@ -270,11 +269,8 @@ class Read(_Message):
 
 
 class ReadOk(_Message):
-    """The holder accepted a ``Read``; ``mismatched[i]`` lists positions in ``groups[i]`` whose
-    block no longer carries the expected hash (not sent). ``lease_pending``: some position was
-    refused under the read's ``lease``, which this holder has not been handed yet and which has
-    not ended (``base.HolderCallbacks.lease_pending``), so the same read may be served later;
-    False: every refusal is final."""
+    """The holder accepted a ``Read``; ``mismatched[i]``: positions of ``groups[i]`` refused (not
+    sent); ``lease_pending``: the read's lease may yet be granted (else a refusal is final)."""
 
     transfer_id: TransferId
     mismatched: PositionsByEntry
