@@ -80,15 +80,19 @@ class KVBridgeScheduler:
         hash_fn_name: the block hash function (part of the index namespace).
         kv_cache_config: the node's groups: index lookups find what the local coordinator's
             rule restores (``kvmanager.PrefixHitRule``); None: all taken as full attention.
+        index_identity: ``IndexNamespace.kv_identity`` (vLLM's adapter: what else makes two
+            engines' KV bytes for one hash differ); "" for kvbridge's own nodes.
     """
 
     def __init__(self, config: KVTransferConfig, *, block_size: int, num_groups: int,
-                 hash_fn_name: str, kv_cache_config: KVCacheConfig | None = None) -> None:
+                 hash_fn_name: str, kv_cache_config: KVCacheConfig | None = None,
+                 index_identity: str = "") -> None:
         self.config = config
         self.kv_role = config.kv_role
         self.block_size = block_size
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
+        self.index_identity = index_identity
         self.stats = KVTransferStats()
         # "sync": a pull runs inside the step that computes its request (config.load_mode);
         # "auto": only a one-sided handoff does (``LoadModePolicy``), the rest are async
@@ -365,7 +369,7 @@ class KVBridgeScheduler:
 
     def _start_index(self, worker: WorkerHandshake) -> None:
         namespace = IndexNamespace(model_name=self.config.model_name, block_size=self.block_size,
-                                   hash_fn_name=self.hash_fn_name)
+                                   hash_fn_name=self.hash_fn_name, kv_identity=self.index_identity)
         index, directory = open_index(self.config.index_url, namespace)  # type: ignore[arg-type]
         client = IndexClient(
             index,

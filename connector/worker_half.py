@@ -6,8 +6,8 @@ and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
 ``build_connector_worker_meta`` (DESIGN.md, "Two halves that share nothing"; vLLM:
 ``KVConnectorBase_V1`` with ``role=WORKER``). One step, in the model runner's order:
 
-    bind_connector_metadata(meta)
-    start_load_kv      hash removals; lease grants; tickets to heart-beat or forget; release
+    bind_connector_metadata(meta)  hash removals (before any forward)
+    start_load_kv      lease grants; tickets to heart-beat or forget; release
                        notices; pulls (tasks on the connector loop); offload snapshots; then
                        waits for the sync pulls (``load_mode`` "sync"), whose blocks this
                        step's forward reads
@@ -230,8 +230,15 @@ class KVBridgeWorker:
 
     # ------------------------------------------------------------------ one step
     def bind_connector_metadata(self, metadata: Any) -> None:
-        """Hold this step's orders (a ``KVBridgeConnectorMetadata``; anything else: none)."""
+        """Hold this step's orders (a ``KVBridgeConnectorMetadata``; anything else: none) and
+        apply their hash removals now: this is the one call an engine makes before the
+        forward that may overwrite those blocks (vLLM 0.32 calls ``start_load_kv`` only after
+        the forward when the step has no sync load), so the holder stops vouching for a block
+        before its bytes change."""
         self._meta = metadata if isinstance(metadata, KVBridgeConnectorMetadata) else None
+        if self._meta is not None:
+            self.hashes.apply_removals(self._meta.block_hashes)
+            self._stores_after_forward = self._meta.block_hashes
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
@@ -250,8 +257,6 @@ class KVBridgeWorker:
         transport = self.transport
         if transport is None:
             raise RuntimeError("start_load_kv before register_kv_caches")
-        self.hashes.apply_removals(meta.block_hashes)
-        self._stores_after_forward = meta.block_hashes
         for grant in meta.lease_grants:
             self.leases.grant(grant.request_id, grant.block_ids, grant.block_hashes, grant.token)
         for ticket in meta.tickets_to_watch:

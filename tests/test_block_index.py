@@ -229,9 +229,11 @@ def test_different_namespaces_never_match(kind: str, request: pytest.FixtureRequ
                                                      hash_fn_name="sha256_cbor"))]
     else:
         readers = [
-            _make_index(kind, request, IndexNamespace(model_name=m, block_size=b, hash_fn_name=f))
-            for m, b, f in [("m2", 16, "sha256_cbor"), ("tiny-llama", 32, "sha256_cbor"),
-                            ("tiny-llama", 16, "xxhash_cbor")]
+            _make_index(kind, request, IndexNamespace(model_name=m, block_size=b, hash_fn_name=f,
+                                                      kv_identity=i))
+            for m, b, f, i in [("m2", 16, "sha256_cbor", ""), ("tiny-llama", 32, "sha256_cbor", ""),
+                               ("tiny-llama", 16, "xxhash_cbor", ""),
+                               ("tiny-llama", 16, "sha256_cbor", "0f1e")]  # vLLM's KV identity
         ]
     writer.register_node("A", 1, ttl_s=_TTL_S)
     writer.publish("A", 1, [_stored(prompt)])
@@ -681,3 +683,13 @@ def test_a_deepest_run_lookup_reads_a_bounded_sample_of_a_popular_blocks_holders
         ]
     finally:
         index.close()
+
+
+def test_kv_identity_extends_the_key_prefix_and_must_be_a_plain_token() -> None:
+    plain = IndexNamespace(model_name="m", block_size=16, hash_fn_name="sha256")
+    assert plain.key_prefix == "kvbridge:bi:m:16:sha256:k8"  # kvbridge's own nodes: unchanged
+    named = IndexNamespace(model_name="m", block_size=16, hash_fn_name="sha256", kv_identity="0af9")
+    assert named.key_prefix == "kvbridge:bi:m:16:sha256:k8:i0af9"
+    for bad in ("0A", "a:b", "a b", "é"):
+        with pytest.raises(ValueError, match="kv_identity"):
+            IndexNamespace(model_name="m", block_size=16, hash_fn_name="sha256", kv_identity=bad)

@@ -11,11 +11,15 @@ import torch
 from kvbridge.connector import KVTransferConfigError
 from kvbridge.connector.pull_plan import window_gap_groups
 from kvbridge.connector.vllm.translate import (
+    XXHASH_ALGOS,
     RequestView,
     blocks_first_views,
     config_from_vllm,
+    hash_root_id,
     kv_cache_config_from_vllm,
     kv_cache_regions,
+    kv_identity,
+    kv_identity_fields,
     kv_layout_name,
 )
 from kvbridge.kvmanager.request import RequestStatus
@@ -269,12 +273,106 @@ def test_request_view_reads_vllm_fields_and_maps_status_by_name():
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("index_url", "redis://127.0.0.1:6379/0"),
     ("store_url", "127.0.0.1:7000"),
     ("offload", "evict"),
 ])
-def test_the_block_index_and_the_store_tier_are_refused_in_vllm_naming_the_key(key, value):
-    # Accepted, they did nothing inside vLLM: no block was ever published, no offload planned.
+def test_the_store_tier_is_refused_in_vllm_naming_the_key(key, value):
+    # Accepted, they would do nothing inside vLLM: no offload is planned there yet.
     with pytest.raises(KVTransferConfigError, match=rf"{key}: not supported inside vLLM"):
         config_from_vllm(_vllm_transfer_config(**{key: value}), model_name="tiny")
     config_from_vllm(_vllm_transfer_config(offload="off", index_url=None), model_name="tiny")
+
+
+def test_the_block_index_is_accepted_in_vllm():
+    config = config_from_vllm(
+        _vllm_transfer_config(index_url="redis://127.0.0.1:6379/0"), model_name="tiny")
+    assert config.index_url == "redis://127.0.0.1:6379/0"
+
+
+# ------------------------------------------------------------------ the index's hash domain
+VLLM_DEFAULT_SEED = "vllm-none-hash"  # vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED
+
+
+@pytest.mark.parametrize("algo", sorted(XXHASH_ALGOS))
+def test_xxhash_without_pythonhashseed_refuses_the_index_in_one_line_naming_the_fix(algo):
+    with pytest.raises(KVTransferConfigError) as info:
+        hash_root_id(algo, python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "index_url" in message and "PYTHONHASHSEED" in message and "sha256" in message
+    # With the seed set, every engine derives the same root: accepted.
+    assert hash_root_id(algo, python_hash_seed="0", default_seed=VLLM_DEFAULT_SEED)
+
+
+def test_the_hash_root_id_names_algorithm_and_seed_without_revealing_the_seed():
+    root = hash_root_id("sha256", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED)
+    assert root == hash_root_id("sha256", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED)
+    # PYTHONHASHSEED equal to vLLM's default seed is the same root; any other seed is not.
+    assert root == hash_root_id("sha256", python_hash_seed=VLLM_DEFAULT_SEED,
+                                default_seed=VLLM_DEFAULT_SEED)
+    others = {
+        hash_root_id("sha256", python_hash_seed="0", default_seed=VLLM_DEFAULT_SEED),
+        hash_root_id("sha256", python_hash_seed="1", default_seed=VLLM_DEFAULT_SEED),
+        hash_root_id("sha256_cbor", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED),
+        hash_root_id("xxhash", python_hash_seed="0", default_seed=VLLM_DEFAULT_SEED),
+    }
+    assert root not in others and len(others) == 4
+    secret = "a-secret-seed-1234"
+    assert secret not in hash_root_id("xxhash", python_hash_seed=secret,
+                                      default_seed=VLLM_DEFAULT_SEED)
+    assert len(root) == 16 and int(root, 16) >= 0
+
+
+def _identity_inputs(**changes):
+    """A vLLM config and KV cache config as ``kv_identity_fields`` reads them; ``changes``
+    (dotted names) spoil one field."""
+    values = {
+        "model.revision": None, "model.quantization": None, "model.dtype": torch.float32,
+        "cache.cache_dtype": "auto", "parallel.tensor_parallel_size": 1,
+        "parallel.pipeline_parallel_size": 1, "parallel.decode_context_parallel_size": 1,
+        "spec.num_kv_heads": HEADS, "spec.head_size": HEAD_SIZE, "spec.dtype": torch.float32,
+        "spec.sliding_window": None, "layers": 2, "root": "0123456789abcdef",
+    }
+    values.update(changes)
+    part = {name: {} for name in ("model", "cache", "parallel", "spec")}
+    for dotted, value in values.items():
+        if "." in dotted:
+            owner, attr = dotted.split(".")
+            part[owner][attr] = value
+    window = part["spec"].pop("sliding_window")
+    spec_cls = FullAttentionSpec if window is None else SlidingWindowSpec
+    spec = spec_cls(block_size=BLOCK_SIZE, **part["spec"], **(
+        {} if window is None else {"sliding_window": window}))
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(values["layers"])]
+    ours = kv_cache_config_from_vllm(SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+        SimpleNamespace(layer_names=layer_names, kv_cache_spec=spec)]))
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(**part["model"]),
+                                  cache_config=SimpleNamespace(**part["cache"]),
+                                  parallel_config=SimpleNamespace(**part["parallel"]))
+    return kv_identity_fields(vllm_config, ours, hash_root=values["root"])
+
+
+@pytest.mark.parametrize("change", [
+    {"model.revision": "v2"}, {"model.quantization": "fp8"}, {"model.dtype": torch.bfloat16},
+    {"cache.cache_dtype": "fp8_e4m3"}, {"parallel.tensor_parallel_size": 2},
+    {"parallel.pipeline_parallel_size": 2}, {"parallel.decode_context_parallel_size": 2},
+    {"spec.num_kv_heads": 1}, {"spec.head_size": 64}, {"spec.dtype": torch.bfloat16},
+    {"spec.sliding_window": 64}, {"layers": 3}, {"root": "fedcba9876543210"},
+])
+def test_every_field_that_changes_kv_bytes_changes_the_kv_identity(change):
+    base = kv_identity(_identity_inputs())
+    assert base == kv_identity(_identity_inputs())  # the same engine: the same namespace
+    assert kv_identity(_identity_inputs(**change)) != base
+    assert len(base) == 16 and base.isalnum() and base.islower()
+
+
+def test_kv_identity_fields_are_plain_values():
+    fields = _identity_inputs()
+    assert fields == {
+        "revision": None, "quantization": None, "dtype": "float32", "kv_cache_dtype": "auto",
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+        "decode_context_parallel_size": 1,
+        "kv_cache_groups": [["FullAttentionSpec", None, BLOCK_SIZE, HEADS, HEAD_SIZE, "float32",
+                             2]],
+        "hash_root": "0123456789abcdef",
+    }

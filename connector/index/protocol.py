@@ -33,6 +33,7 @@ entry costs a recompute, never wrong output.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,11 @@ class IndexNamespace:
     # and would cost a recompute (the holder re-checks the full hash); a lookup of 625 hashes
     # sends 5 KB instead of 20 KB, which is most of its cost.
     key_hash_bytes: int = 8
+    # Everything else that makes two engines' KV bytes for one block hash differ, as one opaque
+    # digest (vLLM: ``connector.vllm.translate.kv_identity`` of dtype, KV-cache dtype, layer and
+    # KV-head geometry, parallel layout, hash root...); "" (kvbridge's own nodes) adds nothing
+    # to the key prefix. Lower-case letters and digits only.
+    kv_identity: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -118,13 +124,19 @@ class IndexNamespace:
             raise ValueError(f"key_hash_bytes must be at least 8, got {self.key_hash_bytes}")
         if not self.model_name or not self.hash_fn_name:
             raise ValueError("model_name and hash_fn_name must be non-empty")
+        if self.kv_identity and not re.fullmatch(r"[0-9a-z]+", self.kv_identity):
+            raise ValueError(
+                f"kv_identity must be lower-case letters and digits, got {self.kv_identity!r}"
+            )
 
     @property
     def key_prefix(self) -> str:
-        """``kvbridge:bi:<model>:<block_size>:<hash_fn>:k<key_hash_bytes>``, names %-quoted."""
+        """``kvbridge:bi:<model>:<block_size>:<hash_fn>:k<key_hash_bytes>[:i<kv_identity>]``,
+        names %-quoted."""
         model = quote(self.model_name, safe="")
         hash_fn = quote(self.hash_fn_name, safe="")
-        return f"kvbridge:bi:{model}:{self.block_size}:{hash_fn}:k{self.key_hash_bytes}"
+        prefix = f"kvbridge:bi:{model}:{self.block_size}:{hash_fn}:k{self.key_hash_bytes}"
+        return f"{prefix}:i{self.kv_identity}" if self.kv_identity else prefix
 
 
 class IndexOp(NamedTuple):

@@ -16,6 +16,8 @@ and bytes pickle as themselves.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -29,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..errors import KVTransferConfigError, KVTransferParamsError
@@ -44,19 +47,25 @@ from ..stats import KVTransferStats
 from ..worker_half import KVBridgeWorker
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
+from .pool_follower import VllmPoolFollower
 from .translate import (
     RequestView,
     config_from_vllm,
+    hash_root_id,
     kv_cache_config_from_vllm,
     kv_cache_regions,
+    kv_identity,
+    kv_identity_fields,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
     )
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -136,6 +145,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 "model; use 'async'"
             )
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        index_identity = ""
+        if self.config.index_url and role == KVConnectorRole.SCHEDULER:
+            index_identity = self._index_identity(vllm_config, hash_fn_name)
+        self._follower: VllmPoolFollower | None = None
         self._scheduler: KVBridgeScheduler | None = None
         self._worker: KVBridgeWorker | None = None
         self._tap: StatsTap | None = None
@@ -148,11 +161,26 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 num_groups=len(self._ours.kv_cache_groups),
                 hash_fn_name=hash_fn_name,
                 kv_cache_config=self._ours,
+                index_identity=index_identity,
             )
             self._tap = StatsTap(self._scheduler.stats)
         else:
             self._worker = KVBridgeWorker(self.config, self._ours, hash_fn_name=hash_fn_name)
             self._worker.report_failed_recving = self._hybrid
+
+    def _index_identity(self, vllm_config: VllmConfig, hash_fn_name: str) -> str:
+        """``IndexNamespace.kv_identity`` of this engine (``translate.kv_identity_fields``),
+        logged once with its fields. Raises ``KVTransferConfigError`` for a hash whose root
+        no other engine can share (``translate.hash_root_id``)."""
+        root = hash_root_id(hash_fn_name, python_hash_seed=os.environ.get("PYTHONHASHSEED"),
+                            default_seed=DEFAULT_NONE_HASH_SEED)
+        fields = kv_identity_fields(vllm_config, self._ours, hash_root=root)
+        identity = kv_identity(fields)
+        logger.info("kvbridge block index: namespace of model %r, block size %d, %s, "
+                    "kv identity %s %s", self.config.model_name,
+                    self._ours.kv_cache_groups[0].kv_cache_spec.block_size, hash_fn_name,
+                    identity, fields)
+        return identity
 
     @property
     def stats(self) -> KVTransferStats:
@@ -172,6 +200,30 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     # ================================================================== scheduler half
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """With ``index_url``: follow vLLM's block pool (``pool_follower.VllmPoolFollower``),
+        whose prefix-cache changes become the scheduler half's block events (published to
+        the index, mirrored by the worker half for the holder's re-check). vLLM calls it once,
+        when its KV cache manager exists, before the workers' handshake; without an index the
+        pool is left alone.
+
+        Raises:
+            KVTransferConfigError: the pool hashes at another granularity than its blocks.
+        """
+        if self._scheduler is None or not self.config.index_url:
+            return
+        block_size = self._ours.kv_cache_groups[0].kv_cache_spec.block_size
+        self._follower = VllmPoolFollower(gpu_block_pool, block_size=block_size)
+        self._scheduler.bind_block_pool(self._follower, self._follower.take_events)  # type: ignore[arg-type]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """No events of kvbridge's for vLLM's KV-event stream (vLLM publishes its pool's own).
+        The scheduler half's copies of the pool's events, kept for kvbridge's own engine, are
+        dropped here each step so they never pile up."""
+        if self._scheduler is not None:
+            self._scheduler.take_events()
+        return ()
+
     def on_new_request(self, request: Request) -> None:
         """Admission, as in kvbridge's own engine: a ticket is parsed once (and heart-beaten
         while the request queues, released if it ends before its pull). A malformed one is

@@ -17,6 +17,8 @@ tested without a vLLM install.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,24 +37,34 @@ from ..errors import KVTransferConfigError
 
 __all__ = [
     "NOT_IN_VLLM",
+    "XXHASH_ALGOS",
     "KVCacheRegions",
     "RequestView",
     "blocks_first_views",
     "config_from_vllm",
+    "hash_root_id",
     "kv_cache_config_from_vllm",
     "kv_cache_regions",
     "kv_groups_name",
+    "kv_identity",
+    "kv_identity_fields",
     "kv_layout_name",
 ]
 
 
-_NEEDS_POOL_EVENTS = (
-    "the block index and the store tier follow the engine's block pool through its events; "
-    "this adapter does not read vLLM's pool yet"
+_NO_STORE_TIER = (
+    "the store tier needs an offload planner over vLLM's free queue, which this adapter does "
+    "not have yet"
 )
-NOT_IN_VLLM = dict.fromkeys(("index_url", "store_url", "offload"), _NEEDS_POOL_EVENTS)
-"""Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (a node
-that never publishes a block, an offload planner that never runs)."""
+NOT_IN_VLLM = dict.fromkeys(("store_url", "offload"), _NO_STORE_TIER)
+"""Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (an
+offload planner that never runs). ``index_url`` is accepted: the adapter follows vLLM's block
+pool (``pool_follower.py``)."""
+
+XXHASH_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
+"""vLLM's ``prefix_caching_hash_algo`` values whose root hash (``NONE_HASH``) is random per
+process unless ``PYTHONHASHSEED`` is set (vllm/v1/core/kv_cache_utils.py,
+``resolve_none_hash_seed``)."""
 
 
 def config_from_vllm(kv_transfer_config: Any, *, model_name: str) -> KVTransferConfig:
@@ -63,8 +75,8 @@ def config_from_vllm(kv_transfer_config: Any, *, model_name: str) -> KVTransferC
     Raises:
         KVTransferConfigError: an unknown or bad key, a ``load_failure_policy`` in the extra
             config that contradicts vLLM's own ``kv_load_failure_policy`` (vLLM applies its
-            own; two answers to one question are refused), or a key of the block index or the
-            store tier (``NOT_IN_VLLM``).
+            own; two answers to one question are refused), or a key of the store tier
+            (``NOT_IN_VLLM``).
     """
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
     for key, value in extra.items():
@@ -92,6 +104,74 @@ def config_from_vllm(kv_transfer_config: Any, *, model_name: str) -> KVTransferC
             "kv_connector_extra_config": extra,
         }
     )
+
+
+def hash_root_id(hash_algo: str, *, python_hash_seed: str | None, default_seed: str) -> str:
+    """A public name of the root every block hash of this engine chains from: 16 hex digits of
+    SHA-256 over the algorithm and the seed vLLM derives ``NONE_HASH`` from (``PYTHONHASHSEED``
+    when set, else vLLM's fixed ``default_seed`` for a cryptographic algorithm). Two engines
+    whose hashes can agree have equal names; the seed itself is never revealed.
+
+    Args:
+        hash_algo: ``cache_config.prefix_caching_hash_algo`` (``"sha256"``, ``"xxhash"``...).
+        python_hash_seed: the engine process's ``PYTHONHASHSEED`` (None: unset).
+        default_seed: vLLM's ``DEFAULT_NONE_HASH_SEED``.
+
+    Raises:
+        KVTransferConfigError: an ``xxhash``-family algorithm without ``PYTHONHASHSEED``: its
+            root is random in every process, so no other engine could ever match a block.
+    """
+    if python_hash_seed is None:
+        if hash_algo in XXHASH_ALGOS:
+            raise KVTransferConfigError(
+                f"kv_connector_extra_config.index_url: prefix_caching_hash_algo={hash_algo!r} "
+                "without PYTHONHASHSEED hashes from a random root in each process, so no other "
+                "engine can match its blocks; set PYTHONHASHSEED (one value on every engine) "
+                "or use prefix_caching_hash_algo='sha256'"
+            )
+        seed = default_seed
+    else:
+        seed = python_hash_seed
+    return hashlib.sha256(f"{hash_algo}\0{seed}".encode()).hexdigest()[:16]
+
+
+def kv_identity_fields(vllm_config: Any, kv_cache_config: KVCacheConfig, *,
+                       hash_root: str) -> dict[str, Any]:
+    """What, beside the model name, block size and hash algorithm (``IndexNamespace``'s own
+    fields), makes two vLLM engines' KV bytes for one block hash differ: the model's revision,
+    quantization and dtype, the KV cache's dtype, the parallel layout (a rank's KV heads and
+    layers depend on it), every KV cache group's geometry (kind, window, block size, KV heads,
+    head size, dtype, number of layers) and the hash root (``hash_root_id``). Plain values,
+    in a fixed order. Reads ``vllm_config`` by attribute; mutates nothing."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append([
+            type(spec).__name__, getattr(spec, "sliding_window", None), spec.block_size,
+            spec.num_kv_heads, spec.head_size, str(spec.dtype).removeprefix("torch."),
+            len(group.layer_names),
+        ])
+    return {
+        "revision": getattr(model, "revision", None),
+        "quantization": getattr(model, "quantization", None),
+        "dtype": str(getattr(model, "dtype", "")).removeprefix("torch."),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
+        "tensor_parallel_size": int(getattr(parallel, "tensor_parallel_size", 1)),
+        "pipeline_parallel_size": int(getattr(parallel, "pipeline_parallel_size", 1)),
+        "decode_context_parallel_size": int(
+            getattr(parallel, "decode_context_parallel_size", 1)),
+        "kv_cache_groups": groups,
+        "hash_root": hash_root,
+    }
+
+
+def kv_identity(fields: Mapping[str, Any]) -> str:
+    """``IndexNamespace.kv_identity`` of ``kv_identity_fields``: 16 hex digits of SHA-256 over
+    their JSON (keys sorted), so any difference in any field gives another namespace."""
+    text = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:

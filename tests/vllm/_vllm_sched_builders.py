@@ -43,6 +43,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -91,7 +92,8 @@ _ids = itertools.count(1)
 
 
 def _vllm_config(
-    role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False
+    role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False,
+    kv_events: bool = False,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(_model.tiny_llama(hybrid=hybrid)),
@@ -124,6 +126,8 @@ def _vllm_config(
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if kv_events else None,
     )
 
 
@@ -134,6 +138,9 @@ def make_scheduler(
     policy: str = "fail",
     extra: dict[str, Any] | None = None,
     hybrid: bool = False,
+    incarnation: str | None = None,
+    worker_port: int = WORKER_PORT,
+    kv_events: bool = False,
 ) -> Scheduler:
     """A real vLLM ``Scheduler`` whose connector is ``KVBridgeConnector``'s scheduler half.
 
@@ -142,10 +149,12 @@ def make_scheduler(
     hybrid Llama's two groups as vLLM's hybrid allocator makes them, sliding-window
     (``WINDOW`` tokens; layers 0 and 2) then full attention (layers 1 and 3), sharing the
     ``NUM_BLOCKS`` blocks. The worker half's handshake (host, port, incarnation) is
-    delivered the way EngineCore does at start-up.
+    delivered the way EngineCore does at start-up (``incarnation`` default
+    ``"<engine_id>-inc-1"``; a node with an ``index_url`` needs a number). ``kv_events``:
+    vLLM's own KV events on (``KVEventsConfig``, the "null" publisher).
     """
     engine_id = engine_id or role.removeprefix("kv_")
-    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid)
+    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid, kv_events)
     geometry = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
     groups = [KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(**geometry))]
     if hybrid:
@@ -168,7 +177,8 @@ def make_scheduler(
         log_stats=True,
     )
     handshake = WorkerHandshake(
-        engine_id=engine_id, incarnation=f"{engine_id}-inc-1", host=WORKER_HOST, port=WORKER_PORT
+        engine_id=engine_id, incarnation=incarnation or f"{engine_id}-inc-1", host=WORKER_HOST,
+        port=worker_port,
     )
     connector_of(scheduler).set_xfer_handshake_metadata_pp_aware(
         {(0, 0): _Handshake(msgspec.msgpack.encode(handshake))}
