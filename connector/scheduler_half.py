@@ -68,6 +68,7 @@ __all__ = ["KVBridgeScheduler"]
 logger = logging.getLogger(__name__)
 
 _PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+_LOOKUP_FAILURES = frozenset({"unavailable", "timed_out", "overloaded"})
 
 
 class KVBridgeScheduler:
@@ -93,6 +94,9 @@ class KVBridgeScheduler:
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
         self.index_identity = index_identity
+        # A remote hit must add this many blocks to the local hit (config: blocks and tokens).
+        self._min_gain_blocks = max(config.min_remote_hit_blocks,
+                                    cdiv(config.min_remote_hit_tokens, block_size))
         self.stats = KVTransferStats()
         # "sync": a pull runs inside the step that computes its request (config.load_mode);
         # "auto": only a one-sided handoff does (``LoadModePolicy``), the rest are async
@@ -228,13 +232,15 @@ class KVBridgeScheduler:
                 request_id,
                 hashes,
                 num_local_blocks=num_computed_tokens // self.block_size,
-                min_gain_blocks=self.config.min_remote_hit_blocks,
+                min_gain_blocks=self._min_gain_blocks,
             )
             self._lookups.add(request_id)
         result = client.poll_lookup(request_id)
         if not result.done:
             return MatchedTokens(None, False)
         self._lookups.discard(request_id)
+        if result.status in _LOOKUP_FAILURES:
+            self.stats.add("num_index_lookup_failures")
         found: RemotePrefix | None = result.prefix
         if found is None:
             return MatchedTokens(0, False)

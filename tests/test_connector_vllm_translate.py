@@ -11,6 +11,7 @@ import torch
 from kvbridge.connector import KVTransferConfigError
 from kvbridge.connector.pull_plan import window_gap_groups
 from kvbridge.connector.vllm.translate import (
+    VLLM_MIN_REMOTE_HIT_TOKENS,
     XXHASH_ALGOS,
     RequestView,
     blocks_first_views,
@@ -287,6 +288,10 @@ def test_the_block_index_is_accepted_in_vllm():
     config = config_from_vllm(
         _vllm_transfer_config(index_url="redis://127.0.0.1:6379/0"), model_name="tiny")
     assert config.index_url == "redis://127.0.0.1:6379/0"
+    # A hit must beat recompute: vLLM's default minimum, unless the extra config sets one.
+    assert config.min_remote_hit_tokens == VLLM_MIN_REMOTE_HIT_TOKENS == 256
+    own = config_from_vllm(_vllm_transfer_config(min_remote_hit_tokens=0), model_name="tiny")
+    assert own.min_remote_hit_tokens == 0
 
 
 # ------------------------------------------------------------------ the index's hash domain

@@ -37,6 +37,7 @@ from ..errors import KVTransferConfigError
 
 __all__ = [
     "NOT_IN_VLLM",
+    "VLLM_MIN_REMOTE_HIT_TOKENS",
     "XXHASH_ALGOS",
     "KVCacheRegions",
     "RequestView",
@@ -60,6 +61,12 @@ NOT_IN_VLLM = dict.fromkeys(("store_url", "offload"), _NO_STORE_TIER)
 """Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (an
 offload planner that never runs). ``index_url`` is accepted: the adapter follows vLLM's block
 pool (``pool_follower.py``)."""
+
+VLLM_MIN_REMOTE_HIT_TOKENS = 256
+"""``min_remote_hit_tokens`` of a vLLM engine unless its extra config says otherwise: a pull
+costs the transfer and one more engine step before the request runs, about what prefilling
+this many tokens costs on the suite's tiny model; below it, recomputing is as fast and moves
+nothing (the measurements: ``docs/vllm-prefix-reuse.md``)."""
 
 XXHASH_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
 """vLLM's ``prefix_caching_hash_algo`` values whose root hash (``NONE_HASH``) is random per
@@ -95,6 +102,7 @@ def config_from_vllm(kv_transfer_config: Any, *, model_name: str) -> KVTransferC
     if vllm_policy is not None:
         extra["load_failure_policy"] = vllm_policy
     extra.setdefault("model_name", model_name)
+    extra.setdefault("min_remote_hit_tokens", VLLM_MIN_REMOTE_HIT_TOKENS)
     role = kv_transfer_config.kv_role
     return KVTransferConfig.from_dict(
         {
