@@ -34,7 +34,8 @@ from kvbridge.kvmanager.request import RequestStatus
 from .block_events import hash_delta_of
 from .config import KVTransferConfig
 from .errors import KVTransferParamsError
-from .index import IndexClient, IndexNamespace, RemotePrefix, open_index
+from .index import IndexClient, IndexNamespace, open_index
+from .index_match import IndexMatcher
 from .load_mode import LoadModePolicy
 from .metadata import (
     HolderRef,
@@ -68,7 +69,6 @@ __all__ = ["KVBridgeScheduler"]
 logger = logging.getLogger(__name__)
 
 _PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-_LOOKUP_FAILURES = frozenset({"unavailable", "timed_out", "overloaded"})
 
 
 class KVBridgeScheduler:
@@ -94,13 +94,14 @@ class KVBridgeScheduler:
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
         self.index_identity = index_identity
-        # A remote hit must add this many blocks to the local hit (config: blocks and tokens).
-        self._min_gain_blocks = max(config.min_remote_hit_blocks,
-                                    cdiv(config.min_remote_hit_tokens, block_size))
         self.stats = KVTransferStats()
         # "sync": a pull runs inside the step that computes its request (config.load_mode);
         # "auto": only a one-sided handoff does (``LoadModePolicy``), the rest are async
         self._load_async = config.load_mode != "sync"
+        self._index_matcher = IndexMatcher(
+            stats=self.stats, block_size=block_size, load_async=self._load_async,
+            min_gain_blocks=max(config.min_remote_hit_blocks,  # a hit must add this many
+                                cdiv(config.min_remote_hit_tokens, block_size)))
         self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
         self.worker: WorkerHandshake | None = None
         self.index_client: IndexClient | None = None
@@ -109,7 +110,6 @@ class KVBridgeScheduler:
         self._tickets: dict[str, RemotePrefillParams] = {}  # parsed once, at admission
         self._waiting: dict[str, Ticket] = {}  # admitted, their pull not planned yet
         self._matches: dict[str, RemoteMatch] = {}
-        self._lookups: set[str] = set()  # requests with an index lookup started
         self._meta = KVBridgeConnectorMetadata()
         self._unpublished: list[Any] = []  # this step's block events, published after forward
         self._events: list[Any] = []  # for take_events
@@ -216,53 +216,16 @@ class KVBridgeScheduler:
         return MatchedTokens(num_new, load_async)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
-        """DESIGN step 6: a request without a ticket asks the index for its longest prefix held
-        elsewhere, asynchronously: the first call starts the lookup and answers None ("ask
-        again next step") until the answer is in; the client bounds the wait, after which the
-        request goes on with its local hit alone."""
-        client = self.index_client
-        if client is None or request.skip_reading_prefix_cache:
-            return MatchedTokens(0, False)
-        request_id = request.request_id
-        if request_id not in self._lookups:
-            # Never plan the last token's block: it is recomputed for its logits anyway.
-            hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
-            self.stats.add("num_index_lookups")
-            client.start_lookup(
-                request_id,
-                hashes,
-                num_local_blocks=num_computed_tokens // self.block_size,
-                min_gain_blocks=self._min_gain_blocks,
-            )
-            self._lookups.add(request_id)
-        result = client.poll_lookup(request_id)
-        if not result.done:
+        """DESIGN step 6 (``index_match.IndexMatcher``): no ticket, so the index is asked for
+        the request's longest prefix held elsewhere; None ("ask again") until it has answered."""
+        answer = self._index_matcher.match(self.index_client, request, num_computed_tokens)
+        if answer.pending:
             return MatchedTokens(None, False)
-        self._lookups.discard(request_id)
-        if result.status in _LOOKUP_FAILURES:
-            self.stats.add("num_index_lookup_failures")
-        found: RemotePrefix | None = result.prefix
-        if found is None:
+        match = answer.match
+        if match is None:
             return MatchedTokens(0, False)
-        num_remote_tokens = found.num_blocks * self.block_size
-        if num_remote_tokens <= num_computed_tokens:
-            return MatchedTokens(0, False)
-        tier = found.holder.tier
-        self._matches[request_id] = RemoteMatch(
-            holder=HolderRef(
-                engine_id=found.holder.node_id,
-                incarnation=str(found.holder.incarnation),
-                host=found.address.host,
-                port=found.address.port,
-                tier=tier,
-            ),
-            remote_block_ids=tuple(tuple(ids) for ids in found.block_ids),
-            ticket=None,
-            num_local_tokens=num_computed_tokens,
-            num_remote_tokens=num_remote_tokens,
-            load_async=self._load_async,  # the pull is planned as the engine is told
-        )
-        return MatchedTokens(num_remote_tokens - num_computed_tokens, self._load_async)
+        self._matches[request.request_id] = match
+        return MatchedTokens(match.num_remote_tokens - num_computed_tokens, match.load_async)
 
     def match_tier(self, request_id: str) -> str | None:
         """The matched holder's tier (``HolderRef.tier``) until the allocation; None: none."""
@@ -291,6 +254,7 @@ class KVBridgeScheduler:
         if num_external_tokens == 0:
             return
         if match.ticket is None:  # a remote hit counts once, when its blocks are allocated
+            self._index_matcher.note_pull(request.request_id)
             self.stats.add("num_index_hits")
             hit_tokens = "store_hit_tokens" if match.holder.tier == "store" else "remote_hit_tokens"
             self.stats.add(hit_tokens, num_external_tokens)
@@ -402,9 +366,7 @@ class KVBridgeScheduler:
     ) -> RequestFinishedResult:
         request_id = request.request_id
         self._matches.pop(request_id, None)
-        if request_id in self._lookups and self.index_client is not None:
-            self.index_client.cancel_lookup(request_id)
-        self._lookups.discard(request_id)
+        self._index_matcher.forget(self.index_client, request_id)
         self._tickets.pop(request_id, None)
         waiting = self._forget_waiting(request_id)
         if waiting is not None:  # finished (aborted) before its pull: release P's blocks now
