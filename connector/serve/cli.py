@@ -24,7 +24,7 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "CommandParser",
     "announce",
     "require_serve_extras",
+    "run_stopping_children",
     "serve_http",
     "wait_for_stop",
 ]
@@ -60,6 +61,17 @@ def require_serve_extras(prog: str) -> None:
 def announce(**fields: Any) -> None:
     """Print the command's one JSON line (its addresses, once it serves) and flush it."""
     print(json.dumps(fields), flush=True)
+
+
+def run_stopping_children(run: Callable[[Any], int], args: Any) -> int:
+    """``run(args)`` with SIGTERM behaving like Ctrl-C, for a command that starts child
+    processes: ``run``'s own ``finally`` stops them; an interrupted run exits with 130."""
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted: stopped every process it started", file=sys.stderr)
+        return 130
 
 
 def wait_for_stop() -> None:

@@ -46,7 +46,6 @@ import asyncio
 import json
 import logging
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -59,7 +58,7 @@ import torch
 from kvbridge.transport import BlockIdentity
 from tqdm import tqdm
 
-from ..cli import CommandParser
+from ..cli import CommandParser, run_stopping_children
 from ..node.server import load_model
 from ..proxy import HopError, PDRouter, PrefixLocator
 from .chaos import ChaosRun, chaos_node_args
@@ -435,14 +434,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # SIGTERM behaves like Ctrl-C: the finally block stops every child.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("interrupted: stopped every process it started", file=sys.stderr)
-        return 130
+    return run_stopping_children(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from ..cli import CommandParser
+from ..cli import CommandParser, run_stopping_children
 from .processes import ManagedProcess, ProcessGroup, StartupError, free_port
 from .vllm_client import (
     Answer,
@@ -346,14 +346,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # SIGTERM behaves like Ctrl-C: the finally block stops every child.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("interrupted: stopped every process it started", file=sys.stderr)
-        return 130
+    return run_stopping_children(run, parse_args(argv))
 
 
 if __name__ == "__main__":
