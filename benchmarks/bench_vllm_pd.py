@@ -28,6 +28,15 @@ weighs on every case alike):
 - ``kvbridge_small`` / ``recompute_small``: a Llama shaped like kvbridge's ``small`` model (six
   layers, hidden 384, 6 heads over 2 KV heads of 64), whose prefill costs as much per KV byte
   as the main job's, with kvbridge and with D computing the prompt itself;
+- ``wrong_ticket`` / ``wrong_ticket_p``: kvbridge with vLLM's ``kv_load_failure_policy``
+  "recompute"; D serves prompt 0 with its own ticket (D connects to P), then each prompt ``i``
+  twice, both on an empty prefix cache (``reset_prefix_cache``): with the ticket P gave for
+  prompt ``i % prompts + 1`` (another prompt's), and with no ticket at all (a plain recompute
+  in the same engine). ``wrong_ticket`` hands the ticket as P made it (D refuses it by its
+  ``remote_prompt_digest``, before any read); ``wrong_ticket_p`` without that digest (P's
+  hash check refuses the blocks and D's load ends at P's answer). The two run back to back,
+  in alternating order; the figure is the median over prompts of the first token after the
+  wrong ticket over the plain recompute's (needs ``--prompts`` >= 2);
 - the CPU an idle kvbridge P engine uses (all its processes, over ``--idle-s`` seconds);
 - ``P cores`` / ``p_holding_cores``: the CPU P's processes use while D serves the prompts, from
   P's tickets to D's last answer (a P that holds blocks for D keeps stepping: vLLM steps an
@@ -57,7 +66,10 @@ SMALL = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
              num_key_value_heads=2, head_dim=64, intermediate_size=1024)
 TARGETS = {"kvbridge_over_nixl": 0.5, "kvbridge_over_example": 1.0,
            "kvbridge_sync_over_example": 1.0, "kvbridge_over_recompute_small": 0.2,
+           "wrong_ticket_over_recompute": 1.2, "wrong_ticket_p_over_recompute": 1.2,
            "idle_cores": 0.05}
+WRONG_TICKETS = {"kvbridge_wrong": True, "kvbridge_wrong_p": False}
+"""The wrong-ticket cases' connectors: whether D gets the ticket's ``remote_prompt_digest``."""
 
 
 def _model(kind: str) -> str:
@@ -80,10 +92,11 @@ def _model(kind: str) -> str:
 
 def _transfer_config(connector: str, role: str, storage: str,
                      kvbridge_extra: dict | None = None) -> dict | None:
-    if connector == "kvbridge":
+    if connector == "kvbridge" or connector in WRONG_TICKETS:
+        policy = "recompute" if connector in WRONG_TICKETS else "fail"
         return {"kv_connector": "KVBridgeConnector",
                 "kv_connector_module_path": "kvbridge.connector.vllm",
-                "kv_role": role, "engine_id": role,
+                "kv_role": role, "engine_id": role, "kv_load_failure_policy": policy,
                 "kv_connector_extra_config": dict(kvbridge_extra or {})}
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
@@ -133,12 +146,28 @@ def child(args: argparse.Namespace) -> None:
             time.sleep(0.05)
         tickets = json.loads((out / "tickets.json").read_text())
     results = []
-    for prompt, ticket in zip(prompts, tickets, strict=True):
+
+    def serve(prompt: list[int], ticket: dict | None) -> dict:
         (output,) = llm.generate([{"prompt_token_ids": prompt}],
                                  greedy(args.max_tokens, ticket))
-        results.append({"token_ids": list(output.outputs[0].token_ids),
-                        "ttft_s": output.metrics.first_token_latency})
-    if args.connector == "kvbridge":  # D runs in process: its scheduler half is reachable
+        return {"token_ids": list(output.outputs[0].token_ids),
+                "ttft_s": output.metrics.first_token_latency}
+
+    if args.connector in WRONG_TICKETS:
+        results.append(serve(prompts[0], tickets[0]))  # D connects to P
+        for i in range(1, len(prompts)):
+            ticket = dict(tickets[i % args.prompts + 1])
+            if not WRONG_TICKETS[args.connector]:
+                ticket.pop("remote_prompt_digest", None)
+            served = {}
+            for kind in ("wrong", "plain") if i % 2 else ("plain", "wrong"):  # order alternates
+                llm.reset_prefix_cache()
+                served[kind] = serve(prompts[i], ticket if kind == "wrong" else None)
+            results.append({**served["wrong"], "recompute_ttft_s": served["plain"]["ttft_s"],
+                            "recompute_token_ids": served["plain"]["token_ids"]})
+    else:
+        results = [serve(p, t) for p, t in zip(prompts, tickets, strict=True)]
+    if args.connector == "kvbridge" or args.connector in WRONG_TICKETS:  # D in process
         stats = llm.llm_engine.engine_core.engine_core.scheduler.connector.stats.snapshot()
         results[0]["kvbridge_stats"] = stats
     # P stops on "done", which the parent writes after measuring P's idle CPU (writing it here
@@ -250,6 +279,8 @@ CASES = {  # name -> (connector, model, kvbridge extra config of the case)
     "example": ("example", "tiny", {}),
     "recompute_small": ("none", "small", {}),
     "kvbridge_small": ("kvbridge", "small", {}),
+    "wrong_ticket": ("kvbridge_wrong", "tiny", {}),
+    "wrong_ticket_p": ("kvbridge_wrong_p", "tiny", {}),
 }
 
 
@@ -289,6 +320,7 @@ def main() -> int:
                                                       ("recompute_small", "small")) if r in runs}
     mismatches = 0
     medians: dict[str, float] = {}
+    paired: dict[str, float] = {}  # the wrong-ticket cases' median ratio, prompt by prompt
     holding_cores: dict[str, float] = {}
     print(f"\n{'case':16s} {'D TTFT p50 ms':>14s} {'min':>8s} {'max':>8s} {'P cores':>8s}  tokens")
     for name, case_runs in runs.items():
@@ -306,6 +338,18 @@ def main() -> int:
             holding_cores[name] = round(statistics.median(holding), 2)
         print(f"{name:16s} {medians[name] * 1e3:14.1f} {min(ttfts) * 1e3:8.1f} "
               f"{max(ttfts) * 1e3:8.1f} {holding_cores.get(name, float('nan')):8.2f}  {verdict}")
+        if CASES[name][0] in WRONG_TICKETS:  # its plain recomputes, same engine, same prompts
+            rows = [r for run in case_runs for r in run["results"][1:]]
+            plain = [r["recompute_ttft_s"] for r in rows]
+            medians[f"{name}_recompute"] = statistics.median(plain)
+            # each prompt's pair ran back to back: their ratio cancels the host's drift
+            paired[f"{name}_over_recompute"] = round(statistics.median(
+                r["ttft_s"] / r["recompute_ttft_s"] for r in rows), 3)
+            same = all(r["token_ids"] == r["recompute_token_ids"] for r in rows)
+            mismatches += 0 if same else 1
+            print(f"{'  (recompute)':16s} {statistics.median(plain) * 1e3:14.1f} "
+                  f"{min(plain) * 1e3:8.1f} {max(plain) * 1e3:8.1f} {'':8s}  "
+                  f"{'equal' if same else 'DIFFER'}")
     report: dict = {"benchmark": "vllm_pd", "prompts": args.prompts, "rounds": args.rounds,
                     "tokens": args.tokens,
                     "kvbridge_extra": json.loads(args.kvbridge_extra),
@@ -322,6 +366,7 @@ def main() -> int:
                                                           "recompute_small")}.items():
         if a in medians and b in medians:
             report[key] = round(medians[a] / medians[b], 3)
+    report.update(paired)
     idle = [run["idle_cores"] for run in runs.get("kvbridge", []) if run["idle_cores"] is not None]
     if idle:
         report["idle_cores"] = round(statistics.median(idle), 3)

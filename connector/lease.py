@@ -54,7 +54,7 @@ __all__ = ["LeaseTable"]
 _MAX_EARLY_RELEASES = 4096
 _MAX_ENDED = 4096
 """Ended leases remembered (``grant_pending``); an older one reads as never granted, which
-costs its reader a few retries (``puller.LEASE_GRANT_RETRY_S``), never a wrong block."""
+costs its reader a few retries (``lease_reads.LEASE_GRANT_RETRY_S``), never a wrong block."""
 
 
 @dataclass(slots=True)

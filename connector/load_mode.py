@@ -17,10 +17,11 @@ only as block ids, which it refuses with several groups). Every other pull is as
 
 What it risks: the choice is made at scheduling from the worker's last report, before the read.
 A handoff the board does not vouch for after all (a ticket whose lease P's worker has not been
-handed yet, another prompt's ticket) is then read the usual way inside that step: the step waits
-for P's answer, and for a lease not yet granted for P's retries (``puller.LEASE_GRANT_RETRY_S``,
-0.38 s at most), never past ``sync_load_timeout_s``. ``load_mode`` ``"async"`` never stalls a
-step that way.
+handed yet, a stale ticket, another prompt's ticket without a digest: D refuses one with a
+digest before planning any read, ``handoff``) is then read the usual way inside that step: the
+step waits for P's answer, and for a lease not yet granted for P's retries
+(``lease_reads.LEASE_GRANT_RETRY_S``, 0.38 s at most), never past ``sync_load_timeout_s``.
+``load_mode`` ``"async"`` never stalls a step that way.
 """
 
 from __future__ import annotations

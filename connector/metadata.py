@@ -93,6 +93,9 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
             each holds ``lease`` under the same id and token at its own address); empty: a
             holder of one rank. Each local rank reads the KV heads it holds from the ranks
             that hold them (``tp_layout.head_sources``).
+        refused: why the scheduler half refused the ticket itself (another prompt's, under
+            the ``"fail"`` policy): every block is in ``unloadable_block_ids``, nothing is
+            read, and the load fails with this error; ``""`` otherwise.
     """
 
     request_id: str
@@ -104,6 +107,7 @@ class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
     sync: bool = False
     remote_ranks: list[HolderRef] = msgspec.field(default_factory=list)
+    refused: str = ""
 
     def holders(self) -> list[HolderRef]:
         """The holder's ranks by tp rank (``[holder]`` for a holder of one rank)."""

@@ -68,6 +68,7 @@ class RemoteMatch:
     num_remote_tokens: int
     load_async: bool = True  # what get_num_new_matched_tokens told the scheduler
     remote_ranks: tuple[HolderRef, ...] = ()  # a tensor-parallel holder's ranks (PullPlan's)
+    refused: str = ""  # why D refused the ticket itself: the load fails without a read
 
 
 NO_HASH = b""

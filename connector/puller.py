@@ -31,7 +31,6 @@ from concurrent.futures import Future
 from typing import NamedTuple
 
 from kvbridge.transport import (
-    GroupRead,
     PeerAddress,
     PeerUnreachableError,
     TransferError,
@@ -41,9 +40,10 @@ from kvbridge.transport import (
 
 from .errors import KVConnectorError, unreachable_reason
 from .heartbeats import WaitingTickets, heartbeat_loop
+from .lease_reads import read_under_lease
 from .loop_thread import get_loop_thread
 from .metadata import HolderRef, PullPlan, PullReport, ReleaseNotice, Ticket
-from .pull_plan import PullSource, only_local_blocks, pull_sources, source_error
+from .pull_plan import PullSource, pull_sources, source_error
 from .release_notices import DeferredNotices, PullerRank, send_notice, send_notices
 from .stats import KVTransferStats
 from .tp_layout import TPLayout
@@ -52,10 +52,6 @@ __all__ = ["PullOutcome", "Puller", "Settled"]
 
 logger = logging.getLogger(__name__)
 
-LEASE_GRANT_RETRY_S = (0.01, 0.02, 0.05, 0.1, 0.2)
-"""Waits before reading refused blocks again under a lease the holder has not been granted
-yet (``ReadResult.lease_pending``: its next step hands the grant over; vLLM's engine steps
-every millisecond while it holds blocks). Any other refusal ends the pull at once."""
 SYNC_SETTLE_GRACE_S = 5.0
 """How long past its deadline ``wait_settled`` waits for a sync pull before calling it a bug
 (the transport settles every read by its deadline, a cancelled one included)."""
@@ -292,6 +288,9 @@ class Puller:
         Never raises: every failure becomes failed blocks."""
         started = time.monotonic()
         deadline_at = started + (self.sync_load_timeout_s if plan.sync else self.load_timeout_s)
+        if plan.refused:  # D refused the ticket itself: nothing to read, nobody to ask
+            return self._settle(transport, plan, started, set(plan.local_block_ids()), 0,
+                                plan.refused)
         failed: set[int] = set(plan.unloadable_block_ids)
         num_bytes = 0
         errors: list[str] = []
@@ -316,12 +315,28 @@ class Puller:
             num_bytes += part.num_bytes
             if part.error:
                 errors.append(part.error)
-        error = "; ".join(errors) or None
+        same_host = all(part.same_host for part in parts)
+        return self._settle(transport, plan, started, failed, num_bytes,
+                            "; ".join(errors) or None, same_host=same_host)
+
+    def _settle(
+        self,
+        transport: Transport,
+        plan: PullPlan,
+        started: float,
+        failed: set[int],
+        num_bytes: int,
+        error: str | None,
+        *,
+        same_host: bool = False,
+    ) -> PullOutcome:
+        """Count a pull that ended (``failed``: its local blocks that did not land; ``same_host``:
+        every byte came by a same-host copy) and tell every rank of its holder to release the
+        lease (in tasks of their own: the request need not wait for that)."""
         self._record(plan, started, failed, num_bytes, error)
-        if not failed and all(part.same_host for part in parts):
+        if not failed and same_host:
             self.stats.add("bytes_received_same_host", num_bytes)
-        # The holder may free its blocks now (every rank of it); the request need not wait.
-        for ticket in leases:
+        for ticket in plan.rank_leases():
             notice = ReleaseNotice(ticket=ticket, success=not failed, reason=error or "")
             task = asyncio.get_running_loop().create_task(
                 send_notice(transport, notice, self.puller_rank)
@@ -361,7 +376,7 @@ class Puller:
             if error is not None:  # before any read: the holder's layout cannot serve it
                 raise KVConnectorError(error)
             reads = [g for g in plan.groups if g.local_block_ids]
-            refused, num_bytes = await self._read_under_lease(
+            refused, num_bytes = await read_under_lease(
                 transport, peer, plan, reads, deadline_at, heads
             )
             failed.update(refused)
@@ -378,50 +393,6 @@ class Puller:
             failed.update(plan.local_block_ids())
             error = f"{type(exc).__name__}: {exc}"
         return _Part(failed, num_bytes, error, transport.peer_data_path(peer) == "cma")
-
-    async def _read_under_lease(
-        self,
-        transport: Transport,
-        peer: PeerAddress,
-        plan: PullPlan,
-        reads: list[GroupRead],
-        deadline_at: float,
-        heads: tuple[int, int] | None = None,
-    ) -> tuple[set[int], int]:
-        """Read ``reads`` (the KV ``heads`` of their blocks, ``Transport.read_blocks``) under
-        the plan's lease (``Read.lease``, None for an index pull); returns the local blocks
-        refused and the bytes landed.
-
-        A handoff's lease reaches the holder's worker half only at the holder's next step
-        after it answered the ticket, so a fast puller can arrive first and see its blocks
-        refused. When the holder says so (``ReadResult.lease_pending``), refused blocks are
-        read again after short waits (``LEASE_GRANT_RETRY_S``, never past the deadline). Any
-        other refusal is final and ends the pull at once: another prompt's ticket (the lease
-        names other hashes), a stale one (the lease ended), an index pull's evicted block.
-        """
-        num_bytes = 0
-        refused: set[int] = set()
-        waits = iter(LEASE_GRANT_RETRY_S if plan.lease is not None else ())
-        lease = plan.lease.lease_ref() if plan.lease is not None else None
-        while reads:
-            result = await transport.read_blocks(
-                peer,
-                plan.request_id,
-                reads,
-                deadline_s=max(deadline_at - time.monotonic(), 1e-3),
-                lease=lease,
-                heads=heads,
-            )
-            num_bytes += result.num_bytes_landed
-            refused = set(result.failed_local_block_ids)
-            if not refused or not result.lease_pending:
-                break
-            wait_s = next(waits, None)
-            if wait_s is None or time.monotonic() + wait_s >= deadline_at:
-                break
-            await asyncio.sleep(wait_s)
-            reads = only_local_blocks(reads, refused)
-        return refused, num_bytes
 
     def _record(
         self, plan: PullPlan, started: float, failed: set[int], num_bytes: int, error: str | None

@@ -28,7 +28,6 @@ counts the ranks' reports once per request (``rank_reports``).
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -41,19 +40,19 @@ from .block_events import hash_delta_of
 from .config import KVTransferConfig
 from .engine_ranks import EngineRanks, match_leases, rank_holders
 from .errors import KVTransferParamsError
+from .handoff import TicketRefusal, issue_ticket, ticket_refusal
 from .index import IndexClient, IndexNamespace, open_index
 from .index_match import match_from_index
 from .load_mode import LoadModePolicy
 from .metadata import (
     KVBridgeConnectorMetadata,
     KVBridgeWorkerMeta,
-    LeaseGrant,
     PullPlan,
     ReleaseNotice,
     Ticket,
     WorkerHandshake,
 )
-from .pull_plan import RemoteMatch, cdiv, plan_group_pulls, sliding_windows_of, window_gap_groups
+from .pull_plan import RemoteMatch, cdiv, plan_group_pulls, sliding_windows_of
 from .rank_reports import RankReports
 from .role_check import RoleCheck
 from .stats import KVTransferStats
@@ -191,20 +190,11 @@ class KVBridgeScheduler:
         # (a sliding-window group then keeps the block that token's window starts in).
         num_remote = min(ticket.remote_num_tokens, request.num_prompt_tokens - 1)
         num_new = max(num_remote - num_computed_tokens, 0)
-        gaps = num_new and window_gap_groups(
-            remote_block_ids=ticket.remote_block_ids, sliding_windows=self._sliding_windows,
-            num_computed_tokens=num_remote, num_remote_tokens=ticket.remote_num_tokens,
-            start_block=num_computed_tokens // self.block_size, block_size=self.block_size)
-        if gaps:  # D computes it itself, P releases now, and the ticket is used up
-            reason = f"P no longer holds the start of the last token's window (groups {gaps})"
-            logger.warning("request %s: %s; computing it locally", request.request_id, reason)
-            self._forget_waiting(request.request_id)
-            params["do_remote_prefill"] = False  # type: ignore[index]
-            self._meta.notices.extend(
-                ReleaseNotice(ticket=t, success=False, reason=reason) for t in rank_tickets(ticket)
-            )
-            self.stats.add("num_window_gaps")
-            return MatchedTokens(0, False)
+        refusal = ticket_refusal(
+            ticket, request, num_computed_tokens=num_computed_tokens, num_remote=num_remote,
+            block_size=self.block_size, sliding_windows=self._sliding_windows) if num_new else None
+        if refusal and (refusal.window_gap or self.config.load_failure_policy == "recompute"):
+            return self._compute_locally(request, ticket, refusal)
         ranks = rank_holders(ticket)
         holder = ranks[0]
         # vLLM: no async load of zero tokens
@@ -214,8 +204,24 @@ class KVBridgeScheduler:
         self._matches[request.request_id] = RemoteMatch(
             holder=holder, remote_block_ids=ticket.remote_block_ids, ticket=ticket_of(ticket),
             num_local_tokens=num_computed_tokens, num_remote_tokens=num_remote,
-            load_async=load_async, remote_ranks=ranks if len(ranks) > 1 else ())
+            load_async=load_async, remote_ranks=ranks if len(ranks) > 1 else (),
+            refused=refusal.reason if refusal else "")
         return MatchedTokens(num_new, load_async)
+
+    def _compute_locally(self, request: Request, ticket: RemotePrefillParams,
+                         refusal: TicketRefusal) -> MatchedTokens:
+        """D computes ``request`` itself (``handoff``: a window gap, or another prompt's ticket
+        under ``recompute``, counted as a failed load): P releases now, the ticket is used up."""
+        logger.warning("request %s: %s; computing it locally", request.request_id, refusal.reason)
+        self._forget_waiting(request.request_id)
+        request.kv_transfer_params["do_remote_prefill"] = False  # type: ignore[index]
+        self._meta.notices.extend(ReleaseNotice(ticket=t, success=False, reason=refusal.reason)
+                                  for t in rank_tickets(ticket))
+        if refusal.window_gap:
+            self.stats.add("num_window_gaps")
+        else:
+            self.stats.record_failed_load(num_failed_blocks=refusal.num_blocks)
+        return MatchedTokens(0, False)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """The longest prefix held elsewhere (docs/architecture.md, "Life of an index hit"),
@@ -270,6 +276,9 @@ class KVBridgeScheduler:
             end_block=end_block,
             block_hashes=request.block_hashes,
         )
+        if match.refused:  # a load that fails under the policy without reading anything
+            unloadable = [*unloadable, *(b for g in groups for b in g.local_block_ids)]
+            groups = []
         self._meta.pulls.append(
             PullPlan(
                 request_id=request.request_id,
@@ -281,6 +290,7 @@ class KVBridgeScheduler:
                 created_at=time.monotonic(),
                 sync=not match.load_async,
                 remote_ranks=list(match.remote_ranks),
+                refused=match.refused,
             )
         )
         self.stats.record_pull_planned(match.holder.engine_id, via_index=match.ticket is None,
@@ -393,31 +403,12 @@ class KVBridgeScheduler:
             return RequestFinishedResult(False, None)
         if request.status not in _PRODUCER_DONE or self.worker is None:
             return RequestFinishedResult(False, None)  # aborted or failed: nothing to hand over
-        num_tokens = request.num_prompt_tokens
-        num_blocks = cdiv(num_tokens, self.block_size)
-        held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
-        grant = LeaseGrant(
-            request_id=request_id,
-            block_ids=[list(ids) for ids in held],
-            block_hashes=list(request.block_hashes[: num_tokens // self.block_size]),
-            lease_s=self.config.lease_s,
-            token=secrets.token_urlsafe(16),  # the ticket's capability: 128 random bits
-        )
+        grant, ticket = issue_ticket(request, block_ids, engine_id=self.config.engine_id,
+                                     worker=self.worker, block_size=self.block_size,
+                                     lease_s=self.config.lease_s,
+                                     tp_fields=self.ranks.ticket_fields())
         self._meta.lease_grants.append(grant)
-        out = RemotePrefillParams(
-            remote_engine_id=self.config.engine_id,
-            remote_incarnation=self.worker.incarnation,
-            remote_request_id=request_id,
-            remote_host=self.worker.host,
-            remote_port=self.worker.port,
-            remote_block_ids=held,
-            remote_num_tokens=num_tokens,
-            remote_block_size=self.block_size,
-            lease_expires_at=time.time() + self.config.lease_s,
-            remote_lease_token=grant.token,
-            **self.ranks.ticket_fields(),
-        )
-        return RequestFinishedResult(True, out.to_dict())
+        return RequestFinishedResult(True, ticket.to_dict())
 
     def _forget_waiting(self, request_id: str) -> list[Ticket] | None:
         tickets = self._waiting.pop(request_id, None)

@@ -14,6 +14,13 @@ A tensor-parallel P (issue 30) adds, as vLLM's NIXL ticket carries ``tp_size``::
 
 A ticket of a P of one rank is unchanged (the three fields absent); D reads each rank's heads
 from the rank that holds them (``tp_layout``).
+
+A ticket names P's blocks, not the prompt they hold, and a proxy can pair it with another
+request. P's hash check refuses a full block of another prompt (``holder``), but a partial last
+block has no hash: only the lease guards it, and a prompt that shares every full block with the
+ticket's would load the other prompt's tail. So the ticket also carries a digest of the tokens
+it covers (``remote_prompt_digest``, from ``prompt_digest``), and D compares it with its own
+request's before pulling anything (``handoff``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ __all__ = [
 _MAX_BLOCK_ID = 2**31 - 1
 _MAX_KV_HEADS = 1 << 16
 _LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]{0,64}")
+_DIGEST = re.compile(r"(?:[0-9a-f]{64})?")
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -121,6 +129,9 @@ class RemotePrefillParams:
         remote_ranks: every rank of P by tp rank (rank 0 is ``remote_host``, ``remote_port``,
             ``remote_incarnation``); each holds the lease under the same id and token.
         remote_num_kv_heads: the model's KV heads on P (0: not named, a ticket of one rank).
+        remote_prompt_digest: ``prompt_digest`` of P's request over ``remote_num_tokens``
+            (64 lowercase hex digits), or ``""`` (optional: a prompt it cannot cover, a P that
+            sends none); D refuses a ticket whose digest is not its own request's.
     """
 
     remote_engine_id: str
@@ -136,6 +147,7 @@ class RemotePrefillParams:
     remote_tp_size: int = 1
     remote_ranks: tuple[PrefillRank, ...] = ()
     remote_num_kv_heads: int = 0
+    remote_prompt_digest: str = ""
 
     def ranks(self) -> tuple[PrefillRank, ...]:
         """Every rank of P by tp rank (``remote_ranks``, or rank 0 alone)."""
@@ -185,6 +197,11 @@ class RemotePrefillParams:
         if not isinstance(token, str) or not _LEASE_TOKEN.fullmatch(token):
             raise KVTransferParamsError(
                 "remote_lease_token", "expected at most 64 URL-safe base64 characters"
+            )
+        digest = params.get("remote_prompt_digest", "")
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise KVTransferParamsError(
+                "remote_prompt_digest", "expected 64 lowercase hex digits or an empty string"
             )
         for key, value in (
             ("remote_engine_id", engine_id),
@@ -246,6 +263,7 @@ class RemotePrefillParams:
             remote_tp_size=tp_size,
             remote_ranks=ranks,
             remote_num_kv_heads=num_kv_heads,
+            remote_prompt_digest=digest,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,6 +293,7 @@ class RemotePrefillParams:
             "lease_expires_at": self.lease_expires_at,
             "remote_lease_token": self.remote_lease_token,
             **tp,
+            "remote_prompt_digest": self.remote_prompt_digest,
         }
 
 

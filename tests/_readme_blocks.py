@@ -49,8 +49,14 @@ def readme_blocks(kind: str, path: Path = REPO / "README.md") -> list[Block]:
 
 
 def run_block(block: Block, *, substitutions: dict[str, str], timeout_s: float,
-              env: dict[str, str] | None = None) -> tuple[dict, str]:
+              env: dict[str, str] | None = None,
+              wait_for: tuple[str, ...] = ()) -> tuple[dict, str]:
     """Run ``block``; returns (its last JSON line, the whole output).
+
+    ``wait_for``: strings the servers it left running must print before they are stopped
+    (a server that announces itself after the block's curl answered, as a slow store does on a
+    busy host); waited for until ``timeout_s`` from the start, then the block's output is
+    returned as it is.
 
     Raises:
         AssertionError: the script failed or printed no completion (with its output).
@@ -65,8 +71,14 @@ def run_block(block: Block, *, substitutions: dict[str, str], timeout_s: float,
         proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", _CURL_RETRY + script],
                                 stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
         try:
             proc.wait(timeout=timeout_s)
+            # pread: the servers share the file's offset, which a seek here would move
+            while time.monotonic() < deadline and not all(
+                    word in os.pread(out.fileno(), 1 << 24, 0).decode(errors="replace")
+                    for word in wait_for):
+                time.sleep(0.2)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

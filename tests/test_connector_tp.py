@@ -21,7 +21,7 @@ from kvbridge.connector.lease import LeaseTable
 from kvbridge.connector.metadata import KVBridgeConnectorMetadata
 from kvbridge.connector.scheduler_half import KVBridgeScheduler
 from kvbridge.connector.tp_layout import TPLayout
-from kvbridge.connector.vllm.translate import RequestView
+from kvbridge.connector.vllm.request_view import RequestView
 from kvbridge.connector.worker_half import KVBridgeWorker
 from kvbridge.kvmanager.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvbridge.kvmanager.request import RequestStatus

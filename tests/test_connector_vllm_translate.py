@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kvbridge.connector import IndexNamespace, KVTransferConfigError
+from kvbridge.connector.prompt_digest import prompt_digest
 from kvbridge.connector.pull_plan import window_gap_groups
+from kvbridge.connector.vllm.request_view import RequestView
 from kvbridge.connector.vllm.translate import (
-    RequestView,
     blocks_first_views,
     config_from_vllm,
     kv_cache_config_from_vllm,
@@ -358,3 +359,24 @@ def test_the_block_index_and_the_store_tier_are_refused_in_vllm_naming_the_key(k
     with pytest.raises(KVTransferConfigError, match=rf"{key}: not supported inside vLLM"):
         config_from_vllm(_vllm_transfer_config(**{key: value}), model_name="tiny")
     config_from_vllm(_vllm_transfer_config(offload="off", index_url=None), model_name="tiny")
+
+
+def test_request_view_gives_the_prompt_digest_its_inputs_and_only_token_ids():
+    """A ticket's ``remote_prompt_digest`` reads the prompt's token ids, LoRA name and cache
+    salt through the view; a prompt with embeddings or multimodal features shows no token ids
+    (their bytes are not in them), so it gets no digest and D leaves the check to P."""
+    request = SimpleNamespace(
+        request_id="0-abc", kv_transfer_params=None, num_prompt_tokens=3, num_tokens=3,
+        block_hashes=[], status=_VllmStatus.FINISHED_LENGTH_CAPPED, prompt_token_ids=[5, 6, 7],
+        prompt_embeds=None, mm_features=[], lora_request=SimpleNamespace(lora_name="ada"),
+        cache_salt="s",
+    )
+    view = RequestView.of(request)
+    assert (list(view.prompt_token_ids), view.lora_name, view.cache_salt) == ([5, 6, 7], "ada", "s")
+    assert prompt_digest(view, 3, BLOCK_SIZE) != ""
+    for extra in ({"mm_features": [object()]}, {"prompt_embeds": object()}):
+        other = RequestView.of(SimpleNamespace(**{**vars(request), **extra}))
+        assert other.prompt_token_ids is None and prompt_digest(other, 3, BLOCK_SIZE) == ""
+    bare = SimpleNamespace(**{k: v for k, v in vars(request).items()
+                              if k not in ("prompt_token_ids", "lora_request", "cache_salt")})
+    assert RequestView.of(bare).prompt_token_ids is None  # an older vLLM: no digest, no error

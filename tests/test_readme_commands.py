@@ -40,7 +40,8 @@ def test_the_ratios_are_the_latest_benchmark_runs():
 @pytest.mark.parametrize("block", readme_blocks("serve"), ids=lambda b: f"line{b.line}")
 def test_a_readme_deployment_answers_its_curl(block):
     completion, output = run_block(
-        block, substitutions={"redis-server": server_binary().path}, timeout_s=240)
+        block, substitutions={"redis-server": server_binary().path}, timeout_s=240,
+        wait_for=('"store_url"',))
     tokens = completion["choices"][0]["token_ids"]
     assert len(tokens) == 16, completion
     assert '"store_url"' in output  # the store announced itself

@@ -54,8 +54,8 @@ from ..tp_layout import TPLayout
 from ..worker_half import KVBridgeWorker
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
+from .request_view import RequestView
 from .translate import (
-    RequestView,
     config_from_vllm,
     kv_cache_config_from_vllm,
     kv_cache_dtype_of,

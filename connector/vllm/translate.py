@@ -17,8 +17,7 @@ tested without a vLLM install.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -28,7 +27,6 @@ from kvbridge.kvmanager.kv_cache_spec import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from kvbridge.kvmanager.request import RequestStatus
 
 from ..config import KVTransferConfig
 from ..errors import KVTransferConfigError
@@ -36,7 +34,6 @@ from ..errors import KVTransferConfigError
 __all__ = [
     "NOT_IN_VLLM",
     "KVCacheRegions",
-    "RequestView",
     "blocks_first_views",
     "config_from_vllm",
     "kv_cache_config_from_vllm",
@@ -411,37 +408,3 @@ def _kv_split_halves(
         halves.append(dense.view(num_blocks, 2, spec.block_size, spec.num_kv_heads, -1))
     order = "".join(_IN_BLOCK_AXES[axis - 1] for axis in axes if tensor.shape[axis + 1] > 1)
     return (halves[0], halves[1]), order
-
-
-_STATUS_BY_NAME = {status.name: status for status in RequestStatus}
-
-
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    """What kvbridge's scheduler half reads of a vLLM ``Request`` (vllm/v1/request.py).
-
-    ``kv_transfer_params`` is vLLM's dict itself (the half marks a used ticket in it, as vLLM's
-    NIXL connector does); ``status`` maps vLLM's status by name (an unknown one counts as an
-    error: nothing is handed over for it).
-    """
-
-    request_id: str
-    kv_transfer_params: dict[str, Any] | None
-    num_prompt_tokens: int
-    num_tokens: int
-    block_hashes: Sequence[bytes]
-    skip_reading_prefix_cache: bool
-    status: RequestStatus
-
-    @classmethod
-    def of(cls, request: Any) -> RequestView:
-        status = getattr(request.status, "name", str(request.status))
-        return cls(
-            request_id=request.request_id,
-            kv_transfer_params=request.kv_transfer_params,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_tokens=request.num_tokens,
-            block_hashes=request.block_hashes,
-            skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
-            status=_STATUS_BY_NAME.get(status, RequestStatus.FINISHED_ERROR),
-        )

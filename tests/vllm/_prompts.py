@@ -36,11 +36,19 @@ PROMPTS: dict[str, list[int]] = {
     # is one of x's full blocks on D, so the holder's hash check refuses each one
     "wrong_x": tokens(20, 5 * BLOCK),
     "wrong_y": tokens(21, 150),
+    # the same, for a ticket that carries no remote_prompt_digest (P's hash check refuses it)
+    "nodigest_x": tokens(24, 5 * BLOCK),
+    "nodigest_y": tokens(25, 150),
+    # another prompt's ticket that shares every full block: the two differ only in the partial
+    # last block (positions 128-149), which no block hash guards
+    "tail_x": tokens(22, 150),
+    "tail_y": tokens(22, 150)[:4 * BLOCK] + tokens(23, 150 - 4 * BLOCK),
     # P killed mid-pull, restarted, then stalled
     "stalled": tokens(30, 200),
     "killed": tokens(31, 250),
     "after": tokens(32, 90),
     "after_stall": tokens(35, 95),
+    "after_wrong": tokens(36, 85),
     "old_ticket": tokens(33, 120),
     "reborn": tokens(34, 130),
     # a ticket naming P's null block in the full-attention group

@@ -145,6 +145,26 @@ def test_a_null_block_in_the_ticket_fails_the_request(scenario, reference):
     assert p_state["requests"] == 0 and p_state["free_blocks"] == p_state["num_blocks"] - 1
 
 
+def test_another_prompts_ticket_fails_the_request_at_once(scenario, reference):
+    """D gets x with P's ticket for y, which shares x's full blocks and differs only in the
+    partial last block (no block hash guards it): under ``fail`` the request errors, at once
+    (D refuses the ticket by its ``remote_prompt_digest`` and reads nothing), where before D
+    loaded y's tail and answered with y's tokens. P's lease is released; D serves the next
+    request and holds nothing."""
+    sc = scenario
+    (o,) = sc.p.generate(prefill_requests([PROMPTS["tail_y"]]))
+    before = sc.d.stats()
+    out, elapsed = sc.timed_generate("tail_x", o["kv_transfer_params"])
+    assert out["finish_reason"] == "error", out
+    assert elapsed < LOAD_TIMEOUT_S, elapsed
+    after = sc.d.stats()
+    assert after["num_failed_loads"] - before["num_failed_loads"] == 1, after
+    assert after["num_blocks_received"] == before["num_blocks_received"], after
+    _served_and_drained(sc, "after_wrong", reference)
+    p_state = sc.p.wait_drained()
+    assert p_state["requests"] == 0 and p_state["free_blocks"] == p_state["num_blocks"] - 1
+
+
 def test_stalled_p_fails_the_load_within_the_deadline(scenario, reference):
     """The restarted P prefills, then stops answering for good: D's request ends with the
     failure policy within the load deadline, not when (if ever) P comes back, and D serves

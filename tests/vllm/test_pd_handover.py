@@ -160,33 +160,56 @@ def test_partial_local_hit_pulls_only_the_rest(pair, reference):
             assert one_sided <= 1 <= one_sided + asked, after
 
 
-def test_wrong_ticket_is_recomputed(pair, reference):
-    """D gets prompt x with the ticket P gave for prompt y. x is at least as long as y, so the
-    ticket passes admission and the pull really runs: D's pull names x's block hashes, the
-    blocks the ticket names hold y's, and P's hash check (``holder.validate_blocks``) refuses
-    them, although P has x in its prefix cache too (in other blocks). Nothing of y's KV lands
-    in x: the tokens are x's (recomputed, the ``recompute`` policy) and the failure is counted
-    as a failed load, not as a rejected ticket. Then y, with a fresh ticket from a second
-    prefill on P, is pulled and decoded like any handover."""
-    x, y = PROMPTS["wrong_x"], PROMPTS["wrong_y"]
+def _wrong_ticket(pair: Pair, x_name: str, y_name: str, *, digest: bool = True):
+    """P prefills x (plainly) and y (for D); D decodes x with y's ticket (without its
+    ``remote_prompt_digest`` unless ``digest``). Returns (D's output, its stats before, after,
+    y's ticket). x is at least as long as y, so the ticket passes admission."""
+    x, y = PROMPTS[x_name], PROMPTS[y_name]
     assert x[: len(y)] != y and len(x) >= len(y)
     p_out = pair.p.generate([request(x, 1), *prefill_requests([y])])
     ticket_y = p_out[1]["kv_transfer_params"]
     assert ticket_y["remote_num_tokens"] == len(y)
+    sent = dict(ticket_y) if digest else {
+        k: v for k, v in ticket_y.items() if k != "remote_prompt_digest"}
     before = pair.d.stats()
-    (out,) = pair.d.generate([request(x, N_NEW, ticket_y)])
-    after = pair.d.stats()
-    assert out["token_ids"] == reference["wrong_x"]
+    (out,) = pair.d.generate([request(x, N_NEW, sent)])
+    return out, before, pair.d.stats(), ticket_y
+
+
+def _assert_recomputed(pair: Pair, out, before, after, x_name: str, y_name: str,
+                       reference: dict) -> None:
+    """x's tokens (recomputed, the ``recompute`` policy), a failed load counted for y's blocks,
+    none received, and P holding nothing once D's notice released y's lease."""
+    assert out["token_ids"] == reference[x_name]
     assert out["finish_reason"] == "length"
     if after is not None:
         assert _delta(after, before, "num_rejected_params") == 0, after  # admitted
         assert _delta(after, before, "num_failed_loads") == 1, after
         assert _delta(after, before, "num_loads") == 0, after
-        # y's 150 tokens are 5 blocks on P; each is one of x's full blocks on D, with x's hash
-        assert _delta(after, before, "num_load_errors_blocks") == -(-len(y) // BLOCK), after
         assert _delta(after, before, "num_blocks_received") == 0, after
+        # y's 150 tokens are 5 blocks on P, all of them planned for x on D
+        num_blocks = -(-len(PROMPTS[y_name]) // BLOCK)
+        assert _delta(after, before, "num_load_errors_blocks") == num_blocks, after
+    p_state = pair.p.wait_drained()
+    if p_state is not None:
+        assert p_state["requests"] == 0, p_state
+        assert p_state["free_blocks"] == p_state["num_blocks"] - 1, p_state
 
-    # The failed pull released y's first lease; a second prefill gives y a fresh ticket.
+
+def test_wrong_ticket_is_recomputed(pair, reference):
+    """D gets prompt x with the ticket P gave for prompt y. D refuses it before reading
+    anything (the ticket's ``remote_prompt_digest`` is y's), although P has x in its prefix
+    cache too (in other blocks): under ``recompute`` D computes x in its first step, so the
+    tokens are x's, no read asked P (``num_board_fallbacks``), and P's lease on y is released.
+    The failure counts as a failed load, not as a rejected ticket. Then y, with a fresh ticket
+    from a second prefill on P, is pulled and decoded like any handover."""
+    out, before, after, ticket_y = _wrong_ticket(pair, "wrong_x", "wrong_y")
+    _assert_recomputed(pair, out, before, after, "wrong_x", "wrong_y", reference)
+    if after is not None:
+        assert _delta(after, before, "num_board_fallbacks") == 0, after  # nothing asked P
+
+    # D's release notice ended y's first lease; a second prefill gives y a fresh ticket.
+    y = PROMPTS["wrong_y"]
     (p_again,) = pair.p.generate(prefill_requests([y]))
     ticket_again = p_again["kv_transfer_params"]
     assert ticket_again["remote_lease_token"] != ticket_y["remote_lease_token"]
@@ -202,6 +225,26 @@ def test_wrong_ticket_is_recomputed(pair, reference):
     if p_state is not None:  # both of y's leases ended (the failed pull's notice, then D's)
         assert p_state["requests"] == 0, p_state
         assert p_state["free_blocks"] == p_state["num_blocks"] - 1, p_state
+
+
+def test_a_wrong_ticket_sharing_every_full_block_is_recomputed(pair, reference):
+    """x and y share their 4 full blocks and differ only in the partial last block, which no
+    block hash guards (P serves it under the lease alone). Before the ticket carried
+    ``remote_prompt_digest``, D loaded y's tail there and answered with y's tokens; now D
+    refuses the ticket and computes x."""
+    out, before, after, _ = _wrong_ticket(pair, "tail_x", "tail_y")
+    _assert_recomputed(pair, out, before, after, "tail_x", "tail_y", reference)
+
+
+def test_a_ticket_without_a_digest_fails_at_ps_first_answer(pair, reference):
+    """A ticket for another prompt that carries no digest (a P that sends none): P's hash
+    check refuses y's blocks, and that answer is final, so the load fails after the one read
+    that asked P (``num_board_fallbacks`` counts each such read over the same-host path;
+    before, D asked again for 0.38 s, 6 reads, thinking the lease not granted yet)."""
+    out, before, after, _ = _wrong_ticket(pair, "nodigest_x", "nodigest_y", digest=False)
+    _assert_recomputed(pair, out, before, after, "nodigest_x", "nodigest_y", reference)
+    if after is not None and pair.cma:
+        assert _delta(after, before, "num_board_fallbacks") == 1, after
 
 
 def test_vllm_metrics_count_what_was_pulled(pair, reference):

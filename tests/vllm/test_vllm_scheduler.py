@@ -15,6 +15,7 @@ free (``assert_scheduler_empty``).
     (e) malformed kv_transfer_params                           test_d_malformed_params_*
     (f) a partial local hit on D                               test_d_partial_local_hit_*
     (g) invalid_block_ids under recompute / fail               test_d_invalid_blocks_*
+    (h) another prompt's ticket refused before any pull        test_d_*another_prompts_ticket*
 """
 
 from __future__ import annotations
@@ -424,4 +425,75 @@ def test_a_ticket_sent_to_a_producer_is_computed_and_said_once(caplog):
     assert len(lines) == 1 and "kv_role is 'kv_producer'" in lines[0], lines
     assert connector_of(scheduler).stats.num_role_mismatches == 2
     run_to_end(scheduler)
+    assert_scheduler_empty(scheduler)
+
+
+# ------------------------------------------------------------------ (h) another prompt's ticket
+def _p_ticket(prompt: list[int]) -> dict:
+    """P's own ticket for ``prompt``: vLLM's ``Request`` and block hashes, kvbridge's
+    ``request_finished`` (with the ``remote_prompt_digest`` of the prompt)."""
+    scheduler = make_scheduler("kv_producer", engine_id="prefill")
+    request = make_request(prompt, max_tokens=1, kv_transfer_params=dict(DO_REMOTE_DECODE))
+    scheduler.add_request(request)
+    return step(scheduler).finished()[request.request_id].kv_transfer_params
+
+
+_X = _prompt(70)  # two full blocks and 6 tokens
+_OTHER = {"another prompt": _prompt(70, 300), "another tail": _X[:64] + _prompt(6, 300)}
+
+
+def test_d_pulls_with_ps_ticket_for_its_own_prompt():
+    """P's and D's digests of one prompt agree (both from vLLM's own block hashes)."""
+    ticket = _p_ticket(_X)
+    assert len(ticket["remote_prompt_digest"]) == 64
+    scheduler = make_scheduler("kv_consumer")
+    request = make_request(_X, kv_transfer_params=ticket)
+    scheduler.add_request(request)
+    (plan,) = step(scheduler).meta.pulls
+    assert plan.refused == "" and plan.unloadable_block_ids == []
+    assert plan.groups[0].local_block_ids == _blocks(scheduler, request)[:3]
+    step(scheduler, finished_recving={request.request_id})
+    run_to_end(scheduler)
+    assert_scheduler_empty(scheduler)
+
+
+@pytest.mark.parametrize("kind", list(_OTHER))
+def test_d_recomputes_another_prompts_ticket_in_its_first_step(kind):
+    """x with P's ticket for y: D refuses it before any pull (``remote_prompt_digest``), even
+    when y shares x's full blocks and differs only in the partial last block, which no hash
+    guards. Under ``recompute`` the first step computes x's whole prompt: no step waits for a
+    load, P is told to release, and a failed load is counted."""
+    scheduler = make_scheduler("kv_consumer", policy="recompute")
+    request = make_request(_X, kv_transfer_params=_p_ticket(_OTHER[kind]))
+    scheduler.add_request(request)
+    first = step(scheduler)
+    assert first.scheduled == {request.request_id: len(_X)}
+    assert first.output.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert first.meta.pulls == []
+    (notice,) = first.meta.notices
+    assert not notice.success and "another prompt" in notice.reason
+    stats = connector_of(scheduler).stats
+    assert (stats.num_failed_loads, stats.num_load_errors_blocks) == (1, 3)
+    assert stats.num_rejected_params == 0
+    assert request.kv_transfer_params["do_remote_prefill"] is False  # the ticket is used up
+    finished = run_to_end(scheduler)
+    assert finished[request.request_id].finish_reason == FinishReason.LENGTH
+    assert_scheduler_empty(scheduler)
+
+
+@pytest.mark.parametrize("kind", list(_OTHER))
+def test_d_fails_another_prompts_ticket_without_reading_under_fail(kind):
+    """Under ``fail`` the request errors: its load is planned with every block unloadable and
+    a reason, so the worker half reads nothing and reports the blocks at once."""
+    scheduler = make_scheduler("kv_consumer", policy="fail")
+    request = make_request(_X, kv_transfer_params=_p_ticket(_OTHER[kind]))
+    scheduler.add_request(request)
+    first = step(scheduler)
+    (plan,) = first.meta.pulls
+    assert plan.groups == [] and "another prompt" in plan.refused
+    assert plan.unloadable_block_ids == _blocks(scheduler, request)[:3]
+    failed = step(scheduler, invalid_block_ids=set(plan.unloadable_block_ids),
+                  finished_recving={request.request_id})
+    assert failed.finished()[request.request_id].finish_reason == FinishReason.ERROR
+    step(scheduler)
     assert_scheduler_empty(scheduler)
