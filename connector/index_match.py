@@ -20,6 +20,9 @@ from .stats import KVTransferStats
 
 __all__ = ["match_from_index"]
 
+_LOOKUP_FAILURES = frozenset({"unavailable", "timed_out", "overloaded"})
+"""Lookup statuses that went on without the index's answer (``num_index_lookup_failures``)."""
+
 
 def match_from_index(
     client: IndexClient | None,
@@ -56,6 +59,8 @@ def match_from_index(
     if not result.done:
         return MatchedTokens(None, False), None
     lookups.discard(request_id)
+    if result.status in _LOOKUP_FAILURES:
+        stats.add("num_index_lookup_failures")
     found: RemotePrefix | None = result.prefix
     if found is None:
         return MatchedTokens(0, False), None

@@ -99,6 +99,9 @@ class KVBridgeScheduler:
         self.block_size = block_size
         self.num_groups = num_groups
         self.hash_fn_name = hash_fn_name
+        # A remote hit must add this many blocks to the local hit (config: blocks and tokens).
+        self._min_gain_blocks = max(config.min_remote_hit_blocks,
+                                    cdiv(config.min_remote_hit_tokens, block_size))
         self.stats = KVTransferStats()
         self.rank_reports = RankReports(self.stats)  # the ranks' reports, each request once
         # "sync": pulls run inside the step computing the request; "auto": one-sided handoffs
@@ -223,7 +226,7 @@ class KVBridgeScheduler:
         (``index_match.match_from_index``: None until it answers)."""
         matched, match = match_from_index(
             self.index_client, self._lookups, request, num_computed_tokens,
-            block_size=self.block_size, min_gain_blocks=self.config.min_remote_hit_blocks,
+            block_size=self.block_size, min_gain_blocks=self._min_gain_blocks,
             load_async=self._load_async, stats=self.stats,
         )
         if match is not None:

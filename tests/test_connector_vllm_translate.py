@@ -18,6 +18,7 @@ from kvbridge.connector.vllm.engine_identity import (
     model_revision_of,
 )
 from kvbridge.connector.vllm.translate import (
+    VLLM_MIN_REMOTE_HIT_TOKENS,
     RequestView,
     blocks_first_views,
     config_from_vllm,
@@ -368,6 +369,10 @@ def test_the_block_index_is_accepted_in_vllm():
     config = config_from_vllm(
         _vllm_transfer_config(index_url="redis://127.0.0.1:6379/0"), model_name="tiny")
     assert config.index_url == "redis://127.0.0.1:6379/0"
+    # A hit must beat recompute: vLLM's default minimum, unless the extra config sets one.
+    assert config.min_remote_hit_tokens == VLLM_MIN_REMOTE_HIT_TOKENS == 256
+    own = config_from_vllm(_vllm_transfer_config(min_remote_hit_tokens=0), model_name="tiny")
+    assert own.min_remote_hit_tokens == 0
 
 
 # ------------------------------------------------------------------ the index's hash domain

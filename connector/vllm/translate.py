@@ -35,6 +35,7 @@ from ..errors import KVTransferConfigError
 
 __all__ = [
     "NOT_IN_VLLM",
+    "VLLM_MIN_REMOTE_HIT_TOKENS",
     "KVCacheRegions",
     "RequestView",
     "blocks_first_views",
@@ -56,6 +57,11 @@ NOT_IN_VLLM = dict.fromkeys(("store_url", "offload"), _NO_STORE_TIER)
 offload planner that never runs). ``index_url`` is accepted: the adapter follows vLLM's block
 pool (``pool_follower.py``)."""
 
+VLLM_MIN_REMOTE_HIT_TOKENS = 256
+"""``min_remote_hit_tokens`` of a vLLM engine unless its extra config says otherwise: a pull
+costs the transfer and one more engine step before the request runs, about what prefilling
+this many tokens costs on the suite's tiny model; below it, recomputing is as fast and moves
+nothing (the measurements: ``docs/vllm-prefix-reuse.md``)."""
 
 
 def config_from_vllm(
@@ -98,6 +104,7 @@ def config_from_vllm(
         )
     if model_revision:
         extra["model_revision"] = model_revision
+    extra.setdefault("min_remote_hit_tokens", VLLM_MIN_REMOTE_HIT_TOKENS)
     role = kv_transfer_config.kv_role
     return KVTransferConfig.from_dict(
         {

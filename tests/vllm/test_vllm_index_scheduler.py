@@ -27,6 +27,7 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from _vllm_sched_builders import (
+    BLOCK_SIZE,
     assert_scheduler_empty,
     connector_of,
     make_request,
@@ -36,6 +37,8 @@ from _vllm_sched_builders import (
 )
 from kvbridge.kvmanager.block_hash import get_block_hash, get_group_id
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 _incarnations = itertools.count(time.time_ns())
 _ports = itertools.count(47100)
@@ -50,11 +53,13 @@ def _namespace() -> str:
     return f"index-sched-{next(_namespaces)}-{time.time_ns()}"
 
 
-def index_node(engine_id: str, namespace: str, **kwargs):
-    """A ``kv_both`` vLLM scheduler with the in-process index under ``namespace``."""
+def index_node(engine_id: str, namespace: str, *, extra: dict | None = None, **kwargs):
+    """A ``kv_both`` vLLM scheduler with the in-process index under ``namespace`` (``extra``:
+    more ``kv_connector_extra_config``)."""
     return make_scheduler(
         "kv_both", engine_id=engine_id, policy="recompute",
-        extra={"index_url": "memory", "model_name": namespace, "index_ttl_s": 60.0},
+        extra={"index_url": "memory", "model_name": namespace, "index_ttl_s": 60.0,
+               **(extra or {})},
         incarnation=str(next(_incarnations)), worker_port=next(_ports), **kwargs)
 
 
@@ -191,3 +196,203 @@ def test_vllm_s_own_kv_events_still_reach_its_publisher():
         assert_scheduler_empty(scheduler)
     finally:
         connector_of(scheduler).shutdown()
+
+
+# ------------------------------------------------------------------ lookups
+def _cached_on_a(a, prompt_tokens: list[int]) -> list[int]:
+    """A serves the prompt; returns the ids of the blocks A caches its full blocks in."""
+    request = make_request(prompt_tokens, max_tokens=1)
+    run(a, request)
+    pool = a.kv_cache_manager.block_pool
+    full = request.block_hashes[: len(prompt_tokens) // BLOCK_SIZE]
+    return [pool.get_cached_block(h, [0])[0].block_id for h in full]
+
+
+def test_a_pending_lookup_waits_without_holding_up_others_and_pulls_a_step_later(pair):
+    a, b = pair
+    shared = _prompt(5, 320)  # 10 full blocks on A
+    a_ids = _cached_on_a(a, shared)
+    running = make_request(_prompt(6, 40), max_tokens=6)  # B's other work
+    b.add_request(running)
+    # Too short for any hit to reach min_remote_hit_tokens: never waits for the index.
+    assert step(b, **ours()).scheduled == {running.request_id: 40}
+
+    held = HeldLookups(b)
+    request = make_request(shared + _prompt(7, 45), max_tokens=2)  # 365 tokens, 11 full blocks
+    b.add_request(request)
+    waiting = step(b, **ours())
+    # The lookup is out: the request waits (vLLM asks again next step), the other one runs.
+    assert held.arrived.wait(5.0)
+    assert waiting.scheduled == {running.request_id: 1}
+    assert request.status == RequestStatus.WAITING and not waiting.meta.pulls
+    again = step(b, **ours())
+    assert again.scheduled == {running.request_id: 1} and not again.meta.pulls
+    held.release()
+    wait_lookups(b)
+
+    answered = step(b, **ours())
+    # A holds the first 10 blocks: B pulls them into its own blocks, A's ids paired by position
+    # (the last prompt token is never planned: B computes the 45-token tail itself).
+    (pull,) = answered.meta.pulls
+    assert (pull.request_id, pull.holder.engine_id, pull.lease) == (request.request_id, "a", None)
+    assert pull.num_external_tokens == 320
+    (group,) = pull.groups
+    assert list(group.remote_block_ids) == a_ids
+    assert list(group.local_block_ids) == block_ids(b, request)[:10]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # vLLM's metrics of the step: the external hit is another engine's (P2P).
+    (outputs,) = answered.engine_outputs.values()
+    assert outputs.scheduler_stats.connector_prefix_cache_stats.hits_by_source == {
+        CacheHitSource.P2P: 320}
+
+    landed = step(b, **ours(finished_recving=[request.request_id]))
+    assert request.request_id not in landed.scheduled
+    resumed = step(b, **ours())
+    assert resumed.scheduled[request.request_id] == 365 - 320  # only the tail is computed
+    stats = connector_of(b).stats
+    # One lookup per new request (the 40-token one's answered at once), one hit.
+    assert (stats.num_index_lookups, stats.num_index_hits, stats.remote_hit_tokens) == (2, 1, 320)
+    run(b)
+
+
+@pytest.mark.parametrize(("num_shared_blocks", "pulled"), [
+    (7, False),  # 224 tokens: under vLLM's default min_remote_hit_tokens (256), recomputed
+    (8, True),   # 256 tokens: pulled
+])
+def test_a_hit_is_pulled_only_from_min_remote_hit_tokens_on(pair, num_shared_blocks, pulled):
+    a, b = pair
+    shared = _prompt(20 + num_shared_blocks, num_shared_blocks * BLOCK_SIZE)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(30, 100), max_tokens=1)  # asked: >= 8 blocks
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    answered = step(b, **ours())
+    assert bool(answered.meta.pulls) == pulled
+    if pulled:
+        step(b, **ours(finished_recving=[request.request_id]))
+    else:
+        assert answered.scheduled[request.request_id] == len(shared) + 100  # all computed here
+    run(b)
+
+
+def test_a_lookup_past_its_deadline_goes_on_with_the_local_hit_and_is_counted():
+    namespace = _namespace()
+    a = index_node("a", namespace)
+    b = index_node("b", namespace, extra={"index_lookup_timeout_s": 0.05})
+    try:
+        shared = _prompt(31, 320)
+        _cached_on_a(a, shared)
+        held = HeldLookups(b)
+        request = make_request(shared + _prompt(32, 10), max_tokens=1)
+        b.add_request(request)
+        assert not step(b, **ours()).scheduled
+        assert held.arrived.wait(5.0)
+        time.sleep(0.06)  # the index (held) has not answered within index_lookup_timeout_s
+        late = step(b, **ours())
+        assert late.scheduled == {request.request_id: 330} and not late.meta.pulls
+        held.release()
+        run(b)
+        assert connector_of(b).stats.num_index_lookup_failures == 1
+        for scheduler in (a, b):
+            assert_scheduler_empty(scheduler)
+    finally:
+        for scheduler in (a, b):
+            connector_of(scheduler).shutdown()
+
+
+def test_blocks_that_do_not_land_are_recomputed_from_the_first_of_them(pair):
+    a, b = pair
+    shared = _prompt(8, 320)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(9, 20), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    (pull,) = step(b, **ours()).meta.pulls
+    local = list(pull.groups[0].local_block_ids)
+    # A evicted its blocks 6..9 between the lookup and the pull: the holder refused them.
+    step(b, **ours(finished_recving=[request.request_id], invalid_block_ids=local[6:]))
+    resumed = step(b, **ours())
+    assert resumed.scheduled[request.request_id] == 340 - 6 * BLOCK_SIZE
+    run(b)
+
+
+def test_an_abort_while_the_lookup_is_pending_leaves_nothing_behind(pair):
+    a, b = pair
+    shared = _prompt(10, 320)
+    _cached_on_a(a, shared)
+    held = HeldLookups(b)
+    request = make_request(shared + _prompt(11, 10), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    assert held.arrived.wait(5.0)
+    b.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    held.release()
+    wait_lookups(b)
+    quiet = step(b, **ours())
+    assert not quiet.meta.pulls  # the answer came for nobody
+    assert not connector_of(b)._sched()._lookups
+
+
+def test_an_abort_while_the_pull_is_in_flight_frees_the_blocks_once_it_settles(pair):
+    a, b = pair
+    shared = _prompt(12, 320)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(13, 10), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    assert step(b, **ours()).meta.pulls
+    b.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    # vLLM keeps the blocks the pull writes into until the worker half reports it settled.
+    assert block_ids(b, request)
+    step(b, **ours(finished_recving=[request.request_id]))
+
+
+def test_preemption_while_a_lookup_is_pending_and_while_a_pull_is_in_flight(pair):
+    a, b = pair
+    shared = _prompt(14, 320)
+    _cached_on_a(a, shared)
+    # Two prompts of 991 and 990 tokens hold 62 of B's 63 usable blocks (31 each, the last
+    # one with one or two free slots); as they decode, each needs a 32nd block: the first takes
+    # the last free one, the second (a step later) is preempted.
+    first = make_request(_prompt(15, 991), max_tokens=6)
+    second = make_request(_prompt(16, 990), max_tokens=6)
+    b.add_request(first)
+    b.add_request(second)
+    for _ in range(6):  # until both prompts are computed (their decodes fit for one step)
+        step(b, **ours())
+        wait_lookups(b)
+        if second.num_computed_tokens >= 990:
+            break
+    assert {first.status, second.status} == {RequestStatus.RUNNING}
+    assert not second.num_preemptions
+    held = HeldLookups(b)
+    late = make_request(shared + _prompt(17, 10), max_tokens=1)
+    b.add_request(late)
+    step(b, **ours())
+    assert held.arrived.wait(5.0) and not second.num_preemptions  # late's lookup is out
+    for _ in range(5):  # (1) the preemption comes while late's lookup is unanswered
+        step(b, **ours())
+        if second.num_preemptions:
+            break
+    assert second.num_preemptions == 1 and second.status == RequestStatus.PREEMPTED
+    assert late.status == RequestStatus.WAITING
+    held.release()
+    wait_lookups(b)
+    pulled = None
+    for _ in range(10):  # (2) late's pull is planned once there is room, and is in flight
+        out = step(b, **ours())
+        wait_lookups(b)
+        if out.meta.pulls:
+            (pulled,) = out.meta.pulls
+            break
+    assert pulled is not None and pulled.request_id == late.request_id
+    assert late.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # (3) the others keep running (and preempting) while the pull is in flight; it lands later.
+    for _ in range(3):
+        step(b, **ours())
+    step(b, **ours(finished_recving=[late.request_id]))
+    run(b)
+    assert second.num_preemptions >= 1 and late.is_finished()
