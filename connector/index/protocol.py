@@ -33,6 +33,7 @@ block's hash when serving it. A stale entry costs a recompute, never wrong outpu
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from kvbridge.transport.identity import BlockIdentity
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
+
+logger = logging.getLogger(__name__)
 
 Tier = Literal["device", "host", "store"]
 IndexStatus = Literal["ok", "fenced", "unavailable"]
@@ -65,6 +68,7 @@ _MEDIUM_TO_TIER: dict[str, Tier] = {
     "disk": "store",
     "remote": "store",
 }
+GARBAGE_LOG_INTERVAL_S = 60.0  # malformed entries met by lookups: one log line this often
 INCARNATION_DIGITS = 20  # zero-padded decimal so string order equals numeric order (Lua side)
 
 
@@ -305,6 +309,20 @@ class IndexStats:
     lookups_refused: int = 0
     publish_batches_dropped_full: int = 0
     publish_ops_dropped_full: int = 0
+    _garbage_said_until: float = field(default=float("-inf"), repr=False)
+
+    def count_garbage(self, count: int, now_s: float) -> None:
+        """Add ``count`` malformed entries a lookup skipped (backend's thread), saying so at
+        most once per ``GARBAGE_LOG_INTERVAL_S`` (every lookup that passes a corrupt key
+        meets it again); ``now_s``: the backend's clock."""
+        if count <= 0:
+            return
+        self.garbage_entries += count
+        if now_s >= self._garbage_said_until:
+            self._garbage_said_until = now_s + GARBAGE_LOG_INTERVAL_S
+            logger.warning("block index: a lookup skipped %d malformed entr%s (%d so far; not "
+                           "written by this version of kvbridge?) and went on without them",
+                           count, "y" if count == 1 else "ies", self.garbage_entries)
 
 
 def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -> None:

@@ -106,7 +106,8 @@ class VllmPoolFollower:
         mirror = self.mirror
 
         def cache_full_blocks(*args: Any, **kwargs: Any) -> Any:
-            call = signature.bind(*args, **kwargs).arguments
+            # vLLM 0.32 passes every argument by keyword; anything else is bound by name.
+            call = kwargs if not args else signature.bind(*args, **kwargs).arguments
             mirror.record_parents(
                 call["request"].block_hashes,
                 call["num_cached_blocks"],

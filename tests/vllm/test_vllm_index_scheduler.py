@@ -318,6 +318,27 @@ def test_blocks_that_do_not_land_are_recomputed_from_the_first_of_them(pair):
     run(b)
 
 
+def test_a_pull_that_fails_whole_is_recomputed_and_never_looked_up_again(pair):
+    a, b = pair
+    shared = _prompt(18, 320)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(19, 20), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    (pull,) = step(b, **ours()).meta.pulls
+    # A's entries are stale (it evicted every block): nothing lands. vLLM frees the blocks and
+    # asks the connector again from token 0; the index would name the same refused blocks.
+    local = list(pull.groups[0].local_block_ids)
+    step(b, **ours(finished_recving=[request.request_id], invalid_block_ids=local))
+    again = step(b, **ours())
+    wait_lookups(b)
+    assert again.scheduled == {request.request_id: 340} and not again.meta.pulls
+    stats = connector_of(b).stats
+    assert (stats.num_index_lookups, stats.num_index_hits) == (1, 1)
+    run(b)
+
+
 def test_an_abort_while_the_lookup_is_pending_leaves_nothing_behind(pair):
     a, b = pair
     shared = _prompt(10, 320)
@@ -332,7 +353,7 @@ def test_an_abort_while_the_lookup_is_pending_leaves_nothing_behind(pair):
     wait_lookups(b)
     quiet = step(b, **ours())
     assert not quiet.meta.pulls  # the answer came for nobody
-    assert not connector_of(b)._sched()._lookups
+    assert not connector_of(b)._sched()._index_matcher.pending_request_ids
 
 
 def test_an_abort_while_the_pull_is_in_flight_frees_the_blocks_once_it_settles(pair):
