@@ -96,7 +96,7 @@ _ids = itertools.count(1)
 
 def _vllm_config(
     role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False,
-    kv_events: bool = False,
+    kv_events: bool = False, hash_algo: str = HASH_ALGO,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(_model.tiny_llama(hybrid=hybrid)),
@@ -113,7 +113,7 @@ def _vllm_config(
         is_encoder_decoder=False,
     )
     cache_config = CacheConfig(
-        block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo=HASH_ALGO
+        block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo
     )
     kv_transfer_config = KVTransferConfig(
         kv_connector="KVBridgeConnector",
@@ -145,6 +145,7 @@ def make_scheduler(
     incarnation: str | None = None,
     worker_port: int = WORKER_PORT,
     kv_events: bool = False,
+    hash_algo: str = HASH_ALGO,
 ) -> Scheduler:
     """A real vLLM ``Scheduler`` whose connector is ``KVBridgeConnector``'s scheduler half.
 
@@ -160,11 +161,12 @@ def make_scheduler(
     ``NUM_BLOCKS`` blocks. The worker half's handshake (host, port, incarnation) is
     delivered the way EngineCore does at start-up (``incarnation`` default
     ``"<engine_id>-inc-1"``; a node with an ``index_url`` needs a number). ``kv_events``:
-    vLLM's own KV events on (``KVEventsConfig``, the "null" publisher).
+    vLLM's own KV events on (``KVEventsConfig``, the "null" publisher). ``hash_algo``: vLLM's
+    ``prefix_caching_hash_algo`` (``make_request`` hashes with ``HASH_ALGO``).
     """
     assert incarnation is None or tp_size is None, "incarnation names one rank's"
     engine_id = engine_id or role.removeprefix("kv_")
-    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid, kv_events)
+    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid, kv_events, hash_algo)
     geometry = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
     groups = [KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(**geometry))]
     if hybrid:

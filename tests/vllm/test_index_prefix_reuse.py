@@ -18,7 +18,7 @@ tokens), so that A can be made to evict. Checked:
 - an engine started while Redis is down starts and serves; on Redis again, being of another
   dtype, it sees none of A's entries (its own namespace);
 - a holder that dies (paused, then killed) while a pull waits on it: B recomputes, the tokens
-  are right.
+  are right, and the dead holder's registration (so its entries) lapses with its TTL.
 
 Holder-side counters reach A's scheduler half (``stats``) at A's next step: the tests give A a
 one-token request before reading them.
@@ -249,7 +249,8 @@ def test_an_engine_started_while_redis_is_down_serves_and_another_dtype_sees_no_
         c.stop()
 
 
-def test_a_holder_that_dies_while_b_waits_on_its_pull_costs_a_recompute(engines, reference):
+def test_a_holder_that_dies_while_b_waits_on_its_pull_costs_a_recompute(
+        engines, reference, redis_server):
     a, b = engines
     _serve_prefix(a, "index_died")
     a.pause()  # A stops answering; its entries stay listed until its TTL runs out
@@ -265,3 +266,12 @@ def test_a_holder_that_dies_while_b_waits_on_its_pull_costs_a_recompute(engines,
     after = b.stats()
     assert _delta(after, before, "num_index_hits", "num_failed_loads") == (1, 1)
     assert b.wait_drained()["requests"] == 0
+    # A's registration ends with its last heartbeat's TTL: lookups ignore its entries after.
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        deadline = time.monotonic() + TTL_S + 5.0
+        while list(client.scan_iter(match="kvbridge:bi:*:node:engine-a")):
+            assert time.monotonic() < deadline, "A's registration outlived its TTL"
+            time.sleep(0.2)
+    finally:
+        client.close()

@@ -35,6 +35,7 @@ from _vllm_sched_builders import (
     step,
     worker_report,
 )
+from kvbridge.connector.errors import KVTransferConfigError
 from kvbridge.kvmanager.block_hash import get_block_hash, get_group_id
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -196,6 +197,24 @@ def test_vllm_s_own_kv_events_still_reach_its_publisher():
         assert_scheduler_empty(scheduler)
     finally:
         connector_of(scheduler).shutdown()
+
+
+@pytest.mark.parametrize(("algo", "seed", "refused"), [
+    ("xxhash", None, True), ("xxhash_cbor", None, True), ("xxhash", "0", False),
+    ("sha256", None, False),
+])
+def test_an_engine_whose_hashes_no_other_can_match_refuses_the_index_at_start(
+        monkeypatch, algo, seed, refused):
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    if refused:
+        with pytest.raises(KVTransferConfigError, match="set PYTHONHASHSEED"):
+            index_node("a", _namespace(), hash_algo=algo)
+        return
+    scheduler = index_node("a", _namespace(), hash_algo=algo)
+    connector_of(scheduler).shutdown()
 
 
 # ------------------------------------------------------------------ lookups
@@ -417,3 +436,5 @@ def test_preemption_while_a_lookup_is_pending_and_while_a_pull_is_in_flight(pair
     step(b, **ours(finished_recving=[late.request_id]))
     run(b)
     assert second.num_preemptions >= 1 and late.is_finished()
+    # Preemptions free blocks without uncaching them: the index still says what B caches.
+    assert index_entries(b) == pool_entries(b)
