@@ -320,6 +320,41 @@ def test_a_lookup_past_its_deadline_goes_on_with_the_local_hit_and_is_counted():
             connector_of(scheduler).shutdown()
 
 
+def test_a_hybrid_engine_pulls_only_the_blocks_its_sliding_window_needs():
+    # vLLM's hybrid allocator: group 0 sliding-window (WINDOW = 64 tokens, two blocks), group 1
+    # full attention. B's hit of 10 blocks needs all of them in the full group, and in the
+    # window group only the two the next token's window reaches (vLLM's hit rule).
+    namespace = _namespace()
+    a, b = (index_node(name, namespace, hybrid=True) for name in ("a", "b"))
+    try:
+        shared = _prompt(33, 320)
+        probe = make_request(shared, max_tokens=1)
+        run(a, probe)
+        pool = a.kv_cache_manager.block_pool
+        a_ids = [[pool.get_cached_block(h, [g])[0].block_id for h in probe.block_hashes[:10]]
+                 for g in (0, 1)]
+        request = make_request(shared + _prompt(34, 45), max_tokens=1)
+        b.add_request(request)
+        step(b, **ours())
+        wait_lookups(b)
+        (pull,) = step(b, **ours()).meta.pulls
+        assert pull.num_external_tokens == 320
+        window, full = pull.groups
+        assert list(window.remote_block_ids) == a_ids[0][8:]
+        assert list(full.remote_block_ids) == a_ids[1]
+        b_ids = b.kv_cache_manager.get_block_ids(request.request_id)
+        assert list(window.local_block_ids) == list(b_ids[0][8:10])
+        assert list(full.local_block_ids) == list(b_ids[1][:10])
+        step(b, **ours(finished_recving=[request.request_id]))
+        run(b)
+        for scheduler in (a, b):
+            assert index_entries(scheduler) == pool_entries(scheduler)
+            assert_scheduler_empty(scheduler)
+    finally:
+        for scheduler in (a, b):
+            connector_of(scheduler).shutdown()
+
+
 def test_blocks_that_do_not_land_are_recomputed_from_the_first_of_them(pair):
     a, b = pair
     shared = _prompt(8, 320)
