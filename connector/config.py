@@ -44,6 +44,12 @@ key                          default   meaning
                                        (seed nodes), ``"memory"`` or None (no index); an IPv6
                                        host in brackets (``redis://[::1]:6379/0``)
 ``min_remote_hit_blocks``    1         a remote hit must beat the local hit by this many blocks
+``min_remote_hit_tokens``    0         ... and by at least this many tokens (whole blocks: the
+                                       larger of the two applies), so that a pull is planned
+                                       only where it beats recomputing (a lookup's answer, a
+                                       transfer and one more engine step against the prefill
+                                       of those tokens); inside vLLM the default is
+                                       ``translate.VLLM_MIN_REMOTE_HIT_TOKENS`` (256)
 ``gil_switch_interval_s``    None      opt-in: the worker half sets ``sys.setswitchinterval`` to
                                        this (seconds) for the whole process while it runs, and
                                        puts the old value back at shutdown; pulls that hop
@@ -163,6 +169,7 @@ class KVTransferConfig:
     load_failure_policy: str = "recompute"
     index_url: str | None = None
     min_remote_hit_blocks: int = 1
+    min_remote_hit_tokens: int = 0
     index_lookup_timeout_s: float = 0.5
     gil_switch_interval_s: float | None = None
     idle_pull_wait_s: float = 0.02
@@ -225,6 +232,10 @@ class KVTransferConfig:
         if self.min_remote_hit_blocks < 1:
             raise KVTransferConfigError(
                 f"min_remote_hit_blocks must be >= 1, got {self.min_remote_hit_blocks}"
+            )
+        if type(self.min_remote_hit_tokens) is not int or self.min_remote_hit_tokens < 0:
+            raise KVTransferConfigError(
+                f"min_remote_hit_tokens must be an int >= 0, got {self.min_remote_hit_tokens!r}"
             )
         self._check_offload()
         self.auth_key_bytes()  # a missing variable or file, or a short key: refused now

@@ -105,6 +105,7 @@ class HolderChecks:
     def as_kwargs(self) -> dict[str, object]:
         return {
             "block_validator": self.validate_blocks,
+            "block_rechecker": self.recheck_blocks,
             "lease_validator": self.validate_by_lease,
             "lease_pin": self.pin_lease,
             "lease_unpin": self.unpin_lease,
@@ -151,6 +152,26 @@ class HolderChecks:
             )
 
         return self._refused(block_ids, expected_hashes, vouched)
+
+    def recheck_blocks(
+        self,
+        group_id: int,
+        block_ids: list[int],
+        expected_hashes: list[bytes],
+        lease: LeaseRef | None,
+    ) -> list[int]:
+        """``validate_blocks`` once a read's bytes left (the transport's ``block_rechecker``:
+        once per block served, over the chunk just copied out). A read through the block index
+        (no lease) counts the blocks that pass here, and their bytes, as served
+        (``num_index_blocks_served``, ``bytes_sent``): the requester counts the same blocks as
+        landed. Loop thread, never blocks."""
+        refused = self.validate_blocks(group_id, block_ids, expected_hashes, lease)
+        if lease is None:
+            num_served = len(block_ids) - len(refused)
+            if num_served:
+                self.stats.add("num_index_blocks_served", num_served)
+                self.stats.add("bytes_sent", num_served * self.bytes_per_block[group_id])
+        return refused
 
     def validate_by_lease(
         self,

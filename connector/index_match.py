@@ -1,79 +1,116 @@
-"""A request's prefix found through the block index, for the scheduler half
-(docs/architecture.md, "Life of an index hit").
+"""A request's prefix held by another node, found through the block index (docs/architecture.md,
+"Life of an index hit").
 
-A request that arrives without a ticket asks the index for its longest prefix held on another
-node, asynchronously: the first call starts the lookup and answers None ("ask again next step")
-until the answer is in; the client bounds the wait, after which the request goes on with its
-local hit alone.
+A request without a ticket asks the index for the longest prefix of its block hashes that another
+node holds, asynchronously: the first ``match`` starts the lookup on the index client's thread
+and answers "pending" (the engine asks again next step: vLLM's ``None``) until the answer is in;
+the client bounds the wait (``index_lookup_timeout_s``), after which the request goes on with
+its local hit alone. A hit is planned as a pull of the holder's blocks (``RemoteMatch``).
+
+A request gets one index pull: after a failed one the engine recomputes (vLLM asks the
+connector again, from the first block that did not land or from 0) and a stale entry would name
+the same refused blocks again; after a preemption its blocks are in the local cache.
+
+Owner: the engine thread (the scheduler half's); nothing here is shared.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvbridge.kvmanager.connector_interface import MatchedTokens
-
-from .index import IndexClient, RemotePrefix
 from .metadata import HolderRef
 from .pull_plan import RemoteMatch
-from .stats import KVTransferStats
 
-__all__ = ["match_from_index"]
+if TYPE_CHECKING:
+    from .index import IndexClient, RemotePrefix
+    from .stats import KVTransferStats
+
+__all__ = ["IndexAnswer", "IndexMatcher"]
+
+_LOOKUP_FAILURES = frozenset({"unavailable", "timed_out", "overloaded"})
+"""Lookup statuses that went on without the index's answer (``num_index_lookup_failures``)."""
 
 
-def match_from_index(
-    client: IndexClient | None,
-    lookups: set[str],
-    request: Any,
-    num_computed_tokens: int,
-    *,
-    block_size: int,
-    min_gain_blocks: int,
-    load_async: bool,
-    stats: KVTransferStats,
-) -> tuple[MatchedTokens, RemoteMatch | None]:
-    """``get_num_new_matched_tokens`` of a request without a ticket (a kvmanager ``Request``
-    or the vLLM adapter's ``RequestView``), and the match to plan its pull from once allocated.
+class IndexAnswer(NamedTuple):
+    """``pending``: ask again next step; else ``match`` is the pull to plan, or None (none)."""
 
-    ``lookups`` (mutated) holds the requests whose lookup is started and not yet answered; the
-    pull is planned as the engine is told (``load_async``). Scheduler thread only.
+    pending: bool
+    match: RemoteMatch | None = None
+
+
+_PENDING = IndexAnswer(True)
+_NONE = IndexAnswer(False)
+
+
+class IndexMatcher:
+    """One node's index lookups, at most one in flight per request.
+
+    Args:
+        stats: the node's statistics: ``num_index_lookups`` (started) and
+            ``num_index_lookup_failures`` (answered without asking a holder: the index down or
+            erroring, past its deadline, too many in flight) are counted here.
+        block_size: tokens per block.
+        min_gain_blocks: a remote hit must beat the local hit by this many blocks.
+        load_async: a hit's pull runs over later engine steps (False: inside the step).
     """
-    if client is None or request.skip_reading_prefix_cache:
-        return MatchedTokens(0, False), None
-    request_id = request.request_id
-    if request_id not in lookups:
-        # Never plan the last token's block: it is recomputed for its logits anyway.
-        hashes = request.block_hashes[: (request.num_tokens - 1) // block_size]
-        stats.add("num_index_lookups")
-        client.start_lookup(
-            request_id,
-            hashes,
-            num_local_blocks=num_computed_tokens // block_size,
-            min_gain_blocks=min_gain_blocks,
-        )
-        lookups.add(request_id)
-    result = client.poll_lookup(request_id)
-    if not result.done:
-        return MatchedTokens(None, False), None
-    lookups.discard(request_id)
-    found: RemotePrefix | None = result.prefix
-    if found is None:
-        return MatchedTokens(0, False), None
-    num_remote_tokens = found.num_blocks * block_size
-    if num_remote_tokens <= num_computed_tokens:
-        return MatchedTokens(0, False), None
-    match = RemoteMatch(
-        holder=HolderRef(
-            engine_id=found.holder.node_id,
-            incarnation=str(found.holder.incarnation),
-            host=found.address.host,
-            port=found.address.port,
-            tier=found.holder.tier,
-        ),
-        remote_block_ids=tuple(tuple(ids) for ids in found.block_ids),
-        ticket=None,
-        num_local_tokens=num_computed_tokens,
-        num_remote_tokens=num_remote_tokens,
-        load_async=load_async,
-    )
-    return MatchedTokens(num_remote_tokens - num_computed_tokens, load_async), match
+
+    def __init__(self, *, stats: KVTransferStats, block_size: int, min_gain_blocks: int,
+                 load_async: bool) -> None:
+        self._stats = stats
+        self._block_size = block_size
+        self._min_gain_blocks = min_gain_blocks
+        self._load_async = load_async
+        self._lookups: set[str] = set()  # requests with a lookup started, not answered yet
+        self._pulled: set[str] = set()  # requests that had their one index pull
+
+    @property
+    def pending_request_ids(self) -> frozenset[str]:
+        """Requests whose lookup is started and not answered yet."""
+        return frozenset(self._lookups)
+
+    def match(self, client: IndexClient | None, request: Any,
+              num_computed_tokens: int) -> IndexAnswer:
+        """The index's answer for ``request`` (``request_id``, ``block_hashes``, ``num_tokens``,
+        ``skip_reading_prefix_cache``) beyond its local hit of ``num_computed_tokens`` (a
+        multiple of the block size). Never waits: a lookup not answered yet is pending. No
+        ``client`` (no index, or not started yet): none."""
+        request_id = request.request_id
+        if client is None or request.skip_reading_prefix_cache or request_id in self._pulled:
+            return _NONE
+        if request_id not in self._lookups:
+            # Never plan the last token's block: it is recomputed for its logits anyway.
+            hashes = request.block_hashes[: (request.num_tokens - 1) // self._block_size]
+            self._stats.add("num_index_lookups")
+            client.start_lookup(request_id, hashes,
+                                num_local_blocks=num_computed_tokens // self._block_size,
+                                min_gain_blocks=self._min_gain_blocks)
+            self._lookups.add(request_id)
+        result = client.poll_lookup(request_id)
+        if not result.done:
+            return _PENDING
+        self._lookups.discard(request_id)
+        if result.status in _LOOKUP_FAILURES:
+            self._stats.add("num_index_lookup_failures")
+        found: RemotePrefix | None = result.prefix
+        if found is None or found.num_blocks * self._block_size <= num_computed_tokens:
+            return _NONE
+        holder = HolderRef(engine_id=found.holder.node_id,
+                           incarnation=str(found.holder.incarnation), host=found.address.host,
+                           port=found.address.port, tier=found.holder.tier)
+        return IndexAnswer(False, RemoteMatch(
+            holder=holder, remote_block_ids=tuple(tuple(ids) for ids in found.block_ids),
+            ticket=None, num_local_tokens=num_computed_tokens,
+            num_remote_tokens=found.num_blocks * self._block_size,
+            load_async=self._load_async,  # the pull is planned as the engine is told
+        ))
+
+    def note_pull(self, request_id: str) -> None:
+        """``request_id``'s index hit is being pulled: it is never looked up again."""
+        self._pulled.add(request_id)
+
+    def forget(self, client: IndexClient | None, request_id: str) -> None:
+        """``request_id`` finished (or was aborted): its lookup is cancelled, its state gone."""
+        if request_id in self._lookups and client is not None:
+            client.cancel_lookup(request_id)
+        self._lookups.discard(request_id)
+        self._pulled.discard(request_id)

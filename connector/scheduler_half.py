@@ -42,7 +42,7 @@ from .engine_ranks import EngineRanks, match_leases, rank_holders
 from .errors import KVTransferParamsError
 from .handoff import TicketRefusal, issue_ticket, ticket_refusal
 from .index import IndexClient, IndexNamespace, open_index
-from .index_match import match_from_index
+from .index_match import IndexMatcher
 from .load_mode import LoadModePolicy
 from .metadata import (
     KVBridgeConnectorMetadata,
@@ -102,6 +102,10 @@ class KVBridgeScheduler:
         self.rank_reports = RankReports(self.stats)  # the ranks' reports, each request once
         # "sync": pulls run inside the step computing the request; "auto": one-sided handoffs
         self._load_async = config.load_mode != "sync"
+        self._index_matcher = IndexMatcher(
+            stats=self.stats, block_size=block_size, load_async=self._load_async,
+            min_gain_blocks=max(config.min_remote_hit_blocks,  # a hit must add this many
+                                cdiv(config.min_remote_hit_tokens, block_size)))
         self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
         self.worker: WorkerHandshake | None = None  # rank 0's
         self.ranks = EngineRanks((), None)  # every rank's handshake and the heads' layout
@@ -111,7 +115,6 @@ class KVBridgeScheduler:
         self._tickets: dict[str, RemotePrefillParams] = {}  # parsed once, at admission
         self._waiting: dict[str, list[Ticket]] = {}  # admitted, pull not planned: every P rank's
         self._matches: dict[str, RemoteMatch] = {}
-        self._lookups: set[str] = set()  # requests with an index lookup started
         self._meta = KVBridgeConnectorMetadata()
         self._unpublished: list[Any] = []  # this step's block events, published after forward
         self._events: list[Any] = []  # for take_events
@@ -224,17 +227,17 @@ class KVBridgeScheduler:
         return MatchedTokens(0, False)
 
     def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
-        """The longest prefix held elsewhere (docs/architecture.md, "Life of an index hit"),
-        asked of the index without waiting
-        (``index_match.match_from_index``: None until it answers)."""
-        matched, match = match_from_index(
-            self.index_client, self._lookups, request, num_computed_tokens,
-            block_size=self.block_size, min_gain_blocks=self.config.min_remote_hit_blocks,
-            load_async=self._load_async, stats=self.stats,
-        )
-        if match is not None:
-            self._matches[request.request_id] = match
-        return matched
+        """No ticket, so the index is asked for the request's longest prefix held elsewhere
+        (docs/architecture.md, "Life of an index hit"; ``index_match.IndexMatcher``); None
+        ("ask again") until it has answered."""
+        answer = self._index_matcher.match(self.index_client, request, num_computed_tokens)
+        if answer.pending:
+            return MatchedTokens(None, False)
+        match = answer.match
+        if match is None:
+            return MatchedTokens(0, False)
+        self._matches[request.request_id] = match
+        return MatchedTokens(match.num_remote_tokens - num_computed_tokens, match.load_async)
 
     def match_tier(self, request_id: str) -> str | None:
         """The matched holder's tier (``HolderRef.tier``) until the allocation; None: none."""
@@ -264,6 +267,7 @@ class KVBridgeScheduler:
         if num_external_tokens == 0:
             return
         if match.ticket is None:  # a remote hit counts once, when its blocks are allocated
+            self._index_matcher.note_pull(request.request_id)
             self.stats.add("num_index_hits")
             hit_tokens = "store_hit_tokens" if match.holder.tier == "store" else "remote_hit_tokens"
             self.stats.add(hit_tokens, num_external_tokens)
@@ -388,9 +392,7 @@ class KVBridgeScheduler:
     ) -> RequestFinishedResult:
         request_id = request.request_id
         self._matches.pop(request_id, None)
-        if request_id in self._lookups and self.index_client is not None:
-            self.index_client.cancel_lookup(request_id)
-        self._lookups.discard(request_id)
+        self._index_matcher.forget(self.index_client, request_id)
         self._tickets.pop(request_id, None)
         waiting = self._forget_waiting(request_id)
         if waiting is not None:  # finished (aborted) before its pull: release P's blocks now

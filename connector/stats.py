@@ -29,11 +29,17 @@ def _percentile(samples: list[float], q: float) -> float | None:
 class KVTransferStats:
     """Counters and durations of KV movement on one node.
 
-    Attributes (units in the names): ``bytes_received`` / ``bytes_sent`` (KV payload bytes),
+    Attributes (units in the names): ``bytes_received`` / ``bytes_sent`` (KV payload bytes;
+    sent: a handoff's when its lease is released, an index read's as each block is served),
     ``num_loads`` (pulls that landed), ``num_failed_loads`` (pulls that failed, timed out or were
     refused), ``num_blocks_received``, ``num_load_errors_blocks`` (local blocks that did not
     land), ``num_expired_leases`` (blocks held for a puller that never came back),
     ``num_index_lookups`` / ``num_index_hits`` (cross-node prefix lookups and pulls they started),
+    ``num_index_lookup_failures`` (lookups answered without asking a holder: the index down or
+    erroring, no answer within ``index_lookup_timeout_s``, too many in flight; the request went
+    on with its local hit), ``num_index_blocks_served`` (blocks this holder served to a pull
+    found through the index, re-checked after their bytes left; their bytes are in
+    ``bytes_sent``),
     ``bytes_received_same_host`` (the part of ``bytes_received`` pulled by a same-host copy,
     ``kvbridge.transport.cma``), ``num_one_sided_loads`` / ``num_board_fallbacks`` (same-host
     handoff pulls checked on the holder's block board alone, and those the board did not vouch
@@ -80,6 +86,8 @@ class KVTransferStats:
     num_window_gaps: int = 0
     num_index_lookups: int = 0
     num_index_hits: int = 0
+    num_index_lookup_failures: int = 0
+    num_index_blocks_served: int = 0
     remote_hit_tokens: int = 0
     store_hit_tokens: int = 0
     num_offloaded_blocks: int = 0

@@ -6,8 +6,8 @@ and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
 ``build_connector_worker_meta`` (docs/architecture.md, "The two connector halves"; vLLM:
 ``KVConnectorBase_V1`` with ``role=WORKER``). One step, in the model runner's order:
 
-    bind_connector_metadata(meta)
-    start_load_kv      hash removals; lease grants; tickets to heart-beat or forget; release
+    bind_connector_metadata(meta)  hash removals (before any forward)
+    start_load_kv      lease grants; tickets to heart-beat or forget; release
                        notices; pulls (tasks on the connector loop); offload snapshots; then
                        waits for the sync pulls (``load_mode`` "sync"), whose blocks this
                        step's forward reads
@@ -151,6 +151,8 @@ class KVBridgeWorker:
         kv_layout: str = KV_LAYOUT_NAME,
         kv_cache_dtype: str | None = None,
         tp_layout: TPLayout | None = None,
+        model_dtype: str = "",
+        hash_root: str = "",
     ) -> None:
         """Start this node's transport over the KV tensors (group order from the config).
 
@@ -166,8 +168,9 @@ class KVBridgeWorker:
                 a peer whose layout differs).
             kv_cache_dtype: the cache's element type as the engine names it, where the
                 tensors' dtype does not say it (vLLM's fp8 caches are ``uint8``); None: the
-                tensors' dtype. With ``config.model_name`` and ``config.model_revision``, both
-                are the node's ``BlockIdentity`` (the handshake's and the index namespace's).
+                tensors' dtype. With ``config.model_name``, ``config.model_revision``,
+                ``model_dtype`` and ``hash_root`` (their meanings: ``BlockIdentity``), both are
+                the node's ``BlockIdentity`` (the handshake's and the index namespace's).
             tp_layout: this rank's place in a tensor-parallel engine: the transport names the
                 KV heads its blocks hold (``KVHeads``), every read names the heads it moves, and
                 pulls read each head from the holder's rank that holds it (``Puller.sources``).
@@ -196,14 +199,10 @@ class KVBridgeWorker:
             if shapes:
                 raise ValueError(f"rank {tp_layout} holds {held} KV heads, tensors {shapes}")
         metadata = NodeMetadata.from_kv_caches(
-            engine_id=self.config.engine_id,
-            kv_caches_by_group=by_group,
-            model_name=self.config.model_name,
-            hash_fn_name=self.hash_fn_name,
-            model_revision=self.config.model_revision,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_layout=kv_layout,
-            kv_heads=kv_heads,
+            engine_id=self.config.engine_id, kv_caches_by_group=by_group,
+            model_name=self.config.model_name, hash_fn_name=self.hash_fn_name,
+            model_revision=self.config.model_revision, kv_cache_dtype=kv_cache_dtype,
+            kv_layout=kv_layout, kv_heads=kv_heads, model_dtype=model_dtype, hash_root=hash_root,
         )
         metadata = replace(metadata, incarnation=str(self.incarnation))
         if self.offload_sender is not None:
@@ -267,8 +266,14 @@ class KVBridgeWorker:
 
     # ------------------------------------------------------------------ one step
     def bind_connector_metadata(self, metadata: Any) -> None:
-        """Hold this step's orders (a ``KVBridgeConnectorMetadata``; anything else: none)."""
+        """Hold this step's orders (a ``KVBridgeConnectorMetadata``; anything else: none) and
+        apply their hash removals now, the one call before the forward that may overwrite
+        those blocks (vLLM 0.32 calls ``start_load_kv`` after the forward when no load is
+        sync): the holder stops vouching for a block before its bytes change."""
         self._meta = metadata if isinstance(metadata, KVBridgeConnectorMetadata) else None
+        if self._meta is not None:
+            self.hashes.apply_removals(self._meta.block_hashes)
+            self._stores_after_forward = self._meta.block_hashes
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
@@ -287,8 +292,6 @@ class KVBridgeWorker:
         transport = self.transport
         if transport is None:
             raise RuntimeError("start_load_kv before register_kv_caches")
-        self.hashes.apply_removals(meta.block_hashes)
-        self._stores_after_forward = meta.block_hashes
         for grant in meta.lease_grants:
             self.leases.grant(grant.request_id, grant.block_ids, grant.block_hashes, grant.token)
         for ticket in meta.tickets_to_watch:

@@ -20,10 +20,12 @@ BASE_IDENTITY = BlockIdentity(
 OTHER_VALUE: dict[str, object] = {
     "model_name": "tiny-llama-chat",
     "model_revision": "5d0f2ab1",  # another commit of the same weights' repository
+    "model_dtype": "float16+q:fp8",  # the same checkpoint, quantized when loaded
     "kv_cache_dtype": "fp8_e5m2",  # a name only: vLLM's fp8 caches are uint8 tensors either way
     "kv_layout": "vllm:cuda-attn:kv_split[16,2,8]:NHD:bfloat16",
     "block_size": 32,
     "hash_fn_name": "xxhash_cbor",
+    "hash_root": "0f1e2d3c4b5a6978",  # vLLM's NONE_HASH from another PYTHONHASHSEED
 }
 
 

@@ -11,18 +11,24 @@ import torch
 from kvbridge.connector import IndexNamespace, KVTransferConfigError
 from kvbridge.connector.prompt_digest import prompt_digest
 from kvbridge.connector.pull_plan import window_gap_groups
+from kvbridge.connector.vllm.engine_identity import (
+    XXHASH_ALGOS,
+    engine_identity_fields,
+    hash_root_id,
+    kv_cache_dtype_of,
+    model_revision_of,
+)
 from kvbridge.connector.vllm.request_view import RequestView
 from kvbridge.connector.vllm.translate import (
+    VLLM_MIN_REMOTE_HIT_TOKENS,
     blocks_first_views,
     config_from_vllm,
     kv_cache_config_from_vllm,
-    kv_cache_dtype_of,
     kv_cache_regions,
     kv_layout_name,
-    model_revision_of,
 )
 from kvbridge.kvmanager.request import RequestStatus
-from kvbridge.transport import HandshakeError, NodeMetadata, check_compatible
+from kvbridge.transport import BlockIdentity, HandshakeError, NodeMetadata, check_compatible
 
 BLOCK_SIZE, HEADS, HEAD_SIZE, NUM_BLOCKS = 32, 2, 32, 8
 
@@ -350,12 +356,11 @@ def test_request_view_reads_vllm_fields_and_maps_status_by_name():
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("index_url", "redis://127.0.0.1:6379/0"),
     ("store_url", "127.0.0.1:7000"),
     ("offload", "evict"),
 ])
-def test_the_block_index_and_the_store_tier_are_refused_in_vllm_naming_the_key(key, value):
-    # Accepted, they did nothing inside vLLM: no block was ever published, no offload planned.
+def test_the_store_tier_is_refused_in_vllm_naming_the_key(key, value):
+    # Accepted, they would do nothing inside vLLM: no offload is planned there yet.
     with pytest.raises(KVTransferConfigError, match=rf"{key}: not supported inside vLLM"):
         config_from_vllm(_vllm_transfer_config(**{key: value}), model_name="tiny")
     config_from_vllm(_vllm_transfer_config(offload="off", index_url=None), model_name="tiny")
@@ -380,3 +385,97 @@ def test_request_view_gives_the_prompt_digest_its_inputs_and_only_token_ids():
     bare = SimpleNamespace(**{k: v for k, v in vars(request).items()
                               if k not in ("prompt_token_ids", "lora_request", "cache_salt")})
     assert RequestView.of(bare).prompt_token_ids is None  # an older vLLM: no digest, no error
+def test_the_block_index_is_accepted_in_vllm():
+    config = config_from_vllm(
+        _vllm_transfer_config(index_url="redis://127.0.0.1:6379/0"), model_name="tiny")
+    assert config.index_url == "redis://127.0.0.1:6379/0"
+    # A hit must beat recompute: vLLM's default minimum, unless the extra config sets one.
+    assert config.min_remote_hit_tokens == VLLM_MIN_REMOTE_HIT_TOKENS == 256
+    own = config_from_vllm(_vllm_transfer_config(min_remote_hit_tokens=0), model_name="tiny")
+    assert own.min_remote_hit_tokens == 0
+
+
+# ------------------------------------------------------------------ the index's hash domain
+VLLM_DEFAULT_SEED = "vllm-none-hash"  # vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED
+
+
+@pytest.mark.parametrize("algo", sorted(XXHASH_ALGOS))
+def test_xxhash_without_pythonhashseed_refuses_the_index_in_one_line_naming_the_fix(algo):
+    with pytest.raises(KVTransferConfigError) as info:
+        hash_root_id(algo, python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "index_url" in message and "PYTHONHASHSEED" in message and "sha256" in message
+    # With the seed set, every engine derives the same root: accepted.
+    assert hash_root_id(algo, python_hash_seed="0", default_seed=VLLM_DEFAULT_SEED)
+
+
+def test_the_hash_root_id_names_algorithm_and_seed_without_revealing_the_seed():
+    root = hash_root_id("sha256", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED)
+    assert root == hash_root_id("sha256", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED)
+    # PYTHONHASHSEED equal to vLLM's default seed is the same root; any other seed is not.
+    assert root == hash_root_id("sha256", python_hash_seed=VLLM_DEFAULT_SEED,
+                                default_seed=VLLM_DEFAULT_SEED)
+    others = {
+        hash_root_id("sha256", python_hash_seed="0", default_seed=VLLM_DEFAULT_SEED),
+        hash_root_id("sha256", python_hash_seed="1", default_seed=VLLM_DEFAULT_SEED),
+        hash_root_id("sha256_cbor", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED),
+        hash_root_id("xxhash", python_hash_seed="0", default_seed=VLLM_DEFAULT_SEED),
+    }
+    assert root not in others and len(others) == 4
+    secret = "a-secret-seed-1234"
+    assert secret not in hash_root_id("xxhash", python_hash_seed=secret,
+                                      default_seed=VLLM_DEFAULT_SEED)
+    assert len(root) == 16 and int(root, 16) >= 0
+
+
+def _engine_namespace(**changes):
+    """The index namespace of a vLLM engine (``IndexNamespace`` of the ``BlockIdentity`` its
+    worker announces) as read from stand-ins of its config; ``changes`` (dotted names) spoil
+    one fact of it."""
+    values = {
+        "model.revision": None, "model.quantization": None, "model.dtype": torch.bfloat16,
+        "cache.cache_dtype": "fp8_e4m3", "cache.prefix_caching_hash_algo": "sha256",
+        "seed": None,
+    }
+    values.update(changes)
+    part = {"model": {}, "cache": {}}
+    for dotted, value in values.items():
+        if "." in dotted:
+            owner, attr = dotted.split(".")
+            part[owner][attr] = value
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(**part["model"]),
+                                  cache_config=SimpleNamespace(**part["cache"]))
+    fields = engine_identity_fields(vllm_config, python_hash_seed=values["seed"],
+                                    default_seed=VLLM_DEFAULT_SEED, shared=True)
+    identity = BlockIdentity(
+        model_name="tiny", model_revision=model_revision_of(vllm_config.model_config),
+        block_size=BLOCK_SIZE, hash_fn_name=part["cache"]["prefix_caching_hash_algo"], **fields)
+    return IndexNamespace(identity=identity)
+
+
+@pytest.mark.parametrize("change", [
+    {"model.revision": "v2"}, {"model.quantization": "fp8"}, {"model.dtype": torch.float16},
+    {"cache.cache_dtype": "fp8_e5m2"}, {"cache.prefix_caching_hash_algo": "sha256_cbor"},
+    {"seed": "0"},
+])
+def test_every_engine_fact_that_changes_kv_bytes_changes_the_index_namespace(change):
+    # Issue 31 part 1, the facts vLLM's config holds (the tensors' geometry is in the layout
+    # name, kv_cache_regions; the TP split in the namespace's kv_heads_layout): an fp8
+    # cache of a float16 model, of a quantized model or hashed from another root holds other
+    # bytes (or other hashes) for one token prefix, so the two engines share no key prefix.
+    base = _engine_namespace().key_prefix
+    assert base == _engine_namespace().key_prefix  # the same engine: the same namespace
+    assert _engine_namespace(**change).key_prefix != base
+
+
+def test_an_unshared_hash_root_is_named_apart_from_every_other_engine():
+    # A P/D engine on xxhash without PYTHONHASHSEED keeps serving (no index_url), but its root
+    # is its own: no other engine's identity equals it, so a peer's handshake names
+    # hash_root instead of every pull failing its hash checks.
+    names = {hash_root_id("xxhash", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED,
+                          shared=False) for _ in range(3)}
+    assert len(names) == 3
+    assert hash_root_id("sha256", python_hash_seed=None, default_seed=VLLM_DEFAULT_SEED,
+                        shared=False) == hash_root_id("sha256", python_hash_seed=None,
+                                                      default_seed=VLLM_DEFAULT_SEED)

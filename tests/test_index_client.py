@@ -346,3 +346,28 @@ def test_in_memory_lookups_short_prompts_and_bad_events():
         a.close()
         b.close()
     assert not _worker_alive("node-a") and not _worker_alive("node-b")
+
+
+def test_the_node_directory_says_once_that_redis_is_gone_and_once_that_it_is_back(
+    redis_server, caplog
+):
+    # A node announces itself at every heartbeat: an outage must not log a line each time.
+    _, directory = _redis_backends(redis_server.url, 0.2)
+    address = NodeAddress(_HOST, _PORTS["node-a"], 1)
+    logger_name = "kvbridge.connector.index.node_directory"
+    redis_server.stop()
+    try:
+        with caplog.at_level(logging.INFO, logger=logger_name):
+            for _ in range(3):
+                directory.announce("node-a", address, ttl_s=_TTL_S)
+            assert directory.lookup("node-a") is None
+    finally:
+        redis_server.start()
+    with caplog.at_level(logging.INFO, logger=logger_name):
+        directory.announce("node-a", address, ttl_s=_TTL_S)
+        directory.announce("node-a", address, ttl_s=_TTL_S)
+    messages = [r.getMessage() for r in caplog.records if r.name == logger_name]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("node directory: announce of node-a failed")
+    assert messages[1] == "node directory: Redis answers again"
+    assert directory.lookup("node-a") == address

@@ -8,9 +8,13 @@ blocks. Both read the fields from this one class, in its field order: a field ad
 the handshake's ``compat_hash``, its check and the index namespace at once.
 
 What is not here is the geometry of the KV tensors (layers per group, heads per block, head
-size, the tensors' dtype), which the handshake compares too (``NodeMetadata.groups``) but the
-index leaves out: it says how the same bytes are cut into regions, which one day may be mapped
-between two nodes (a different tensor-parallel split) instead of refused.
+size, the tensors' dtype), which the handshake compares too (``NodeMetadata.groups``) and may
+map between two nodes (a different tensor-parallel split) instead of refusing. The index adds
+the one part of it a published block depends on beyond this class, the split of the KV heads
+over ranks (``IndexNamespace.kv_heads_layout``); a vLLM node's ``kv_layout`` already spells a
+block's shape with the model's KV heads, its head size and dtype, and a hybrid model's groups.
+This class with ``kv_heads_layout`` is the one definition of which engines' blocks are
+interchangeable (docs/vllm-prefix-reuse.md, "One hash domain").
 """
 
 from __future__ import annotations
@@ -46,11 +50,18 @@ class BlockIdentity:
         model_name: the model (weights) that computed the KV, e.g. vLLM's served model name.
         model_revision: the revision of those weights (vLLM: ``model_config.revision``, the
             commit it resolved to on the Hub); ``""``: unknown (two unknowns are equal).
+        model_dtype: the dtype the model computes KV in, with its weights' quantization (vLLM:
+            ``translate.model_dtype_of``, ``"bfloat16+q:fp8"``): an fp8 cache of a bfloat16
+            model and one of a float16 model hold different bytes; ``""``: the same as
+            ``kv_cache_dtype`` (kvbridge's engine computes in its cache's dtype).
         kv_cache_dtype: the KV cache's element type as the engine names it, which a tensor's
             dtype does not always tell: vLLM stores ``"fp8_e4m3"`` and ``"fp8_e5m2"`` both in
             ``uint8`` tensors (``"auto"`` is resolved to the model's dtype first).
         block_size: tokens per block.
         hash_fn_name: the block hash function (which token prefix a hash names).
+        hash_root: a public name of the root the block hashes chain from (vLLM: the seed of
+            ``NONE_HASH``, ``translate.hash_root_id``); ``""``: the hash function's one fixed
+            root (kvbridge's engine). Two roots: one token prefix, two unrelated hashes.
         kv_layout: the arrangement of the bytes inside a block (``KV_LAYOUT_NAME`` for
             kvbridge's engine; vLLM's attention backend and axis order: ``vllm.translate``).
             Last, as the least specific: a vLLM layout name spells the block shape too, so a
@@ -63,9 +74,11 @@ class BlockIdentity:
 
     model_name: Text
     model_revision: Text = ""
+    model_dtype: ShortText = ""
     kv_cache_dtype: ShortText
     block_size: BlockSize
     hash_fn_name: ShortText
+    hash_root: ShortText = ""
     kv_layout: Text = KV_LAYOUT_NAME
 
     def __post_init__(self) -> None:

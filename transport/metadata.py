@@ -2,16 +2,17 @@
 
 docs/architecture.md, "Handshake and compatibility check": the handshake exchanges engine id,
 incarnation (new on every restart), a compatibility hash over the block identity
-(``identity.BlockIdentity``: model, model revision, KV cache dtype, KV layout, block size, hash
-function) and the KV region geometry (number of layers, block shape and dtype per group), and
-that geometry itself. A peer that differs in any of them is refused with a message naming the
-differing field (docs/architecture.md, "Reliability rules").
+(``identity.BlockIdentity``: model, model revision, model dtype, KV cache dtype, KV layout,
+block size, hash function and its root) and the KV region geometry (number of layers, block
+shape and dtype per group), and that geometry itself. A peer that differs in any of them is
+refused with a message naming the differing field (docs/architecture.md, "Reliability rules").
 
 These types travel in the handshake as they are (``wire.Hello``): their field annotations carry
 the bounds a peer's metadata must respect (``limits``), checked when a peer's metadata is decoded.
 A field with a default (``incarnation``, ``identity.kv_layout``, ``identity.model_revision``,
-``kv_heads``) may be left out by a peer, which is the same as sending that value;
-``compat_hash`` travels beside the metadata and covers every field two nodes must agree on.
+``identity.model_dtype``, ``identity.hash_root``, ``kv_heads``) may be left out by a peer,
+which is the same as sending that value; ``compat_hash`` travels beside the metadata and covers
+every field two nodes must agree on.
 
 Tensor parallelism (``KVHeads``): a node may hold a slice of the model's KV heads (one rank of
 a tensor-parallel engine). Two nodes are compatible when their blocks agree per head (the
@@ -162,6 +163,8 @@ class NodeMetadata:
         kv_cache_dtype: str | None = None,
         kv_layout: str = KV_LAYOUT_NAME,
         kv_heads: KVHeads | None = None,
+        model_dtype: str = "",
+        hash_root: str = "",
     ) -> NodeMetadata:
         """Metadata of a node whose KV tensors are ``kv_caches_by_group[g][layer]``; ``dtype`` and
         the block size are read from group 0 (axis 2 of the tensor is the block size).
@@ -169,7 +172,8 @@ class NodeMetadata:
         ``kv_cache_dtype`` names the cache's element type when the tensors' dtype does not
         (vLLM's fp8 caches are ``uint8`` tensors); None: the tensors' dtype. ``kv_layout`` names
         the bytes' real arrangement inside a block when the tensors are a blocks-first view of
-        another engine's cache. Both, and ``model_revision``, are in the ``BlockIdentity``.
+        another engine's cache. Both, and ``model_revision``, ``model_dtype`` and ``hash_root``, are
+        in the ``BlockIdentity`` (its fields' meanings).
         ``kv_heads``: the heads held, when the node holds a slice of the model's.
 
         Raises:
@@ -182,10 +186,12 @@ class NodeMetadata:
         identity = BlockIdentity(
             model_name=model_name,
             model_revision=model_revision,
+            model_dtype=model_dtype,
             kv_cache_dtype=kv_cache_dtype or groups[0].dtype,
             kv_layout=kv_layout,
             block_size=groups[0].block_shape[1],
             hash_fn_name=hash_fn_name,
+            hash_root=hash_root,
         )
         return cls(engine_id=engine_id, identity=identity, dtype=groups[0].dtype, groups=groups,
                    kv_heads=kv_heads)

@@ -125,25 +125,43 @@ class RedisNodeDirectory:
     Args:
         client: a redis-py client (its socket timeouts bound every call).
         key_prefix: the index namespace's key prefix (the nodes' block identity).
+
+    Redis trouble is logged once until Redis answers again (a node announces itself at every
+    heartbeat: an outage would log a line a second). Owner: the index client's worker thread.
     """
 
     def __init__(self, client: redis.Redis, key_prefix: str) -> None:
         self._client = client
         self._prefix = f"{key_prefix}:addr:"
+        self._failing = False  # the last call met Redis trouble (logged once)
+
+    def _trouble(self, what: str, node_id: str, exc: redis.RedisError) -> None:
+        if not self._failing:
+            logger.warning("node directory: %s of %s failed: %s (logged once until Redis "
+                           "answers again)", what, node_id, exc)
+        self._failing = True
+
+    def _answered(self) -> None:
+        if self._failing:
+            logger.info("node directory: Redis answers again")
+        self._failing = False
 
     def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
         value = encode_address(address)
         try:
             self._client.set(self._prefix + node_id, value, px=max(int(ttl_s * 1000), 1))
         except redis.RedisError as exc:
-            logger.warning("node directory: announce of %s failed: %s", node_id, exc)
+            self._trouble("announce", node_id, exc)
+            return
+        self._answered()
 
     def lookup(self, node_id: str) -> NodeAddress | None:
         try:
             raw = self._client.get(self._prefix + node_id)
         except redis.RedisError as exc:
-            logger.warning("node directory: lookup of %s failed: %s", node_id, exc)
+            self._trouble("lookup", node_id, exc)
             return None
+        self._answered()
         if raw is None:
             return None
         try:
@@ -156,7 +174,7 @@ class RedisNodeDirectory:
         try:
             self._client.delete(self._prefix + node_id)
         except redis.RedisError as exc:
-            logger.warning("node directory: withdraw of %s failed: %s", node_id, exc)
+            self._trouble("withdraw", node_id, exc)
 
     def interrupt(self) -> None:
         self._client.connection_pool.disconnect()

@@ -35,13 +35,15 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 from urllib.parse import quote
 
 import numpy as np
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvbridge.transport.identity import BlockIdentity
+
+from .index_stats import IndexStats
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
@@ -271,40 +273,6 @@ def seq_verdict(
     if resync or first == last_applied + 1:
         return "apply"
     return "gap"
-
-
-@dataclass(slots=True)
-class IndexStats:
-    """Counters. Redis trouble is counted, never raised.
-
-    Each counter has one writer: the backend's counters are bumped by whichever thread calls
-    the backend (``IndexClient``'s worker thread); the ``IndexClient`` counters at the end are
-    bumped by the client's caller (the engine thread). Readers read ints, never write. (The
-    in-process backend is shared by a process's nodes: one ``IndexStats`` for all of them.)
-    """
-
-    lookups: int = 0
-    lookup_hits: int = 0
-    lookups_failed: int = 0  # backend unreachable, slow or erroring: answered NO_HIT
-    publishes: int = 0
-    publish_ops: int = 0
-    publishes_fenced: int = 0
-    publishes_gap: int = 0  # refused: a batch before them was lost (the node resyncs)
-    publishes_replayed: int = 0  # ignored: applied already (a retry that landed twice)
-    resyncs: int = 0  # whole-set re-publishes applied
-    publishes_dropped: int = 0  # backend trouble: the batch is lost
-    publish_ops_dropped: int = 0
-    heartbeats_failed: int = 0
-    garbage_entries: int = 0  # malformed entries/node records skipped by lookups
-    reconnects: int = 0
-    errors_by_kind: dict[str, int] = field(default_factory=dict)
-    # IndexClient (its caller's thread): lookups answered "timed_out" (no answer within its
-    # lookup_timeout_s), lookups refused "overloaded" (too many in flight), publish batches and
-    # their ops dropped because the publish queue was full.
-    lookups_timed_out: int = 0
-    lookups_refused: int = 0
-    publish_batches_dropped_full: int = 0
-    publish_ops_dropped_full: int = 0
 
 
 def check_lookup_args(block_hashes: Sequence[bytes], group_ids: Sequence[int]) -> None:

@@ -342,8 +342,7 @@ class RedisBlockIndex:
             self.stats.lookups_failed += 1
             return NO_HIT
         # reply: garbage count, then 4 per holder: node id, incarnation (20 digits), run, tier.
-        if reply[0]:
-            self.stats.garbage_entries += reply[0]
+        self.stats.count_garbage(reply[0], self._clock())
         if len(reply) == 1:
             return NO_HIT
         self.stats.lookup_hits += 1
@@ -379,7 +378,7 @@ class RedisBlockIndex:
         if reply is None:
             self.stats.lookups_failed += 1
             return NO_HIT
-        self.stats.garbage_entries += garbage
+        self.stats.count_garbage(garbage, self._clock())
         if holders and not all_holders:
             best = max(holder.num_blocks for holder in holders)
             holders = [holder for holder in holders if holder.num_blocks == best]

@@ -25,6 +25,8 @@ started (``refuse_unsupported_layout``).
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -38,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..errors import KVTransferConfigError, KVTransferParamsError
@@ -52,24 +55,26 @@ from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
 from ..tp_layout import TPLayout
 from ..worker_half import KVBridgeWorker
+from .engine_identity import engine_identity_fields, model_revision_of
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
+from .pool_follower import VllmPoolFollower
 from .request_view import RequestView
 from .translate import (
     config_from_vllm,
     kv_cache_config_from_vllm,
-    kv_cache_dtype_of,
     kv_cache_regions,
-    model_revision_of,
     refuse_unsupported_layout,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
     )
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -146,7 +151,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             model_name=str(model_config.served_model_name or "vllm"),
             model_revision=model_revision_of(model_config),
         )
-        self._kv_cache_dtype = kv_cache_dtype_of(vllm_config.cache_config, model_config)
+        # Refuses index_url on a hash root no other engine shares, before anything starts.
+        self._identity = engine_identity_fields(
+            vllm_config, python_hash_seed=os.environ.get("PYTHONHASHSEED"),
+            default_seed=DEFAULT_NONE_HASH_SEED, shared=bool(self.config.index_url))
         self._ours = kv_cache_config_from_vllm(kv_cache_config)
         # Several groups (vLLM's hybrid allocator): a failed pull is reported by request
         # (``failed_recving``), since vLLM refuses block-level load errors there.
@@ -158,6 +166,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 "model; use 'async'"
             )
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        self._follower: VllmPoolFollower | None = None
         self._scheduler: KVBridgeScheduler | None = None
         self._worker: KVBridgeWorker | None = None
         self._tap: StatsTap | None = None
@@ -165,12 +174,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._params_errors: dict[str, str] = {}  # request id -> its error, until it finishes
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVBridgeScheduler(
-                self.config,
-                block_size=self._ours.kv_cache_groups[0].kv_cache_spec.block_size,
-                num_groups=len(self._ours.kv_cache_groups),
-                hash_fn_name=hash_fn_name,
-                kv_cache_config=self._ours,
-            )
+                self.config, block_size=self._ours.kv_cache_groups[0].kv_cache_spec.block_size,
+                num_groups=len(self._ours.kv_cache_groups), hash_fn_name=hash_fn_name,
+                kv_cache_config=self._ours)
             self._tap = StatsTap(self._scheduler.stats)
         else:
             self._worker = KVBridgeWorker(self.config, self._ours, hash_fn_name=hash_fn_name)
@@ -200,6 +206,29 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     # ================================================================== scheduler half
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """With ``index_url``: follow vLLM's block pool (``pool_follower.VllmPoolFollower``),
+        whose prefix-cache changes become the scheduler half's block events (published to the
+        index, mirrored by the worker half for the holder's re-check). vLLM calls it once,
+        before the workers' handshake; without an index the pool is left alone.
+
+        Raises:
+            KVTransferConfigError: the pool hashes at another granularity than its blocks.
+        """
+        if self._scheduler is None or not self.config.index_url:
+            return
+        block_size = self._ours.kv_cache_groups[0].kv_cache_spec.block_size
+        self._follower = VllmPoolFollower(gpu_block_pool, block_size=block_size)
+        self._scheduler.bind_block_pool(self._follower, self._follower.take_events)  # type: ignore[arg-type]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """No events of kvbridge's for vLLM's KV-event stream (vLLM publishes its pool's own).
+        The scheduler half's copies of the pool's events, kept for kvbridge's own engine, are
+        dropped here each step so they never pile up."""
+        if self._scheduler is not None:
+            self._scheduler.take_events()
+        return ()
+
     def on_new_request(self, request: Request) -> None:
         """Admission, as in kvbridge's own engine: a ticket is parsed once (and heart-beaten
         while the request queues, released if it ends before its pull). A malformed one is
@@ -350,15 +379,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank = int(get_tensor_model_parallel_rank())
         regions = kv_cache_regions(kv_caches, self._ours, backend=backend,
                                    total_num_kv_heads=total)
-        layout = TPLayout(
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            total_num_kv_heads=total,
-            heads_sliceable=regions.heads_sliceable,
-        )
+        layout = TPLayout(tp_rank=tp_rank, tp_size=tp_size, total_num_kv_heads=total,
+                          heads_sliceable=regions.heads_sliceable)
         self._work().register_kv_caches(
             regions.regions_by_layer, kv_layout=regions.kv_layout,
-            kv_cache_dtype=self._kv_cache_dtype, tp_layout=layout,
+            tp_layout=layout, **self._identity,
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

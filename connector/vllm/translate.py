@@ -33,26 +33,32 @@ from ..errors import KVTransferConfigError
 
 __all__ = [
     "NOT_IN_VLLM",
+    "VLLM_MIN_REMOTE_HIT_TOKENS",
     "KVCacheRegions",
     "blocks_first_views",
     "config_from_vllm",
     "kv_cache_config_from_vllm",
-    "kv_cache_dtype_of",
     "kv_cache_regions",
     "kv_groups_name",
     "kv_layout_name",
-    "model_revision_of",
     "refuse_unsupported_layout",
 ]
 
 
-_NEEDS_POOL_EVENTS = (
-    "the block index and the store tier follow the engine's block pool through its events; "
-    "this adapter does not read vLLM's pool yet"
+_NO_STORE_TIER = (
+    "the store tier needs an offload planner over vLLM's free queue, which this adapter does "
+    "not have yet"
 )
-NOT_IN_VLLM = dict.fromkeys(("index_url", "store_url", "offload"), _NEEDS_POOL_EVENTS)
-"""Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (a node
-that never publishes a block, an offload planner that never runs)."""
+NOT_IN_VLLM = dict.fromkeys(("store_url", "offload"), _NO_STORE_TIER)
+"""Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (an
+offload planner that never runs). ``index_url`` is accepted: the adapter follows vLLM's block
+pool (``pool_follower.py``)."""
+
+VLLM_MIN_REMOTE_HIT_TOKENS = 256
+"""``min_remote_hit_tokens`` of a vLLM engine unless its extra config says otherwise: a pull
+costs the transfer and one more engine step before the request runs, about what prefilling
+this many tokens costs on the suite's tiny model; below it, recomputing is as fast and moves
+nothing (the measurements: ``docs/vllm-prefix-reuse.md``)."""
 
 
 def config_from_vllm(
@@ -60,14 +66,15 @@ def config_from_vllm(
 ) -> KVTransferConfig:
     """kvbridge's settings from vLLM's ``KVTransferConfig`` (``kv_role``, ``engine_id``,
     ``kv_connector_extra_config``); ``model_name`` (vLLM's served model) is the default of the
-    extra key of that name, ``model_revision`` (``model_revision_of``) the value of that key
-    (the extra config may name one only where vLLM knows none, e.g. a model from a local path).
+    extra key of that name, ``model_revision`` (``engine_identity.model_revision_of``) the
+    value of that key (the extra config may name one only where vLLM knows none, e.g. a model
+    from a local path).
 
     Raises:
         KVTransferConfigError: an unknown or bad key, a ``load_failure_policy`` or
             ``model_revision`` in the extra config that contradicts vLLM's own (vLLM applies
-            its own; two answers to one question are refused), or a key of the block index or
-            the store tier (``NOT_IN_VLLM``).
+            its own; two answers to one question are refused), or a key of the store tier
+            (``NOT_IN_VLLM``).
     """
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
     for key, value in extra.items():
@@ -94,6 +101,7 @@ def config_from_vllm(
         )
     if model_revision:
         extra["model_revision"] = model_revision
+    extra.setdefault("min_remote_hit_tokens", VLLM_MIN_REMOTE_HIT_TOKENS)
     role = kv_transfer_config.kv_role
     return KVTransferConfig.from_dict(
         {
@@ -103,31 +111,6 @@ def config_from_vllm(
             "kv_connector_extra_config": extra,
         }
     )
-
-
-def model_revision_of(model_config: Any) -> str:
-    """The revision of the weights vLLM loaded (``model_config.revision``): the commit hash it
-    resolved a Hub revision to (``huggingface_hub.ResolvedRevision.resolved``), else the
-    revision as given, else ``""`` (unknown: a local path without ``--revision``). The code and
-    tokenizer revisions are left out: they change no KV byte for a given token id."""
-    revision = getattr(model_config, "revision", None)
-    if revision is None:
-        return ""
-    return str(getattr(revision, "resolved", None) or revision)
-
-
-def kv_cache_dtype_of(cache_config: Any, model_config: Any) -> str:
-    """The KV cache dtype vLLM stores (``cache_config.cache_dtype``) for the block identity:
-    ``"auto"`` resolved to the model's dtype (``"bfloat16"``: the same bytes as a cache set to
-    ``"bfloat16"``), any other name as vLLM spells it (``"fp8_e4m3"`` and ``"fp8_e5m2"`` are
-    both ``uint8`` tensors; ``"fp8"`` is kept apart from ``"fp8_e4m3"``: vLLM reads it as e4m3,
-    in a variant that depends on the platform), with the layers left unquantized
-    (``kv_cache_dtype_skip_layers``) appended: ``"fp8_e4m3+skip:0,sliding_window"``."""
-    name = str(getattr(cache_config, "cache_dtype", "auto") or "auto")
-    if name == "auto":
-        name = str(model_config.dtype).removeprefix("torch.")
-    skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None) or ()
-    return f"{name}+skip:{','.join(sorted(map(str, skipped)))}" if skipped else name
 
 
 def refuse_unsupported_layout(vllm_config: Any) -> None:

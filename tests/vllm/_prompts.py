@@ -17,6 +17,24 @@ N_NEW = 8  # greedy tokens D decodes per request
 _SHARED = tokens(100, 20 * BLOCK)  # 640 tokens, the handover group's common prefix
 _PARTIAL = tokens(200, 10 * BLOCK)  # 320 tokens: D computes it first, then pulls the rest
 
+# The block index group (test_index_prefix_reuse.py): name -> (prefix, suffix), 1,000-2,000
+# tokens of prefix (ending on a block boundary or not) and a short suffix.
+_INDEX: dict[str, tuple[list[int], list[int]]] = {
+    name: (tokens(70 + i, n_prefix), tokens(90 + i, n_suffix))
+    for i, (name, n_prefix, n_suffix) in enumerate([
+        ("index_a", 1100, 37),
+        ("index_b", 1504, 70),
+        ("index_c", 2000, 100),
+        ("index_stale", 1200, 40),
+        ("index_outage", 1000, 30),
+        ("index_before_outage", 1300, 50),
+        ("index_after_outage", 1250, 33),
+        ("index_died", 1400, 20),
+        ("index_dtype", 1100, 30),
+        ("index_garbage", 1150, 25),
+    ])
+}
+
 PROMPTS: dict[str, list[int]] = {
     # the handover group (>= 8 prompts, issue 13)
     "t5": tokens(1, 5),
@@ -69,7 +87,12 @@ PROMPTS: dict[str, list[int]] = {
     "nixl_a": tokens(40, 70),
     "nixl_b": tokens(41, 100),
     "nixl_c": _SHARED + tokens(42, 20),
+    # the block index (test_index_prefix_reuse.py): each prefix and a suffix of its own
+    **{name: prefix + suffix for name, (prefix, suffix) in _INDEX.items()},
 }
+
+# Engine A serves INDEX_PREFIXES[name] alone; B the whole prompt PROMPTS[name].
+INDEX_PREFIXES = {name: prefix for name, (prefix, _) in _INDEX.items()}
 
 HANDOVER = ["t5", "t31", "t32", "t33", "t64", "t2000", "shared_a", "shared_b", "shared_c"]
 PARTIAL_PREFIX_BLOCKS = len(_PARTIAL) // BLOCK

@@ -40,12 +40,13 @@ from kvbridge.connector.metadata import (
 from kvbridge.connector.serve.demo import tiny_checkpoint as _model
 from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.connector.vllm.adapter import KVBridgeConnector, _Handshake, _WorkerReport
-from kvbridge.connector.vllm.translate import kv_cache_dtype_of, model_revision_of
+from kvbridge.connector.vllm.engine_identity import model_revision_of
 from kvbridge.transport import BlockIdentity
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -94,7 +95,8 @@ _ids = itertools.count(1)
 
 
 def _vllm_config(
-    role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False
+    role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False,
+    kv_events: bool = False, hash_algo: str = HASH_ALGO,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(_model.tiny_llama(hybrid=hybrid)),
@@ -111,7 +113,7 @@ def _vllm_config(
         is_encoder_decoder=False,
     )
     cache_config = CacheConfig(
-        block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo=HASH_ALGO
+        block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo
     )
     kv_transfer_config = KVTransferConfig(
         kv_connector="KVBridgeConnector",
@@ -127,6 +129,8 @@ def _vllm_config(
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if kv_events else None,
     )
 
 
@@ -138,6 +142,10 @@ def make_scheduler(
     extra: dict[str, Any] | None = None,
     hybrid: bool = False,
     tp_size: int | None = None,
+    incarnation: str | None = None,
+    worker_port: int = WORKER_PORT,
+    kv_events: bool = False,
+    hash_algo: str = HASH_ALGO,
 ) -> Scheduler:
     """A real vLLM ``Scheduler`` whose connector is ``KVBridgeConnector``'s scheduler half.
 
@@ -151,10 +159,14 @@ def make_scheduler(
     hybrid Llama's two groups as vLLM's hybrid allocator makes them, sliding-window
     (``WINDOW`` tokens; layers 0 and 2) then full attention (layers 1 and 3), sharing the
     ``NUM_BLOCKS`` blocks. The worker half's handshake (host, port, incarnation) is
-    delivered the way EngineCore does at start-up.
+    delivered the way EngineCore does at start-up (``incarnation`` default
+    ``"<engine_id>-inc-1"``; a node with an ``index_url`` needs a number). ``kv_events``:
+    vLLM's own KV events on (``KVEventsConfig``, the "null" publisher). ``hash_algo``: vLLM's
+    ``prefix_caching_hash_algo`` (``make_request`` hashes with ``HASH_ALGO``).
     """
+    assert incarnation is None or tp_size is None, "incarnation names one rank's"
     engine_id = engine_id or role.removeprefix("kv_")
-    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid)
+    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid, kv_events, hash_algo)
     geometry = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
     groups = [KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(**geometry))]
     if hybrid:
@@ -179,17 +191,17 @@ def make_scheduler(
     identity = BlockIdentity(  # what the worker half's transport would announce
         model_name=str(vllm_config.model_config.served_model_name),
         model_revision=model_revision_of(vllm_config.model_config),
-        kv_cache_dtype=kv_cache_dtype_of(vllm_config.cache_config, vllm_config.model_config),
         block_size=BLOCK_SIZE,
         hash_fn_name=str(vllm_config.cache_config.prefix_caching_hash_algo),
+        **connector_of(scheduler)._identity,  # dtypes and hash root, as the adapter's worker
     )
     handshakes = {}
     for rank in range(tp_size or 1):
         tp = {} if tp_size is None else dict(
             tp_rank=rank, tp_size=tp_size, total_num_kv_heads=2, heads_sliceable=True)
-        handshake = WorkerHandshake(engine_id=engine_id, incarnation=f"{engine_id}-inc-{rank + 1}",
-                                    host=WORKER_HOST, port=WORKER_PORT + rank, identity=identity,
-                                    **tp)
+        handshake = WorkerHandshake(
+            engine_id=engine_id, incarnation=incarnation or f"{engine_id}-inc-{rank + 1}",
+            host=WORKER_HOST, port=worker_port + rank, identity=identity, **tp)
         handshakes[(0, rank)] = _Handshake(msgspec.msgpack.encode(handshake))
     connector_of(scheduler).set_xfer_handshake_metadata_pp_aware(handshakes)
     return scheduler

@@ -1,0 +1,131 @@
+"""A vLLM engine's ``BlockIdentity`` fields (``kvbridge.transport``): what, beside a block
+hash, decides the bytes of the block it names, read from vLLM's config.
+
+The worker half announces the identity in its handshake (the tensors add the layout,
+``translate.kv_cache_regions``), and the scheduler half's index namespace is made of that
+identity and the engine's tensor-parallel split (``engine_ranks.EngineRanks.index_layout``): one
+definition of which engines' blocks are interchangeable (docs/vllm-prefix-reuse.md, "One hash
+domain"). Nothing of vLLM is imported: its objects are read by attribute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Any
+
+from ..errors import KVTransferConfigError
+
+__all__ = [
+    "XXHASH_ALGOS",
+    "engine_identity_fields",
+    "hash_root_id",
+    "kv_cache_dtype_of",
+    "model_dtype_of",
+    "model_revision_of",
+]
+
+XXHASH_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
+"""vLLM's ``prefix_caching_hash_algo`` values whose root hash (``NONE_HASH``) is random per
+process unless ``PYTHONHASHSEED`` is set (vllm/v1/core/kv_cache_utils.py,
+``resolve_none_hash_seed``)."""
+
+
+def model_revision_of(model_config: Any) -> str:
+    """The revision of the weights vLLM loaded (``model_config.revision``): the commit hash it
+    resolved a Hub revision to (``huggingface_hub.ResolvedRevision.resolved``), else the
+    revision as given, else ``""`` (unknown: a local path without ``--revision``). The code and
+    tokenizer revisions are left out: they change no KV byte for a given token id."""
+    revision = getattr(model_config, "revision", None)
+    if revision is None:
+        return ""
+    return str(getattr(revision, "resolved", None) or revision)
+
+
+def kv_cache_dtype_of(cache_config: Any, model_config: Any) -> str:
+    """The KV cache dtype vLLM stores (``cache_config.cache_dtype``) for the block identity:
+    ``"auto"`` resolved to the model's dtype (``"bfloat16"``: the same bytes as a cache set to
+    ``"bfloat16"``), any other name as vLLM spells it (``"fp8_e4m3"`` and ``"fp8_e5m2"`` are
+    both ``uint8`` tensors; ``"fp8"`` is kept apart from ``"fp8_e4m3"``: vLLM reads it as e4m3,
+    in a variant that depends on the platform), with the layers left unquantized
+    (``kv_cache_dtype_skip_layers``) appended: ``"fp8_e4m3+skip:0,sliding_window"``."""
+    name = str(getattr(cache_config, "cache_dtype", "auto") or "auto")
+    if name == "auto":
+        name = str(model_config.dtype).removeprefix("torch.")
+    skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None) or ()
+    return f"{name}+skip:{','.join(sorted(map(str, skipped)))}" if skipped else name
+
+
+def hash_root_id(
+    hash_algo: str, *, python_hash_seed: str | None, default_seed: str, shared: bool = True
+) -> str:
+    """``BlockIdentity.hash_root`` of this engine: a public name of the root every block hash
+    chains from, 16 hex digits of SHA-256 over the algorithm and the seed vLLM derives
+    ``NONE_HASH`` from (``PYTHONHASHSEED`` when set, else vLLM's fixed ``default_seed`` for a
+    cryptographic algorithm). Two engines whose hashes can agree have equal names; the seed
+    itself is never revealed.
+
+    Args:
+        hash_algo: ``cache_config.prefix_caching_hash_algo`` (``"sha256"``, ``"xxhash"``...).
+        python_hash_seed: the engine process's ``PYTHONHASHSEED`` (None: unset).
+        default_seed: vLLM's ``DEFAULT_NONE_HASH_SEED``.
+        shared: the engine needs a root other engines share (``index_url``). False: an
+            ``xxhash`` root without ``PYTHONHASHSEED`` gets a fresh random name, equal to no
+            other engine's (a P/D peer refuses it at the handshake, naming ``hash_root``).
+
+    Raises:
+        KVTransferConfigError: ``shared`` and an ``xxhash``-family algorithm without
+            ``PYTHONHASHSEED``: its root is random in every process, so no other engine could
+            ever match a block.
+    """
+    if python_hash_seed is None:
+        if hash_algo in XXHASH_ALGOS:
+            if not shared:
+                return "unshared-" + secrets.token_hex(8)
+            raise KVTransferConfigError(
+                f"kv_connector_extra_config.index_url: prefix_caching_hash_algo={hash_algo!r} "
+                "without PYTHONHASHSEED hashes from a random root in each process, so no other "
+                "engine can match its blocks; set PYTHONHASHSEED (one value on every engine) "
+                "or use prefix_caching_hash_algo='sha256'"
+            )
+        seed = default_seed
+    else:
+        seed = python_hash_seed
+    return hashlib.sha256(f"{hash_algo}\0{seed}".encode()).hexdigest()[:16]
+
+
+def model_dtype_of(model_config: Any) -> str:
+    """``BlockIdentity.model_dtype``: the dtype the model computes its KV in
+    (``model_config.dtype``), with the weights' quantization method appended when vLLM applies
+    one (``model_config.quantization``: ``"bfloat16+q:fp8"``), since both change the KV values
+    an fp8 cache then stores, which ``kv_cache_dtype`` alone does not say."""
+    name = str(getattr(model_config, "dtype", "") or "").removeprefix("torch.")
+    quantization = getattr(model_config, "quantization", None)
+    return f"{name}+q:{quantization}" if quantization else name
+
+
+def engine_identity_fields(
+    vllm_config: Any, *, python_hash_seed: str | None, default_seed: str, shared: bool
+) -> dict[str, str]:
+    """The ``BlockIdentity`` fields of a vLLM engine that neither its KV tensors nor the
+    connector's settings tell: ``model_dtype``, ``kv_cache_dtype`` and ``hash_root``, as
+    keywords of ``KVBridgeWorker.register_kv_caches`` (``model_name`` and ``model_revision``
+    are settings, ``config_from_vllm``; ``block_size`` and ``kv_layout`` come from the tensors;
+    ``hash_fn_name`` is ``cache_config.prefix_caching_hash_algo``). Reads ``vllm_config`` by
+    attribute; mutates nothing.
+
+    Args:
+        vllm_config: the engine's ``VllmConfig``.
+        python_hash_seed, default_seed, shared: as ``hash_root_id``.
+
+    Raises:
+        KVTransferConfigError: as ``hash_root_id``.
+    """
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    hash_fn_name = str(cache.prefix_caching_hash_algo)
+    return {
+        "model_dtype": model_dtype_of(model),
+        "kv_cache_dtype": kv_cache_dtype_of(cache, model),
+        "hash_root": hash_root_id(hash_fn_name, python_hash_seed=python_hash_seed,
+                                  default_seed=default_seed, shared=shared),
+    }

@@ -1,0 +1,145 @@
+"""The scheduler half's view of vLLM's ``BlockPool``: its prefix cache as kvbridge block events.
+
+Why not vLLM's own KV events (``kv_event_queue``, ``BlockPool.take_events``): in vLLM 0.32 they
+name no block ids (the index says which block of the holder to read, and the holder's re-check is
+by block id), their hashes are 64-bit integers by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``,
+so the full hash a lookup and the re-check need is gone), a copy-on-write move of a cache entry to
+another block (``move_block_hashes``) emits none, and draining that queue would take the events
+from vLLM's publisher when the user configured KV events. Why not a diff of the whole cache map
+each step: O(cached blocks) per step.
+
+What the follower does instead, once, at ``bind_gpu_block_pool``:
+
+- it puts a ``BlockHashToBlockMap`` of its own in the pool (``_JournaledMap``, the same class,
+  holding the same entries) that tells a ``PrefixCacheMirror`` every ``insert`` and every ``pop``
+  that removed an entry (eviction, promotion, reset of a block, a copy-on-write move): all of the
+  prefix cache's changes pass through these two methods, at the cost of one append each;
+- it wraps the pool's ``cache_full_blocks`` to note the parents of the hashes a request is about
+  to cache (the Redis index extends a holder's run from its parent), and ``reset_prefix_cache``,
+  which replaces the map, to journal the new one and report ``AllBlocksCleared``.
+
+vLLM's own event queue, its ``enable_kv_cache_events`` setting and its publisher are untouched.
+``take_events`` runs in ``build_connector_meta`` (the end of vLLM's ``schedule()``), so a step's
+removals reach the worker half before that step's forward may overwrite the blocks
+(``block_events.hash_delta_of``, ``holder.HeldBlockHashes``) and its stores are published after the
+forward. Needs the hashes of every group at the block size (``hash_block_size == block_size``):
+a finer hash granularity (vLLM's partial-block entries) is refused at bind time.
+
+Owner: the engine thread (vLLM's scheduler); nothing here is shared.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockHashToBlockMap
+
+from ..errors import KVTransferConfigError
+from .prefix_cache_mirror import PrefixCacheMirror
+
+__all__ = ["VllmPoolFollower"]
+
+logger = logging.getLogger(__name__)
+
+
+class _JournaledMap(BlockHashToBlockMap):
+    """vLLM's prefix-cache map that reports each entry it gains or loses to ``mirror``."""
+
+    def __init__(self, mirror: PrefixCacheMirror, entries: BlockHashToBlockMap) -> None:
+        super().__init__()
+        self._mirror = mirror
+        self._cache = entries._cache  # adopt the pool's entries as they are
+        for key in self._cache:
+            mirror.record_insert(key)
+
+    def insert(self, key: Any, block: Any) -> None:
+        super().insert(key, block)
+        self._mirror.record_insert(key)
+
+    def pop(self, key: Any, block_id: int) -> Any:
+        block = super().pop(key, block_id)
+        if block is not None:
+            self._mirror.record_pop(key, block_id)
+        return block
+
+    def block_id_of(self, key: Any) -> int | None:
+        block = self.get_one_block(key)
+        return None if block is None else block.block_id
+
+
+class VllmPoolFollower:
+    """Follows one vLLM ``BlockPool`` (vllm/v1/core/block_pool.py) for the block index.
+
+    Args:
+        pool: the pool vLLM binds (``bind_gpu_block_pool``); its map and two methods are
+            replaced on this instance (see the module docstring).
+        block_size: tokens per block of every KV cache group.
+
+    Raises:
+        KVTransferConfigError: the pool hashes at another granularity than ``block_size``.
+    """
+
+    def __init__(self, pool: Any, *, block_size: int) -> None:
+        hash_block_size = int(pool.hash_block_size)
+        if hash_block_size != block_size:
+            raise KVTransferConfigError(
+                f"kv_connector_extra_config.index_url: vLLM hashes blocks every "
+                f"{hash_block_size} tokens but its KV blocks hold {block_size}; the index needs "
+                "one hash per block (unset prefix_match_unit, one block size for every group)"
+            )
+        self._pool = pool
+        self.mirror = PrefixCacheMirror(block_size=block_size)
+        self._map = self._journal()
+        self._wrap_cache_full_blocks(pool.cache_full_blocks)
+        self._wrap_reset_prefix_cache(pool.reset_prefix_cache)
+
+    def _journal(self) -> _JournaledMap:
+        journaled = _JournaledMap(self.mirror, self._pool.cached_block_hash_to_block)
+        self._pool.cached_block_hash_to_block = journaled
+        return journaled
+
+    def _wrap_cache_full_blocks(self, original: Callable[..., Any]) -> None:
+        signature = inspect.signature(original)
+        mirror = self.mirror
+
+        def cache_full_blocks(*args: Any, **kwargs: Any) -> Any:
+            # vLLM 0.32 passes every argument by keyword; anything else is bound by name.
+            call = kwargs if not args else signature.bind(*args, **kwargs).arguments
+            mirror.record_parents(
+                call["request"].block_hashes,
+                call["num_cached_blocks"],
+                call["num_full_blocks"],
+                call["kv_cache_group_id"],
+            )
+            return original(*args, **kwargs)
+
+        self._pool.cache_full_blocks = cache_full_blocks
+
+    def _wrap_reset_prefix_cache(self, original: Callable[..., Any]) -> None:
+        def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
+            done = original(*args, **kwargs)
+            if self._pool.cached_block_hash_to_block is not self._map:
+                self.mirror.record_clear()
+                self._map = self._journal()
+            return done
+
+        self._pool.reset_prefix_cache = reset_prefix_cache
+
+    def take_events(self) -> list[Any]:
+        """kvbridge block events (``BlockStored`` / ``BlockRemoved`` with block ids,
+        ``AllBlocksCleared``) of the pool's prefix-cache changes since the last call
+        (``PrefixCacheMirror.take_events``). Engine thread, once per step."""
+        if self._pool.cached_block_hash_to_block is not self._map:
+            logger.warning("vLLM replaced its prefix-cache map outside reset_prefix_cache; "
+                           "the block index is told every entry again")
+            self.mirror.record_clear()
+            self._map = self._journal()
+        return self.mirror.take_events(self._map.contain, self._map.block_id_of)
+
+    def snapshot_cached_blocks(self) -> list[Any]:
+        """The cached set the events taken so far describe (``kvmanager.CachedBlock`` list;
+        the index client's resync source). Engine thread."""
+        return self.mirror.snapshot_cached_blocks()

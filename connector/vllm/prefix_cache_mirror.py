@@ -1,0 +1,178 @@
+"""What one engine's prefix cache holds, as kvbridge's block-pool events (pure; no vLLM import).
+
+vLLM's ``BlockPool`` keeps its prefix cache in one map, ``BlockHashWithGroupId`` (the block hash
+plus 4 big-endian bytes of the KV cache group id) -> the block(s) holding it. The pool follower
+(``pool_follower.py``) reports each change of that map here as it happens, inside the scheduler
+step, at the cost of one list append:
+
+    record_insert(key)               the map now maps ``key`` to a block (maybe another too)
+    record_pop(key, block_id)        the map no longer maps ``key`` to ``block_id``
+    record_clear()                   the map was emptied (``reset_prefix_cache``)
+    record_parents(hashes, ...)      the parents of the hashes a request is about to cache
+
+``take_events(holds, block_of)`` turns what changed since the last call into the events kvbridge's
+own ``BlockPool.take_events`` would have given, ``BlockStored`` / ``BlockRemoved`` with block ids
+and ``AllBlocksCleared``, so that the scheduler half's hash deltas (``block_events.py``), the index
+client's publishes and its resyncs work on vLLM's pool unchanged. The result is exact at the moment
+of the call: it compares what was last reported (``_block_of_key``) with the map itself, only for
+the keys that changed, so a key stored and evicted within one step costs nothing and a key that
+moved to another block (vLLM's copy-on-write ``move_block_hashes``) is reported as moved.
+
+One block per key is published (the first the map names): the index needs one holder block per
+hash and node; a second block holding the same key (vLLM does not de-duplicate) is published only
+when the first loses it.
+
+Order of a batch (the worker half applies removals before the step's forward and stores after it,
+``holder.HeldBlockHashes``): ``AllBlocksCleared`` if the map was emptied, then every removal, then
+the stores in the order their keys were first inserted (a request caches its blocks in position
+order, so a parent comes before its child, which the Redis index needs to extend a run).
+
+Owner: the engine thread (vLLM's scheduler thread); nothing here is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlock
+from kvbridge.kvmanager.block_hash import (
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
+
+__all__ = ["PrefixCacheMirror"]
+
+
+class PrefixCacheMirror:
+    """The prefix cache as last reported, and the changes since.
+
+    Args:
+        block_size: tokens per block (the ``block_size`` of the events).
+    """
+
+    def __init__(self, *, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._block_of_key: dict[bytes, int] = {}  # key -> the block reported as holding it
+        self._parent_of_key: dict[bytes, bytes | None] = {}  # reported keys' parent hashes
+        self._new_parents: dict[bytes, bytes | None] = {}  # since the last take
+        self._inserted: dict[bytes, None] = {}  # keys inserted since the last take, in order
+        self._popped: list[tuple[bytes, int]] = []  # (key, block id) popped since, in order
+        self._cleared = False
+
+    def __len__(self) -> int:
+        """Keys reported as held."""
+        return len(self._block_of_key)
+
+    # ------------------------------------------------------------------ recording (in the step)
+    def record_insert(self, key: bytes) -> None:
+        self._inserted.setdefault(key)
+
+    def record_pop(self, key: bytes, block_id: int) -> None:
+        self._popped.append((key, block_id))
+
+    def record_clear(self) -> None:
+        """The map was emptied: every change recorded before is superseded."""
+        self._cleared = True
+        self._inserted.clear()
+        self._popped.clear()
+
+    def record_parents(
+        self, block_hashes: Sequence[bytes], start: int, stop: int, group_id: int
+    ) -> None:
+        """Blocks ``start .. stop - 1`` of a request whose hashes are ``block_hashes`` (one per
+        block, from block 0) are about to be cached in ``group_id``: the parent of block ``i``
+        is ``block_hashes[i - 1]`` (none for block 0). A hash names its whole prefix, so its
+        parent never changes; a recorded key that is not then inserted is forgotten at the
+        next ``take_events``."""
+        stop = min(stop, len(block_hashes))
+        for i in range(max(start, 0), stop):
+            key = make_block_hash_with_group_id(block_hashes[i], group_id)
+            self._new_parents[key] = block_hashes[i - 1] if i > 0 else None
+
+    # ------------------------------------------------------------------ the step's batch
+    def take_events(
+        self,
+        holds: Callable[[bytes, int], bool],
+        block_of: Callable[[bytes], int | None],
+    ) -> list[Any]:
+        """The events that bring the last report up to the map as it is now, and forget the
+        recorded changes.
+
+        Args:
+            holds: ``holds(key, block_id)``: the map maps ``key`` to ``block_id`` now.
+            block_of: ``block_of(key)``: a block the map maps ``key`` to now, or None.
+
+        Returns:
+            kvbridge KV events (``kvbridge.kvmanager.kv_events``), one block each, ``medium``
+            None (the engine's device tier).
+        """
+        events: list[Any] = []
+        reported = self._block_of_key
+        if self._cleared:
+            events.append(AllBlocksCleared(medium=None))
+            reported.clear()
+            self._parent_of_key.clear()
+            self._cleared = False
+        removed: list[bytes] = []  # their parents are kept until the stores below are done
+        for key, block_id in self._popped:
+            if reported.get(key) == block_id:
+                del reported[key]
+                removed.append(key)
+                events.append(self._removed(key, block_id))
+        touched = list(self._inserted)
+        touched.extend(key for key, _ in self._popped if key not in self._inserted)
+        for key in touched:
+            block_id = reported.get(key)
+            if block_id is not None:
+                if holds(key, block_id):
+                    continue  # still where it was reported
+                # Lost without a recorded pop: the map changed behind the follower's back.
+                del reported[key]
+                removed.append(key)
+                events.append(self._removed(key, block_id))
+            block_id = block_of(key)
+            if block_id is None:
+                continue
+            parent = self._new_parents.get(key, self._parent_of_key.get(key))
+            reported[key] = block_id
+            self._parent_of_key[key] = parent
+            events.append(
+                BlockStored(
+                    block_hashes=[get_block_hash(key)],
+                    parent_block_hash=parent,
+                    token_ids=[],
+                    block_size=self.block_size,
+                    lora_name=None,
+                    medium=None,
+                    group_id=get_group_id(key),
+                    block_ids=[block_id],
+                )
+            )
+        for key in removed:
+            if key not in reported:
+                self._parent_of_key.pop(key, None)
+        self._inserted.clear()
+        self._popped.clear()
+        self._new_parents.clear()
+        return events
+
+    def snapshot_cached_blocks(self) -> list[CachedBlock]:
+        """Every key reported as held and its block: the state the events taken so far describe
+        (the index client's resync source, read on this thread after a step)."""
+        return [
+            CachedBlock(get_block_hash(key), get_group_id(key), block_id)
+            for key, block_id in self._block_of_key.items()
+        ]
+
+    @staticmethod
+    def _removed(key: bytes, block_id: int) -> BlockRemoved:
+        return BlockRemoved(
+            block_hashes=[get_block_hash(key)],
+            medium=None,
+            group_id=get_group_id(key),
+            block_ids=[block_id],
+        )

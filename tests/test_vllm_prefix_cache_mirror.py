@@ -1,0 +1,194 @@
+"""``PrefixCacheMirror``: vLLM's prefix-cache changes as kvbridge block events (no vLLM needed).
+
+A stand-in map (key -> block ids, first one first, as vLLM's ``BlockHashToBlockMap``) is
+changed the way vLLM's pool changes it, each change recorded as the pool follower records it;
+the events must bring the last report exactly up to the map, removals first, stores parents
+first, one block per key.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvbridge.connector.vllm.prefix_cache_mirror import PrefixCacheMirror
+from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlock
+from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
+
+BLOCK_SIZE = 32
+
+
+def _hash(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def _key(i: int, group_id: int = 0) -> bytes:
+    return make_block_hash_with_group_id(_hash(i), group_id)
+
+
+class _Map:
+    """vLLM's prefix-cache map, reduced to what the follower reads, recording into ``mirror``
+    as ``pool_follower._JournaledMap`` does."""
+
+    def __init__(self, mirror: PrefixCacheMirror) -> None:
+        self.mirror = mirror
+        self.blocks: dict[bytes, list[int]] = {}
+
+    def insert(self, key: bytes, block_id: int) -> None:
+        self.blocks.setdefault(key, []).append(block_id)
+        self.mirror.record_insert(key)
+
+    def pop(self, key: bytes, block_id: int) -> None:
+        held = self.blocks.get(key, [])
+        if block_id in held:
+            held.remove(block_id)
+            if not held:
+                del self.blocks[key]
+            self.mirror.record_pop(key, block_id)
+
+    def holds(self, key: bytes, block_id: int) -> bool:
+        return block_id in self.blocks.get(key, ())
+
+    def block_of(self, key: bytes) -> int | None:
+        held = self.blocks.get(key)
+        return held[0] if held else None
+
+    def take(self) -> list:
+        return self.mirror.take_events(self.holds, self.block_of)
+
+
+def _stored(i: int, block_id: int, parent: int | None, group_id: int = 0) -> BlockStored:
+    return BlockStored(
+        block_hashes=[_hash(i)], parent_block_hash=None if parent is None else _hash(parent),
+        token_ids=[], block_size=BLOCK_SIZE, lora_name=None, medium=None, group_id=group_id,
+        block_ids=[block_id])
+
+
+def _removed(i: int, block_id: int, group_id: int = 0) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[_hash(i)], medium=None, group_id=group_id,
+                        block_ids=[block_id])
+
+
+@pytest.fixture
+def pool() -> _Map:
+    return _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+
+
+def _cache_request(pool: _Map, hashes: list[int], block_ids: list[int], start: int = 0,
+                   group_id: int = 0) -> None:
+    """``cache_full_blocks`` of blocks ``start..`` of a request: parents noted, then inserted
+    in position order."""
+    pool.mirror.record_parents([_hash(h) for h in hashes], start, len(hashes), group_id)
+    for i in range(start, len(hashes)):
+        pool.insert(_key(hashes[i], group_id), block_ids[i])
+
+
+def test_a_request_s_blocks_are_stored_in_order_each_with_its_parent(pool):
+    _cache_request(pool, [10, 11, 12], [5, 6, 7])
+    assert pool.take() == [_stored(10, 5, None), _stored(11, 6, 10), _stored(12, 7, 11)]
+    assert pool.take() == []  # reported once
+    # The request grows by one block: its parent is the last block of the chain (start=3).
+    _cache_request(pool, [10, 11, 12, 13], [5, 6, 7, 9], start=3)
+    assert pool.take() == [_stored(13, 9, 12)]
+    assert sorted(pool.mirror.snapshot_cached_blocks()) == sorted(
+        [CachedBlock(_hash(h), 0, b) for h, b in [(10, 5), (11, 6), (12, 7), (13, 9)]])
+
+
+def test_groups_are_kept_apart(pool):
+    _cache_request(pool, [10, 11], [1, 2], group_id=0)
+    _cache_request(pool, [10, 11], [3, 4], group_id=1)
+    assert pool.take() == [_stored(10, 1, None, 0), _stored(11, 2, 10, 0),
+                           _stored(10, 3, None, 1), _stored(11, 4, 10, 1)]
+
+
+def test_evicted_blocks_are_removed_with_their_block_id_before_any_store(pool):
+    _cache_request(pool, [10, 11], [5, 6])
+    pool.take()
+    # One step: block 6 is evicted and reused for another request's first block.
+    pool.pop(_key(11), 6)
+    _cache_request(pool, [20], [6])
+    assert pool.take() == [_removed(11, 6), _stored(20, 6, None)]
+    assert pool.mirror.snapshot_cached_blocks() == [CachedBlock(_hash(10), 0, 5),
+                                                    CachedBlock(_hash(20), 0, 6)]
+
+
+def test_a_block_cached_and_evicted_within_one_step_is_never_reported(pool):
+    _cache_request(pool, [10], [5])
+    pool.pop(_key(10), 5)
+    assert pool.take() == []
+    assert len(pool.mirror) == 0
+
+
+def test_evicted_and_recached_in_one_step_is_removed_then_stored_again(pool):
+    # The bytes of block 5 are rewritten by this step's forward: the holder must stop vouching
+    # for it before the forward (removal) and vouch again after it (store).
+    _cache_request(pool, [10], [5])
+    pool.take()
+    pool.pop(_key(10), 5)
+    _cache_request(pool, [10], [5])
+    assert pool.take() == [_removed(10, 5), _stored(10, 5, None)]
+
+
+def test_a_copy_on_write_move_reports_the_new_block_under_the_old_parent(pool):
+    _cache_request(pool, [10, 11], [5, 6])
+    pool.take()
+    # vLLM's move_block_hashes: the entry leaves block 6 for block 8, with no cache_full_blocks
+    # call (no parents noted): the parent is the one reported before.
+    pool.pop(_key(11), 6)
+    pool.insert(_key(11), 8)
+    assert pool.take() == [_removed(11, 6), _stored(11, 8, 10)]
+
+
+def test_one_block_per_key_and_a_second_holder_takes_over_when_the_first_goes(pool):
+    _cache_request(pool, [10], [5])
+    _cache_request(pool, [10], [7])  # vLLM does not de-duplicate: two blocks hold hash 10
+    assert pool.take() == [_stored(10, 5, None)]
+    pool.pop(_key(10), 7)  # the unreported one goes: nothing to say
+    assert pool.take() == []
+    _cache_request(pool, [10], [7])
+    pool.take()
+    pool.pop(_key(10), 5)  # the reported one goes: block 7 still holds the hash
+    assert pool.take() == [_removed(10, 5), _stored(10, 7, None)]
+
+
+def test_a_clear_comes_first_and_supersedes_what_was_recorded_before(pool):
+    _cache_request(pool, [10, 11], [5, 6])
+    pool.take()
+    _cache_request(pool, [12], [7])  # recorded, then the map is emptied (reset_prefix_cache)
+    pool.blocks.clear()
+    pool.mirror.record_clear()
+    _cache_request(pool, [30], [9])  # cached after the reset, in the same step
+    assert pool.take() == [AllBlocksCleared(medium=None), _stored(30, 9, None)]
+    assert pool.mirror.snapshot_cached_blocks() == [CachedBlock(_hash(30), 0, 9)]
+
+
+def test_parents_noted_for_blocks_never_inserted_are_forgotten(pool):
+    # vLLM skips null and masked blocks (sliding window): parents were noted, nothing inserted.
+    pool.mirror.record_parents([_hash(10), _hash(11)], 0, 2, 0)
+    assert pool.take() == []
+    pool.insert(_key(11), 4)  # later cached without a cache_full_blocks call: no parent known
+    assert pool.take() == [_stored(11, 4, None)]
+
+
+@pytest.mark.parametrize(("start", "stop", "expected"), [
+    (0, 0, []),            # nothing to cache
+    (0, 1, [(10, None)]),  # block 0 has no parent
+    (1, 3, [(11, 10), (12, 11)]),
+    (2, 9, [(12, 11)]),    # stop past the hashes the request has: clipped
+])
+def test_record_parents_ranges(pool, start, stop, expected):
+    pool.mirror.record_parents([_hash(10), _hash(11), _hash(12)], start, stop, 0)
+    for h, _ in expected:
+        pool.insert(_key(h), h)
+    assert pool.take() == [_stored(h, h, parent) for h, parent in expected]
+
+
+def test_a_key_lost_without_a_recorded_pop_is_removed(pool):
+    _cache_request(pool, [10], [5])
+    pool.take()
+    pool.blocks[_key(10)] = [8]  # changed behind the mirror's back, then touched
+    pool.mirror.record_insert(_key(10))
+    assert pool.take() == [_removed(10, 5), _stored(10, 8, None)]
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixCacheMirror(block_size=0)

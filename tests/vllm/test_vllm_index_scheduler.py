@@ -1,0 +1,475 @@
+"""The block index inside vLLM's real ``Scheduler`` on CPU (vLLM's unit-test style, no worker).
+
+Two schedulers of one process, A and B, both ``kv_both`` with ``index_url: "memory"`` (the
+embedded index every node of a process shares per namespace; each test uses a namespace of its
+own), each with a fake worker handshake and hand-made worker answers (``_vllm_sched_builders``).
+What is checked:
+
+- publish: A's index entries are exactly the blocks vLLM's pool caches, block ids included,
+  through caching, eviction and ``reset_prefix_cache``; a step's hash changes travel to the
+  worker half with the step's orders; vLLM's own KV events still reach vLLM's publisher;
+- lookup: B's new request asks the index asynchronously and waits (``None``) while B's other
+  requests run; the answer is used a step later: a pull of A's blocks by A's block ids, counted
+  as a ``P2P`` external hit; blocks that fail to land are recomputed from the first of them;
+- abort and preemption while a lookup is pending and while a pull is in flight.
+
+After every scenario both schedulers are empty and every block is free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+from _vllm_sched_builders import (
+    BLOCK_SIZE,
+    assert_scheduler_empty,
+    connector_of,
+    make_request,
+    make_scheduler,
+    step,
+    worker_report,
+)
+from kvbridge.connector.errors import KVTransferConfigError
+from kvbridge.kvmanager.block_hash import get_block_hash, get_group_id
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+_incarnations = itertools.count(time.time_ns())
+_ports = itertools.count(47100)
+_namespaces = itertools.count()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 500 + 3 for i in range(n)]
+
+
+def _namespace() -> str:
+    return f"index-sched-{next(_namespaces)}-{time.time_ns()}"
+
+
+def index_node(engine_id: str, namespace: str, *, extra: dict | None = None, **kwargs):
+    """A ``kv_both`` vLLM scheduler with the in-process index under ``namespace`` (``extra``:
+    more ``kv_connector_extra_config``)."""
+    return make_scheduler(
+        "kv_both", engine_id=engine_id, policy="recompute",
+        extra={"index_url": "memory", "model_name": namespace, "index_ttl_s": 60.0,
+               **(extra or {})},
+        incarnation=str(next(_incarnations)), worker_port=next(_ports), **kwargs)
+
+
+def client_of(scheduler):
+    client = connector_of(scheduler)._sched().index_client
+    assert client is not None
+    return client
+
+
+def ours(**kv):
+    """A step with the worker half's (empty) report, so vLLM hands the connector its output."""
+    return {"worker_meta": worker_report(), **kv}
+
+
+def run(scheduler, *requests, max_steps: int = 40) -> list:
+    """Add ``requests`` and step until none is left; then wait until the node's publishes have
+    reached the index. Returns the steps."""
+    for request in requests:
+        scheduler.add_request(request)
+    steps = []
+    for _ in range(max_steps):
+        if not scheduler.requests:
+            break
+        steps.append(step(scheduler, **ours()))
+        wait_lookups(scheduler)
+    assert not scheduler.requests, f"unfinished: {list(scheduler.requests)}"
+    assert client_of(scheduler).flush()
+    return steps
+
+
+def wait_lookups(scheduler, timeout_s: float = 5.0) -> None:
+    """Until the node's index worker has answered every lookup it was given."""
+    client = client_of(scheduler)
+    deadline = time.monotonic() + timeout_s
+    while client.num_lookups_in_flight:
+        assert time.monotonic() < deadline, "index lookups unanswered"
+        time.sleep(0.002)
+
+
+def index_entries(scheduler) -> set[tuple[int, bytes, int]]:
+    """``(group id, block hash key, block id)`` the index lists for the node."""
+    client = client_of(scheduler)
+    return client.index.node_entries(client.node_id) or set()
+
+
+def pool_entries(scheduler) -> set[tuple[int, bytes, int]]:
+    """The same for what vLLM's pool caches: each key with the first block holding it."""
+    key_len = client_of(scheduler).index.namespace.key_hash_bytes
+    pool = scheduler.kv_cache_manager.block_pool
+    entries = set()
+    for key, blocks in pool.cached_block_hash_to_block._cache.items():
+        block = blocks if not isinstance(blocks, dict) else next(iter(blocks.values()))
+        entries.add((get_group_id(key), get_block_hash(key)[:key_len], block.block_id))
+    return entries
+
+
+def block_ids(scheduler, request) -> list[int]:
+    return list(scheduler.kv_cache_manager.get_block_ids(request.request_id)[0])
+
+
+class HeldLookups:
+    """Holds every lookup of a namespace's in-process index until ``release()`` (the answer
+    is late: the scheduler must go on without it meanwhile)."""
+
+    def __init__(self, scheduler) -> None:
+        self._index = client_of(scheduler).index
+        self._original = self._index.longest_prefix
+        self.arrived = threading.Event()
+        self._released = threading.Event()
+
+        def held(*args, **kwargs):
+            self.arrived.set()
+            self._released.wait(10.0)
+            return self._original(*args, **kwargs)
+
+        self._index.longest_prefix = held
+
+    def release(self) -> None:
+        self._released.set()
+        del self._index.longest_prefix  # the shared index object answers at once again
+
+
+@pytest.fixture
+def pair():
+    namespace = _namespace()
+    a, b = index_node("a", namespace), index_node("b", namespace)
+    yield a, b
+    for scheduler in (a, b):
+        assert_scheduler_empty(scheduler)
+        connector_of(scheduler).shutdown()
+
+
+# ------------------------------------------------------------------ publish
+def test_the_index_lists_exactly_what_vllm_caches_through_eviction_and_reset(pair):
+    a, _ = pair
+    steps = run(a, make_request(_prompt(1, 300), max_tokens=2))
+    # 300 prompt + 2 tokens: 9 full blocks, each published with the block id vLLM gave it; the
+    # hash changes went to the worker half with the orders of the step that cached them.
+    stored = [bid for s in steps for bid in s.meta.block_hashes.stored_block_ids]
+    assert sorted(stored) == sorted(bid for _, _, bid in pool_entries(a))
+    assert len(stored) == 9
+    assert index_entries(a) == pool_entries(a)
+
+    p1_blocks = set(stored)
+
+    # Two 990-token prompts of 31 blocks each (30 full, cached): the second finds 63 - 9 - 30
+    # = 24 blocks that hold no hash and takes the other 7 from the cold end of vLLM's free
+    # queue, p1's cached blocks; the index drops exactly those.
+    run(a, make_request(_prompt(2, 990), max_tokens=1))
+    steps = run(a, make_request(_prompt(3, 990), max_tokens=1))
+    removed = [bid for s in steps for bid in s.meta.block_hashes.removed_block_ids]
+    assert len(removed) == 7 and set(removed) <= p1_blocks
+    assert index_entries(a) == pool_entries(a)
+
+    # reset_prefix_cache: the next step tells the worker half and the index to drop them all.
+    assert a.reset_prefix_cache()
+    reset = step(a, **ours())
+    assert reset.meta.block_hashes.cleared
+    assert client_of(a).flush()
+    assert index_entries(a) == pool_entries(a) == set()
+
+
+def test_vllm_s_own_kv_events_still_reach_its_publisher():
+    scheduler = index_node("a", _namespace(), kv_events=True)
+    batches = []
+    scheduler.kv_event_publisher.publish = batches.append  # vLLM's publisher for KV events
+    try:
+        run(scheduler, make_request(_prompt(4, 300), max_tokens=2))
+        published = [h for batch in batches for e in batch.events
+                     if isinstance(e, VllmBlockStored) for h in e.block_hashes]
+        assert len(published) == 9  # every block vLLM cached, in vLLM's own events
+        assert index_entries(scheduler) == pool_entries(scheduler)
+        assert connector_of(scheduler).take_events() == ()  # none of kvbridge's added to them
+        assert_scheduler_empty(scheduler)
+    finally:
+        connector_of(scheduler).shutdown()
+
+
+@pytest.mark.parametrize(("algo", "seed", "refused"), [
+    ("xxhash", None, True), ("xxhash_cbor", None, True), ("xxhash", "0", False),
+    ("sha256", None, False),
+])
+def test_an_engine_whose_hashes_no_other_can_match_refuses_the_index_at_start(
+        monkeypatch, algo, seed, refused):
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    if refused:
+        with pytest.raises(KVTransferConfigError, match="set PYTHONHASHSEED"):
+            index_node("a", _namespace(), hash_algo=algo)
+        return
+    scheduler = index_node("a", _namespace(), hash_algo=algo)
+    connector_of(scheduler).shutdown()
+
+
+# ------------------------------------------------------------------ lookups
+def _cached_on_a(a, prompt_tokens: list[int]) -> list[int]:
+    """A serves the prompt; returns the ids of the blocks A caches its full blocks in."""
+    request = make_request(prompt_tokens, max_tokens=1)
+    run(a, request)
+    pool = a.kv_cache_manager.block_pool
+    full = request.block_hashes[: len(prompt_tokens) // BLOCK_SIZE]
+    return [pool.get_cached_block(h, [0])[0].block_id for h in full]
+
+
+def test_a_pending_lookup_waits_without_holding_up_others_and_pulls_a_step_later(pair):
+    a, b = pair
+    shared = _prompt(5, 320)  # 10 full blocks on A
+    a_ids = _cached_on_a(a, shared)
+    running = make_request(_prompt(6, 40), max_tokens=6)  # B's other work
+    b.add_request(running)
+    # Too short for any hit to reach min_remote_hit_tokens: never waits for the index.
+    assert step(b, **ours()).scheduled == {running.request_id: 40}
+
+    held = HeldLookups(b)
+    request = make_request(shared + _prompt(7, 45), max_tokens=2)  # 365 tokens, 11 full blocks
+    b.add_request(request)
+    waiting = step(b, **ours())
+    # The lookup is out: the request waits (vLLM asks again next step), the other one runs.
+    assert held.arrived.wait(5.0)
+    assert waiting.scheduled == {running.request_id: 1}
+    assert request.status == RequestStatus.WAITING and not waiting.meta.pulls
+    again = step(b, **ours())
+    assert again.scheduled == {running.request_id: 1} and not again.meta.pulls
+    held.release()
+    wait_lookups(b)
+
+    answered = step(b, **ours())
+    # A holds the first 10 blocks: B pulls them into its own blocks, A's ids paired by position
+    # (the last prompt token is never planned: B computes the 45-token tail itself).
+    (pull,) = answered.meta.pulls
+    assert (pull.request_id, pull.holder.engine_id, pull.lease) == (request.request_id, "a", None)
+    assert pull.num_external_tokens == 320
+    (group,) = pull.groups
+    assert list(group.remote_block_ids) == a_ids
+    assert list(group.local_block_ids) == block_ids(b, request)[:10]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # vLLM's metrics of the step: the external hit is another engine's (P2P).
+    (outputs,) = answered.engine_outputs.values()
+    assert outputs.scheduler_stats.connector_prefix_cache_stats.hits_by_source == {
+        CacheHitSource.P2P: 320}
+
+    landed = step(b, **ours(finished_recving=[request.request_id]))
+    assert request.request_id not in landed.scheduled
+    resumed = step(b, **ours())
+    assert resumed.scheduled[request.request_id] == 365 - 320  # only the tail is computed
+    stats = connector_of(b).stats
+    # One lookup per new request (the 40-token one's answered at once), one hit.
+    assert (stats.num_index_lookups, stats.num_index_hits, stats.remote_hit_tokens) == (2, 1, 320)
+    run(b)
+
+
+@pytest.mark.parametrize(("num_shared_blocks", "pulled"), [
+    (7, False),  # 224 tokens: under vLLM's default min_remote_hit_tokens (256), recomputed
+    (8, True),   # 256 tokens: pulled
+])
+def test_a_hit_is_pulled_only_from_min_remote_hit_tokens_on(pair, num_shared_blocks, pulled):
+    a, b = pair
+    shared = _prompt(20 + num_shared_blocks, num_shared_blocks * BLOCK_SIZE)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(30, 100), max_tokens=1)  # asked: >= 8 blocks
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    answered = step(b, **ours())
+    assert bool(answered.meta.pulls) == pulled
+    if pulled:
+        step(b, **ours(finished_recving=[request.request_id]))
+    else:
+        assert answered.scheduled[request.request_id] == len(shared) + 100  # all computed here
+    run(b)
+
+
+def test_a_lookup_past_its_deadline_goes_on_with_the_local_hit_and_is_counted():
+    namespace = _namespace()
+    a = index_node("a", namespace)
+    b = index_node("b", namespace, extra={"index_lookup_timeout_s": 0.05})
+    try:
+        shared = _prompt(31, 320)
+        _cached_on_a(a, shared)
+        held = HeldLookups(b)
+        request = make_request(shared + _prompt(32, 10), max_tokens=1)
+        b.add_request(request)
+        assert not step(b, **ours()).scheduled
+        assert held.arrived.wait(5.0)
+        time.sleep(0.06)  # the index (held) has not answered within index_lookup_timeout_s
+        late = step(b, **ours())
+        assert late.scheduled == {request.request_id: 330} and not late.meta.pulls
+        held.release()
+        run(b)
+        assert connector_of(b).stats.num_index_lookup_failures == 1
+        for scheduler in (a, b):
+            assert_scheduler_empty(scheduler)
+    finally:
+        for scheduler in (a, b):
+            connector_of(scheduler).shutdown()
+
+
+def test_a_hybrid_engine_pulls_only_the_blocks_its_sliding_window_needs():
+    # vLLM's hybrid allocator: group 0 sliding-window (WINDOW = 64 tokens, two blocks), group 1
+    # full attention. B's hit of 10 blocks needs all of them in the full group, and in the
+    # window group only the two the next token's window reaches (vLLM's hit rule).
+    namespace = _namespace()
+    a, b = (index_node(name, namespace, hybrid=True) for name in ("a", "b"))
+    try:
+        shared = _prompt(33, 320)
+        probe = make_request(shared, max_tokens=1)
+        run(a, probe)
+        pool = a.kv_cache_manager.block_pool
+        a_ids = [[pool.get_cached_block(h, [g])[0].block_id for h in probe.block_hashes[:10]]
+                 for g in (0, 1)]
+        request = make_request(shared + _prompt(34, 45), max_tokens=1)
+        b.add_request(request)
+        step(b, **ours())
+        wait_lookups(b)
+        (pull,) = step(b, **ours()).meta.pulls
+        assert pull.num_external_tokens == 320
+        window, full = pull.groups
+        assert list(window.remote_block_ids) == a_ids[0][8:]
+        assert list(full.remote_block_ids) == a_ids[1]
+        b_ids = b.kv_cache_manager.get_block_ids(request.request_id)
+        assert list(window.local_block_ids) == list(b_ids[0][8:10])
+        assert list(full.local_block_ids) == list(b_ids[1][:10])
+        step(b, **ours(finished_recving=[request.request_id]))
+        run(b)
+        for scheduler in (a, b):
+            assert index_entries(scheduler) == pool_entries(scheduler)
+            assert_scheduler_empty(scheduler)
+    finally:
+        for scheduler in (a, b):
+            connector_of(scheduler).shutdown()
+
+
+def test_blocks_that_do_not_land_are_recomputed_from_the_first_of_them(pair):
+    a, b = pair
+    shared = _prompt(8, 320)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(9, 20), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    (pull,) = step(b, **ours()).meta.pulls
+    local = list(pull.groups[0].local_block_ids)
+    # A evicted its blocks 6..9 between the lookup and the pull: the holder refused them.
+    step(b, **ours(finished_recving=[request.request_id], invalid_block_ids=local[6:]))
+    resumed = step(b, **ours())
+    assert resumed.scheduled[request.request_id] == 340 - 6 * BLOCK_SIZE
+    run(b)
+
+
+def test_a_pull_that_fails_whole_is_recomputed_and_never_looked_up_again(pair):
+    a, b = pair
+    shared = _prompt(18, 320)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(19, 20), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    (pull,) = step(b, **ours()).meta.pulls
+    # A's entries are stale (it evicted every block): nothing lands. vLLM frees the blocks and
+    # asks the connector again from token 0; the index would name the same refused blocks.
+    local = list(pull.groups[0].local_block_ids)
+    step(b, **ours(finished_recving=[request.request_id], invalid_block_ids=local))
+    again = step(b, **ours())
+    wait_lookups(b)
+    assert again.scheduled == {request.request_id: 340} and not again.meta.pulls
+    stats = connector_of(b).stats
+    assert (stats.num_index_lookups, stats.num_index_hits) == (1, 1)
+    run(b)
+
+
+def test_an_abort_while_the_lookup_is_pending_leaves_nothing_behind(pair):
+    a, b = pair
+    shared = _prompt(10, 320)
+    _cached_on_a(a, shared)
+    held = HeldLookups(b)
+    request = make_request(shared + _prompt(11, 10), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    assert held.arrived.wait(5.0)
+    b.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    held.release()
+    wait_lookups(b)
+    quiet = step(b, **ours())
+    assert not quiet.meta.pulls  # the answer came for nobody
+    assert not connector_of(b)._sched()._index_matcher.pending_request_ids
+
+
+def test_an_abort_while_the_pull_is_in_flight_frees_the_blocks_once_it_settles(pair):
+    a, b = pair
+    shared = _prompt(12, 320)
+    _cached_on_a(a, shared)
+    request = make_request(shared + _prompt(13, 10), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    assert step(b, **ours()).meta.pulls
+    b.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    # vLLM keeps the blocks the pull writes into until the worker half reports it settled.
+    assert block_ids(b, request)
+    step(b, **ours(finished_recving=[request.request_id]))
+
+
+def test_preemption_while_a_lookup_is_pending_and_while_a_pull_is_in_flight(pair):
+    a, b = pair
+    shared = _prompt(14, 320)
+    _cached_on_a(a, shared)
+    # Two prompts of 991 and 990 tokens hold 62 of B's 63 usable blocks (31 each, the last
+    # one with one or two free slots); as they decode, each needs a 32nd block: the first takes
+    # the last free one, the second (a step later) is preempted.
+    first = make_request(_prompt(15, 991), max_tokens=6)
+    second = make_request(_prompt(16, 990), max_tokens=6)
+    b.add_request(first)
+    b.add_request(second)
+    for _ in range(6):  # until both prompts are computed (their decodes fit for one step)
+        step(b, **ours())
+        wait_lookups(b)
+        if second.num_computed_tokens >= 990:
+            break
+    assert {first.status, second.status} == {RequestStatus.RUNNING}
+    assert not second.num_preemptions
+    held = HeldLookups(b)
+    late = make_request(shared + _prompt(17, 10), max_tokens=1)
+    b.add_request(late)
+    step(b, **ours())
+    assert held.arrived.wait(5.0) and not second.num_preemptions  # late's lookup is out
+    for _ in range(5):  # (1) the preemption comes while late's lookup is unanswered
+        step(b, **ours())
+        if second.num_preemptions:
+            break
+    assert second.num_preemptions == 1 and second.status == RequestStatus.PREEMPTED
+    assert late.status == RequestStatus.WAITING
+    held.release()
+    wait_lookups(b)
+    pulled = None
+    for _ in range(10):  # (2) late's pull is planned once there is room, and is in flight
+        out = step(b, **ours())
+        wait_lookups(b)
+        if out.meta.pulls:
+            (pulled,) = out.meta.pulls
+            break
+    assert pulled is not None and pulled.request_id == late.request_id
+    assert late.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # (3) the others keep running (and preempting) while the pull is in flight; it lands later.
+    for _ in range(3):
+        step(b, **ours())
+    step(b, **ours(finished_recving=[late.request_id]))
+    run(b)
+    assert second.num_preemptions >= 1 and late.is_finished()
+    # Preemptions free blocks without uncaching them: the index still says what B caches.
+    assert index_entries(b) == pool_entries(b)
