@@ -32,8 +32,16 @@ fi
 shopt -s nullglob
 wheels=("$wheel_dir"/*.whl)
 if (( ${#wheels[@]} )); then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${wheels[@]}" \
-        || { echo "gpu_device_check: installing $wheel_dir/*.whl into $site failed"; exit 1; }
+    if "$py" -m pip --version >/dev/null 2>&1; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${wheels[@]}" \
+            || { echo "gpu_device_check: installing $wheel_dir/*.whl into $site failed"; exit 1; }
+    else  # a venv without pip: these wheels have no scripts or .data, unpacking installs them
+        mkdir -p "$site"
+        for wheel in "${wheels[@]}"; do
+            "$py" -m zipfile -e "$wheel" "$site" \
+                || { echo "gpu_device_check: unpacking $wheel into $site failed"; exit 1; }
+        done
+    fi
 else
     echo "gpu_device_check: no wheels in $wheel_dir (packages this Python lacks will not import)"
 fi
