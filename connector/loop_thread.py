@@ -3,6 +3,10 @@
 The engine loop is synchronous; transports are asyncio. Every connector in a process submits its
 coroutines to this one loop: UCX keeps one worker per process and loopback transports of several
 nodes in one process must share a loop (their events and futures are loop-bound).
+
+The loop thread gathers, scatters and sends KV blocks, so it is bound to the KV tensors' device
+(``LoopThread.bind``, from ``register_kv_caches``; ``kvbridge.kernels.device_binding``): one
+CUDA device per process, as in vLLM (one worker process per GPU).
 """
 
 from __future__ import annotations
@@ -13,18 +17,47 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import torch
+from kvbridge.kernels.device_binding import bound, resolve_device
+
 __all__ = ["LoopThread", "get_loop_thread"]
 
 T = TypeVar("T")
 
 
 class LoopThread:
-    """An event loop running forever on a daemon thread."""
+    """An event loop running forever on a daemon thread.
+
+    Attributes:
+        device: the CUDA device the thread is bound to (``bind``), or None (CPU work only).
+    """
 
     def __init__(self, name: str = "kvbridge-connector-loop") -> None:
         self.loop = asyncio.new_event_loop()
+        self.device: torch.device | None = None
+        self._bind_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def bind(self, device: torch.device | str) -> None:
+        """Bind the loop thread to ``device`` (the KV tensors' device of a connector starting in
+        this process; ``device_binding.bind_device``) before it touches them. Any thread but the
+        loop's may call it; it returns once the loop thread is bound.
+
+        Raises:
+            ValueError: ``device`` is a CUDA device other than the one this loop is bound to
+                already: one process serves one GPU (both devices are named).
+        """
+        resolved = resolve_device(device)
+        with self._bind_lock:
+            if resolved.type == "cuda" and self.device not in (None, resolved):
+                raise ValueError(
+                    f"the connector loop of this process is bound to {self.device}; KV tensors "
+                    f"on {resolved} need a process of their own (one GPU per process)"
+                )
+            self.run(_call(bound(resolved, _nothing)))
+            if resolved.type == "cuda":
+                self.device = resolved
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -42,6 +75,14 @@ class LoopThread:
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
+
+
+def _nothing() -> None:
+    return None
+
+
+async def _call(fn: Any) -> None:
+    fn()
 
 
 _loop_thread: LoopThread | None = None

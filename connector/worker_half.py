@@ -179,17 +179,21 @@ class KVBridgeWorker:
         Raises:
             RuntimeError: when called twice.
             ValueError: ``tp_layout`` whose heads the tensors do not hold (axis 3 of each).
+            ValueError: KV tensors on a CUDA device other than the one this process's connector
+                loop is bound to (``LoopThread.bind``: one GPU per process).
             OSError: the transport's port is taken (``host``, ``port``); ValueError: a loopback
                 address in use. A start refused at any step closes what it had started
                 (transport, heartbeats) before it raises: ``transport`` stays None.
         """
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice for one node's connector")
-        self._switch_interval.apply()
         by_group = [
             [region for name in group.layer_names for region in _regions(kv_caches[name])]
             for group in self.kv_cache_config.kv_cache_groups
         ]
+        # the loop thread gathers, scatters and sends these tensors: bound to their device first
+        get_loop_thread().bind(by_group[0][0].device)
+        self._switch_interval.apply()
         kv_heads = None
         if tp_layout is not None:
             kv_heads = KVHeads(first=tp_layout.heads.start, total=tp_layout.total_num_kv_heads,

@@ -3,7 +3,8 @@
 The KV tensor layout is defined in ``layout`` (one tensor per layer,
 ``[num_blocks, 2, block_size, num_kv_heads, head_size]``). Each op runs a Triton kernel on CUDA
 tensors and a torch twin on CPU tensors; ``dispatch`` holds the rule and the override.
-``host_memory`` allocates huge-page host tensors for KV caches and staging buffers.
+``host_memory`` allocates huge-page host tensors for KV caches and staging buffers;
+``device_binding`` binds a thread to the KV tensors' device before it touches them.
 """
 
 from .attention import (

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from kvbridge.kernels import gather_blocks, scatter_blocks
+from kvbridge.kernels.device_binding import bound
 from kvbridge.kernels.host_memory import host_buffer
 
 from .heads import RowSlice
@@ -31,13 +32,18 @@ class StagingPool:
 
     ``acquire`` never fails (allocates when the list is empty); ``release`` returns a buffer.
     ``num_outstanding`` counts buffers acquired and not released (tests check it reaches 0).
+    ``pinned``: host buffers in page-locked memory (staging of GPU KV tensors for a UCX without
+    CUDA support, ``ucx_memory``); else host buffers on huge pages (``host_buffer``).
     """
 
-    def __init__(self, capacity_bytes: int, device: torch.device):
+    def __init__(self, capacity_bytes: int, device: torch.device, *, pinned: bool = False):
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        if pinned and device.type != "cpu":
+            raise ValueError(f"pinned staging is host memory, not {device}")
         self.capacity_bytes = capacity_bytes
         self.device = device
+        self.pinned = pinned
         self._free: list[torch.Tensor] = []
         self.num_outstanding = 0
 
@@ -45,9 +51,16 @@ class StagingPool:
         self.num_outstanding += 1
         if self._free:
             return self._free.pop()
+        if self.pinned:
+            return torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=True)
         if self.device.type == "cpu":
             return host_buffer(self.capacity_bytes)
         return torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
+
+    def in_place(self, kv_caches: Sequence[torch.Tensor]) -> bool:
+        """Whether UCX may send from or receive into ``kv_caches`` themselves: only when its
+        buffers live where they do (not when GPU KV is staged through host memory)."""
+        return self.device == kv_caches[0].device
 
     def release(self, buffer: torch.Tensor) -> None:
         if self.num_outstanding <= 0:
@@ -134,8 +147,11 @@ def copy_in(
     """Requester side: ``kv_caches[l][block_ids[i]] = staging[l, i]``; with a partial ``row``
     only those bytes of each block (``staging`` then ``[L, n, row.nbytes]`` uint8). A run of ids
     is one slice copy per layer; other ids go through ``kvbridge.kernels.scatter_blocks`` (a
-    partial row: ``index_copy_``). Mutates the caches.
+    partial row: ``index_copy_``). ``staging`` in host memory for caches on a GPU (pinned
+    staging, ``ucx_memory``) is copied to the GPU first. Mutates the caches.
     """
+    if staging.device != kv_caches[0].device:
+        staging = staging.to(kv_caches[0].device)
     if row is not None and not row.whole:
         start = run_start(block_ids)
         ids = None if start is not None else _ids_tensor(block_ids, kv_caches[0].device)
@@ -165,7 +181,14 @@ def copy_out(
 ) -> None:
     """Holder side: ``staging[l, i] = kv_caches[l][block_ids[i]]`` (slice copies for a run,
     else ``kvbridge.kernels.gather_blocks``); with a partial ``row`` only those bytes of each
-    block (``staging`` ``[L, n, row.nbytes]`` uint8). Mutates ``staging`` only."""
+    block (``staging`` ``[L, n, row.nbytes]`` uint8). ``staging`` in host memory for caches on
+    a GPU (pinned staging, ``ucx_memory``): gathered on the GPU, then copied to host (returns
+    once the bytes are there). Mutates ``staging`` only."""
+    if staging.device != kv_caches[0].device:
+        on_device = torch.empty_like(staging, device=kv_caches[0].device)
+        copy_out(kv_caches, block_ids, on_device, row)
+        staging.copy_(on_device)
+        return
     if row is not None and not row.whole:
         start = run_start(block_ids)
         ids = None if start is not None else _ids_tensor(block_ids, kv_caches[0].device)
@@ -199,17 +222,28 @@ _COPY_THREADS = 2
 this process's reads and serves; more only queue for the same memory bandwidth."""
 
 
-@functools.cache
-def copy_executor() -> ThreadPoolExecutor:
-    """Worker threads whose torch CPU ops each run on one OpenMP thread.
+CPU = torch.device("cpu")
+
+
+def copy_executor(device: torch.device = CPU) -> ThreadPoolExecutor:
+    """Worker threads for copies of KV tensors on ``device`` (an indexed CUDA device or the CPU;
+    one pool per device), each bound to it at start (``kvbridge.kernels.device_binding``), whose
+    torch CPU ops each run on one OpenMP thread.
 
     Why (``benchmarks/bench_transport.py``, paged case, 2-core host): with torch's default of one
     OpenMP thread per core, each gather/scatter forks onto the core that UCX and the peer process
     keep busy and waits at the OpenMP barrier for a scheduler tick (docs/architecture.md,
     "Design measurements"); a block copy is memory-bound (two copying threads moved no more bytes
     per second than one), so one thread per copy loses nothing."""
+    return _copy_executor(torch.device(device))
+
+
+@functools.cache
+def _copy_executor(device: torch.device) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(
-        _COPY_THREADS, thread_name_prefix="kvbridge-copy", initializer=_one_openmp_thread
+        _COPY_THREADS,
+        thread_name_prefix="kvbridge-copy",
+        initializer=bound(device, _one_openmp_thread),
     )
 
 
@@ -255,16 +289,19 @@ def _openmp_runtime() -> ctypes.CDLL | None:
     return ctypes.CDLL(paths[0]) if paths else None
 
 
-async def run_copy(fn: Callable[..., None], *args: Any, nbytes: int) -> None:
-    """``fn(*args)`` (a ``copy_in`` / ``copy_out``) on one OpenMP thread: inline when ``nbytes``
-    is at most ``INLINE_COPY_MAX_BYTES``, else in a copy worker thread (``copy_executor``).
-    Returns or raises only once the copy has ended, also when the caller is cancelled
-    (``join_threads``)."""
+async def run_copy(
+    fn: Callable[..., None], *args: Any, nbytes: int, device: torch.device = CPU
+) -> None:
+    """``fn(*args)`` (a ``copy_in`` / ``copy_out`` of KV tensors on ``device``) on one OpenMP
+    thread: inline when ``nbytes`` is at most ``INLINE_COPY_MAX_BYTES`` (the loop thread is
+    bound to the KV device already: ``LoopThread.bind``), else in a copy worker thread of
+    ``device`` (``copy_executor``). Returns or raises only once the copy has ended, also when
+    the caller is cancelled (``join_threads``)."""
     if nbytes <= INLINE_COPY_MAX_BYTES:
         with _one_openmp_thread_here():
             fn(*args)
     else:
-        await join_threads([copy_executor().submit(fn, *args)])
+        await join_threads([copy_executor(device).submit(fn, *args)])
 
 
 async def join_threads(

@@ -116,6 +116,7 @@ class UcxReadPath(ReadPath):
                         self._local_ids(chunk_idx),
                         row_slice(self._metadata, group_id, read.heads),
                         nbytes=posted.target.nbytes,
+                        device=self._caches[group_id][0].device,
                     )
                 finally:
                     self._staging.release(posted.buffer)
@@ -135,7 +136,8 @@ class UcxReadPath(ReadPath):
         caches = self._caches[group_id]
         ids = self._local_ids(chunk_idx)
         row = row_slice(self._metadata, group_id, self.read.heads)
-        start = run_start(ids) if len(caches) == 1 and row.whole else None
+        in_place = len(caches) == 1 and row.whole and self._staging.in_place(caches)
+        start = run_start(ids) if in_place else None
         buffer: torch.Tensor | None = None
         if start is not None:
             target = caches[0][start : start + len(ids)]

@@ -159,7 +159,8 @@ class UcxServe(Serve):
             positions = good[chunk.entry][chunk.start : chunk.stop]
             ids = pick(group.block_ids, good[chunk.entry], chunk.start, chunk.stop)
             row = row_slice(self._metadata, group.group_id, read.heads)  # the heads asked for
-            start = run_start(ids) if len(caches) == 1 and row.whole else None
+            in_place = len(caches) == 1 and row.whole and pool.in_place(caches)
+            start = run_start(ids) if in_place else None
             buffer: torch.Tensor | None = None
             recheck: tuple[int, list[int]] | None = None
             if start is not None:  # one layer, a run of ids: send from the KV tensor itself
@@ -172,7 +173,10 @@ class UcxServe(Serve):
                 )
                 try:
                     # big gathers off the event loop, so UCX keeps progressing issued chunks
-                    await run_copy(copy_out, caches, ids, source, row, nbytes=source.nbytes)
+                    await run_copy(
+                        copy_out, caches, ids, source, row,
+                        nbytes=source.nbytes, device=caches[0].device,
+                    )
                     # the bytes are in staging now: a block evicted during the copy shows here
                     self._recheck(chunk.entry, positions)
                 except BaseException:

@@ -129,6 +129,8 @@ class UcxxHolder:
         self.callbacks = callbacks
         self.window = window
         self.pools: dict[int, StagingPool] = {}
+        self._staging_device = kv_caches_by_group[0][0].device
+        self._staging_pinned = False
         self.worker_address = b""
         self.booster = ProgressBooster(ucxx.progress, enabled=False)  # the transport's, at start
         self.cma_host: CmaHost | None = None  # set by the transport when it offers same-host reads
@@ -140,12 +142,19 @@ class UcxxHolder:
         """Serves running right now, over all connections."""
         return self._count.num_active
 
+    def place_staging(self, device: torch.device, *, pinned: bool) -> None:
+        """Where serves' staging lives (``UcxxTransport.start``, ``ucx_memory``): pools made
+        from now on."""
+        self._staging_device, self._staging_pinned = device, pinned
+        self.pools.clear()
+
     def pool_for(self, chunk_bytes: int, max_block_bytes: int) -> StagingPool:
         """The staging pool of UCX serves of ``chunk_bytes`` chunks (created on first use)."""
         capacity = max(chunk_bytes, max_block_bytes)
         if capacity not in self.pools:
-            device = self.kv_caches_by_group[0][0].device
-            self.pools[capacity] = StagingPool(capacity, device)
+            self.pools[capacity] = StagingPool(
+                capacity, self._staging_device, pinned=self._staging_pinned
+            )
         return self.pools[capacity]
 
     async def handle_connection(

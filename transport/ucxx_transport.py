@@ -61,6 +61,7 @@ from .staging import StagingPool
 from .transfer import ReadState, begin_read, drive_read
 from .ucx_hello import HANDSHAKE_TIMEOUT_S, exchange_hello
 from .ucx_init import current_progress_mode, init_ucx
+from .ucx_memory import WireMemory, check_device_memory, choose_wire_memory, wire_device
 from .ucx_progress import ProgressBooster, booster_for_running_loop
 from .ucx_read import UcxReadPath
 from .ucxx_holder import UcxxHolder, check_worker_address, endpoint_from_worker_address
@@ -88,6 +89,9 @@ class UcxxTransport(Transport):
         auth_key: the cluster key (``auth``; at least ``MIN_KEY_BYTES``): peers must prove it
             at handshake and this node proves it to the holders it reads from. None: no
             authentication (anyone who reaches the port is served).
+        device_memory: GPU KV sent by UCX from ``"device"`` memory or ``"staged"`` through
+            pinned host buffers; None: decided at ``start`` (``ucx_memory.choose_wire_memory``),
+            kept in ``wire_memory``. ValueError for any other value.
     """
 
     def __init__(
@@ -103,8 +107,11 @@ class UcxxTransport(Transport):
         cma: bool | None = None,
         cma_board: bool = True,
         auth_key: bytes | None = None,
+        device_memory: WireMemory | None = None,
     ):
         check_kv_caches_match(metadata, kv_caches_by_group)
+        self._device_memory = check_device_memory(device_memory)
+        self.wire_memory: WireMemory | None = None
         check_auth_key(auth_key)
         self.auth_key = auth_key
         if window < 1:
@@ -177,6 +184,7 @@ class UcxxTransport(Transport):
 
     async def start(self) -> None:
         init_ucx(self._progress_mode)
+        self._place_staging()
         ucxx.continuous_ucx_progress()
         self._booster = booster_for_running_loop(current_progress_mode())
         self._holder.booster = self._booster
@@ -186,6 +194,15 @@ class UcxxTransport(Transport):
         )
         port = self._server.sockets[0].getsockname()[1]
         self._address = PeerAddress(self._host, int(port))
+
+    def _place_staging(self) -> None:
+        """Decide ``wire_memory`` (``ucx_memory``) and put both sides' staging where UCX's
+        bytes live: the KV device, or pinned host memory for staged GPU KV."""
+        kv_device = self.kv_caches_by_group[0][0].device
+        memory = self.wire_memory = choose_wire_memory(kv_device, self._device_memory)
+        staging_device, pinned = wire_device(memory, kv_device), memory == "staged"
+        self.staging = StagingPool(self.staging.capacity_bytes, staging_device, pinned=pinned)
+        self._holder.place_staging(staging_device, pinned=pinned)
 
     async def close(self) -> None:
         for state in list(self._reads.values()):

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.kernels.device_binding import bound
 from kvbridge.kvmanager import Engine, RequestOutput, RequestStatus, SamplingParams
 
 __all__ = ["EngineLoop", "NodeCounters", "RequestRejected", "RequestTimings"]
@@ -160,7 +161,11 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._live: dict[str, _Live] = {}
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # the thread runs the model over the KV caches: bound to their device first
+        kv_device = next(iter(engine.runner.kv_caches.values())).device
+        self._thread = threading.Thread(
+            target=bound(kv_device, self._run), name="engine-loop", daemon=True
+        )
         self._refresh_counters()  # the thread has not started: this thread may read the engine
 
     # ------------------------------------------------------------------ event-loop side
