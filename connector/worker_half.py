@@ -178,12 +178,10 @@ class KVBridgeWorker:
 
         Raises:
             RuntimeError: when called twice.
-            ValueError: ``tp_layout`` whose heads the tensors do not hold (axis 3 of each).
-            ValueError: KV tensors on a CUDA device other than the one this process's connector
-                loop is bound to (``LoopThread.bind``: one GPU per process).
-            OSError: the transport's port is taken (``host``, ``port``); ValueError: a loopback
-                address in use. A start refused at any step closes what it had started
-                (transport, heartbeats) before it raises: ``transport`` stays None.
+            ValueError: ``tp_layout`` whose heads the tensors do not hold (axis 3 of each); KV
+                tensors on another GPU than the connector loop's (``LoopThread.bind``).
+            OSError: the transport's port is taken; ValueError: a loopback address in use. A
+                start refused at any step closes what it had started before it raises.
         """
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice for one node's connector")
@@ -191,8 +189,7 @@ class KVBridgeWorker:
             [region for name in group.layer_names for region in _regions(kv_caches[name])]
             for group in self.kv_cache_config.kv_cache_groups
         ]
-        # the loop thread gathers, scatters and sends these tensors: bound to their device first
-        get_loop_thread().bind(by_group[0][0].device)
+        get_loop_thread().bind(by_group[0][0].device)  # it gathers, scatters, sends these
         self._switch_interval.apply()
         kv_heads = None
         if tp_layout is not None:
