@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-_MASKED = -1.0e30
+_MASKED = tl.constexpr(-1.0e30)  # a global a compiled kernel may read must be a constexpr
 
 
 @triton.jit
