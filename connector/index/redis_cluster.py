@@ -55,6 +55,7 @@ from .protocol import (
     check_seq,
     events_to_ops,
 )
+from .reachability import Reachability
 from .redis_index import RedisBlockIndex, _script, _ttl_ms
 from .url import CLUSTER_SCHEME, parse_cluster_url
 
@@ -123,7 +124,8 @@ class RedisClusterBlockIndex(RedisBlockIndex):
     """``BlockIndex`` on a Redis or Valkey cluster (module docstring: layout and trade-off).
 
     ``url``: ``redis-cluster://HOST:PORT[,HOST:PORT...][?buckets=N]`` (seed nodes; default 32
-    buckets). ``client``: an existing ``RedisCluster`` to use. Thread safety as
+    buckets). ``client``: an existing ``RedisCluster`` to use; ``reachability`` as
+    ``RedisBlockIndex``'s (down while any bucket's shard is). Thread safety as
     ``RedisBlockIndex``; the chain roots and batch numbers publishing keeps are under a lock.
     """
 
@@ -137,13 +139,15 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         retry_interval_s: float = 1.0,
         client: RedisCluster | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reachability: Reachability | None = None,
     ) -> None:
         _, self.num_buckets = parse_cluster_url(url)
         client = client or cluster_client(
             url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
         )
         super().__init__(
-            namespace, client=client, retry_interval_s=retry_interval_s, clock=clock  # type: ignore[arg-type]
+            namespace, url, client=client, retry_interval_s=retry_interval_s, clock=clock,  # type: ignore[arg-type]
+            reachability=reachability,
         )
         self._num_route_keys = 1
         self.bucket_prefixes = bucket_prefixes(namespace.key_prefix, self.num_buckets)

@@ -99,7 +99,9 @@ class PrefixLocator:
         from kvbridge.connector.index import IndexNamespace, block_index_for_url
         from kvbridge.kvmanager import get_request_block_hasher
 
-        self._index = block_index_for_url(index_url, IndexNamespace(identity=identity))
+        self._index = block_index_for_url(
+            index_url, IndexNamespace(identity=identity),
+            meanwhile="routing each request round-robin meanwhile (no prefix-aware choice of P)")
         self._hasher = get_request_block_hasher(identity.block_size, identity.hash_fn_name)
 
     def holders(self, prompt_token_ids: Sequence[int]) -> list[tuple[str, int]]:
