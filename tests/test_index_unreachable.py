@@ -6,6 +6,9 @@ The shared index client layer (``open_index`` + ``IndexClient``, what kvbridge's
 and the connector inside vLLM use) first, then ``kvbridge-node`` as a user starts it. The Redis
 is the suite's (``tests/_redis_fixture.py``), started by the test on a port where nothing
 listened before: Redis "down at start", then up; then killed mid-run and started again.
+
+A ``redis-cluster://`` index with no seed answering at start cannot be served that way (the client
+learns the slot map from a seed): the node and the store refuse to start, in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from _identity_builders import BASE_IDENTITY
 from _redis_fixture import RedisServer, server_binary
 from kvbridge.connector.index import IndexClient, IndexNamespace, new_incarnation, open_index
@@ -156,3 +160,19 @@ def test_kvbridge_node_says_once_that_redis_is_unreachable_and_once_that_it_is_b
     assert len(down) == 1 and url in down[0] and "--index-url" in down[0], text[-3000:]
     assert "WARNING" in down[0]
     assert len([x for x in text.splitlines() if _UP in x]) == 1, text[-3000:]
+
+
+@pytest.mark.parametrize("argv", [
+    ["node", "--port", "0", "--max-model-len", "256"],
+    ["store", "--capacity-bytes", "1048576"],
+], ids=lambda argv: argv[0])
+def test_an_unreachable_cluster_index_at_start_is_one_line_and_exit_code_2(argv):
+    url = f"redis-cluster://127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbridge.connector.serve.commands", *argv, "--index-url", url],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [x for x in done.stderr.splitlines() if f"kvbridge-{argv[0]}: error:" in x]
+    assert len(errors) == 1 and f"cannot reach the Redis Cluster at {url}" in errors[0], \
+        done.stderr[-3000:]
+    assert "--index-url" in errors[0] and "Traceback" not in done.stderr

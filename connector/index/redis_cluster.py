@@ -57,10 +57,11 @@ from .protocol import (
 )
 from .reachability import Reachability
 from .redis_index import RedisBlockIndex, _script, _ttl_ms
-from .url import CLUSTER_SCHEME, parse_cluster_url
+from .url import CLUSTER_SCHEME, parse_cluster_url, redact_url
 
 __all__ = [
     "CLUSTER_SCHEME",
+    "ClusterUnreachableError",
     "RedisClusterBlockIndex",
     "RedisClusterNodeDirectory",
     "bucket_of",
@@ -75,17 +76,31 @@ _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 
 
+class ClusterUnreachableError(ValueError):
+    """No seed of a ``redis-cluster://`` index answered at start: the client cannot learn which
+    shard owns which slot, so the node is refused (one line: the URL, the error, what to change).
+    A plain ``redis://`` index is served without its server instead and reconnects
+    (``reachability.py``)."""
+
+
 def cluster_client(url: str, *, socket_timeout_s: float, connect_timeout_s: float) -> RedisCluster:
     """A ``RedisCluster`` for ``url``'s seed nodes that fails fast (no retries, no full-coverage
-    requirement: the index backs off per bucket)."""
+    requirement: the index backs off per bucket). Raises ``ClusterUnreachableError`` when no
+    seed answers."""
     seeds, _ = parse_cluster_url(url)
-    return RedisCluster(
-        startup_nodes=[ClusterNode(host, port) for host, port in seeds],
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=connect_timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        require_full_coverage=False,
-    )
+    try:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds],
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            require_full_coverage=False,
+        )
+    except redis.exceptions.RedisClusterException as exc:
+        raise ClusterUnreachableError(
+            f"cannot reach the Redis Cluster at {redact_url(url)} ({exc}); start it, or set "
+            "index_url (--index-url) to a cluster whose seeds answer, or leave it unset for no "
+            "index") from None
 
 
 def bucket_prefixes(key_prefix: str, num_buckets: int) -> list[str]:

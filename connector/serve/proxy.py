@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         help="redis://... or redis-cluster://HOST:PORT[,...] for index-aware P choice",
     )
     # The nodes' block identity (kvbridge.transport.BlockIdentity), the index namespace; the
-    # defaults are examples/node_server.py's with --model tiny.
+    # defaults are kvbridge-node's with --model tiny.
     parser.add_argument("--model-name", default="kvbridge-tiny", help="the nodes' model_name")
     parser.add_argument("--model-revision", default="", help="the nodes' model_revision")
     parser.add_argument("--kv-cache-dtype", default="float32", help="the nodes' KV cache dtype")
