@@ -8,7 +8,7 @@ is the suite's (``tests/_redis_fixture.py``), started by the test on a port wher
 listened before: Redis "down at start", then up; then killed mid-run and started again.
 
 A ``redis-cluster://`` index with no seed answering at start cannot be served that way (the client
-learns the slot map from a seed): the node and the store refuse to start, in one line.
+learns the slot map from a seed): the node, the store and the proxy refuse to start, in one line.
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ def test_kvbridge_node_says_once_that_redis_is_unreachable_and_once_that_it_is_b
 @pytest.mark.parametrize("argv", [
     ["node", "--port", "0", "--max-model-len", "256"],
     ["store", "--capacity-bytes", "1048576"],
+    ["proxy", "--port", "0", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10"],
 ], ids=lambda argv: argv[0])
 def test_an_unreachable_cluster_index_at_start_is_one_line_and_exit_code_2(argv):
     url = f"redis-cluster://127.0.0.1:{free_port()}"
