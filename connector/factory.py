@@ -82,8 +82,9 @@ def create_engine(
     Raises:
         ValueError: what ``Engine`` and ``KVTransferConfig`` raise for bad settings.
         Whatever refuses the start after the transport started (an ``index_url`` that cannot
-        be opened, or a cluster index with no seed reachable: ``redis`` exceptions; an
-        ``engine_id`` the index refuses: ValueError; a port taken: ``OSError``) is raised once
+        be opened: ``redis`` exceptions; a cluster index with no seed reachable:
+        ``ClusterUnreachableError``, a ValueError; an ``engine_id`` the index refuses:
+        ValueError; a port taken: ``OSError``) is raised once
         ``Engine`` closed everything the node had started: none of its threads, listening
         ports or connector-loop tasks keeps running.
     """

@@ -12,6 +12,10 @@ vLLM suite) line is a deployment a reader copies: servers started with ``&``, th
 - every process the script started is stopped afterwards (its own process group).
 
 The block passes when the script exits 0 and its last JSON line is a completion with tokens.
+
+Every other fenced shell block of the README and of ``docs/*.md`` that a reader might run has a
+``<!-- not run: REASON -->`` line right before it instead (``unmarked_shell_blocks`` finds the
+blocks with neither); the reason says why, and which test runs its short form if one does.
 """
 
 from __future__ import annotations
@@ -33,6 +37,29 @@ REPO = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"^<!-- run (?P<kind>[\w ]+) -->\n```bash\n(?P<body>.*?)^```", re.M | re.S)
 _CURL_RETRY = ('curl() { command curl --retry 180 --retry-delay 1 --retry-connrefused '
                '--retry-all-errors --max-time 120 "$@"; }\n')
+
+
+RUN_KINDS = ("serve", "serve vllm")  # the kinds a test runs (test_readme_*.py)
+DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+_SHELL_FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
+_MARKER = re.compile(r"^<!-- (?:run (?P<kind>[\w ]+?)|not run: (?P<reason>.{12,}?)) -->$")
+
+
+def unmarked_shell_blocks(path: Path) -> list[str]:
+    """``"FILE:LINE"`` of every fenced shell block of ``path`` without a marker right before it:
+    ``<!-- run KIND -->`` of a kind in ``RUN_KINDS`` (in the README: the tests read its blocks
+    only), or ``<!-- not run: REASON -->`` (a reason of 12 characters or more)."""
+    lines = path.read_text().splitlines()
+    found, in_block = [], False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            if not in_block and _SHELL_FENCE.match(line):
+                marker = _MARKER.match(lines[number - 2]) if number > 1 else None
+                runs = marker and marker["kind"] in RUN_KINDS and path.name == "README.md"
+                if not marker or (marker["kind"] and not runs):
+                    found.append(f"{path.relative_to(REPO)}:{number}")
+            in_block = not in_block
+    return found
 
 
 @dataclass(frozen=True)

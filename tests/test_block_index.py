@@ -321,14 +321,16 @@ def test_redis_stopped_gives_no_hit_then_recovers(redis_server, redis_url: str, 
     assert index.longest_prefix(prompt).num_blocks == 20
     # (1) Redis dies: lookups answer NO_HIT with a warning, publishes are dropped; nothing raises.
     redis_server.stop()
-    with caplog.at_level(logging.WARNING, logger="kvbridge.connector.index.protocol"):
+    with caplog.at_level(logging.WARNING, logger="kvbridge.connector.index.reachability"):
         assert index.longest_prefix(prompt) == NO_HIT
         assert index.longest_prefix(prompt) == NO_HIT
         assert index.publish("A", 1, [_stored(prompt)]).status == "unavailable"
         assert index.heartbeat("A", 1, ttl_s=_TTL_S) == "unavailable"
     assert index.stats.lookups_failed == 2
     assert (index.stats.publishes_dropped, index.stats.publish_ops_dropped) == (1, 20)
-    assert any("Redis trouble" in r.getMessage() for r in caplog.records)
+    # one line for the outage (not one per call), naming the URL it tried
+    assert [r.getMessage() for r in caplog.records if "cannot reach" in r.getMessage()] == [
+        caplog.records[0].getMessage()] and redis_url in caplog.records[0].getMessage()
     # (2) Redis is back (empty: it kept nothing): the node is fenced until it registers again,
     # then the index works as before.
     redis_server.start()

@@ -3,7 +3,8 @@
 Each command is registered by the installed distribution, answers ``--help`` with exit code 0,
 and refuses a bad argument with one line on stderr and exit code 2, before it starts anything.
 The servers print one JSON line once serving and stop on SIGTERM with exit code 0. Each script
-under ``examples/`` runs to completion with exit code 0 (they check their own results).
+under ``examples/`` runs to completion with exit code 0 (they check their own results); those
+that take an ``INDEX_URL`` run on the in-process index and on a real Redis.
 """
 
 from __future__ import annotations
@@ -109,3 +110,11 @@ def test_an_example_runs_to_completion(script):
                           text=True, timeout=_TIMEOUT_S, cwd=REPO,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["offload_to_store.py", "prefix_reuse_index.py"])
+def test_an_index_example_runs_on_redis(script, redis_url):
+    done = subprocess.run([sys.executable, str(REPO / "examples" / script), redis_url],
+                          capture_output=True, text=True, timeout=_TIMEOUT_S, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"the index at {redis_url}" in done.stdout, done.stdout

@@ -9,7 +9,8 @@ a file outside the repository that the code once cited, must not be mentioned an
 
 Scanned: every ``*.py`` file of the repository (package, examples, benchmarks, tests),
 ``pyproject.toml`` and ``README.md``, as plain text (in Markdown the file name may stand in
-backticks: ```docs/architecture.md`, "Layers"``).
+backticks: ```docs/architecture.md`, "Layers"``). And the other way: every repository file that
+the README or a page of ``docs/`` names (``examples/...py``, ``tests/...py``) exists.
 """
 
 from __future__ import annotations
@@ -98,6 +99,29 @@ def test_every_docs_reference_names_an_existing_file_and_heading():
         for problem in unresolved(path.read_text(encoding="utf-8"), docs)
     ]
     assert not offenders, "references that do not resolve:\n" + "\n".join(offenders)
+
+
+# ``examples/pd_in_process.py``, ``tests/vllm/make_venv.sh``: a file of the repository that the
+# README or docs/ names (a command to run, a test to read), which must exist.
+_REPO_PATH = re.compile(
+    r"(?<![\w/.-])((?:examples|tests|benchmarks|connector|kvmanager|kernels|transport|scripts)"
+    r"/[\w/.-]*\.(?:py|sh))"
+)
+
+
+def test_every_repository_file_the_docs_name_exists():
+    # issue 29: the servers moved from examples/ into the package; a page still saying
+    # `python examples/node_server.py` tells a user to run a file that is gone
+    named = [
+        (path, text.count("\n", 0, match.start()) + 1, match.group(1))
+        for path in [REPO_ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+        for text in [path.read_text(encoding="utf-8")]
+        for match in _REPO_PATH.finditer(text)
+    ]
+    assert len(named) >= 10, named  # guards against passing on nothing
+    missing = [f"{path.name}:{line}: {name}" for path, line, name in named
+               if not (REPO_ROOT / name).exists()]
+    assert not missing, "files the docs name that do not exist:\n" + "\n".join(missing)
 
 
 def test_the_code_cites_the_docs():

@@ -490,6 +490,18 @@ def test_every_module_opens_with_a_docstring():
     _assert_none(offenders, "modules that do not open with a docstring saying their role")
 
 
+def test_no_example_is_imported_by_the_package_or_another_example():
+    # issue 29: each example stands alone, as a user copies it; the package needs none of them
+    # (a sibling import resolves to ``examples.<stem>``: example_modules' docstring).
+    offenders = [
+        f"{edge.source} imports {edge.target} (line {edge.lineno})"
+        for info in (*package_modules().values(), *example_modules().values())
+        for edge in info.imports
+        if edge.target.split(".")[0] == EXAMPLES_PREFIX
+    ]
+    _assert_none(offenders, "examples imported by the package or by another example")
+
+
 def test_examples_and_benchmarks_import_only_public_names():
     # examples/ and benchmarks/ use kvbridge as a user would (issue 12): a name that a package
     # does not export is an internal that may move without notice.

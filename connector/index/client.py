@@ -33,6 +33,7 @@ from .node_directory import (
     RedisNodeDirectory,
 )
 from .protocol import BlockIndex, Holder, IndexNamespace, IndexStats, Tier, check_lookup_args
+from .reachability import NODE_MEANWHILE, Reachability
 from .redis_cluster import RedisClusterBlockIndex, RedisClusterNodeDirectory, cluster_client
 from .redis_index import RedisBlockIndex
 from .resync import ParentMirror
@@ -105,8 +106,8 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
             socket_connect_timeout=_SOCKET_TIMEOUT_S,
             retry=Retry(NoBackoff(), 0),  # fail fast: a lookup has a deadline of its own
         )
-        index = RedisBlockIndex(namespace, url)
-        return index, RedisNodeDirectory(client, namespace.key_prefix)
+        index = RedisBlockIndex(namespace, url)  # the two share one outage log (reachability)
+        return index, RedisNodeDirectory(client, namespace.key_prefix, index.reachability)
     cluster = RedisClusterBlockIndex(namespace, url)  # redis-cluster://, the last form
     directory_client = cluster_client(
         url, socket_timeout_s=_SOCKET_TIMEOUT_S, connect_timeout_s=_SOCKET_TIMEOUT_S
@@ -114,14 +115,19 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
     return cluster, RedisClusterNodeDirectory(directory_client, cluster.bucket_prefixes)
 
 
-def block_index_for_url(url: str, namespace: IndexNamespace) -> BlockIndex:
+def block_index_for_url(
+    url: str, namespace: IndexNamespace, *, meanwhile: str = NODE_MEANWHILE
+) -> BlockIndex:
     """A Redis or Redis Cluster ``BlockIndex`` of its own for ``url`` (tools such as the proxy
-    that only look up). Raises ValueError for another scheme or a malformed URL."""
+    that only look up). ``meanwhile``: what the tool does while Redis does not answer, for the
+    one log line that says so (``reachability.Reachability``). Raises ValueError for another
+    scheme or a malformed URL."""
     check_index_url(url)
+    reachability = Reachability(url, meanwhile=meanwhile)
     if url.startswith(CLUSTER_SCHEME):
-        return RedisClusterBlockIndex(namespace, url)
+        return RedisClusterBlockIndex(namespace, url, reachability=reachability)
     if url.startswith((*REDIS_SCHEMES, "unix://")):
-        return RedisBlockIndex(namespace, url)
+        return RedisBlockIndex(namespace, url, reachability=reachability)
     raise ValueError(f"index_url must be a redis:// or redis-cluster:// URL, got {url!r}")
 
 

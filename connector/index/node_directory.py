@@ -6,7 +6,8 @@ index's node heartbeats), so a stopped node disappears from both.
 
 Two backends with one contract: ``InMemoryNodeDirectory`` (one process) and
 ``RedisNodeDirectory`` (one ``SET key value EX ttl`` per announce, one ``GET`` per lookup; Redis
-trouble is logged and answers None, never raises).
+trouble answers None, never raises, and is logged once per outage by the ``Reachability`` it
+shares with the index on the same server).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import NamedTuple, Protocol
 import msgpack
 import redis
 from kvbridge.transport.address import check_host
+
+from .reachability import Reachability
 
 __all__ = [
     "InMemoryNodeDirectory",
@@ -125,43 +128,36 @@ class RedisNodeDirectory:
     Args:
         client: a redis-py client (its socket timeouts bound every call).
         key_prefix: the index namespace's key prefix (the nodes' block identity).
-
-    Redis trouble is logged once until Redis answers again (a node announces itself at every
-    heartbeat: an outage would log a line a second). Owner: the index client's worker thread.
+        reachability: the server's up/down state and log lines, shared with the index on it
+            (``client.open_index``); default: one of its own, named by the client's address.
     """
 
-    def __init__(self, client: redis.Redis, key_prefix: str) -> None:
+    def __init__(self, client: redis.Redis, key_prefix: str,
+                 reachability: Reachability | None = None) -> None:
         self._client = client
         self._prefix = f"{key_prefix}:addr:"
-        self._failing = False  # the last call met Redis trouble (logged once)
+        if reachability is None:
+            kwargs = client.connection_pool.connection_kwargs
+            where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+            reachability = Reachability(f"the Redis at {where}")
+        self.reachability = reachability
 
-    def _trouble(self, what: str, node_id: str, exc: redis.RedisError) -> None:
-        if not self._failing:
-            logger.warning("node directory: %s of %s failed: %s (logged once until Redis "
-                           "answers again)", what, node_id, exc)
-        self._failing = True
-
-    def _answered(self) -> None:
-        if self._failing:
-            logger.info("node directory: Redis answers again")
-        self._failing = False
+    def _call(self, *command: object) -> object:
+        """One command; None (the trouble reported to ``reachability``) if Redis fails."""
+        try:
+            reply = self._client.execute_command(*command)
+        except redis.RedisError as exc:
+            self.reachability.failed("directory", exc)
+            return None
+        self.reachability.answered("directory")
+        return reply
 
     def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
-        value = encode_address(address)
-        try:
-            self._client.set(self._prefix + node_id, value, px=max(int(ttl_s * 1000), 1))
-        except redis.RedisError as exc:
-            self._trouble("announce", node_id, exc)
-            return
-        self._answered()
+        self._call("SET", self._prefix + node_id, encode_address(address),
+                   "PX", max(int(ttl_s * 1000), 1))
 
     def lookup(self, node_id: str) -> NodeAddress | None:
-        try:
-            raw = self._client.get(self._prefix + node_id)
-        except redis.RedisError as exc:
-            self._trouble("lookup", node_id, exc)
-            return None
-        self._answered()
+        raw = self._call("GET", self._prefix + node_id)
         if raw is None:
             return None
         try:
@@ -171,10 +167,7 @@ class RedisNodeDirectory:
             return None
 
     def withdraw(self, node_id: str) -> None:
-        try:
-            self._client.delete(self._prefix + node_id)
-        except redis.RedisError as exc:
-            self._trouble("withdraw", node_id, exc)
+        self._call("DEL", self._prefix + node_id)
 
     def interrupt(self) -> None:
         self._client.connection_pool.disconnect()

@@ -55,11 +55,13 @@ from .protocol import (
     check_seq,
     events_to_ops,
 )
+from .reachability import Reachability
 from .redis_index import RedisBlockIndex, _script, _ttl_ms
-from .url import CLUSTER_SCHEME, parse_cluster_url
+from .url import CLUSTER_SCHEME, parse_cluster_url, redact_url
 
 __all__ = [
     "CLUSTER_SCHEME",
+    "ClusterUnreachableError",
     "RedisClusterBlockIndex",
     "RedisClusterNodeDirectory",
     "bucket_of",
@@ -74,17 +76,31 @@ _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 
 
+class ClusterUnreachableError(ValueError):
+    """No seed of a ``redis-cluster://`` index answered at start: the client cannot learn which
+    shard owns which slot, so the node is refused (one line: the URL, the error, what to change).
+    A plain ``redis://`` index is served without its server instead and reconnects
+    (``reachability.py``)."""
+
+
 def cluster_client(url: str, *, socket_timeout_s: float, connect_timeout_s: float) -> RedisCluster:
     """A ``RedisCluster`` for ``url``'s seed nodes that fails fast (no retries, no full-coverage
-    requirement: the index backs off per bucket)."""
+    requirement: the index backs off per bucket). Raises ``ClusterUnreachableError`` when no
+    seed answers."""
     seeds, _ = parse_cluster_url(url)
-    return RedisCluster(
-        startup_nodes=[ClusterNode(host, port) for host, port in seeds],
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=connect_timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        require_full_coverage=False,
-    )
+    try:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds],
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            require_full_coverage=False,
+        )
+    except redis.exceptions.RedisClusterException as exc:
+        raise ClusterUnreachableError(
+            f"cannot reach the Redis Cluster at {redact_url(url)} ({exc}); start it, or set "
+            "index_url (--index-url) to a cluster whose seeds answer, or leave it unset for no "
+            "index") from None
 
 
 def bucket_prefixes(key_prefix: str, num_buckets: int) -> list[str]:
@@ -123,7 +139,8 @@ class RedisClusterBlockIndex(RedisBlockIndex):
     """``BlockIndex`` on a Redis or Valkey cluster (module docstring: layout and trade-off).
 
     ``url``: ``redis-cluster://HOST:PORT[,HOST:PORT...][?buckets=N]`` (seed nodes; default 32
-    buckets). ``client``: an existing ``RedisCluster`` to use. Thread safety as
+    buckets). ``client``: an existing ``RedisCluster`` to use; ``reachability`` as
+    ``RedisBlockIndex``'s (down while any bucket's shard is). Thread safety as
     ``RedisBlockIndex``; the chain roots and batch numbers publishing keeps are under a lock.
     """
 
@@ -137,13 +154,15 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         retry_interval_s: float = 1.0,
         client: RedisCluster | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reachability: Reachability | None = None,
     ) -> None:
         _, self.num_buckets = parse_cluster_url(url)
         client = client or cluster_client(
             url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
         )
         super().__init__(
-            namespace, client=client, retry_interval_s=retry_interval_s, clock=clock  # type: ignore[arg-type]
+            namespace, url, client=client, retry_interval_s=retry_interval_s, clock=clock,  # type: ignore[arg-type]
+            reachability=reachability,
         )
         self._num_route_keys = 1
         self.bucket_prefixes = bucket_prefixes(namespace.key_prefix, self.num_buckets)

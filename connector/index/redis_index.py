@@ -15,16 +15,16 @@ entries: ``redis_held_lookup.py``). A lookup sends the hashes cut to ``key_hash_
 for 625 hashes, under redis-py's 6,000-byte single-buffer cut-off).
 
 Redis trouble (unreachable, slower than ``socket_timeout_s``, erroring) never raises out of this
-class: a lookup answers ``NO_HIT``, a publish is dropped, both counted in ``stats``, logged; for
+class: a lookup answers ``NO_HIT``, a publish is dropped, both counted in ``stats``; for
 ``retry_interval_s`` after a failure calls are answered so without trying, then the next call
-tries again (redis-py reconnects). Garbage in the namespace (entries of the wrong length or tier,
-records of the wrong type) is skipped and counted in ``stats.garbage_entries``.
+tries again (redis-py reconnects). The log says so once per outage, and once when Redis answers
+again (``reachability.Reachability``). Garbage in the namespace (entries of the wrong length or
+tier, records of the wrong type) is skipped and counted in ``stats.garbage_entries``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -60,13 +60,12 @@ from .protocol import (
     join_keys,
     sort_holders,
 )
+from .reachability import Reachability
 from .redis_direct import LEFT_TO_GENERIC_PATH, HeldConnections, ScriptHead
 from .redis_entries import read_node_entries
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
-
-logger = logging.getLogger(__name__)
 
 _TROUBLE = (
     redis.ConnectionError,
@@ -106,7 +105,9 @@ class RedisBlockIndex:
     """``BlockIndex`` on Redis. ``url``: ``redis://host:port/db``. Timeouts are seconds.
 
     ``client``: an existing ``redis.Redis`` (bytes responses) to use instead of one built from
-    ``url``. ``clock``: monotonic seconds, for the retry back-off.
+    ``url``. ``clock``: monotonic seconds, for the retry back-off. ``reachability``: the
+    backend's up/down state and log lines, shared with the node directory on the same server
+    (default: one of its own for ``url``).
     """
 
     def __init__(
@@ -119,8 +120,11 @@ class RedisBlockIndex:
         retry_interval_s: float = 1.0,
         client: redis.Redis | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reachability: Reachability | None = None,
     ) -> None:
         self.namespace = namespace
+        self.reachability = reachability or Reachability(
+            url, retry_interval_s=retry_interval_s, clock=clock)
         self.stats = IndexStats()
         self._prefix = namespace.key_prefix
         self._key_hash_bytes = namespace.key_hash_bytes
@@ -147,7 +151,7 @@ class RedisBlockIndex:
     def _on_success(self, prefix: str) -> None:
         if self._down_until.pop(prefix, None) is not None:
             self.stats.reconnects += 1
-            logger.info("block index: Redis reachable again (%s)", prefix)
+            self.reachability.answered(prefix)
 
     def _on_trouble(
         self, what: str, exc: Exception, prefix: str | None = None, started: int | None = None
@@ -160,9 +164,7 @@ class RedisBlockIndex:
         kind = type(exc).__name__
         self.stats.errors_by_kind[kind] = self.stats.errors_by_kind.get(kind, 0) + 1
         self._available = False
-        if prefix not in self._down_until:
-            logger.warning("block index: Redis trouble during %s (%s: %s); falling back to no "
-                           "hit, retrying in %.2f s", what, kind, exc, self._retry_interval_s)
+        self.reachability.failed(prefix, exc)  # (logged once per outage, not per call)
         self._down_until[prefix] = self._clock() + self._retry_interval_s
 
     def _call(self, what: str, script: _Script, *args: Any, known: bool = True) -> Any:

@@ -301,7 +301,8 @@ class IndexWorker:
         if not self.can_resync:
             return
         self._num_losses += 1
-        if not self._needs_resync:
+        if not self._needs_resync and self.index.available:  # (a backend that does not answer
+            # has said so in one line of its own, and that it resyncs once back)
             logger.warning(
                 "index: a publish batch of %s may be lost; resyncing its whole cached set once "
                 "the backend answers", self.node_id,
@@ -421,7 +422,7 @@ class IndexWorker:
 
     def _register(self) -> bool:  # True: registered
         status = self.index.register_node(self.node_id, self.incarnation, ttl_s=self.ttl_s)
-        if status != "ok":
+        if status == "fenced":  # ("unavailable": the backend's own line said so, once)
             logger.warning("index: register of %s answered %s", self.node_id, status)
         if self._address is not None:
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)

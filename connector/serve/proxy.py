@@ -99,7 +99,9 @@ class PrefixLocator:
         from kvbridge.connector.index import IndexNamespace, block_index_for_url
         from kvbridge.kvmanager import get_request_block_hasher
 
-        self._index = block_index_for_url(index_url, IndexNamespace(identity=identity))
+        self._index = block_index_for_url(
+            index_url, IndexNamespace(identity=identity),
+            meanwhile="routing each request round-robin meanwhile (no prefix-aware choice of P)")
         self._hasher = get_request_block_hasher(identity.block_size, identity.hash_fn_name)
 
     def holders(self, prompt_token_ids: Sequence[int]) -> list[tuple[str, int]]:
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         help="redis://... or redis-cluster://HOST:PORT[,...] for index-aware P choice",
     )
     # The nodes' block identity (kvbridge.transport.BlockIdentity), the index namespace; the
-    # defaults are examples/node_server.py's with --model tiny.
+    # defaults are kvbridge-node's with --model tiny.
     parser.add_argument("--model-name", default="kvbridge-tiny", help="the nodes' model_name")
     parser.add_argument("--model-revision", default="", help="the nodes' model_revision")
     parser.add_argument("--kv-cache-dtype", default="float32", help="the nodes' KV cache dtype")

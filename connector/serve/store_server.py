@@ -12,6 +12,7 @@ SIGTERM).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -37,7 +38,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-guard-s", type=float, default=30.0)
     args = parser.parse_args(argv)
     model = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.tiny_hybrid()
-    node = start_store_node(
+    try:  # a setting it cannot serve (an unreachable cluster index among them): one line
+        node = _start(args, model)
+    except ValueError as exc:
+        parser.error(str(exc))
+    announce(
+        engine_id=node.engine_id,
+        incarnation=node.incarnation,
+        pull_address=list(node.address),
+        store_url=node.store_url,
+        capacity_blocks=node.cache.num_store_blocks,
+    )
+    try:
+        wait_for_stop()
+    finally:
+        print(json.dumps({"stats": node.stats.snapshot()}), flush=True)  # its last line
+        close_store_node(node)
+    return 0
+
+
+def _start(args: argparse.Namespace, model: ModelConfig) -> StoreNode:
+    return start_store_node(
         StoreNode(
             model,
             block_size=args.block_size,
@@ -54,19 +75,6 @@ def main(argv: list[str] | None = None) -> int:
             read_guard_s=args.read_guard_s,
         )
     )
-    announce(
-        engine_id=node.engine_id,
-        incarnation=node.incarnation,
-        pull_address=list(node.address),
-        store_url=node.store_url,
-        capacity_blocks=node.cache.num_store_blocks,
-    )
-    try:
-        wait_for_stop()
-    finally:
-        print(json.dumps({"stats": node.stats.snapshot()}), flush=True)  # its last line
-        close_store_node(node)
-    return 0
 
 
 if __name__ == "__main__":

@@ -37,10 +37,9 @@ TTL_S = 3.0  # index_ttl_s: heartbeats every second; a dead holder's entries go 
 A_KV_BYTES = 6 << 20  # 192 blocks of 32 tokens (32 KiB a block: 2 layers, 2 KV heads, fp32)
 TICK = [1, 2, 3]  # a 3-token prompt: makes an idle engine step once
 OUTAGE_S = 3.5  # Redis stopped this long: three heartbeats and more
-OUTAGE_LINES = (  # what an engine says when Redis goes (each once)
-    "block index: Redis trouble",  # lookups, publishes and heartbeats
-    "node directory: announce of",  # the address it announces at every heartbeat
-    "may be lost; resyncing",  # its publishes: the whole cached set again once Redis is back
+OUTAGE_LINES = (  # what an engine says when Redis goes: one line, once (issue 29, part 5),
+    # for its lookups, publishes, heartbeats and announces alike (index/reachability.py)
+    "kvbridge index: cannot reach",
 )
 
 
