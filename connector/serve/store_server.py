@@ -7,7 +7,9 @@ Nodes point at it with ``kv_connector_extra_config = {"store_url": "<host>:<writ
 "offload": "evict", "index_url": <same index>}`` (``"[<ipv6>]:<write port>"`` for an IPv6
 ``--host`` such as ``::1``: the JSON line prints it so); restores find it through the index.
 Prints one JSON line with its addresses once serving, then serves until interrupted (Ctrl-C /
-SIGTERM).
+SIGTERM). For vLLM engines, ``--profile '<json>'`` gives the store their block identity and KV
+geometry: the JSON a vLLM engine with ``store_url`` logs once its KV caches exist
+(``store/profile.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import sys
 
 from kvbridge.connector.store import StoreNode, close_store_node, start_store_node
+from kvbridge.connector.store.profile import StoreProfile
 from kvbridge.kernels.model import ModelConfig
 
 from .cli import CommandParser, announce, wait_for_stop
@@ -35,7 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-revision", default="", help="the writers' model_revision")
     parser.add_argument("--hash-fn", default="sha256_cbor")
     parser.add_argument("--read-guard-s", type=float, default=30.0)
+    parser.add_argument("--profile", help="the writers' store profile: the JSON a vLLM engine "
+                        "with store_url logs ('kvbridge store tier: ... profile'); replaces "
+                        "--model, --block-size, --model-name, --model-revision and --hash-fn")
     args = parser.parse_args(argv)
+    try:
+        profile = None if args.profile is None else StoreProfile.from_json(args.profile)
+    except ValueError as exc:
+        parser.error(str(exc))
     model = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.tiny_hybrid()
     node = start_store_node(
         StoreNode(
@@ -52,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             write_host=args.host,
             write_port=args.write_port,
             read_guard_s=args.read_guard_s,
+            profile=profile,
         )
     )
     announce(

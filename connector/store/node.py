@@ -17,26 +17,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from kvbridge.kernels.model import ModelConfig
 from kvbridge.kvmanager.model_runner import make_kv_cache_config
-from kvbridge.transport import LeaseRef, LoopbackNetwork, NodeMetadata, PeerAddress, Transport
+from kvbridge.transport import BlockIdentity, LeaseRef, LoopbackNetwork, PeerAddress, Transport
 from kvbridge.transport.address import check_host, format_host_port
 
 from ..index.client import IndexClient, open_index
-from ..index.protocol import IndexNamespace, new_incarnation
+from ..index.protocol import new_incarnation
 from ..loop_thread import get_loop_thread
 from .cache import StoreCache
+from .profile import GroupGeometry, StoreProfile
 from .server import StoreWriteServer
+from .store_stats import StoreStats
 from .url import format_store_url
 from .wire import PutReply, PutRequest, StoreWireError
 
-__all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "store_kv_caches"]
+__all__ = [
+    "StoreNode", "StoreStats", "close_store_node", "model_profile", "start_store_node",
+    "store_kv_caches",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,75 +50,33 @@ _START_TIMEOUT_S = 60.0
 _PUBLISH_WAIT_S = 2.0
 
 
-@dataclass
-class StoreStats:
-    """Counters of one store node (thread-safe reads via ``snapshot``).
-
-    ``num_blocks_stored`` / ``bytes_stored``: blocks written; ``num_blocks_present``: writes of
-    blocks already held (touched only); ``num_blocks_refused``: writes refused for lack of room;
-    ``num_blocks_dropped`` / ``bytes_dropped``: LRU evictions; ``num_blocks_requested`` /
-    ``num_blocks_hit`` / ``bytes_served``: blocks pulls asked for, and those the store still held
-    (served); ``num_put_errors``: malformed or refused put messages.
-    """
-
-    capacity_blocks: int = 0
-    num_puts: int = 0
-    num_put_errors: int = 0
-    num_blocks_stored: int = 0
-    bytes_stored: int = 0
-    num_blocks_present: int = 0
-    num_blocks_refused: int = 0
-    num_blocks_dropped: int = 0
-    bytes_dropped: int = 0
-    num_blocks_requested: int = 0
-    num_blocks_hit: int = 0
-    bytes_served: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **amounts: int) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
-
-    @property
-    def hit_ratio(self) -> float | None:
-        """Blocks served / blocks asked for (None before the first pull)."""
-        if not self.num_blocks_requested:
-            return None
-        return self.num_blocks_hit / self.num_blocks_requested
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            out = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        out["hit_ratio"] = self.hit_ratio
-        return out
+def model_profile(
+    model_config: ModelConfig, *, block_size: int, model_name: str = "kvbridge",
+    model_revision: str = "", hash_fn_name: str = "sha256_cbor",
+) -> StoreProfile:
+    """The ``StoreProfile`` of kvbridge's own nodes of ``model_config`` (their handshake's
+    identity and geometry): per group, layers of ``[2, block_size, num_kv_heads, head_dim]``
+    blocks of the model's dtype, in kvbridge's layout."""
+    config = make_kv_cache_config(model_config, num_blocks=1, block_size=block_size)
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    shape = (2, block_size, model_config.num_kv_heads, model_config.head_dim)
+    return StoreProfile(
+        identity=BlockIdentity(model_name=model_name, model_revision=model_revision,
+                               kv_cache_dtype=dtype, block_size=block_size,
+                               hash_fn_name=hash_fn_name),
+        groups=tuple(GroupGeometry(num_layers=len(g.layer_names), block_shape=shape,
+                                   dtype=dtype)  # type: ignore[arg-type]
+                     for g in config.kv_cache_groups),
+    )
 
 
 def store_kv_caches(
     model_config: ModelConfig, *, block_size: int, capacity_bytes: int
 ) -> tuple[list[list[torch.Tensor]], int]:
-    """Host KV tensors for a store of ``capacity_bytes``: ``[group][layer]`` tensors
-    ``[num_store_blocks + 1, 2, block_size, num_kv_heads, head_dim]`` (row 0 unused), where
-    ``num_store_blocks = capacity_bytes // (bytes of one block across every layer)``.
-
-    Raises:
-        ValueError: the capacity holds no block.
-    """
-    config = make_kv_cache_config(model_config, num_blocks=1, block_size=block_size)
-    groups = config.kv_cache_groups
-    bytes_per_block = sum(
-        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups
-    )
-    num_store_blocks = capacity_bytes // bytes_per_block
-    if num_store_blocks < 1:
-        raise ValueError(
-            f"capacity_bytes {capacity_bytes} holds no block of {bytes_per_block} bytes"
-        )
-    shape = (num_store_blocks + 1, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
-    by_group = [
-        [torch.zeros(shape, dtype=model_config.dtype) for _ in g.layer_names] for g in groups
-    ]
-    return by_group, num_store_blocks
+    """Host KV tensors for a store of ``capacity_bytes`` of kvbridge's nodes of
+    ``model_config`` (``model_profile``; ``StoreProfile.kv_caches``). Raises ValueError when
+    the capacity holds no block."""
+    return model_profile(model_config, block_size=block_size).kv_caches(capacity_bytes)
 
 
 class StoreNode:
@@ -137,13 +99,16 @@ class StoreNode:
         max_put_bytes: largest payload one put may carry.
         auth_key: the cluster key its transport proves and demands (``transport.auth``), as
             every node's ``auth_key``; None: none. The write server is not authenticated.
+        profile: the writers' ``StoreProfile`` (their block identity, KV geometry and index
+            namespace), in place of ``model_config``, ``block_size`` and the names: the store
+            of another engine's KV (vLLM's).
     """
 
     def __init__(
         self,
-        model_config: ModelConfig,
+        model_config: ModelConfig | None,
         *,
-        block_size: int,
+        block_size: int = 16,
         capacity_bytes: int,
         engine_id: str = "store-0",
         model_name: str = "kvbridge",
@@ -160,28 +125,27 @@ class StoreNode:
         index_ttl_s: float = 10.0,
         max_put_bytes: int = 256 << 20,
         auth_key: bytes | None = None,
+        profile: StoreProfile | None = None,
     ) -> None:
         if transport == "loopback" and loopback_network is None:
             raise ValueError("transport 'loopback' needs a loopback_network")
         check_host(host, what="host")
         check_host(write_host, what="write_host")
         self.engine_id = engine_id
-        self.block_size = block_size
         self.incarnation = new_incarnation()
-        self.kv_caches_by_group, num_store_blocks = store_kv_caches(
-            model_config, block_size=block_size, capacity_bytes=capacity_bytes
-        )
+        if profile is None:  # kvbridge's own model: the profile of a node of it
+            if model_config is None:
+                raise ValueError("StoreNode needs a model_config or a profile")
+            profile = model_profile(model_config, block_size=block_size, model_name=model_name,
+                                    model_revision=model_revision, hash_fn_name=hash_fn_name)
+        self.profile = profile
+        self.block_size = profile.identity.block_size
+        self.kv_caches_by_group, num_store_blocks = profile.kv_caches(capacity_bytes)
         self.cache = StoreCache(self.kv_caches_by_group, read_guard_s=read_guard_s)
         self.stats = StoreStats(capacity_blocks=num_store_blocks)
-        self.metadata = NodeMetadata.from_kv_caches(
-            engine_id=engine_id,
-            kv_caches_by_group=self.kv_caches_by_group,
-            model_name=model_name,
-            hash_fn_name=hash_fn_name,
-            model_revision=model_revision,
-        )
-        self.metadata = replace(self.metadata, incarnation=str(self.incarnation))
-        self.namespace = IndexNamespace(identity=self.metadata.identity)
+        self.metadata = replace(profile.metadata(engine_id, self.kv_caches_by_group),
+                                incarnation=str(self.incarnation))
+        self.namespace = profile.namespace
         self.index_url = index_url
         self.index_ttl_s = index_ttl_s
         self.max_put_bytes = max_put_bytes
