@@ -69,7 +69,7 @@ from kvbridge.kvmanager import (
     get_request_block_hasher,
 )
 from kvbridge.kvmanager.engine import Engine, EngineConfig
-from kvbridge.transport import LoopbackNetwork, format_host_port
+from kvbridge.transport import LoopbackNetwork, NodeMetadata, format_host_port
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 3
@@ -998,7 +998,7 @@ def test_sender_snapshots_at_submit_and_reports_one_outcome_per_item(network, re
     items = [OffloadItem(2, 0, b"a" * 32, b""), OffloadItem(5, 0, b"b" * 32, b"a" * 32)]
     with pytest.raises(RuntimeError, match="before bind"):
         sender.submit(items)
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     with pytest.raises(ValueError, match=r"offload item \[0\]: block_id 10 not in \[1, 10\)"):
         sender.submit([OffloadItem(10, 0, b"c" * 32, b"")])
     with pytest.raises(ValueError, match=r"offload item \[0\]: group_id 1 not in \[0, 1\)"):
@@ -1045,7 +1045,8 @@ def test_sender_reports_every_item_not_held_when_the_store_is_unreachable():
     sender = OffloadSender(
         store_address=("127.0.0.1", port), max_inflight_bytes=1 << 20, stats=node_stats
     )
-    sender.bind([caches], "any")
+    sender.bind([caches], NodeMetadata.from_kv_caches(
+        engine_id="n", kv_caches_by_group=[caches], model_name="m", hash_fn_name="sha256"))
     items = [OffloadItem(1, 0, b"a" * 32, b""), OffloadItem(3, 0, b"b" * 32, b"")]
     assert sender.submit(items) == 2
     sender.wait_idle()
@@ -1067,7 +1068,7 @@ def test_planner_and_sender_across_msgpack_offload_a_whole_chain(network, redis_
     sender = OffloadSender(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats()
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)  # (0) register_kv_caches
+    sender.bind([caches[0]], store.metadata)  # (0) register_kv_caches
     planner.observe(events)  # (0) update_connector_output of the step that computed the chain
     outcomes_wire = msgpack.packb([])
     for step in range(3):
@@ -1204,7 +1205,7 @@ def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(
     sender = OffloadSender(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=stats
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     planner.observe(events)
 
     def step(extra: list[OffloadItem] = ()) -> list[OffloadItem]:
@@ -1248,7 +1249,7 @@ def test_a_store_restarted_empty_gets_the_cold_blocks_written_again(network, red
     sender = OffloadSender(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats()
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     planner.observe(events)
 
     def step() -> list[OffloadItem]:
@@ -1298,7 +1299,7 @@ def test_a_store_restarted_while_nothing_goes_cold_is_found_by_a_probe(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats(),
         probe_interval_s=30.0,
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     planner.observe(events)
 
     def step(now_s: float) -> list[OffloadItem]:
@@ -1340,7 +1341,7 @@ def test_a_probe_waits_for_the_interval_and_for_puts_in_flight(network, redis_ur
         probe_interval_s=5.0,
     )
     assert not sender.probe_if_due(0.0)  # not bound yet
-    sender.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata.compat_hash)
+    sender.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata)
     assert not sender.probe_if_due(100.0)  # the first call starts the interval
     assert not sender.probe_if_due(104.9)
     assert sender.probe_if_due(105.0) and sender.store_incarnation in (0, store.incarnation)
@@ -1350,7 +1351,7 @@ def test_a_probe_waits_for_the_interval_and_for_puts_in_flight(network, redis_ur
     sender.wait_idle()
     never = OffloadSender(store_address=store.write_address, max_inflight_bytes=1,
                           stats=KVTransferStats())  # probe_interval_s 0: never
-    never.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata.compat_hash)
+    never.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata)
     assert not never.probe_if_due(0.0) and not never.probe_if_due(1e9)
     sender.close()
     never.close()

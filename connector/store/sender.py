@@ -34,10 +34,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from kvbridge.transport import NodeMetadata
 
 from ..loop_thread import LoopThread, get_loop_thread
 from ..stats import KVTransferStats
 from .offload_items import OffloadItem, OffloadOutcome
+from .profile import StoreProfile
 from .staging import StagingPool, snapshot_blocks, staging_nbytes
 from .wire import PutGroup, PutRequest, StoreWireError
 from .writer import StoreWriter
@@ -86,6 +88,8 @@ class OffloadSender:
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = stats
         self.writer = StoreWriter(*store_address)
+        self.writer_address = store_address
+        self.profile: StoreProfile | None = None  # set by bind
         self._loop_thread = loop_thread
         self._staging_pool = StagingPool(max_inflight_bytes)
         self._kv_caches_by_group: list[list[torch.Tensor]] | None = None
@@ -98,12 +102,17 @@ class OffloadSender:
         self._futures: set[Future[None]] = set()
 
     # ------------------------------------------------------------------ worker thread
-    def bind(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]], compat_hash: str) -> None:
+    def bind(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+             metadata: NodeMetadata, *, kv_heads_layout: str = "") -> None:
         """Give the sender the node's KV tensors, ``[group][layer]`` tensors
         ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (``register_kv_caches``), and
-        its ``NodeMetadata.compat_hash`` (the store refuses another layout)."""
+        its handshake ``metadata`` and ``IndexNamespace.kv_heads_layout``: its store profile
+        (``profile.StoreProfile``; the store refuses another), logged once at INFO."""
         self._kv_caches_by_group = [list(group) for group in kv_caches_by_group]
-        self._compat_hash = compat_hash
+        self.profile = StoreProfile.of_metadata(metadata, kv_heads_layout=kv_heads_layout)
+        self._compat_hash = metadata.compat_hash
+        logger.info("offload to the store at %s:%d; this node's store profile: kvbridge-store "
+                    "--profile '%s'", *self.writer_address, self.profile.to_json())
 
     @property
     def is_bound(self) -> bool:
