@@ -212,9 +212,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     # ================================================================== scheduler half
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """With ``index_url``: follow vLLM's block pool (``pool_follower.VllmPoolFollower``),
-        whose prefix-cache changes become the scheduler half's block events (published to the
-        index, mirrored by the worker half for the holder's re-check). vLLM calls it once,
-        before the workers' handshake; without an index the pool is left alone.
+        whose prefix-cache changes become the scheduler half's block events (published to
+        the index, mirrored by the worker half for the holder's re-check), and, with ``offload:
+        "evict"``, whose free queue the offload planner reads (``offload_pool.VllmOffloadPool``).
+        vLLM calls it once, when its KV cache manager exists, before the workers' handshake;
+        without an index the pool is left alone.
 
         Raises:
             KVTransferConfigError: the pool hashes at another granularity than its blocks.

@@ -9,7 +9,8 @@ process) and two vLLM engines, each its own process, started once for the module
   blocks a step (``offload_blocks_per_step``). A serves six prompts of 1,500 tokens (48 blocks
   each, with the decoded tokens) one after another: the first prompts' blocks reach the cold end
   of the free queue and are copied to the store before later prompts evict them.
-- C: a fresh engine on the same index (no store of its own) that serves prompts A has evicted.
+- C: a fresh engine on the same index (no store of its own) that serves prompts A has evicted,
+  and, once A has exited, a prompt A still held.
 
 The store starts from the profile A logs once its worker half has its KV caches (the write port
 is chosen first and given to A as ``store_url``). Reference tokens: A's own, computed from
@@ -18,9 +19,10 @@ scratch (a single instance; nothing was cached or pulled for them).
 Checked: no block is offloaded while the prompts' blocks are far from eviction; C restores an
 evicted prompt from the store (A still running), its greedy tokens equal A's, the restored
 blocks counted by C (``num_restored_blocks``, ``store_hit_tokens``, vLLM's
-``external_unspecified`` hit source) and A counted its writes; the store paused while C's
-restore waits on it, then killed: C recomputes, the tokens are right, the failure is counted.
-After each test both engines hold no request and every block is free.
+``external_unspecified`` hit source) and A counted its writes; A stopped, C restores from the
+store a prompt that A still held; the store paused while C's restore waits on it, then killed:
+C recomputes, the tokens are right, the failure is counted. After each test the engines still
+running hold no request and every block is free.
 """
 
 from __future__ import annotations
@@ -156,8 +158,21 @@ def test_a_offloads_only_blocks_near_eviction_and_c_restores_an_evicted_prompt(t
     _drained(a, c)
 
 
+def test_after_a_exits_c_restores_from_the_store_what_only_a_held_besides(tier, served):
+    a, c, _ = tier
+    outs, _ = served
+    a.stop()  # s3 was still in A's cache (and copied to the store while it neared eviction)
+    before = c.stats()
+    (out,) = c.generate([request(PROMPTS["s3"], N_NEW)])
+    assert out["token_ids"] == outs["s3"]
+    after = c.stats()
+    assert (after["num_restored_blocks"] - before["num_restored_blocks"],
+            after["num_failed_loads"] - before["num_failed_loads"]) == (FULL_BLOCKS, 0)
+    _drained(c)
+
+
 def test_the_store_killed_mid_restore_costs_a_recompute_with_the_right_tokens(tier, served):
-    a, c, store = tier
+    _, c, store = tier
     outs, _ = served
     before = c.stats()
     store.signal(signal.SIGSTOP)  # the store stops answering; its index entries stay listed
@@ -172,4 +187,4 @@ def test_the_store_killed_mid_restore_costs_a_recompute_with_the_right_tokens(ti
     assert (after["num_index_hits"] - before["num_index_hits"],
             after["num_failed_loads"] - before["num_failed_loads"]) == (1, 1)
     assert after["num_restored_blocks"] == before["num_restored_blocks"]
-    _drained(a, c)
+    _drained(c)
