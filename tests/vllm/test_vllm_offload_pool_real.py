@@ -18,6 +18,7 @@ pytest.importorskip("vllm.v1.core.block_pool")
 
 from kvbridge.connector.store.offload_items import OffloadOutcome
 from kvbridge.connector.store.planner import OffloadPlanner
+from kvbridge.connector.vllm.metrics import KVBridgeConnectorStats
 from kvbridge.connector.vllm.offload_pool import VllmOffloadPool
 from kvbridge.connector.vllm.pool_follower import VllmPoolFollower
 from kvbridge.connector.vllm.store_events import STORE_MEDIUM, StoreTierEvents
@@ -97,3 +98,13 @@ def test_store_tier_events_name_what_the_store_holds_with_its_medium():
     assert stored_1.parent_block_hash is None and stored_2.parent_block_hash == ext(_hash(1))
     assert stored_2.block_hashes == [ext(_hash(2))] and removed.block_hashes == [ext(_hash(1))]
     assert events.take() == []
+
+
+def test_vllm_s_log_line_shows_the_store_tier_s_counters_when_there_are_any():
+    quiet = KVBridgeConnectorStats({"counters": {"num_loads": 2}}).reduce()
+    assert not {"blocks offloaded", "blocks restored", "store write failures"} & set(quiet)
+    busy = KVBridgeConnectorStats({"counters": {"num_offloaded_blocks": 40,
+                                                "num_restored_blocks": 46,
+                                                "num_offload_failures": 1}}).reduce()
+    assert (busy["blocks offloaded"], busy["blocks restored"],
+            busy["store write failures"]) == (40, 46, 1)
