@@ -21,8 +21,9 @@ evicted prompt from the store (A still running), its greedy tokens equal A's, th
 blocks counted by C (``num_restored_blocks``, ``store_hit_tokens``, vLLM's
 ``external_unspecified`` hit source) and A counted its writes; A stopped, C restores from the
 store a prompt that A still held; the store paused while C's restore waits on it, then killed:
-C recomputes, the tokens are right, the failure is counted. After each test the engines still
-running hold no request and every block is free.
+C recomputes, the tokens are right, the failure is counted. vLLM's KV-event stream (ZMQ, on
+A) carries a ``BlockStored`` of the medium ``KVBRIDGE_STORE`` for the blocks A wrote. After
+each test the engines still running hold no request and every block is free.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import msgpack
 import pytest
 from _harness import BLOCK, Node, free_port, kvbridge_config, request, start_nodes, tokens
 
@@ -55,6 +58,45 @@ def _profile(node: Node, timeout_s: float = 30.0) -> str:
             return found.group(1)
         time.sleep(0.2)
     raise AssertionError(f"{node.name} logged no store profile")
+
+
+class _KVEvents:
+    """A subscriber to vLLM's KV-event stream (``kv_events_config``, ZMQ): each published batch
+    (``KVEventBatch``: ``[ts, events, data_parallel_rank]``, every event a map tagged with its
+    ``type``) is kept, on a thread of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.RCVTIMEO, 200)
+        self._sub.connect(endpoint)
+        self.events: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                _, _, payload = self._sub.recv_multipart()
+            except zmq.Again:
+                continue
+            self.events.extend(msgpack.unpackb(payload, raw=False)[1])
+
+    def of_medium(self, medium: str, kind: str) -> list[dict]:
+        return [e for e in list(self.events) if e.get("type") == kind
+                and e.get("medium") == medium]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(0)
+        self._context.term()
 
 
 class _Store:
@@ -88,9 +130,11 @@ class _Store:
 
 @pytest.fixture(scope="module")
 def tier(tiny_llama, log_dir, redis_server):
-    write_port = free_port()
+    write_port, events_port = free_port(), free_port()
     a = Node("store-a", model=tiny_llama, log_dir=log_dir,
-             llm={"kv_cache_memory_bytes": A_KV_BYTES},
+             llm={"kv_cache_memory_bytes": A_KV_BYTES,
+                  "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                       "endpoint": f"tcp://*:{events_port}"}},
              kv_transfer_config=kvbridge_config(
                  "both", "store-engine-a", index_url=redis_server.url,
                  store_url=f"127.0.0.1:{write_port}", offload="evict", offload_scan_blocks=96,
@@ -100,10 +144,12 @@ def tier(tiny_llama, log_dir, redis_server):
                                                 index_url=redis_server.url, load_timeout_s=5.0))
     start_nodes(a, c)
     store = _Store(_profile(a), redis_server.url, write_port, log_dir / "store.log")
+    events = _KVEvents(f"tcp://127.0.0.1:{events_port}")  # vLLM binds a wildcard endpoint
     try:
         assert store.announced["store_url"] == f"127.0.0.1:{write_port}"
-        yield a, c, store
+        yield a, c, store, events
     finally:
+        events.close()
         store.kill()
         c.stop()
         a.stop()
@@ -119,7 +165,7 @@ def _drained(*nodes: Node) -> None:
 def served(tier):
     """A serves the six prompts in turn; their tokens (A computed each from scratch) and A's
     stats after the first two."""
-    a, _, _ = tier
+    a = tier[0]
     outs, after_two = {}, None
     for name, prompt in PROMPTS.items():
         (out,) = a.generate([request(prompt, N_NEW)])
@@ -132,7 +178,7 @@ def served(tier):
 
 
 def test_a_offloads_only_blocks_near_eviction_and_c_restores_an_evicted_prompt(tier, served):
-    a, c, _ = tier
+    a, c, _, events = tier
     outs, after_two = served
     # Two prompts on a fresh pool: s1's blocks sit behind 95 never-used ones in the free queue
     # while s2 runs, outside the 96 entries vLLM reuses next: nothing copied yet (a window of
@@ -142,6 +188,10 @@ def test_a_offloads_only_blocks_near_eviction_and_c_restores_an_evicted_prompt(t
     # s1 and s2 (and more) reached the cold end and were copied before s4 to s6 evicted them.
     assert a_stats["num_offloaded_blocks"] >= 2 * FULL_BLOCKS, a_stats
     assert a_stats["num_offload_failures"] == 0
+    # vLLM's KV-event stream tells routers what the store holds: a BlockStored of the medium
+    # KVBRIDGE_STORE for each block A wrote (those of A's last step are published later).
+    stored = events.of_medium("KVBRIDGE_STORE", "BlockStored")
+    assert 2 * FULL_BLOCKS <= len(stored) <= a_stats["num_offloaded_blocks"], len(stored)
     before, m_before = c.stats(), c.metrics()
     (out,) = c.generate([request(PROMPTS["s1"], N_NEW)])
     assert out["token_ids"] == outs["s1"]
@@ -159,7 +209,7 @@ def test_a_offloads_only_blocks_near_eviction_and_c_restores_an_evicted_prompt(t
 
 
 def test_after_a_exits_c_restores_from_the_store_what_only_a_held_besides(tier, served):
-    a, c, _ = tier
+    a, c, _, _ = tier
     outs, _ = served
     a.stop()  # s3 was still in A's cache (and copied to the store while it neared eviction)
     before = c.stats()
@@ -172,7 +222,7 @@ def test_after_a_exits_c_restores_from_the_store_what_only_a_held_besides(tier, 
 
 
 def test_the_store_killed_mid_restore_costs_a_recompute_with_the_right_tokens(tier, served):
-    _, c, store = tier
+    _, c, store, _ = tier
     outs, _ = served
     before = c.stats()
     store.signal(signal.SIGSTOP)  # the store stops answering; its index entries stay listed
