@@ -111,12 +111,16 @@ class _Store:
              "--write-port", str(write_port)],
             stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        for line in self.proc.stdout:  # its one JSON line, once serving (UCX may warn first)
-            if line.startswith("{"):
-                self.announced = json.loads(line)
-                break
-        else:
-            raise AssertionError(f"the store exited before serving (log: {log_path})")
+        try:
+            for line in self.proc.stdout:  # its one JSON line once serving (UCX may warn first)
+                if line.startswith("{"):
+                    self.announced = json.loads(line)
+                    break
+            else:
+                raise AssertionError(f"the store exited before serving (log: {log_path})")
+        except BaseException:
+            self.kill()  # never left running
+            raise
 
     def signal(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
@@ -143,7 +147,12 @@ def tier(tiny_llama, log_dir, redis_server):
              kv_transfer_config=kvbridge_config("both", "store-engine-c",
                                                 index_url=redis_server.url, load_timeout_s=5.0))
     start_nodes(a, c)
-    store = _Store(_profile(a), redis_server.url, write_port, log_dir / "store.log")
+    try:
+        store = _Store(_profile(a), redis_server.url, write_port, log_dir / "store.log")
+    except BaseException:
+        c.stop()
+        a.stop()
+        raise
     events = _KVEvents(f"tcp://127.0.0.1:{events_port}")  # vLLM binds a wildcard endpoint
     try:
         assert store.announced["store_url"] == f"127.0.0.1:{write_port}"
