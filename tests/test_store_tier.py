@@ -564,25 +564,14 @@ _PROCESS_TIMEOUT_S = 60.0
 def _start_store_process(
     redis_url: str, *, capacity_blocks: int, host: str = "127.0.0.1"
 ) -> tuple[subprocess.Popen, dict]:
-    """``kvbridge-store`` as a child process listening on ``host``; returns it and its
+    """``kvbridge-store`` as a child process listening on ``host``, from the plain command line
+    (no model or profile: it takes its geometry from the first writer); returns it and its
     "serving" JSON line."""
     model = tiny_model(hybrid=False).config
     per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m", _STORE_MAIN,
-            "--host",
-            host,
-            "--capacity-bytes",
-            str(capacity_blocks * per_block),
-            "--index-url",
-            redis_url,
-            "--model",
-            "tiny",
-            "--block-size",
-            str(BLOCK_SIZE),
-        ],
+        [sys.executable, "-m", _STORE_MAIN, "--index-url", redis_url,
+         "--capacity-bytes", str(capacity_blocks * per_block), "--host", host],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -597,15 +586,16 @@ def _start_store_process(
 def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(request, host):
     """With ``host`` ``::1`` every address is IPv6 (issue 28, item 2): the index is a Redis on
     ``redis://[::1]:PORT/0``, the store's write server and pull endpoint and the node listen on
-    ``::1``, the store hands out ``store_url`` ``[::1]:PORT`` and the node writes there."""
+    ``::1``, the store hands out ``store_url`` ``[::1]:PORT`` and the node writes there. The
+    store is started with no model: it takes the kvbridge node's geometry from its hello."""
     if host == "::1":
         require_ipv6_loopback()
     redis_url = request.getfixturevalue("redis_url_ipv6" if host == "::1" else "redis_url")
     proc, serving = _start_store_process(redis_url, capacity_blocks=64, host=host)
     node = None
     try:
-        assert serving["capacity_blocks"] == 64
-        assert serving["pull_address"][0] == host
+        # No geometry until the first writer: no pull address, no capacity in blocks yet.
+        assert (serving["capacity_blocks"], serving["pull_address"]) == (None, None)
         write_port = int(serving["store_url"].rpartition(":")[2])
         assert serving["store_url"] == format_host_port(host, write_port)  # [::1]:PORT
         # The node runs here with a UCX transport; the store's write server and its UCX pull
@@ -655,6 +645,7 @@ def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(re
     assert store_stats["num_blocks_stored"] == 40
     assert (store_stats["num_blocks_requested"], store_stats["num_blocks_hit"]) == (18, 18)
     assert store_stats["num_put_errors"] == 0
+    assert store_stats["capacity_blocks"] == 64  # the node's (tiny model's) geometry, taken
     assert proc.returncode == 0
 
 

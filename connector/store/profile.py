@@ -114,6 +114,25 @@ class StoreProfile:
         """Parse ``to_msgpack``'s output (a writer's hello). Raises ValueError as ``from_json``."""
         return _decode(msgspec.msgpack.decode, raw)
 
+    def first_difference(self, other: StoreProfile) -> str | None:
+        """The first field in which ``other`` differs, ``"<field>: local X, remote Y"`` (this
+        profile local), identity fields first; None if equal."""
+        difference = self.identity.first_difference(other.identity)
+        if difference is not None:
+            return str(difference)
+        for name in ("groups", "kv_heads", "kv_heads_layout"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name}: local {mine!r}, remote {theirs!r}"
+        return None
+
+    def refusal(self, writer: StoreProfile) -> str:
+        """Why a store of this profile refuses ``writer``'s: the difference, the one-geometry
+        rule and its remedy first, then both profiles as JSON."""
+        return (f"this store keeps blocks of another geometry ({self.first_difference(writer)});"
+                " one kvbridge-store keeps one geometry: start another kvbridge-store for it. "
+                f"The store's profile: {self.to_json()}; the writer's: {writer.to_json()}")
+
     # ------------------------------------------------------------------ the store's side
     @property
     def bytes_per_block(self) -> int:

@@ -1,8 +1,10 @@
 """The store tier inside stock vLLM engines (issue 31 parts 4 and 5): offload on eviction,
 restore through the index, a store killed mid-restore.
 
-A Redis server (the suite's fixture), a store node (``kvbridge-store --profile``, its own
-process) and two vLLM engines, each its own process, started once for the module:
+A Redis server (the suite's fixture), a store node (``kvbridge-store --index-url URL
+--capacity-bytes N --write-port W``, its own process, no model or profile named: it takes its
+geometry from A's first write) and two vLLM engines, each its own process, started once for the
+module:
 
 - A: ``offload: "evict"`` to the store, a KV cache of 192 blocks of 32 tokens, and an offload
   window of the 96 free-queue entries vLLM reuses next (``offload_scan_blocks``), at most 16
@@ -12,9 +14,9 @@ process) and two vLLM engines, each its own process, started once for the module
 - C: a fresh engine on the same index (no store of its own) that serves prompts A has evicted,
   and, once A has exited, a prompt A still held.
 
-The store starts from the profile A logs once its worker half has its KV caches (the write port
-is chosen first and given to A as ``store_url``). Reference tokens: A's own, computed from
-scratch (a single instance; nothing was cached or pulled for them).
+The store starts first, with the plain command line; A is given its write port as ``store_url``.
+Reference tokens: A's own, computed from scratch (a single instance; nothing was cached or
+pulled for them).
 
 Checked: no block is offloaded while the prompts' blocks are far from eviction; C restores an
 evicted prompt from the store (A still running), its greedy tokens equal A's, the restored
@@ -49,15 +51,16 @@ FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # what a lookup may restore (never the 
 STORE_BYTES = 256 * 32768  # 256 blocks
 
 
-def _profile(node: Node, timeout_s: float = 30.0) -> str:
-    """The store profile A logs when its worker half registers its KV caches."""
+def _logged_profile(log_path, pattern: str, timeout_s: float = 30.0) -> dict:
+    """The store profile JSON a log shows after ``pattern`` (A's: ``--profile '``; the store's,
+    once it took a geometry: ``profile ``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = re.search(r"--profile '(\{.*?\})'", node.log_path.read_text(errors="replace"))
+        found = re.search(pattern + r"(\{.*\})", log_path.read_text(errors="replace"))
         if found:
-            return found.group(1)
+            return json.loads(found.group(1).rstrip("'"))
         time.sleep(0.2)
-    raise AssertionError(f"{node.name} logged no store profile")
+    raise AssertionError(f"{log_path} shows no store profile")
 
 
 class _KVEvents:
@@ -103,10 +106,11 @@ class _Store:
     """``kvbridge-store`` as its own process (its own session, so it can be paused and killed
     whole)."""
 
-    def __init__(self, profile: str, redis_url: str, write_port: int, log_path) -> None:
+    def __init__(self, redis_url: str, write_port: int, log_path) -> None:
+        self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in kill
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.connector.serve.store_server", "--profile", profile,
+            [sys.executable, "-m", "kvbridge.connector.serve.store_server",
              "--index-url", redis_url, "--capacity-bytes", str(STORE_BYTES),
              "--write-port", str(write_port)],
             stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
@@ -146,16 +150,18 @@ def tier(tiny_llama, log_dir, redis_server):
     c = Node("store-c", model=tiny_llama, log_dir=log_dir,
              kv_transfer_config=kvbridge_config("both", "store-engine-c",
                                                 index_url=redis_server.url, load_timeout_s=5.0))
-    start_nodes(a, c)
+    store = _Store(redis_server.url, write_port, log_dir / "store.log")
     try:
-        store = _Store(_profile(a), redis_server.url, write_port, log_dir / "store.log")
+        start_nodes(a, c)
     except BaseException:
-        c.stop()
-        a.stop()
+        store.kill()
         raise
     events = _KVEvents(f"tcp://127.0.0.1:{events_port}")  # vLLM binds a wildcard endpoint
     try:
         assert store.announced["store_url"] == f"127.0.0.1:{write_port}"
+        # No geometry until A's first write: no pull address, no capacity in blocks.
+        assert (store.announced["pull_address"], store.announced["capacity_blocks"]) == (
+            None, None)
         yield a, c, store, events
     finally:
         events.close()
@@ -187,8 +193,13 @@ def served(tier):
 
 
 def test_a_offloads_only_blocks_near_eviction_and_c_restores_an_evicted_prompt(tier, served):
-    a, c, _, events = tier
+    a, c, store, events = tier
     outs, after_two = served
+    # The store took A's geometry from A's first write: its profile (block identity, geometry,
+    # index namespace) is exactly the one A logs.
+    engine_profile = _logged_profile(a.log_path, "--profile '")
+    assert _logged_profile(store.log_path, "profile ") == engine_profile
+    assert engine_profile["identity"]["kv_layout"].startswith("vllm")  # vLLM's, not kvbridge's
     # Two prompts on a fresh pool: s1's blocks sit behind 95 never-used ones in the free queue
     # while s2 runs, outside the 96 entries vLLM reuses next: nothing copied yet (a window of
     # the whole queue would have copied s1 during s2's steps).
