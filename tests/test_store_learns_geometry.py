@@ -8,7 +8,9 @@ another identity is refused at the handshake (issue 31, "The contract users writ
 from __future__ import annotations
 
 import logging
+import socket
 
+import msgpack
 import pytest
 import torch
 from kvbridge.connector.index import IndexNamespace
@@ -23,6 +25,13 @@ from kvbridge.connector.store import (
     StoreWireError,
     close_store_node,
     start_store_node,
+)
+from kvbridge.connector.store.profile import StoreProfile
+from kvbridge.connector.store.wire import (
+    FRAME_HEADER,
+    STORE_SCHEMA_VERSION,
+    decode_header,
+    encode_hello,
 )
 from kvbridge.transport import HandshakeError, LoopbackNetwork, NodeMetadata, check_compatible
 
@@ -125,3 +134,25 @@ def test_a_writer_s_geometry_the_capacity_cannot_hold_leaves_the_store_without_o
     assert [o.held for o in sender_a.take_outcomes()] == [True]
     assert store.metadata.identity == meta_a.identity
     sender_a.close()
+
+
+def _exchange(sock: socket.socket, frame: bytes) -> dict:
+    """Send one frame, return the store's reply header."""
+    sock.sendall(frame)
+    (size,) = FRAME_HEADER.unpack(sock.recv(FRAME_HEADER.size, socket.MSG_WAITALL))
+    return decode_header(sock.recv(size, socket.MSG_WAITALL))
+
+
+def test_a_malformed_hello_is_refused_naming_the_field_and_the_connection_goes_on(store):
+    _, metadata = _writer("model-a")
+    bad = msgpack.packb({"v": STORE_SCHEMA_VERSION, "type": "hello", "profile": b"\x81\xa1x\x01"},
+                        use_bin_type=True)
+    with socket.create_connection(store.write_address, timeout=10) as sock:
+        reply = _exchange(sock, FRAME_HEADER.pack(len(bad)) + bad)
+        assert reply["type"] == "error" and "field 'profile'" in reply["error"], reply
+        assert store.profile is None and store.stats.num_put_errors == 1
+        profile = StoreProfile.of_metadata(metadata)
+        reply = _exchange(sock, encode_hello(profile))  # the same connection still serves
+        assert reply == {"v": STORE_SCHEMA_VERSION, "type": "hello_ok",
+                         "incarnation": store.incarnation}
+    assert store.profile == profile
