@@ -16,7 +16,7 @@ from typing import Any
 
 from .metadata import HolderRef, Ticket, WorkerHandshake
 from .pull_plan import RemoteMatch
-from .tp_layout import TPLayout
+from .tp_layout import TPLayout, index_layout
 from .transfer_params import PrefillRank, RemotePrefillParams
 
 __all__ = ["EngineRanks", "match_leases", "rank_holders"]
@@ -76,11 +76,9 @@ class EngineRanks:
         }
 
     def index_layout(self) -> str:
-        """``IndexNamespace.kv_heads_layout`` of this engine's blocks: ``"tp2h8"`` for 2 ranks
-        of 8 KV heads, ``""`` for one rank (every head in one block)."""
-        if self.tp_layout is None or self.tp_size == 1:
-            return ""
-        return f"tp{self.tp_size}h{self.tp_layout.total_num_kv_heads}"
+        """``IndexNamespace.kv_heads_layout`` of this engine's blocks (``tp_layout.index_layout``:
+        ``"tp2h8"`` for 2 ranks of 8 KV heads, ``""`` for one rank)."""
+        return index_layout(self.tp_layout)
 
 
 def rank_holders(ticket: RemotePrefillParams) -> tuple[HolderRef, ...]:

@@ -31,6 +31,7 @@ __all__ = [
     "HeadSource",
     "TPLayout",
     "head_sources",
+    "index_layout",
     "pairing_error",
     "rank_heads",
     "tp_size_error",
@@ -107,6 +108,15 @@ class TPLayout:
     def heads(self) -> HeadRange:
         """The heads this rank holds."""
         return rank_heads(self.tp_rank, self.tp_size, self.total_num_kv_heads)
+
+
+def index_layout(layout: TPLayout | None) -> str:
+    """``IndexNamespace.kv_heads_layout`` of the blocks of an engine whose ranks are laid out
+    as ``layout``: ``"tp2h8"`` for 2 ranks of 8 KV heads, ``""`` for one rank or None (every
+    head in one block)."""
+    if layout is None or layout.tp_size == 1:
+        return ""
+    return f"tp{layout.tp_size}h{layout.total_num_kv_heads}"
 
 
 def head_sources(local: TPLayout, remote_tp_size: int) -> list[HeadSource]:

@@ -64,7 +64,7 @@ from .store.offload_items import OffloadItem
 from .store.sender import OffloadSender
 from .store.url import parse_store_url
 from .switch_interval import SwitchInterval
-from .tp_layout import TPLayout
+from .tp_layout import TPLayout, index_layout
 
 __all__ = ["KVBridgeWorker"]
 
@@ -207,7 +207,7 @@ class KVBridgeWorker:
         )
         metadata = replace(metadata, incarnation=str(self.incarnation))
         if self.offload_sender is not None:
-            self.offload_sender.bind(by_group, metadata.compat_hash)
+            self.offload_sender.bind(by_group, metadata, kv_heads_layout=index_layout(tp_layout))
         transport = self._make_transport(metadata, by_group)
         self.leases.attach_board(transport.block_board)
         checks = HolderChecks(

@@ -19,6 +19,7 @@ from kvbridge.connector.vllm.engine_identity import (
     model_revision_of,
 )
 from kvbridge.connector.vllm.request_view import RequestView
+from kvbridge.connector.vllm.store_tier import check_store_tier
 from kvbridge.connector.vllm.translate import (
     VLLM_MIN_REMOTE_HIT_TOKENS,
     blocks_first_views,
@@ -355,15 +356,36 @@ def test_request_view_reads_vllm_fields_and_maps_status_by_name():
     assert RequestView.of(request).status is RequestStatus.FINISHED_ERROR  # nothing handed over
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("store_url", "127.0.0.1:7000"),
-    ("offload", "evict"),
-])
-def test_the_store_tier_is_refused_in_vllm_naming_the_key(key, value):
-    # Accepted, they would do nothing inside vLLM: no offload is planned there yet.
-    with pytest.raises(KVTransferConfigError, match=rf"{key}: not supported inside vLLM"):
-        config_from_vllm(_vllm_transfer_config(**{key: value}), model_name="tiny")
+def test_offload_on_eviction_to_a_store_is_accepted_in_vllm_and_write_through_refused():
+    extra = {"index_url": "redis://127.0.0.1:6379/0", "store_url": "127.0.0.1:7000"}
+    config = config_from_vllm(_vllm_transfer_config(**extra, offload="evict"), model_name="tiny")
+    assert (config.store_url, config.offload) == ("127.0.0.1:7000", "evict")
+    # Every computed block copied out: what users of offload connectors complain about.
+    with pytest.raises(KVTransferConfigError, match=r"offload='write_through': not supported"):
+        config_from_vllm(_vllm_transfer_config(**extra, offload="write_through"),
+                         model_name="tiny")
+    # A store's blocks are found (and their parents learnt) through the index: both needed.
+    with pytest.raises(KVTransferConfigError, match=r"needs store_url .* and index_url"):
+        config_from_vllm(_vllm_transfer_config(store_url="127.0.0.1:7000", offload="evict"),
+                         model_name="tiny")
     config_from_vllm(_vllm_transfer_config(offload="off", index_url=None), model_name="tiny")
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_the_store_tier_is_refused_on_an_engine_of_several_ranks(tp, pp):
+    extra = {"index_url": "redis://127.0.0.1:6379/0", "store_url": "127.0.0.1:7000",
+             "offload": "evict"}
+    config = config_from_vllm(_vllm_transfer_config(**extra), model_name="tiny")
+    engine = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                                             pipeline_parallel_size=pp))
+    with pytest.raises(KVTransferConfigError, match=rf"store_url: .*tensor_parallel_size {tp}"):
+        check_store_tier(engine, config)
+    single = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                             pipeline_parallel_size=1))
+    check_store_tier(single, config)
+    no_store = config_from_vllm(_vllm_transfer_config(index_url=extra["index_url"]),
+                                model_name="tiny")
+    check_store_tier(engine, no_store)  # the index alone: the ranks' own business
 
 
 def test_request_view_gives_the_prompt_digest_its_inputs_and_only_token_ids():
@@ -385,6 +407,8 @@ def test_request_view_gives_the_prompt_digest_its_inputs_and_only_token_ids():
     bare = SimpleNamespace(**{k: v for k, v in vars(request).items()
                               if k not in ("prompt_token_ids", "lora_request", "cache_salt")})
     assert RequestView.of(bare).prompt_token_ids is None  # an older vLLM: no digest, no error
+
+
 def test_the_block_index_is_accepted_in_vllm():
     config = config_from_vllm(
         _vllm_transfer_config(index_url="redis://127.0.0.1:6379/0"), model_name="tiny")

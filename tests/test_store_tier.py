@@ -69,7 +69,7 @@ from kvbridge.kvmanager import (
     get_request_block_hasher,
 )
 from kvbridge.kvmanager.engine import Engine, EngineConfig
-from kvbridge.transport import LoopbackNetwork, format_host_port
+from kvbridge.transport import LoopbackNetwork, NodeMetadata, format_host_port
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 3
@@ -564,25 +564,14 @@ _PROCESS_TIMEOUT_S = 60.0
 def _start_store_process(
     redis_url: str, *, capacity_blocks: int, host: str = "127.0.0.1"
 ) -> tuple[subprocess.Popen, dict]:
-    """``kvbridge-store`` as a child process listening on ``host``; returns it and its
+    """``kvbridge-store`` as a child process listening on ``host``, from the plain command line
+    (no model or profile: it takes its geometry from the first writer); returns it and its
     "serving" JSON line."""
     model = tiny_model(hybrid=False).config
     per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m", _STORE_MAIN,
-            "--host",
-            host,
-            "--capacity-bytes",
-            str(capacity_blocks * per_block),
-            "--index-url",
-            redis_url,
-            "--model",
-            "tiny",
-            "--block-size",
-            str(BLOCK_SIZE),
-        ],
+        [sys.executable, "-m", _STORE_MAIN, "--index-url", redis_url,
+         "--capacity-bytes", str(capacity_blocks * per_block), "--host", host],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -597,15 +586,16 @@ def _start_store_process(
 def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(request, host):
     """With ``host`` ``::1`` every address is IPv6 (issue 28, item 2): the index is a Redis on
     ``redis://[::1]:PORT/0``, the store's write server and pull endpoint and the node listen on
-    ``::1``, the store hands out ``store_url`` ``[::1]:PORT`` and the node writes there."""
+    ``::1``, the store hands out ``store_url`` ``[::1]:PORT`` and the node writes there. The
+    store is started with no model: it takes the kvbridge node's geometry from its hello."""
     if host == "::1":
         require_ipv6_loopback()
     redis_url = request.getfixturevalue("redis_url_ipv6" if host == "::1" else "redis_url")
     proc, serving = _start_store_process(redis_url, capacity_blocks=64, host=host)
     node = None
     try:
-        assert serving["capacity_blocks"] == 64
-        assert serving["pull_address"][0] == host
+        # No geometry until the first writer: no pull address, no capacity in blocks yet.
+        assert (serving["capacity_blocks"], serving["pull_address"]) == (None, None)
         write_port = int(serving["store_url"].rpartition(":")[2])
         assert serving["store_url"] == format_host_port(host, write_port)  # [::1]:PORT
         # The node runs here with a UCX transport; the store's write server and its UCX pull
@@ -655,6 +645,7 @@ def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(re
     assert store_stats["num_blocks_stored"] == 40
     assert (store_stats["num_blocks_requested"], store_stats["num_blocks_hit"]) == (18, 18)
     assert store_stats["num_put_errors"] == 0
+    assert store_stats["capacity_blocks"] == 64  # the node's (tiny model's) geometry, taken
     assert proc.returncode == 0
 
 
@@ -998,7 +989,7 @@ def test_sender_snapshots_at_submit_and_reports_one_outcome_per_item(network, re
     items = [OffloadItem(2, 0, b"a" * 32, b""), OffloadItem(5, 0, b"b" * 32, b"a" * 32)]
     with pytest.raises(RuntimeError, match="before bind"):
         sender.submit(items)
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     with pytest.raises(ValueError, match=r"offload item \[0\]: block_id 10 not in \[1, 10\)"):
         sender.submit([OffloadItem(10, 0, b"c" * 32, b"")])
     with pytest.raises(ValueError, match=r"offload item \[0\]: group_id 1 not in \[0, 1\)"):
@@ -1045,7 +1036,8 @@ def test_sender_reports_every_item_not_held_when_the_store_is_unreachable():
     sender = OffloadSender(
         store_address=("127.0.0.1", port), max_inflight_bytes=1 << 20, stats=node_stats
     )
-    sender.bind([caches], "any")
+    sender.bind([caches], NodeMetadata.from_kv_caches(
+        engine_id="n", kv_caches_by_group=[caches], model_name="m", hash_fn_name="sha256"))
     items = [OffloadItem(1, 0, b"a" * 32, b""), OffloadItem(3, 0, b"b" * 32, b"")]
     assert sender.submit(items) == 2
     sender.wait_idle()
@@ -1067,7 +1059,7 @@ def test_planner_and_sender_across_msgpack_offload_a_whole_chain(network, redis_
     sender = OffloadSender(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats()
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)  # (0) register_kv_caches
+    sender.bind([caches[0]], store.metadata)  # (0) register_kv_caches
     planner.observe(events)  # (0) update_connector_output of the step that computed the chain
     outcomes_wire = msgpack.packb([])
     for step in range(3):
@@ -1204,7 +1196,7 @@ def test_a_root_the_store_dropped_is_written_again_and_the_chain_listed(
     sender = OffloadSender(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=stats
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     planner.observe(events)
 
     def step(extra: list[OffloadItem] = ()) -> list[OffloadItem]:
@@ -1248,7 +1240,7 @@ def test_a_store_restarted_empty_gets_the_cold_blocks_written_again(network, red
     sender = OffloadSender(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats()
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     planner.observe(events)
 
     def step() -> list[OffloadItem]:
@@ -1298,7 +1290,7 @@ def test_a_store_restarted_while_nothing_goes_cold_is_found_by_a_probe(
         store_address=store.write_address, max_inflight_bytes=1 << 20, stats=KVTransferStats(),
         probe_interval_s=30.0,
     )
-    sender.bind([caches[0]], store.metadata.compat_hash)
+    sender.bind([caches[0]], store.metadata)
     planner.observe(events)
 
     def step(now_s: float) -> list[OffloadItem]:
@@ -1340,7 +1332,7 @@ def test_a_probe_waits_for_the_interval_and_for_puts_in_flight(network, redis_ur
         probe_interval_s=5.0,
     )
     assert not sender.probe_if_due(0.0)  # not bound yet
-    sender.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata.compat_hash)
+    sender.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata)
     assert not sender.probe_if_due(100.0)  # the first call starts the interval
     assert not sender.probe_if_due(104.9)
     assert sender.probe_if_due(105.0) and sender.store_incarnation in (0, store.incarnation)
@@ -1350,7 +1342,7 @@ def test_a_probe_waits_for_the_interval_and_for_puts_in_flight(network, redis_ur
     sender.wait_idle()
     never = OffloadSender(store_address=store.write_address, max_inflight_bytes=1,
                           stats=KVTransferStats())  # probe_interval_s 0: never
-    never.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata.compat_hash)
+    never.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata)
     assert not never.probe_if_due(0.0) and not never.probe_if_due(1e9)
     sender.close()
     never.close()

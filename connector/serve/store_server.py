@@ -1,22 +1,33 @@
 """Run a store node (issue 7) as its own process.
 
-    kvbridge-store --host 127.0.0.1 --port 0 --write-port 7600 \
-        --capacity-bytes 1073741824 --index-url redis://127.0.0.1:6379/0 --model tiny
+    kvbridge-store --index-url redis://127.0.0.1:6379/0 --capacity-bytes 1073741824 \
+        --host 127.0.0.1 --write-port 7600
 
 Nodes point at it with ``kv_connector_extra_config = {"store_url": "<host>:<write port>",
 "offload": "evict", "index_url": <same index>}`` (``"[<ipv6>]:<write port>"`` for an IPv6
 ``--host`` such as ``::1``: the JSON line prints it so); restores find it through the index.
 Prints one JSON line with its addresses once serving, then serves until interrupted (Ctrl-C /
 SIGTERM).
+
+The store takes its block geometry (block identity, KV layout and shapes, index namespace) from
+the first writer's hello: kvbridge's own nodes and vLLM engines alike, no model named here. It
+keeps that one geometry; a writer of another is refused, naming both (docs/operations.md, "One
+block geometry per store"). To fix it up front: ``--profile '<json>'`` (the JSON a writer logs,
+``store/profile.py``), or ``--model tiny|tiny_hybrid`` with ``--block-size``, ``--model-name``,
+``--model-revision`` and ``--hash-fn`` for kvbridge's own models. Until the first writer the
+JSON line's ``pull_address`` and ``capacity_blocks`` are null (the store logs them when it
+takes the geometry).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from kvbridge.connector.store import StoreNode, close_store_node, start_store_node
+from kvbridge.connector.store.profile import StoreProfile
 from kvbridge.kernels.model import ModelConfig
 
 from .cli import CommandParser, announce, wait_for_stop
@@ -29,25 +40,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-port", type=int, default=0, help="write server port; 0: any")
     parser.add_argument("--capacity-bytes", type=int, required=True)
     parser.add_argument("--index-url", required=True, help="redis://host:port/db")
-    parser.add_argument("--model", choices=("tiny", "tiny_hybrid"), default="tiny")
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--engine-id", default="store-0")
-    parser.add_argument("--model-name", default="kvbridge")
-    parser.add_argument("--model-revision", default="", help="the writers' model_revision")
-    parser.add_argument("--hash-fn", default="sha256_cbor")
     parser.add_argument("--read-guard-s", type=float, default=30.0)
+    parser.add_argument("--profile", help="fix the block geometry up front: the store profile "
+                        "JSON a writer logs ('kvbridge-store --profile ...'); default: the "
+                        "first writer's")
+    parser.add_argument("--model", choices=("tiny", "tiny_hybrid"), default=None,
+                        help="fix the geometry up front to kvbridge's own model's nodes")
+    parser.add_argument("--block-size", type=int, default=16, help="with --model")
+    parser.add_argument("--model-name", default="kvbridge", help="with --model")
+    parser.add_argument("--model-revision", default="", help="with --model")
+    parser.add_argument("--hash-fn", default="sha256_cbor", help="with --model")
     args = parser.parse_args(argv)
-    model = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.tiny_hybrid()
+    if args.profile is not None and args.model is not None:
+        parser.error("--profile and --model both fix the geometry: give one")
+    try:
+        profile = None if args.profile is None else StoreProfile.from_json(args.profile)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # Its log (stderr): the geometry it takes and from whom, refused writers.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = None
+    if args.model is not None:
+        model = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.tiny_hybrid()
     try:  # a setting it cannot serve (an unreachable cluster index among them): one line
-        node = _start(args, model)
+        node = _start(args, model, profile)
     except ValueError as exc:
         parser.error(str(exc))
     announce(
         engine_id=node.engine_id,
         incarnation=node.incarnation,
-        pull_address=list(node.address),
+        pull_address=None if node.transport is None else list(node.address),
         store_url=node.store_url,
-        capacity_blocks=node.cache.num_store_blocks,
+        capacity_blocks=None if node.cache is None else node.cache.num_store_blocks,
     )
     try:
         wait_for_stop()
@@ -57,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _start(args: argparse.Namespace, model: ModelConfig) -> StoreNode:
+def _start(args: argparse.Namespace, model: ModelConfig | None,
+           profile: StoreProfile | None) -> StoreNode:
     return start_store_node(
         StoreNode(
             model,
@@ -73,6 +100,7 @@ def _start(args: argparse.Namespace, model: ModelConfig) -> StoreNode:
             write_host=args.host,
             write_port=args.write_port,
             read_guard_s=args.read_guard_s,
+            profile=profile,
         )
     )
 

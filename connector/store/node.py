@@ -17,26 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from kvbridge.kernels.model import ModelConfig
-from kvbridge.kvmanager.model_runner import make_kv_cache_config
 from kvbridge.transport import LeaseRef, LoopbackNetwork, NodeMetadata, PeerAddress, Transport
 from kvbridge.transport.address import check_host, format_host_port
 
 from ..index.client import IndexClient, open_index
 from ..index.protocol import IndexNamespace, new_incarnation
+from ..index.redis_cluster import cluster_client
 from ..loop_thread import get_loop_thread
 from .cache import StoreCache
+from .model_profile import model_profile, store_kv_caches
+from .profile import StoreProfile
 from .server import StoreWriteServer
+from .store_stats import StoreStats
 from .url import format_store_url
 from .wire import PutReply, PutRequest, StoreWireError
 
-__all__ = ["StoreNode", "StoreStats", "close_store_node", "start_store_node", "store_kv_caches"]
+__all__ = [
+    "StoreNode", "StoreStats", "close_store_node", "model_profile", "start_store_node",
+    "store_kv_caches",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,83 +51,20 @@ _START_TIMEOUT_S = 60.0
 _PUBLISH_WAIT_S = 2.0
 
 
-@dataclass
-class StoreStats:
-    """Counters of one store node (thread-safe reads via ``snapshot``).
-
-    ``num_blocks_stored`` / ``bytes_stored``: blocks written; ``num_blocks_present``: writes of
-    blocks already held (touched only); ``num_blocks_refused``: writes refused for lack of room;
-    ``num_blocks_dropped`` / ``bytes_dropped``: LRU evictions; ``num_blocks_requested`` /
-    ``num_blocks_hit`` / ``bytes_served``: blocks pulls asked for, and those the store still held
-    (served); ``num_put_errors``: malformed or refused put messages.
-    """
-
-    capacity_blocks: int = 0
-    num_puts: int = 0
-    num_put_errors: int = 0
-    num_blocks_stored: int = 0
-    bytes_stored: int = 0
-    num_blocks_present: int = 0
-    num_blocks_refused: int = 0
-    num_blocks_dropped: int = 0
-    bytes_dropped: int = 0
-    num_blocks_requested: int = 0
-    num_blocks_hit: int = 0
-    bytes_served: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **amounts: int) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
-
-    @property
-    def hit_ratio(self) -> float | None:
-        """Blocks served / blocks asked for (None before the first pull)."""
-        if not self.num_blocks_requested:
-            return None
-        return self.num_blocks_hit / self.num_blocks_requested
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            out = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        out["hit_ratio"] = self.hit_ratio
-        return out
-
-
-def store_kv_caches(
-    model_config: ModelConfig, *, block_size: int, capacity_bytes: int
-) -> tuple[list[list[torch.Tensor]], int]:
-    """Host KV tensors for a store of ``capacity_bytes``: ``[group][layer]`` tensors
-    ``[num_store_blocks + 1, 2, block_size, num_kv_heads, head_dim]`` (row 0 unused), where
-    ``num_store_blocks = capacity_bytes // (bytes of one block across every layer)``.
-
-    Raises:
-        ValueError: the capacity holds no block.
-    """
-    config = make_kv_cache_config(model_config, num_blocks=1, block_size=block_size)
-    groups = config.kv_cache_groups
-    bytes_per_block = sum(
-        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups
-    )
-    num_store_blocks = capacity_bytes // bytes_per_block
-    if num_store_blocks < 1:
-        raise ValueError(
-            f"capacity_bytes {capacity_bytes} holds no block of {bytes_per_block} bytes"
-        )
-    shape = (num_store_blocks + 1, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
-    by_group = [
-        [torch.zeros(shape, dtype=model_config.dtype) for _ in g.layer_names] for g in groups
-    ]
-    return by_group, num_store_blocks
-
-
 class StoreNode:
     """A store node. See the module docstring.
 
+    The block geometry (``profile``) is fixed up front by ``model_config`` or ``profile``, or,
+    with neither, taken from the first writer's hello (``hello``): until then the store has no
+    KV tensors, no transport and no index registration (``profile``, ``cache``, ``metadata``,
+    ``namespace`` and ``transport`` are None), and refuses puts. One store keeps one geometry:
+    a writer of another is refused, naming both profiles (docs/operations.md, "One block
+    geometry per store").
+
     Args:
-        model_config: the model whose KV this store keeps (layout, dtype, groups).
-        block_size: tokens per block (must match the nodes').
+        model_config: the model of kvbridge's own nodes whose KV this store keeps (layout,
+            dtype, groups: ``model_profile``); None: ``profile``, or the first writer's.
+        block_size: tokens per block (must match the nodes'), with ``model_config``.
         capacity_bytes: host memory for blocks, across all groups and layers.
         engine_id: the store's node id in the index and at handshake.
         model_name, model_revision, hash_fn_name: the nodes' (its ``BlockIdentity``: a put
@@ -137,13 +79,19 @@ class StoreNode:
         max_put_bytes: largest payload one put may carry.
         auth_key: the cluster key its transport proves and demands (``transport.auth``), as
             every node's ``auth_key``; None: none. The write server is not authenticated.
+        profile: the writers' ``StoreProfile`` (their block identity, KV geometry and index
+            namespace), in place of ``model_config``, ``block_size`` and the names: the store
+            of another engine's KV (vLLM's), fixed up front.
+
+    Raises:
+        ValueError: the capacity holds no block of the geometry fixed up front.
     """
 
     def __init__(
         self,
-        model_config: ModelConfig,
+        model_config: ModelConfig | None = None,
         *,
-        block_size: int,
+        block_size: int = 16,
         capacity_bytes: int,
         engine_id: str = "store-0",
         model_name: str = "kvbridge",
@@ -160,28 +108,28 @@ class StoreNode:
         index_ttl_s: float = 10.0,
         max_put_bytes: int = 256 << 20,
         auth_key: bytes | None = None,
+        profile: StoreProfile | None = None,
     ) -> None:
         if transport == "loopback" and loopback_network is None:
             raise ValueError("transport 'loopback' needs a loopback_network")
         check_host(host, what="host")
         check_host(write_host, what="write_host")
         self.engine_id = engine_id
-        self.block_size = block_size
         self.incarnation = new_incarnation()
-        self.kv_caches_by_group, num_store_blocks = store_kv_caches(
-            model_config, block_size=block_size, capacity_bytes=capacity_bytes
-        )
-        self.cache = StoreCache(self.kv_caches_by_group, read_guard_s=read_guard_s)
-        self.stats = StoreStats(capacity_blocks=num_store_blocks)
-        self.metadata = NodeMetadata.from_kv_caches(
-            engine_id=engine_id,
-            kv_caches_by_group=self.kv_caches_by_group,
-            model_name=model_name,
-            hash_fn_name=hash_fn_name,
-            model_revision=model_revision,
-        )
-        self.metadata = replace(self.metadata, incarnation=str(self.incarnation))
-        self.namespace = IndexNamespace(identity=self.metadata.identity)
+        self.capacity_bytes, self.read_guard_s = capacity_bytes, read_guard_s
+        self.stats = StoreStats()
+        self.profile: StoreProfile | None = None
+        self.block_size: int | None = None
+        self.kv_caches_by_group: list[list[torch.Tensor]] | None = None
+        self.cache: StoreCache | None = None
+        self.metadata: NodeMetadata | None = None
+        self.namespace: IndexNamespace | None = None
+        if profile is None and model_config is not None:  # kvbridge's own nodes of a model
+            profile = model_profile(model_config, block_size=block_size, model_name=model_name,
+                                    model_revision=model_revision, hash_fn_name=hash_fn_name)
+        if profile is not None:
+            self._shelve(profile, *profile.kv_caches(capacity_bytes))
+        self._shelf_lock = asyncio.Lock()  # hellos that may open the shelf, one at a time
         self.index_url = index_url
         self.index_ttl_s = index_ttl_s
         self.max_put_bytes = max_put_bytes
@@ -197,12 +145,28 @@ class StoreNode:
         # One thread: index publishes are applied in the order the cache produced them.
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-{engine_id}-index")
 
+    def _shelve(self, profile: StoreProfile, kv_caches_by_group: list[list[torch.Tensor]],
+                num_store_blocks: int) -> None:
+        """Take ``profile``'s geometry over ``kv_caches_by_group`` (``profile.kv_caches``)."""
+        self.profile, self.block_size = profile, profile.identity.block_size
+        self.kv_caches_by_group = kv_caches_by_group
+        self.cache = StoreCache(kv_caches_by_group, read_guard_s=self.read_guard_s)
+        self.stats.capacity_blocks = num_store_blocks
+        self.metadata = replace(profile.metadata(self.engine_id, kv_caches_by_group),
+                                incarnation=str(self.incarnation))
+        self.namespace = profile.namespace
+
+    def _unshelve(self) -> None:
+        self.profile = self.block_size = self.kv_caches_by_group = None
+        self.cache = self.metadata = self.namespace = None
+        self.stats.capacity_blocks = 0
+
     # ------------------------------------------------------------------ life
     @property
     def address(self) -> PeerAddress:
-        """Where the store serves pulls (valid after ``start``)."""
+        """Where the store serves pulls (valid once it has a geometry and started)."""
         if self.transport is None:
-            raise RuntimeError("StoreNode.address read before start()")
+            raise RuntimeError("StoreNode.address read before start() or before its geometry")
         return self.transport.address
 
     @property
@@ -227,27 +191,31 @@ class StoreNode:
             raise
 
     async def _start(self) -> None:
+        if self.profile is not None:
+            await self._open_shelf()
+        elif self.index_url and self.index_url.startswith("redis-cluster://"):
+            # the shelf (and its index client) waits for a writer: refuse a dead cluster now
+            cluster_client(self.index_url, socket_timeout_s=1.0, connect_timeout_s=1.0).close()
+        self._server = StoreWriteServer(self, host=self._write_host, port=self._write_port)
+        await self._server.start()
+        if self.transport is None:
+            logger.info("store %s: writes on %s; its block geometry comes with the first "
+                        "writer", self.engine_id, self.store_url)
+
+    async def _open_shelf(self) -> None:
+        """Serve pulls of the geometry's blocks and register in the index."""
+        assert self.metadata is not None and self.cache is not None
+        where: dict[str, Any] = {"host": self._host, "port": self._port,
+                                 "auth_key": self._auth_key}
         if self._transport_kind == "loopback":
             from kvbridge.transport import LoopbackTransport
 
-            self.transport = LoopbackTransport(
-                self.metadata,
-                self.kv_caches_by_group,
-                network=self._loopback_network,  # type: ignore[arg-type]
-                host=self._host,
-                port=self._port,
-                auth_key=self._auth_key,
-            )
+            where["network"] = self._loopback_network
+            self.transport = LoopbackTransport(self.metadata, self.kv_caches_by_group, **where)
         else:
             from kvbridge.transport import UcxxTransport
 
-            self.transport = UcxxTransport(
-                self.metadata,
-                self.kv_caches_by_group,
-                host=self._host,
-                port=self._port,
-                auth_key=self._auth_key,
-            )
+            self.transport = UcxxTransport(self.metadata, self.kv_caches_by_group, **where)
         # The transport re-checks served blocks after copying them; the re-check must not count
         # requests and hits a second time.
         self.transport.set_callbacks(
@@ -272,31 +240,56 @@ class StoreNode:
             client, address = self.index_client, self.transport.address
             await loop.run_in_executor(self._publisher, client.start, address.host, address.port)
             self._index_tick = asyncio.create_task(self._tick_index(client))
-        self._server = StoreWriteServer(self, host=self._write_host, port=self._write_port)
-        await self._server.start()
-        logger.info(
-            "store %s: %d blocks, pulls on %s, writes on %s",
-            self.engine_id,
-            self.cache.num_store_blocks,
-            format_host_port(*self.transport.address),
-            self.store_url,
-        )
+        logger.info("store %s: %d blocks, pulls on %s, profile %s", self.engine_id,
+                    self.cache.num_store_blocks, format_host_port(*self.transport.address),
+                    self.profile.to_json() if self.profile is not None else None)
 
     async def close(self) -> None:
         """Stop the write server and the transport, withdraw from the index. Idempotent."""
-        tick, self._index_tick = self._index_tick, None
-        if tick is not None:
-            tick.cancel()
         server, self._server = self._server, None
         if server is not None:
             await server.close()
+        await self._close_shelf()
+        self._publisher.shutdown(wait=False)
+
+    async def _close_shelf(self) -> None:
+        tick, self._index_tick = self._index_tick, None
+        if tick is not None:
+            tick.cancel()
         transport, self.transport = self.transport, None
         if transport is not None:
             await transport.close()
         client, self.index_client = self.index_client, None
         if client is not None:
             await asyncio.get_running_loop().run_in_executor(self._publisher, client.close)
-        self._publisher.shutdown(wait=False)
+
+    async def hello(self, profile: StoreProfile) -> int:
+        """A writer's hello (``PutHandler``): without a geometry, take ``profile``'s (allocate
+        the blocks, start the transport, register in its index namespace); with one, check that
+        ``profile`` is it. Returns the store's incarnation.
+
+        Raises:
+            StoreWireError: another profile (``StoreProfile.refusal``: names both, and says to
+                start another kvbridge-store), or a geometry the store could not take (its
+                capacity holds no block of it, its transport did not start); the store then
+                still has no geometry.
+        """
+        async with self._shelf_lock:
+            if self.profile is None:
+                loop = asyncio.get_running_loop()
+                try:
+                    caches, num_blocks = await loop.run_in_executor(
+                        None, profile.kv_caches, self.capacity_bytes)
+                    self._shelve(profile, caches, num_blocks)
+                    await self._open_shelf()
+                except Exception as exc:
+                    await self._close_shelf()
+                    self._unshelve()
+                    raise StoreWireError(f"this store cannot take the writer's block geometry: "
+                                         f"{exc}") from None
+            elif profile != self.profile:
+                raise StoreWireError(self.profile.refusal(profile))
+        return self.incarnation
 
     # ------------------------------------------------------------------ writes (PutHandler)
     def count_put_error(self) -> None:
@@ -305,6 +298,10 @@ class StoreNode:
 
     def check_put(self, put: PutRequest) -> None:
         """Raise StoreWireError if ``put`` does not fit this store (namespace, group, sizes)."""
+        if self.metadata is None or self.cache is None:
+            raise StoreWireError("this store has no block geometry yet: a writer names its own "
+                                 "in a hello on its connection (or start kvbridge-store with "
+                                 "--profile)")
         if put.compat_hash != self.metadata.compat_hash:
             raise StoreWireError(
                 f"compat_hash {put.compat_hash[:16]}... is not this store's "
@@ -412,10 +409,8 @@ class StoreNode:
         until the index client has applied them, so that a ``put_ok`` means "indexed"."""
         client.publish(events)
         if not client.flush(timeout_s=_PUBLISH_WAIT_S):
-            logger.warning(
-                "store %s: index events of a put not applied within %.1f s; replying anyway",
-                self.engine_id, _PUBLISH_WAIT_S,
-            )
+            logger.warning("store %s: index events of a put not applied within %.1f s; "
+                           "replying anyway", self.engine_id, _PUBLISH_WAIT_S)
 
     # ------------------------------------------------------------------ reads
     def _validate_blocks(

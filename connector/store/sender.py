@@ -16,6 +16,10 @@ Back-pressure: while ``max_inflight_bytes`` or more of snapshots wait for the st
 snapshots nothing; its items are reported not held at once (``num_offload_skipped_blocks``) and
 the planner plans them again later.
 
+A store that refuses this node's hello (``StoreRefusedError``: a store of another block
+geometry) fails every write: logged once at ERROR, each counted in ``num_offload_failures``; the
+writer asks that store again every ``StoreWriter.refused_retry_s``.
+
 A store that restarts empty is noticed from the incarnation in its next reply. So that a node
 with nothing new to write notices it too, ``probe_if_due`` sends an empty put (one group of no
 blocks, which a store answers like any put) when nothing went to the store for
@@ -34,12 +38,14 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from kvbridge.transport import NodeMetadata
 
 from ..loop_thread import LoopThread, get_loop_thread
 from ..stats import KVTransferStats
 from .offload_items import OffloadItem, OffloadOutcome
+from .profile import StoreProfile
 from .staging import StagingPool, snapshot_blocks, staging_nbytes
-from .wire import PutGroup, PutRequest, StoreWireError
+from .wire import PutGroup, PutRequest, StoreRefusedError, StoreWireError
 from .writer import StoreWriter
 
 __all__ = ["OffloadSender"]
@@ -86,6 +92,8 @@ class OffloadSender:
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = stats
         self.writer = StoreWriter(*store_address)
+        self.writer_address = store_address
+        self.profile: StoreProfile | None = None  # set by bind
         self._loop_thread = loop_thread
         self._staging_pool = StagingPool(max_inflight_bytes)
         self._kv_caches_by_group: list[list[torch.Tensor]] | None = None
@@ -96,14 +104,22 @@ class OffloadSender:
         self._outcomes: deque[OffloadOutcome] = deque(maxlen=_MAX_PENDING_OUTCOMES)
         self._store_incarnation = 0  # of the store that answered the latest put
         self._futures: set[Future[None]] = set()
+        self._refusals_logged: set[str] = set()  # loop thread only
 
     # ------------------------------------------------------------------ worker thread
-    def bind(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]], compat_hash: str) -> None:
+    def bind(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
+             metadata: NodeMetadata, *, kv_heads_layout: str = "") -> None:
         """Give the sender the node's KV tensors, ``[group][layer]`` tensors
         ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (``register_kv_caches``), and
-        its ``NodeMetadata.compat_hash`` (the store refuses another layout)."""
+        its handshake ``metadata`` and ``IndexNamespace.kv_heads_layout``: its store profile
+        (``profile.StoreProfile``), logged once at INFO and sent in a hello on each connection
+        (a store without a geometry takes it; one of another geometry refuses this node)."""
         self._kv_caches_by_group = [list(group) for group in kv_caches_by_group]
-        self._compat_hash = compat_hash
+        self.profile = StoreProfile.of_metadata(metadata, kv_heads_layout=kv_heads_layout)
+        self.writer.hello = self.profile  # each connection's hello: a new store takes it
+        self._compat_hash = metadata.compat_hash
+        logger.info("offload to the store at %s:%d; this node's store profile: kvbridge-store "
+                    "--profile '%s'", *self.writer_address, self.profile.to_json())
 
     @property
     def is_bound(self) -> bool:
@@ -239,7 +255,12 @@ class OffloadSender:
             reply = await self.writer.put(put, [view])
         except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
             num_blocks = sum(len(g.block_hashes) for g in put.groups)
-            logger.warning("offload of %d block(s) failed: %s", num_blocks, exc)
+            if not isinstance(exc, StoreRefusedError):
+                logger.warning("offload of %d block(s) failed: %s", num_blocks, exc)
+            elif str(exc) not in self._refusals_logged:  # the same every time: said once
+                self._refusals_logged.add(str(exc))
+                logger.error("offload to the store tier stopped: %s (counted as store write "
+                             "failures; retried every %.0f s)", exc, self.writer.refused_retry_s)
             self.stats.add("num_offload_failures")
             self._report(put, refused=None)
             return

@@ -1,4 +1,4 @@
-"""The store node's write path (issue 7, part 1): a TCP server for ``put`` frames.
+"""The store node's write path (issue 7, part 1): a TCP server for ``hello`` and ``put`` frames.
 
 Schema and checks: ``wire.py``. Per connection, frames are handled one after another; each
 gets exactly one reply. A bad message is an ``error`` reply to that writer only, and the server
@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from .framing import PeerClosedError, recv_exactly
+from .profile import StoreProfile
 from .wire import (
     FRAME_HEADER,
     MAX_HEADER_BYTES,
@@ -32,8 +33,10 @@ from .wire import (
     PutRequest,
     StoreWireError,
     decode_header,
+    decode_hello,
     decode_put,
     encode_error,
+    encode_hello_ok,
     encode_reply,
 )
 
@@ -49,6 +52,8 @@ class PutHandler(Protocol):
     event loop only.
 
     ``engine_id``: names the store in logs. ``max_put_bytes``: the largest payload accepted.
+    ``hello``: takes a writer's profile (the store's geometry if it has none yet) and returns
+    the store's incarnation, or raises ``StoreWireError`` naming why it refuses the writer.
     ``check_put``: raises ``StoreWireError`` naming the field when a decoded put does not fit
     the store (its payload is then read and dropped; the connection stays open). ``put``: stores
     a checked put from ``payload`` (uint8 ``[put.payload_nbytes]``, reused by the server once it
@@ -60,6 +65,8 @@ class PutHandler(Protocol):
 
     @property
     def max_put_bytes(self) -> int: ...
+
+    async def hello(self, profile: StoreProfile) -> int: ...
 
     def check_put(self, put: PutRequest) -> None: ...
 
@@ -156,7 +163,7 @@ class StoreWriteServer:
                     return
                 except StoreWireError as exc:
                     self.node.count_put_error()
-                    logger.warning("store %s: refused a put: %s", self.node.engine_id, exc)
+                    logger.warning("store %s: refused a write: %s", self.node.engine_id, exc)
                     reply = encode_error(str(exc))
                 await loop.sock_sendall(sock, reply)
         except (PeerClosedError, OSError) as exc:
@@ -174,7 +181,13 @@ class StoreWriteServer:
         raw = bytearray(header_nbytes)
         await recv_exactly(sock, memoryview(raw))
         try:
-            put = decode_put(decode_header(bytes(raw)), max_payload_nbytes=self.node.max_put_bytes)
+            header = decode_header(bytes(raw))
+        except StoreWireError as exc:
+            raise _FramingLost(str(exc)) from None
+        if header["type"] == "hello":  # no payload: a refused hello leaves the stream whole
+            return encode_hello_ok(await self.node.hello(decode_hello(header))), receive_buffer
+        try:
+            put = decode_put(header, max_payload_nbytes=self.node.max_put_bytes)
         except StoreWireError as exc:
             raise _FramingLost(str(exc)) from None
         payload_nbytes = put.payload_nbytes  # <= max_put_bytes: checked by decode_put

@@ -6,6 +6,12 @@ One frame::
 
 Messages (every header carries ``"v": STORE_SCHEMA_VERSION`` and ``"type"``):
 
+- ``hello`` (writer -> store, first on each connection): ``profile`` (bytes, the writer's
+  ``StoreProfile`` as msgpack: its block identity, KV geometry and ``kv_heads_layout``), no
+  payload. A store without a geometry takes the first writer's (``StoreNode.hello``); one of
+  another profile answers ``error`` naming both. ``hello_ok`` (store -> writer):
+  ``incarnation``. A writer that sends no hello is held to the store's geometry by each put's
+  ``compat_hash`` only (and refused by a store that has none yet).
 - ``put`` (writer -> store): ``compat_hash`` (str, the writer's ``NodeMetadata.compat_hash``: the
   store refuses another block identity, e.g. another model revision or KV cache dtype, or KV
   geometry) and ``groups``, a list
@@ -36,6 +42,7 @@ from typing import Any
 import msgpack
 
 from ..errors import KVConnectorError
+from .profile import StoreProfile
 
 __all__ = [
     "FRAME_HEADER",
@@ -44,12 +51,17 @@ __all__ = [
     "PutGroup",
     "PutReply",
     "PutRequest",
+    "StoreRefusedError",
     "StoreWireError",
     "check_reply",
     "decode_header",
+    "decode_hello",
+    "decode_hello_reply",
     "decode_put",
     "decode_reply",
     "encode_error",
+    "encode_hello",
+    "encode_hello_ok",
     "encode_put_header",
     "encode_reply",
 ]
@@ -62,10 +74,16 @@ MAX_BLOCKS_PER_PUT = 1 << 16
 MAX_HASH_BYTES = 128
 MAX_ERROR_LEN = 2048
 MAX_INCARNATION = (1 << 63) - 1
+MAX_PROFILE_BYTES = 64 << 10
 
 
 class StoreWireError(KVConnectorError):
     """A store message that cannot be honoured: bad framing, schema version or field (named)."""
+
+
+class StoreRefusedError(StoreWireError):
+    """The store refused this writer's hello: another block geometry (its message names both
+    profiles), or a store that cannot take it. Every write to that store fails the same way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +195,28 @@ def decode_put(obj: dict[Any, Any], *, max_payload_nbytes: int) -> PutRequest:
     return put
 
 
+def decode_hello(obj: dict[Any, Any]) -> StoreProfile:
+    """A writer's ``hello``: its profile. Raises StoreWireError naming the bad field."""
+    raw = obj.get("profile")
+    if type(raw) is not bytes or len(raw) > MAX_PROFILE_BYTES:
+        raise StoreWireError(f"field 'profile' must be bytes of <= {MAX_PROFILE_BYTES}")
+    try:
+        return StoreProfile.from_msgpack(raw)
+    except ValueError as exc:
+        raise StoreWireError(f"field 'profile': {exc}") from None
+
+
+def decode_hello_reply(obj: dict[Any, Any]) -> int:
+    """The store's answer to a hello: its incarnation. Raises StoreRefusedError with the
+    store's message for an ``error``, StoreWireError for anything else."""
+    if obj["type"] == "error":
+        raise StoreRefusedError(f"the store refused this writer: "
+                                f"{_str(obj, 'error', MAX_ERROR_LEN)}")
+    if obj["type"] != "hello_ok":
+        raise StoreWireError(f"unknown reply type {obj['type']!r} to a hello")
+    return _int(obj, "incarnation", 0, MAX_INCARNATION)
+
+
 def decode_reply(obj: dict[Any, Any]) -> PutReply:
     """A store's reply; an ``error`` reply raises StoreWireError with the store's message."""
     if obj["type"] == "error":
@@ -261,6 +301,14 @@ def encode_put_header(put: PutRequest) -> bytes:
             ],
         }
     )
+
+
+def encode_hello(profile: StoreProfile) -> bytes:
+    return _frame({"v": STORE_SCHEMA_VERSION, "type": "hello", "profile": profile.to_msgpack()})
+
+
+def encode_hello_ok(incarnation: int) -> bytes:
+    return _frame({"v": STORE_SCHEMA_VERSION, "type": "hello_ok", "incarnation": incarnation})
 
 
 def encode_reply(reply: PutReply) -> bytes:

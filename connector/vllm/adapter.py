@@ -53,17 +53,19 @@ from ..metadata import (
 )
 from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
-from ..tp_layout import TPLayout
 from ..worker_half import KVBridgeWorker
 from .engine_identity import engine_identity_fields, model_revision_of
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
+from .offload_pool import VllmOffloadPool
 from .pool_follower import VllmPoolFollower
+from .rank_regions import rank_regions
 from .request_view import RequestView
+from .store_events import StoreTierEvents
+from .store_tier import check_store_tier
 from .translate import (
     config_from_vllm,
     kv_cache_config_from_vllm,
-    kv_cache_regions,
     refuse_unsupported_layout,
 )
 
@@ -155,6 +157,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._identity = engine_identity_fields(
             vllm_config, python_hash_seed=os.environ.get("PYTHONHASHSEED"),
             default_seed=DEFAULT_NONE_HASH_SEED, shared=bool(self.config.index_url))
+        check_store_tier(vllm_config, self.config)
         self._ours = kv_cache_config_from_vllm(kv_cache_config)
         # Several groups (vLLM's hybrid allocator): a failed pull is reported by request
         # (``failed_recving``), since vLLM refuses block-level load errors there.
@@ -166,6 +169,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 "model; use 'async'"
             )
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        self._store_events: StoreTierEvents | None = None
         self._follower: VllmPoolFollower | None = None
         self._scheduler: KVBridgeScheduler | None = None
         self._worker: KVBridgeWorker | None = None
@@ -208,9 +212,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     # ================================================================== scheduler half
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """With ``index_url``: follow vLLM's block pool (``pool_follower.VllmPoolFollower``),
-        whose prefix-cache changes become the scheduler half's block events (published to the
-        index, mirrored by the worker half for the holder's re-check). vLLM calls it once,
-        before the workers' handshake; without an index the pool is left alone.
+        whose prefix-cache changes become the scheduler half's block events (published to
+        the index, mirrored by the worker half for the holder's re-check), and, with ``offload:
+        "evict"``, whose free queue the offload planner reads (``offload_pool.VllmOffloadPool``).
+        vLLM calls it once, when its KV cache manager exists, before the workers' handshake;
+        without an index the pool is left alone.
 
         Raises:
             KVTransferConfigError: the pool hashes at another granularity than its blocks.
@@ -219,15 +225,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         block_size = self._ours.kv_cache_groups[0].kv_cache_spec.block_size
         self._follower = VllmPoolFollower(gpu_block_pool, block_size=block_size)
-        self._scheduler.bind_block_pool(self._follower, self._follower.take_events)  # type: ignore[arg-type]
+        # With offload "evict" the planner reads the cold end of vLLM's free queue through it.
+        pool = VllmOffloadPool(gpu_block_pool, self._follower.snapshot_cached_blocks)
+        self._scheduler.bind_block_pool(pool, self._follower.take_events)  # type: ignore[arg-type]
+        planner = self._scheduler.offload_planner
+        if planner is not None:
+            self._store_events = StoreTierEvents(block_size=block_size,
+                                                 parent_of=planner.parent_of)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """No events of kvbridge's for vLLM's KV-event stream (vLLM publishes its pool's own).
-        The scheduler half's copies of the pool's events, kept for kvbridge's own engine, are
-        dropped here each step so they never pile up."""
+        """The store tier's events (``store_events.StoreTierEvents``: blocks this engine wrote
+        to the store, and those the store reported missing, medium ``KVBRIDGE_STORE``); vLLM
+        publishes its pool's own. The scheduler half's copies of the pool's events, kept for
+        kvbridge's own engine, are dropped here each step so they never pile up."""
         if self._scheduler is not None:
             self._scheduler.take_events()
-        return ()
+        return () if self._store_events is None else self._store_events.take()
 
     def on_new_request(self, request: Request) -> None:
         """Admission, as in kvbridge's own engine: a ticket is parsed once (and heart-beaten
@@ -289,6 +302,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched().update_connector_output(None)
         for payload in payloads:
             meta = decode_worker_meta(payload)
+            if self._store_events is not None:
+                self._store_events.observe(meta.offload_outcomes)
             self._sched().update_connector_output(meta)
             if self._tap is not None:
                 self._tap.observe_load_s(meta.stats.transfer_s)
@@ -365,22 +380,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         layers (as vLLM's NIXL connector: two backends are two layouts, shapes alike or not),
         and this rank's place among vLLM's tensor-parallel ranks (the KV heads its cache holds:
         ``tp_layout``)."""
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-
-        first = next(iter(kv_caches.values()))
-        names = sorted({b.get_name() for b in get_current_attn_backends(self._vllm_config)})
-        backend = f"{first.device.type}-{'+'.join(names)}"
-        total = int(self._vllm_config.model_config.get_total_num_kv_heads())
-        tp_size = int(self._vllm_config.parallel_config.tensor_parallel_size)
-        tp_rank = 0
-        if tp_size > 1:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            tp_rank = int(get_tensor_model_parallel_rank())
-        regions = kv_cache_regions(kv_caches, self._ours, backend=backend,
-                                   total_num_kv_heads=total)
-        layout = TPLayout(tp_rank=tp_rank, tp_size=tp_size, total_num_kv_heads=total,
-                          heads_sliceable=regions.heads_sliceable)
+        regions, layout = rank_regions(self._vllm_config, kv_caches, self._ours)
         self._work().register_kv_caches(
             regions.regions_by_layer, kv_layout=regions.kv_layout,
             tp_layout=layout, **self._identity,

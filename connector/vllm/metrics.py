@@ -33,6 +33,11 @@ METRIC_PREFIX = "vllm:kvbridge_"
 """Prefix of every Prometheus metric (vLLM unregisters ``vllm:`` collectors on restart)."""
 MAX_SAMPLES = 4096
 """Pull durations kept between two reports at most (older ones are dropped)."""
+_STORE_TIER_COUNTERS = (
+    ("blocks offloaded", "num_offloaded_blocks"),
+    ("blocks restored", "num_restored_blocks"),
+    ("store write failures", "num_offload_failures"),
+)
 LOAD_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
 
 
@@ -68,7 +73,8 @@ class KVBridgeConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The interval for vLLM's log line: pulls, failures, MiB moved, load times in ms."""
+        """The interval for vLLM's log line: pulls, failures, MiB moved, load times in ms, and
+        the store tier's blocks offloaded and restored and its failed writes, when any."""
         counters, load_s = self.data["counters"], self.data["load_s"]
         out: dict[str, int | float] = {
             "pulls": counters.get("num_loads", 0),
@@ -82,6 +88,9 @@ class KVBridgeConnectorStats(KVConnectorStats):
         for name in ("num_expired_leases", "num_rejected_params", "num_load_errors_blocks"):
             if counters.get(name):
                 out[name] = counters[name]
+        for label, name in _STORE_TIER_COUNTERS:  # an engine with store_url
+            if counters.get(name):
+                out[label] = counters[name]
         return out
 
     def is_empty(self) -> bool:

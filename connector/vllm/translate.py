@@ -45,14 +45,17 @@ __all__ = [
 ]
 
 
-_NO_STORE_TIER = (
-    "the store tier needs an offload planner over vLLM's free queue, which this adapter does "
-    "not have yet"
-)
-NOT_IN_VLLM = dict.fromkeys(("store_url", "offload"), _NO_STORE_TIER)
-"""Extra-config keys refused in vLLM, each with why: accepted, they would do nothing (an
-offload planner that never runs). ``index_url`` is accepted: the adapter follows vLLM's block
-pool (``pool_follower.py``)."""
+NOT_IN_VLLM = {
+    "offload": (
+        "offload 'write_through' copies every block vLLM computes; inside vLLM only 'evict' "
+        "(blocks near the cold end of vLLM's free queue, before vLLM reuses them) is offered"
+    ),
+}
+"""Extra-config values refused in vLLM, each with why (``config_from_vllm``). ``index_url``,
+``store_url`` and ``offload: "evict"`` are accepted: the adapter follows vLLM's block pool
+(``pool_follower.py``) and plans offloads over its free queue (``offload_pool.py``)."""
+
+_ALLOWED_IN_VLLM = {"offload": (None, "off", "evict")}
 
 VLLM_MIN_REMOTE_HIT_TOKENS = 256
 """``min_remote_hit_tokens`` of a vLLM engine unless its extra config says otherwise: a pull
@@ -73,15 +76,15 @@ def config_from_vllm(
     Raises:
         KVTransferConfigError: an unknown or bad key, a ``load_failure_policy`` or
             ``model_revision`` in the extra config that contradicts vLLM's own (vLLM applies
-            its own; two answers to one question are refused), or a key of the store tier
-            (``NOT_IN_VLLM``).
+            its own; two answers to one question are refused), or a value refused inside
+            vLLM (``NOT_IN_VLLM``: ``offload: "write_through"``).
     """
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
     for key, value in extra.items():
-        if key in NOT_IN_VLLM and value not in (None, "off"):
+        if key in NOT_IN_VLLM and value not in _ALLOWED_IN_VLLM[key]:
             raise KVTransferConfigError(
-                f"kv_connector_extra_config.{key}: not supported inside vLLM yet "
-                f"({NOT_IN_VLLM[key]}); P/D handoffs need none of it"
+                f"kv_connector_extra_config.{key}={value!r}: not supported inside vLLM "
+                f"({NOT_IN_VLLM[key]})"
             )
     vllm_policy = getattr(kv_transfer_config, "kv_load_failure_policy", None)
     ours = extra.get("load_failure_policy")

@@ -1,0 +1,260 @@
+"""The store tier inside stock vLLM engines (issue 31 parts 4 and 5): offload on eviction,
+restore through the index, a store killed mid-restore.
+
+A Redis server (the suite's fixture), a store node (``kvbridge-store --index-url URL
+--capacity-bytes N --write-port W``, its own process, no model or profile named: it takes its
+geometry from A's first write) and two vLLM engines, each its own process, started once for the
+module:
+
+- A: ``offload: "evict"`` to the store, a KV cache of 192 blocks of 32 tokens, and an offload
+  window of the 96 free-queue entries vLLM reuses next (``offload_scan_blocks``), at most 16
+  blocks a step (``offload_blocks_per_step``). A serves six prompts of 1,500 tokens (48 blocks
+  each, with the decoded tokens) one after another: the first prompts' blocks reach the cold end
+  of the free queue and are copied to the store before later prompts evict them.
+- C: a fresh engine on the same index (no store of its own) that serves prompts A has evicted,
+  and, once A has exited, a prompt A still held.
+
+The store starts first, with the plain command line; A is given its write port as ``store_url``.
+Reference tokens: A's own, computed from scratch (a single instance; nothing was cached or
+pulled for them).
+
+Checked: no block is offloaded while the prompts' blocks are far from eviction; C restores an
+evicted prompt from the store (A still running), its greedy tokens equal A's, the restored
+blocks counted by C (``num_restored_blocks``, ``store_hit_tokens``, vLLM's
+``external_unspecified`` hit source) and A counted its writes; A stopped, C restores from the
+store a prompt that A still held; the store paused while C's restore waits on it, then killed:
+C recomputes, the tokens are right, the failure is counted. vLLM's KV-event stream (ZMQ, on
+A) carries a ``BlockStored`` of the medium ``KVBRIDGE_STORE`` for the blocks A wrote. After
+each test the engines still running hold no request and every block is free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+from _harness import BLOCK, Node, free_port, kvbridge_config, request, start_nodes, tokens
+
+A_KV_BYTES = 6 << 20  # 192 blocks of 32 tokens (32 KiB a block: 2 layers, 2 KV heads, fp32)
+N_NEW = 8
+PROMPT_LEN = 1500  # 46 full blocks cached; 48 blocks in use with the decoded tokens
+PROMPTS = {f"s{i}": tokens(300 + i, PROMPT_LEN) for i in range(1, 7)}
+FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # what a lookup may restore (never the last token)
+STORE_BYTES = 256 * 32768  # 256 blocks
+
+
+def _logged_profile(log_path, pattern: str, timeout_s: float = 30.0) -> dict:
+    """The store profile JSON a log shows after ``pattern`` (A's: ``--profile '``; the store's,
+    once it took a geometry: ``profile ``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(pattern + r"(\{.*\})", log_path.read_text(errors="replace"))
+        if found:
+            return json.loads(found.group(1).rstrip("'"))
+        time.sleep(0.2)
+    raise AssertionError(f"{log_path} shows no store profile")
+
+
+class _KVEvents:
+    """A subscriber to vLLM's KV-event stream (``kv_events_config``, ZMQ): each published batch
+    (``KVEventBatch``: ``[ts, events, data_parallel_rank]``, every event a map tagged with its
+    ``type``) is kept, on a thread of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.RCVTIMEO, 200)
+        self._sub.connect(endpoint)
+        self.events: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                _, _, payload = self._sub.recv_multipart()
+            except zmq.Again:
+                continue
+            self.events.extend(msgpack.unpackb(payload, raw=False)[1])
+
+    def of_medium(self, medium: str, kind: str) -> list[dict]:
+        return [e for e in list(self.events) if e.get("type") == kind
+                and e.get("medium") == medium]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(0)
+        self._context.term()
+
+
+class _Store:
+    """``kvbridge-store`` as its own process (its own session, so it can be paused and killed
+    whole)."""
+
+    def __init__(self, redis_url: str, write_port: int, log_path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in kill
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge.connector.serve.store_server",
+             "--index-url", redis_url, "--capacity-bytes", str(STORE_BYTES),
+             "--write-port", str(write_port)],
+            stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            for line in self.proc.stdout:  # its one JSON line once serving (UCX may warn first)
+                if line.startswith("{"):
+                    self.announced = json.loads(line)
+                    break
+            else:
+                raise AssertionError(f"the store exited before serving (log: {log_path})")
+        except BaseException:
+            self.kill()  # never left running
+            raise
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def tier(tiny_llama, log_dir, redis_server):
+    write_port, events_port = free_port(), free_port()
+    a = Node("store-a", model=tiny_llama, log_dir=log_dir,
+             llm={"kv_cache_memory_bytes": A_KV_BYTES,
+                  "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                       "endpoint": f"tcp://*:{events_port}"}},
+             kv_transfer_config=kvbridge_config(
+                 "both", "store-engine-a", index_url=redis_server.url,
+                 store_url=f"127.0.0.1:{write_port}", offload="evict", offload_scan_blocks=96,
+                 offload_blocks_per_step=16, load_timeout_s=10.0))
+    c = Node("store-c", model=tiny_llama, log_dir=log_dir,
+             kv_transfer_config=kvbridge_config("both", "store-engine-c",
+                                                index_url=redis_server.url, load_timeout_s=5.0))
+    store = _Store(redis_server.url, write_port, log_dir / "store.log")
+    try:
+        start_nodes(a, c)
+    except BaseException:
+        store.kill()
+        raise
+    events = _KVEvents(f"tcp://127.0.0.1:{events_port}")  # vLLM binds a wildcard endpoint
+    try:
+        assert store.announced["store_url"] == f"127.0.0.1:{write_port}"
+        # No geometry until A's first write: no pull address, no capacity in blocks.
+        assert (store.announced["pull_address"], store.announced["capacity_blocks"]) == (
+            None, None)
+        yield a, c, store, events
+    finally:
+        events.close()
+        store.kill()
+        c.stop()
+        a.stop()
+
+
+def _drained(*nodes: Node) -> None:
+    for node in nodes:
+        state = node.wait_drained()
+        assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"] - 1, state
+
+
+@pytest.fixture(scope="module")
+def served(tier):
+    """A serves the six prompts in turn; their tokens (A computed each from scratch) and A's
+    stats after the first two."""
+    a = tier[0]
+    outs, after_two = {}, None
+    for name, prompt in PROMPTS.items():
+        (out,) = a.generate([request(prompt, N_NEW)])
+        assert out["num_cached_tokens"] == 0, name
+        outs[name] = out["token_ids"]
+        if name == "s2":
+            after_two = a.stats()
+    time.sleep(0.5)  # the last writes land; A's last step reported them
+    return outs, after_two
+
+
+def test_a_offloads_only_blocks_near_eviction_and_c_restores_an_evicted_prompt(tier, served):
+    a, c, store, events = tier
+    outs, after_two = served
+    # The store took A's geometry from A's first write: its profile (block identity, geometry,
+    # index namespace) is exactly the one A logs.
+    engine_profile = _logged_profile(a.log_path, "--profile '")
+    assert _logged_profile(store.log_path, "profile ") == engine_profile
+    assert engine_profile["identity"]["kv_layout"].startswith("vllm")  # vLLM's, not kvbridge's
+    # Two prompts on a fresh pool: s1's blocks sit behind 95 never-used ones in the free queue
+    # while s2 runs, outside the 96 entries vLLM reuses next: nothing copied yet (a window of
+    # the whole queue would have copied s1 during s2's steps).
+    assert after_two["num_offloaded_blocks"] == 0, after_two
+    a_stats = a.stats()
+    # s1 and s2 (and more) reached the cold end and were copied before s4 to s6 evicted them.
+    assert a_stats["num_offloaded_blocks"] >= 2 * FULL_BLOCKS, a_stats
+    assert a_stats["num_offload_failures"] == 0
+    # vLLM's KV-event stream tells routers what the store holds: a BlockStored of the medium
+    # KVBRIDGE_STORE for each block A wrote (those of A's last step are published later).
+    stored = events.of_medium("KVBRIDGE_STORE", "BlockStored")
+    assert 2 * FULL_BLOCKS <= len(stored) <= a_stats["num_offloaded_blocks"], len(stored)
+    before, m_before = c.stats(), c.metrics()
+    (out,) = c.generate([request(PROMPTS["s1"], N_NEW)])
+    assert out["token_ids"] == outs["s1"]
+    assert out["num_cached_tokens"] >= FULL_BLOCKS * BLOCK, out["num_cached_tokens"]
+    after, m_after = c.stats(), c.metrics()
+    moved = {k: after[k] - before[k] for k in ("num_index_hits", "num_restored_blocks",
+                                               "store_hit_tokens", "remote_hit_tokens",
+                                               "num_failed_loads")}
+    assert moved == {"num_index_hits": 1, "num_restored_blocks": FULL_BLOCKS,
+                     "store_hit_tokens": FULL_BLOCKS * BLOCK, "remote_hit_tokens": 0,
+                     "num_failed_loads": 0}, moved
+    source = "vllm:prompt_tokens_cached_by_source:external_unspecified"
+    assert m_after.get(source, 0) - m_before.get(source, 0) == FULL_BLOCKS * BLOCK
+    _drained(a, c)
+
+
+def test_after_a_exits_c_restores_from_the_store_what_only_a_held_besides(tier, served):
+    a, c, _, _ = tier
+    outs, _ = served
+    a.stop()  # s3 was still in A's cache (and copied to the store while it neared eviction)
+    before = c.stats()
+    (out,) = c.generate([request(PROMPTS["s3"], N_NEW)])
+    assert out["token_ids"] == outs["s3"]
+    after = c.stats()
+    assert (after["num_restored_blocks"] - before["num_restored_blocks"],
+            after["num_failed_loads"] - before["num_failed_loads"]) == (FULL_BLOCKS, 0)
+    _drained(c)
+
+
+def test_the_store_killed_mid_restore_costs_a_recompute_with_the_right_tokens(tier, served):
+    _, c, store, _ = tier
+    outs, _ = served
+    before = c.stats()
+    store.signal(signal.SIGSTOP)  # the store stops answering; its index entries stay listed
+    try:
+        c.submit([request(PROMPTS["s2"], N_NEW)])
+        time.sleep(1.5)  # C's lookup named the store; its restore waits on it
+    finally:
+        store.kill()
+    (out,) = c.result()["outputs"]
+    assert out["token_ids"] == outs["s2"]
+    after = c.stats()
+    assert (after["num_index_hits"] - before["num_index_hits"],
+            after["num_failed_loads"] - before["num_failed_loads"]) == (1, 1)
+    assert after["num_restored_blocks"] == before["num_restored_blocks"]
+    _drained(c)
