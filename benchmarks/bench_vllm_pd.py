@@ -64,6 +64,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SMALL = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
              num_key_value_heads=2, head_dim=64, intermediate_size=1024)
+# checkpoint name -> Llama shape; "small4": the four-layer variant issue 31's benchmark runs on
+SHAPES = {"small": SMALL, "small4": {**SMALL, "num_hidden_layers": 4}}
 TARGETS = {"kvbridge_over_nixl": 0.5, "kvbridge_over_example": 1.0,
            "kvbridge_sync_over_example": 1.0, "kvbridge_over_recompute_small": 0.2,
            "wrong_ticket_over_recompute": 1.2, "wrong_ticket_p_over_recompute": 1.2,
@@ -78,14 +80,14 @@ def _model(kind: str) -> str:
     if kind == "tiny":
         return str(tiny_llama())
     cache = Path(os.environ.get("KVBRIDGE_CACHE", Path.home() / ".cache" / "kvbridge-vllm"))
-    path = cache / "models" / "small-llama-bench"
+    path = cache / "models" / f"{kind}-llama-bench"
     if not (path / "config.json").exists():
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=512, initializer_range=0.5, tie_word_embeddings=False,
-                             torch_dtype="float32", max_position_embeddings=8192, **SMALL)
+                             torch_dtype="float32", max_position_embeddings=8192, **SHAPES[kind])
         LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(path)
     return str(path)
 

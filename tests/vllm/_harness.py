@@ -50,11 +50,14 @@ class Node:
         mode: ``"inproc"`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or ``"mp"``.
         llm: more ``vllm.LLM`` keyword arguments.
         env: more environment variables.
+        python: the interpreter that runs ``_node.py`` (default this one's: the vLLM venv's);
+            another venv's for a connector installed only there.
     """
 
     def __init__(self, name: str, *, model: str | os.PathLike, log_dir: Path,
                  kv_transfer_config: dict[str, Any] | None = None, mode: str = "inproc",
-                 llm: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 llm: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 python: str | None = None) -> None:
         if mode not in ("inproc", "mp"):
             raise ValueError(f"mode must be 'inproc' or 'mp', got {mode!r}")
         self.name, self.mode = name, mode
@@ -72,7 +75,7 @@ class Node:
             full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self._proc = subprocess.Popen(
-            [sys.executable, str(NODE), json.dumps(settings)], stdin=subprocess.PIPE,
+            [python or sys.executable, str(NODE), json.dumps(settings)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self._log, env=full_env, text=True,
             start_new_session=True)
         self._lines: queue.Queue = queue.Queue()

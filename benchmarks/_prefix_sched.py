@@ -1,0 +1,124 @@
+"""bench_vllm_prefix's scheduler row: vLLM's own ``Scheduler.schedule()`` time on a burst of
+requests nobody holds, with kvbridge's block index on (``index_url`` to a Redis without
+entries) and with no connector at all.
+
+Each side is one child process running a ``vllm.LLM`` in process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler is reachable at
+``llm.llm_engine.engine_core.engine_core.scheduler``); the child wraps that scheduler's
+``schedule`` with a timer, warms up with one burst, then submits ``--sched-bursts`` bursts of
+``--sched-requests`` fresh prompts at once (one ``generate`` call each, real forwards between
+the steps, one output token each). Per burst:
+
+- ``step_s``: the mean ``schedule()`` time of the steps that scheduled tokens (each followed by
+  a forward): what the index adds to a working step (``sched_index_over_off``, the target);
+- ``first_step_s``: the step the burst arrived in; with the index on, the one that starts every
+  request's lookup inside ``get_num_new_matched_tokens`` (answered on the index client's thread);
+- ``wait_steps`` / ``wait_s``: steps that scheduled nothing while lookups were out (vLLM's idle
+  engine loop asks again at once: no forward runs, so they cost only this loop's time);
+- ``wall_s``: the burst's ``generate`` call, from submission to the last output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_sched_row", "sched_child"]
+
+
+def sched_child(args: argparse.Namespace) -> None:
+    """The child: ``args.side`` is ``"index"`` (kvbridge, ``index_url``) or ``"off"``."""
+    from vllm import LLM, SamplingParams
+
+    transfer = None
+    if args.side == "index":
+        transfer = {"kv_connector": "KVBridgeConnector",
+                    "kv_connector_module_path": "kvbridge.connector.vllm",
+                    "kv_role": "kv_both", "engine_id": "sched-index",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"index_url": args.redis_url}}
+    llm = LLM(model=args.model_path, skip_tokenizer_init=True, enforce_eager=True,
+              dtype="float32", block_size=32, kv_cache_memory_bytes=args.kv_bytes,
+              max_model_len=args.sched_tokens + 32, max_num_seqs=args.sched_requests,
+              seed=0, kv_transfer_config=transfer)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    times: list[tuple[float, int]] = []  # (seconds, tokens scheduled) per schedule()
+    schedule = scheduler.schedule
+
+    def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = schedule(*args, **kwargs)
+        times.append((time.perf_counter() - start, out.total_num_scheduled_tokens))
+        return out
+
+    scheduler.schedule = timed_schedule
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    bursts = []
+    for burst in range(args.sched_bursts + 1):  # burst 0 warms the engine up
+        rng = random.Random(f"{args.side}-{burst}")  # fresh prompts: nobody holds them
+        prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(args.sched_tokens)]}
+                   for _ in range(args.sched_requests)]
+        times.clear()
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        working = [t for t, n in times if n > 0]
+        waiting = [t for t, n in times[1:] if n == 0]
+        bursts.append({"step_s": statistics.mean(working), "steps": len(working),
+                       "first_step_s": times[0][0], "wait_steps": len(waiting),
+                       "wait_s": sum(waiting), "wall_s": wall})
+    stats = None
+    if transfer is not None:
+        stats = scheduler.connector.stats.snapshot()
+    Path(args.out).write_text(json.dumps({"bursts": bursts[1:], "stats": stats}))
+
+
+def _spawn(args: argparse.Namespace, side: str, model_path: str, redis_url: str,
+           out: Path, script: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cmd = [sys.executable, script, "--child", "sched", "--side", side, "--model-path",
+           model_path, "--redis-url", redis_url, "--out", str(out / f"sched-{side}.json"),
+           "--sched-tokens", str(args.sched_tokens), "--sched-requests",
+           str(args.sched_requests), "--sched-bursts", str(args.sched_bursts),
+           "--kv-bytes", str(args.sched_kv_bytes)]
+    log = open(out / f"sched-{side}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_sched_row(args: argparse.Namespace, model_path: str, redis_url: str, out: Path,
+                  script: str) -> dict[str, Any]:
+    """Both sides, one after the other (never at once: they would share the cores); returns
+    ``{"index": {...}, "off": {...}, "sched_index_over_off": ratio}``, each side's medians
+    over its bursts."""
+    row: dict[str, Any] = {}
+    for side in ("off", "index"):
+        proc = _spawn(args, side, model_path, redis_url, out, script)
+        try:
+            rc = proc.wait(timeout=args.case_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(f"scheduler row ({side}) timed out; log in {out}") from None
+        if rc != 0:
+            raise RuntimeError(f"scheduler row ({side}) failed (rc {rc}); log in "
+                               f"{out / f'sched-{side}.log'}")
+        result = json.loads((out / f"sched-{side}.json").read_text())
+        bursts = result["bursts"]
+        row[side] = {key: statistics.median(b[key] for b in bursts) for key in bursts[0]}
+        if result["stats"] is not None:
+            stats = result["stats"]
+            row[side]["index_lookups"] = stats.get("num_index_lookups")
+            row[side]["index_hits"] = stats.get("num_index_hits")
+    row["sched_index_over_off"] = round(row["index"]["step_s"] / row["off"]["step_s"], 3)
+    row["first_step_index_over_off"] = round(
+        row["index"]["first_step_s"] / row["off"]["first_step_s"], 3)
+    row["wall_index_over_off"] = round(row["index"]["wall_s"] / row["off"]["wall_s"], 3)
+    return row

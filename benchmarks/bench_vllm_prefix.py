@@ -1,0 +1,367 @@
+"""Prefix reuse across vLLM engines (issue 31): first token on a cross-instance hit through the
+block index, against recompute, a local prefix-cache hit, LMCache and the store tier; the
+scheduler's step time with the index on; a trace replay across three engines.
+
+    $VENV/bin/python benchmarks/bench_vllm_prefix.py [--prompts 5] [--rounds 1] [--replay 200]
+
+Run it with the vLLM venv (``tests/vllm/make_venv.sh`` prints its python). It starts its own
+Redis server and vLLM engines, each a subprocess (the vLLM suite's ``tests/vllm/_node.py``,
+in process, ``PYTHONHASHSEED=0``), on the four-layer ``small4`` Llama (hidden 384, 6 heads over
+2 KV heads of 64, float32, 32-token blocks: prefill is costly here; ``--model tiny``: the suite's
+tiny Llama). Rows:
+
+- ``cross``: engines A and B (kvbridge, ``index_url``) and R (no connector, prefix caching off:
+  every prompt recomputed). A serves ``--prompts`` prompts of ``--tokens`` tokens; B then gets
+  each with a suffix of its own (``--suffix`` tokens) and pulls the prefix from A; R computes
+  the same prompt (``recompute``); B gets the prefix again with another suffix (``local``: B's
+  own prefix cache). Figures: medians of ``RequestOutput.metrics.first_token_latency`` over the
+  prompts (one warm-up prompt first), ``cross_over_recompute`` and ``cross_over_local``. B's
+  greedy tokens must equal R's, prompt for prompt: a mismatch is printed loudly and the run
+  exits 1. ``--rounds N``: N sets of fresh prompts on the same engines, medians over all.
+- ``lmcache``: the same prompts through LMCache 0.5.6's multiprocess connector (its server and
+  two engines in the venv that ``--lmcache-python`` / ``KVBRIDGE_LMCACHE_PYTHON`` names);
+  skipped, saying why, when no such venv imports ``lmcache`` (it is never installed here).
+- ``restore``: an engine with ``store_url`` and ``offload: "evict"`` serves the prompts, then
+  others until they are evicted (copied to the store on their way out); B gets them with a
+  suffix and restores from the store. Run only when the connector accepts ``store_url`` (an
+  engine is started with it: its refusal is the reason printed otherwise).
+- ``sched``: vLLM's own ``Scheduler.schedule()`` time on bursts of ``--sched-requests`` fresh
+  prompts, index on (Redis without entries) / no connector (``_prefix_sched.py``).
+- ``replay`` (``--replay N``, default off: the costly row): the first N requests of a
+  Mooncake trace over three engines, round robin, small KV caches (``_prefix_replay.py``).
+
+Prints a table per row and, last, one JSON object with the ratios and their targets;
+``--markdown docs/benchmarks.md`` also writes it there (``_report.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _prefix_engines import (
+    Node,
+    NodeError,
+    engine,
+    free_port,
+    lmcache_connector,
+    lmcache_python,
+    start_lmcache_server,
+    start_redis,
+    start_store,
+    store_refusal,
+)
+from _prefix_replay import run_replay
+from _prefix_sched import run_sched_row, sched_child
+from _report import add_markdown_option, finish
+from bench_vllm_pd import _model
+
+ROWS = ("cross", "lmcache", "restore", "sched")
+TARGETS = {"cross_over_recompute": 0.25, "cross_over_local": 2.0, "cross_over_lmcache": 0.5,
+           "restore_over_recompute": 0.3, "sched_index_over_off": 1.05,
+           "replay_hit_over_unbounded": 0.85}
+
+
+def _tokens(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 512) for _ in range(n)]
+
+
+def _request(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"prompt_token_ids": prompt, "max_tokens": max_tokens, "kv_transfer_params": None}
+
+
+class Prompts:
+    """Prefixes of ``tokens`` tokens and two distinct suffixes each; index 0 warms up."""
+
+    def __init__(self, tag: str, num: int, tokens: int, suffix: int) -> None:
+        self.prefixes = [_tokens(f"{tag}-p{i}", tokens) for i in range(num + 1)]
+        self.first = [p + _tokens(f"{tag}-s{i}", suffix) for i, p in enumerate(self.prefixes)]
+        self.second = [p + _tokens(f"{tag}-t{i}", suffix) for i, p in enumerate(self.prefixes)]
+
+
+class Tally:
+    """TTFTs by case (warm-up prompts left out) and token mismatches, said loudly."""
+
+    def __init__(self) -> None:
+        self.ttft: dict[str, list[float]] = {}
+        self.cached: dict[str, list[int]] = {}
+        self.mismatches: list[str] = []
+
+    def add(self, case: str, i: int, out: dict[str, Any], reference: list[int] | None) -> None:
+        if reference is not None and out["token_ids"] != reference:
+            self.mismatches.append(f"{case} prompt {i}")
+            print(f"!!! TOKEN MISMATCH: {case}, prompt {i}: {out['token_ids']} != plain vLLM's "
+                  f"{reference}", flush=True)
+        if i > 0:
+            self.ttft.setdefault(case, []).append(out["first_token_latency"])
+            self.cached.setdefault(case, []).append(out["num_cached_tokens"])
+
+    def median(self, case: str) -> float | None:
+        values = self.ttft.get(case)
+        return statistics.median(values) if values else None
+
+
+def _start(*nodes: Node) -> None:
+    try:
+        for node in nodes:
+            node.wait_ready()
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+
+
+def _serve(node: Node, prompts: list[list[int]]) -> None:
+    """``node`` computes ``prompts`` (one token each), then its blocks reach the index."""
+    node.generate([_request(p, 1) for p in prompts])
+    time.sleep(0.5)
+
+
+def cross_rows(args, model: str, redis_url: str, logs: Path, tally: Tally,
+               rounds: list[Prompts]) -> dict[str, Any]:
+    """A, B and R (see the module docstring); fills ``tally`` with ``cross``, ``recompute``
+    and ``local``, and keeps R's tokens as the reference of every later row."""
+    index = {"index_url": redis_url, "load_timeout_s": 10.0}
+    llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
+    a = engine("prefix-a", model, logs, extra=index, llm=llm)
+    b = engine("prefix-b", model, logs, extra=index, llm=llm)
+    r = engine("prefix-r", model, logs, llm={**llm, "enable_prefix_caching": False})
+    reference: dict[tuple[int, int, int], list[int]] = {}
+    try:
+        _start(a, b, r)
+        for k, prompts in enumerate(rounds):
+            _serve(a, prompts.prefixes)
+            for i in range(len(prompts.prefixes)):
+                for which, batch in ((1, prompts.first), (2, prompts.second)):
+                    (ref,) = r.generate([_request(batch[i], args.max_tokens)])
+                    reference[k, i, which] = ref["token_ids"]
+                    (out,) = b.generate([_request(batch[i], args.max_tokens)])
+                    tally.add("cross" if which == 1 else "local", i, out, ref["token_ids"])
+                    if which == 1:
+                        tally.add("recompute", i, ref, None)
+        stats = b.stats()
+    finally:
+        for node in (a, b, r):
+            node.stop()
+    return {"reference": reference, "b_stats": stats}
+
+
+def lmcache_row(args, model: str, logs: Path, tally: Tally, prompts: Prompts,
+                reference: dict) -> str:
+    """The cross-instance hit through LMCache's multiprocess server; "" or why not run."""
+    python, why = lmcache_python(args.lmcache_python)
+    if python is None:
+        return why
+    if reference is None:
+        return "not run: needs the cross row (its reference tokens)"
+    port = free_port()
+    server = start_lmcache_server(python, port, logs)
+    llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
+    a = engine("lmcache-a", model, logs, connector=lmcache_connector(port), llm=llm,
+               python=python)
+    b = engine("lmcache-b", model, logs, connector=lmcache_connector(port), llm=llm,
+               python=python)
+    try:
+        _start(a, b)
+        _serve(a, prompts.prefixes)
+        for i, prompt in enumerate(prompts.first):
+            (out,) = b.generate([_request(prompt, args.max_tokens)])
+            tally.add("lmcache", i, out, reference[0, i, 1])
+    finally:
+        for node in (a, b):
+            node.stop()
+        server.stop()
+    return ""
+
+
+def restore_row(args, model: str, redis_url: str, logs: Path, tally: Tally,
+                prompts: Prompts) -> tuple[str, dict | None]:
+    """Restore from the store tier (module docstring); ("", B's stats) or (why not, None)."""
+    write_port = free_port()
+    per_prompt = -(-args.max_model_len // 32)
+    small = {"kv_cache_memory_bytes": args.block_bytes * 2 * per_prompt,
+             "max_model_len": args.max_model_len}
+    s = engine("store-s", model, logs, llm=small,
+               extra={"index_url": redis_url, "store_url": f"127.0.0.1:{write_port}",
+                      "offload": "evict", "load_timeout_s": 10.0})
+    try:
+        s.wait_ready()
+    except NodeError as exc:
+        s.kill()
+        return f"not run: {store_refusal(str(exc))}", None
+    store = None
+    llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
+    b = engine("store-b", model, logs, extra={"index_url": redis_url, "load_timeout_s": 10.0},
+               llm=llm)
+    r = engine("store-r", model, logs, llm={**llm, "enable_prefix_caching": False})
+    try:
+        store = start_store(s, redis_url, write_port, args.store_bytes, logs)
+        _start(b, r)
+        for prefix in prompts.prefixes:  # one at a time: the earlier ones go cold
+            _serve(s, [prefix])
+        for i in range(4):  # fillers: every prefix evicted (offloaded first)
+            _serve(s, [_tokens(f"filler-{i}", args.max_model_len - 64)])
+        for i, prompt in enumerate(prompts.first):
+            (ref,) = r.generate([_request(prompt, args.max_tokens)])
+            (out,) = b.generate([_request(prompt, args.max_tokens)])
+            tally.add("restore", i, out, ref["token_ids"])
+            tally.add("restore_recompute", i, ref, None)
+        return "", b.stats()
+    except (NodeError, RuntimeError) as exc:
+        return f"not run: {str(exc).splitlines()[0][:300]}", None
+    finally:
+        for node in (s, b, r):
+            node.stop()
+        if store is not None:
+            store.stop()
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a / b, 3)
+
+
+def _print_ttft(tally: Tally) -> None:
+    print(f"\n{'case':18s} {'TTFT p50 ms':>12s} {'min':>8s} {'max':>8s} {'cached p50':>11s}")
+    for case, values in tally.ttft.items():
+        print(f"{case:18s} {statistics.median(values) * 1e3:12.1f} {min(values) * 1e3:8.1f} "
+              f"{max(values) * 1e3:8.1f} {statistics.median(tally.cached[case]):11.0f}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("small4", "small", "tiny"), default="small4")
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="sets of fresh prompts")
+    parser.add_argument("--tokens", type=int, default=2048, help="prefix length")
+    parser.add_argument("--suffix", type=int, default=64, help="B's suffix length")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--kv-bytes", type=int, default=256 << 20)
+    parser.add_argument("--store-bytes", type=int, default=256 << 20)
+    parser.add_argument("--lmcache-python", default=None,
+                        help="python of a venv with lmcache 0.5.6 and vLLM "
+                        "(default $KVBRIDGE_LMCACHE_PYTHON)")
+    parser.add_argument("--sched-requests", type=int, default=64)
+    parser.add_argument("--sched-tokens", type=int, default=512)
+    parser.add_argument("--sched-bursts", type=int, default=3)
+    parser.add_argument("--sched-kv-bytes", type=int, default=1 << 30)
+    parser.add_argument("--replay", type=int, default=0, metavar="N",
+                        help="replay the trace's first N requests (0: skip the row)")
+    parser.add_argument("--trace", default="/work/shared/traces/conversation_trace.jsonl")
+    parser.add_argument("--replay-blocks", type=int, default=512,
+                        help="KV cache blocks per replay engine (raised to fit one prompt)")
+    parser.add_argument("--replay-max-tokens", type=int, default=2)
+    parser.add_argument("--replay-min-remote-hit-tokens", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model, 2 prompts of 512 tokens, bursts of 8: a minute")
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS,
+                        help="rows to run (lmcache needs cross; replay needs --replay N)")
+    parser.add_argument("--case-timeout-s", type=float, default=600.0)
+    parser.add_argument("--child", choices=("sched",), help=argparse.SUPPRESS)
+    for name in ("--side", "--model-path", "--redis-url", "--out"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    add_markdown_option(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.model, args.prompts, args.tokens, args.rounds = "tiny", 2, 512, 1
+        args.sched_requests, args.sched_tokens, args.sched_bursts = 8, 320, 1
+        args.kv_bytes, args.store_bytes = 64 << 20, 64 << 20
+    args.max_model_len = -(-(args.tokens + args.suffix + args.max_tokens) // 32) * 32 + 32
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.child == "sched":
+        sched_child(args)
+        return 0
+    from _prefix_engines import block_bytes
+
+    model = _model(args.model)
+    args.block_bytes = block_bytes(model)
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-prefix-"))
+    print(f"logs in {work}", flush=True)
+    redis = start_redis(work)
+    tally = Tally()
+    report: dict[str, Any] = {"benchmark": "vllm_prefix", "model": args.model,
+                              "prompts": args.prompts, "rounds": args.rounds,
+                              "tokens": args.tokens, "suffix": args.suffix}
+    try:
+        _run_rows(args, model, redis.url, work, tally, report)
+    finally:
+        redis.stop()
+    report["mismatches"] = len(tally.mismatches)
+    report["targets"] = TARGETS
+    if tally.mismatches:
+        print(f"!!! {len(tally.mismatches)} TOKEN MISMATCH(ES): {tally.mismatches}", flush=True)
+    finish(report, name="vllm_prefix",
+           title="vLLM prefix reuse: first token on a cross-instance hit, scheduler, replay",
+           markdown=args.markdown)
+    return 1 if tally.mismatches else 0
+
+
+def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
+              report: dict[str, Any]) -> None:
+    """Every row ``--rows`` names, in order; their figures into ``report``."""
+    rounds = [Prompts(f"r{k}", args.prompts, args.tokens, args.suffix)
+              for k in range(args.rounds)]
+    reference = None
+    if "cross" in args.rows:
+        cross = cross_rows(args, model, redis_url, work, tally, rounds)
+        reference = cross["reference"]
+        report["b_index_hits"] = hits = cross["b_stats"]["num_index_hits"]
+        report["b_remote_hit_tokens"] = cross["b_stats"]["remote_hit_tokens"]
+        if hits < args.rounds * (args.prompts + 1):
+            print(f"!!! B pulled {hits} of {args.rounds * (args.prompts + 1)} prefixes: the "
+                  "cross figure is not a cross-instance hit", flush=True)
+    report["lmcache"] = "not run: --rows" if "lmcache" not in args.rows else (
+        lmcache_row(args, model, work, tally, rounds[0], reference) or "run")
+    args.store_available, args.store_note = False, "not run: --rows"
+    if "restore" in args.rows:
+        why, stats = restore_row(args, model, redis_url, work, tally,
+                                 Prompts("store", args.prompts, args.tokens, args.suffix))
+        args.store_available, args.store_note = not why, why
+        if stats is not None:
+            report["restore_stats"] = {k: v for k, v in stats.items()
+                                       if "restore" in k or "store_hit" in k}
+    report["restore"] = args.store_note or "run"
+    _print_ttft(tally)
+    for row in ("lmcache", "restore"):
+        if report[row] != "run":
+            print(f"{row}: {report[row]}")
+    ttft = {case: tally.median(case) for case in tally.ttft}
+    report["ttft_p50_s"] = ttft
+    report["cross_over_recompute"] = _ratio(ttft.get("cross"), ttft.get("recompute"))
+    report["cross_over_local"] = _ratio(ttft.get("cross"), ttft.get("local"))
+    report["cross_over_lmcache"] = _ratio(ttft.get("cross"), ttft.get("lmcache"))
+    report["lmcache_over_recompute"] = _ratio(ttft.get("lmcache"), ttft.get("recompute"))
+    report["restore_over_recompute"] = _ratio(ttft.get("restore"), ttft.get("restore_recompute"))
+    if "sched" in args.rows:
+        sched = run_sched_row(args, model, redis_url, work, __file__)
+        print(f"\nsched, bursts of {args.sched_requests} (medians over bursts):\n"
+              f"{'side':6s} {'working step ms':>15s} {'steps':>6s} {'first step ms':>14s} "
+              f"{'wait steps':>10s} {'wait ms':>8s} {'burst wall ms':>14s}")
+        for side in ("index", "off"):
+            row = sched[side]
+            print(f"{side:6s} {row['step_s'] * 1e3:15.3f} {row['steps']:6.0f} "
+                  f"{row['first_step_s'] * 1e3:14.3f} {row['wait_steps']:10.0f} "
+                  f"{row['wait_s'] * 1e3:8.2f} {row['wall_s'] * 1e3:14.1f}", flush=True)
+        report["sched"] = {side: sched[side] for side in ("index", "off")}
+        for key in ("sched_index_over_off", "first_step_index_over_off", "wall_index_over_off"):
+            report[key] = sched[key]
+    replay = run_replay(args, model, redis_url, work) if args.replay else None
+    report["replay"] = replay if replay is not None else "not run: --replay 0"
+    if replay is not None:
+        report["replay_hit_over_unbounded"] = replay["hit_over_unbounded"]
+        report["replay_ttft_over_no_connector"] = replay["ttft_over_no_connector"]
+        tally.mismatches += [f"replay request {i}" for i in replay["mismatched"]]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
