@@ -99,6 +99,8 @@ class Tally:
             self.mismatches.append(f"{case} prompt {i}")
             print(f"!!! TOKEN MISMATCH: {case}, prompt {i}: {out['token_ids']} != plain vLLM's "
                   f"{reference}", flush=True)
+        print(f"  {case:18s} prompt {i}: first token {out['first_token_latency'] * 1e3:7.1f} ms, "
+              f"{out['num_cached_tokens']} tokens cached", flush=True)
         if i > 0:
             self.ttft.setdefault(case, []).append(out["first_token_latency"])
             self.cached.setdefault(case, []).append(out["num_cached_tokens"])
@@ -317,6 +319,9 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
         reference = cross["reference"]
         report["b_index_hits"] = hits = cross["b_stats"]["num_index_hits"]
         report["b_remote_hit_tokens"] = cross["b_stats"]["remote_hit_tokens"]
+        report["b_index_lookups"] = cross["b_stats"]["num_index_lookups"]
+        for key in ("queue_s_p50", "transfer_s_p50"):  # arrival -> pull start; the pull
+            report[f"b_{key}"] = cross["b_stats"][key]
         if hits < args.rounds * (args.prompts + 1):
             print(f"!!! B pulled {hits} of {args.rounds * (args.prompts + 1)} prefixes: the "
                   "cross figure is not a cross-instance hit", flush=True)
