@@ -215,7 +215,8 @@ def restore_row(args, model: str, redis_url: str, logs: Path, tally: Tally,
             (out,) = b.generate([_request(prompt, args.max_tokens)])
             tally.add("restore", i, out, ref["token_ids"])
             tally.add("restore_recompute", i, ref, None)
-        return "", b.stats()
+        offloaded = {k: v for k, v in s.stats().items() if "offload" in k}
+        return "", {**b.stats(), **offloaded}
     except (NodeError, RuntimeError) as exc:
         return f"not run: {str(exc).splitlines()[0][:300]}", None
     finally:
@@ -334,7 +335,7 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
         args.store_available, args.store_note = not why, why
         if stats is not None:
             report["restore_stats"] = {k: v for k, v in stats.items()
-                                       if "restore" in k or "store_hit" in k}
+                                       if "restore" in k or "store_hit" in k or "offload" in k}
     report["restore"] = args.store_note or "run"
     _print_ttft(tally)
     for row in ("lmcache", "restore"):
