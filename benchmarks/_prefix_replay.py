@@ -126,6 +126,10 @@ def run_replay(args: argparse.Namespace, model: str, redis_url: str, logs: Path
                          "mean_ttft_s": round(ttft, 4),
                          "ttft_over_no_connector": round(ttft / base_ttft, 3),
                          "by_source": run["by_source"]}
+        if name != "none":  # per engine: lookups started, pulls they started, pulls failed
+            summary[name]["index"] = [
+                [st["num_index_lookups"], st["num_index_hits"], st["num_failed_loads"]]
+                for st in run["stats"]]
         print(f"{name:16s} {summary[name]['hit_over_unbounded']!s:>17s} {ttft * 1e3:13.1f} "
               f"{ttft / base_ttft:8.3f}  {run['by_source']}")
     summary.update(notes)

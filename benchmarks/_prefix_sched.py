@@ -1,6 +1,7 @@
 """bench_vllm_prefix's scheduler row: vLLM's own ``Scheduler.schedule()`` time on a burst of
 requests nobody holds, with kvbridge's block index on (``index_url`` to a Redis without
-entries) and with no connector at all.
+entries), with no connector at all (``off``), and with kvbridge's connector without an index
+(``connector``: what the connector costs a step before any lookup).
 
 Each side is one child process running a ``vllm.LLM`` in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler is reachable at
@@ -35,16 +36,18 @@ __all__ = ["run_sched_row", "sched_child"]
 
 
 def sched_child(args: argparse.Namespace) -> None:
-    """The child: ``args.side`` is ``"index"`` (kvbridge, ``index_url``) or ``"off"``."""
+    """The child: ``args.side`` is ``"index"`` (kvbridge, ``index_url``), ``"connector"``
+    (kvbridge, no index) or ``"off"``."""
     from vllm import LLM, SamplingParams
 
     transfer = None
-    if args.side == "index":
+    if args.side != "off":
+        extra = {"index_url": args.redis_url} if args.side == "index" else {}
         transfer = {"kv_connector": "KVBridgeConnector",
                     "kv_connector_module_path": "kvbridge.connector.vllm",
-                    "kv_role": "kv_both", "engine_id": "sched-index",
+                    "kv_role": "kv_both", "engine_id": f"sched-{args.side}",
                     "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"index_url": args.redis_url}}
+                    "kv_connector_extra_config": extra}
     llm = LLM(model=args.model_path, skip_tokenizer_init=True, enforce_eager=True,
               dtype="float32", block_size=32, kv_cache_memory_bytes=args.kv_bytes,
               max_model_len=args.sched_tokens + 32, max_num_seqs=args.sched_requests,
@@ -96,11 +99,12 @@ def _spawn(args: argparse.Namespace, side: str, model_path: str, redis_url: str,
 
 def run_sched_row(args: argparse.Namespace, model_path: str, redis_url: str, out: Path,
                   script: str) -> dict[str, Any]:
-    """Both sides, one after the other (never at once: they would share the cores); returns
-    ``{"index": {...}, "off": {...}, "sched_index_over_off": ratio}``, each side's medians
-    over its bursts."""
+    """The three sides, one after the other (never at once: they would share the cores);
+    returns ``{"index": {...}, "connector": {...}, "off": {...}}`` (each side's medians over
+    its bursts) and the ratios ``sched_index_over_off`` (the target),
+    ``sched_index_over_connector``, ``first_step_index_over_off`` and ``wall_index_over_off``."""
     row: dict[str, Any] = {}
-    for side in ("off", "index"):
+    for side in ("off", "connector", "index"):
         proc = _spawn(args, side, model_path, redis_url, out, script)
         try:
             rc = proc.wait(timeout=args.case_timeout_s)
@@ -120,5 +124,7 @@ def run_sched_row(args: argparse.Namespace, model_path: str, redis_url: str, out
     row["sched_index_over_off"] = round(row["index"]["step_s"] / row["off"]["step_s"], 3)
     row["first_step_index_over_off"] = round(
         row["index"]["first_step_s"] / row["off"]["first_step_s"], 3)
+    row["sched_index_over_connector"] = round(
+        row["index"]["step_s"] / row["connector"]["step_s"], 3)
     row["wall_index_over_off"] = round(row["index"]["wall_s"] / row["off"]["wall_s"], 3)
     return row

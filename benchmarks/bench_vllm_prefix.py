@@ -26,7 +26,8 @@ tiny Llama). Rows:
   suffix and restores from the store. Run only when the connector accepts ``store_url`` (an
   engine is started with it: its refusal is the reason printed otherwise).
 - ``sched``: vLLM's own ``Scheduler.schedule()`` time on bursts of ``--sched-requests`` fresh
-  prompts, index on (Redis without entries) / no connector (``_prefix_sched.py``).
+  prompts, index on (Redis without entries) / no connector, and / kvbridge's connector
+  without an index (``_prefix_sched.py``).
 - ``replay`` (``--replay N``, default off: the costly row): the first N requests of a
   Mooncake trace over three engines, round robin, small KV caches (``_prefix_replay.py``).
 
@@ -366,13 +367,14 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
         print(f"\nsched, bursts of {args.sched_requests} (medians over bursts):\n"
               f"{'side':6s} {'working step ms':>15s} {'steps':>6s} {'first step ms':>14s} "
               f"{'wait steps':>10s} {'wait ms':>8s} {'burst wall ms':>14s}")
-        for side in ("index", "off"):
+        for side in ("index", "connector", "off"):
             row = sched[side]
             print(f"{side:6s} {row['step_s'] * 1e3:15.3f} {row['steps']:6.0f} "
                   f"{row['first_step_s'] * 1e3:14.3f} {row['wait_steps']:10.0f} "
                   f"{row['wait_s'] * 1e3:8.2f} {row['wall_s'] * 1e3:14.1f}", flush=True)
-        report["sched"] = {side: sched[side] for side in ("index", "off")}
-        for key in ("sched_index_over_off", "first_step_index_over_off", "wall_index_over_off"):
+        report["sched"] = {side: sched[side] for side in ("index", "connector", "off")}
+        for key in ("sched_index_over_off", "sched_index_over_connector",
+                    "first_step_index_over_off", "wall_index_over_off"):
             report[key] = sched[key]
     if args.replay:
         _flush(redis_url)
