@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -102,23 +101,12 @@ def store_refusal(error: str) -> str:
     return error.strip().splitlines()[0][:300] if error.strip() else "engine did not start"
 
 
-def start_store(node: Node, redis_url: str, write_port: int, capacity_bytes: int,
-                log_dir: Path, timeout_s: float = 60.0) -> Proc:
+def start_store(redis_url: str, write_port: int, capacity_bytes: int, log_dir: Path,
+                timeout_s: float = 60.0) -> Proc:
     """``kvbridge-store`` for engines configured with ``store_url: 127.0.0.1:<write_port>``,
-    started from the store profile ``node`` logs once its KV caches exist (the branch that
-    brings the store tier into vLLM prints it as ``--profile '<json>'``)."""
-    deadline = time.monotonic() + 30.0
-    profile = None
-    while profile is None:
-        found = re.search(r"--profile '(\{.*?\})'", node.log_path.read_text(errors="replace"))
-        if found:
-            profile = found.group(1)
-        elif time.monotonic() > deadline:
-            raise RuntimeError(f"{node.name} logged no store profile (--profile '...')")
-        else:
-            time.sleep(0.2)
-    store = Proc([sys.executable, "-m", "kvbridge.connector.serve.store_server", "--profile",
-                  profile, "--index-url", redis_url, "--capacity-bytes", str(capacity_bytes),
+    started as a user starts it: no model or profile (it takes the first writer's geometry)."""
+    store = Proc([sys.executable, "-m", "kvbridge.connector.serve.store_server",
+                  "--index-url", redis_url, "--capacity-bytes", str(capacity_bytes),
                   "--write-port", str(write_port)], log_dir / "store.log")
     try:
         store.first_json_line(timeout_s)

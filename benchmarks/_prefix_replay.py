@@ -51,7 +51,7 @@ def _variant(name: str, extra: dict[str, Any] | None, model: str, llm: dict[str,
         for node in nodes:
             node.wait_ready()
         if name == "kvbridge_store":
-            store = start_store(nodes[0], redis_url, write_port, store_bytes, logs)
+            store = start_store(redis_url, write_port, store_bytes, logs)
         for n, node in enumerate(nodes):  # the first forward of an engine is slow
             node.generate([{"prompt_token_ids": [3 + n] * 40, "max_tokens": 1,
                             "kv_transfer_params": None}])

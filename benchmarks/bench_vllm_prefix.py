@@ -205,7 +205,7 @@ def restore_row(args, model: str, redis_url: str, logs: Path, tally: Tally,
                llm=llm)
     r = engine("store-r", model, logs, llm={**llm, "enable_prefix_caching": False})
     try:
-        store = start_store(s, redis_url, write_port, args.store_bytes, logs)
+        store = start_store(redis_url, write_port, args.store_bytes, logs)
         _start(b, r)
         for prefix in prompts.prefixes:  # one at a time: the earlier ones go cold
             _serve(s, [prefix])
