@@ -524,7 +524,7 @@ def test_a_resync_of_a_large_cached_set_lands_in_calls_the_server_runs_in_time(r
     hashes = [_chain_hash(i) for i in range(num_blocks)]
     cached = [CachedBlock(h, 0, i + 1) for i, h in enumerate(hashes)]
     client = IndexClient(index, directory, node_id="A", incarnation=1, group_ids=(0,),
-                         ttl_s=0.9)
+                         ttl_s=5.0)  # a busy host must not let it lapse
     client.set_resync_source(lambda: cached)
     client.start("127.0.0.1", 1)
     try:
