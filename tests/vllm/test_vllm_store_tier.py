@@ -21,8 +21,11 @@ pulled for them).
 Checked: no block is offloaded while the prompts' blocks are far from eviction; C restores an
 evicted prompt from the store (A still running), its greedy tokens equal A's, the restored
 blocks counted by C (``num_restored_blocks``, ``store_hit_tokens``, vLLM's
-``external_unspecified`` hit source) and A counted its writes; A stopped, C restores from the
-store a prompt that A still held; the store paused while C's restore waits on it, then killed:
+``external_unspecified`` hit source) and A counted its writes; store blocks whose hash no
+longer matches the index's entry are refused by the store's re-check and the tail recomputed
+(A restoring s2, with the store's entries' block ids rotated in Redis); A stopped, C restores
+from the store a prompt that A still held; the store paused while C's restore waits on it, then
+killed:
 C recomputes, the tokens are right, the failure is counted. vLLM's KV-event stream (ZMQ, on
 A) carries a ``BlockStored`` of the medium ``KVBRIDGE_STORE`` for the blocks A wrote. After
 each test the engines still running hold no request and every block is free.
@@ -257,6 +260,7 @@ def test_store_blocks_whose_hash_no_longer_matches_are_refused_and_the_tail_reco
     a, _, _, _ = tier
     outs, _ = served
     client = redis.Redis.from_url(redis_server.url)
+    listed: dict[bytes, bytes] = {}
     try:
         listed = _store_entries(client)
         deep = [k for k, v in listed.items() if struct.unpack(">I", v[25:29])[0] > CORRUPT_FROM]
