@@ -12,6 +12,11 @@ the put's blocks out of the index); each name becomes one more outcome, marked `
 (``num_offload_missing_ancestors`` counts them), after the put's own, so that the planner
 writes the block again if its pool still caches it.
 
+A store that cannot be written (unreachable, silent past ``StoreWriter.put_timeout_s``, or
+answering garbage) is said once per outage: one WARNING naming the store and the error at the
+first failed write, DEBUG for the next ones, one INFO when a write lands again; each failed
+write counts in ``num_offload_failures`` and its items are reported not held.
+
 Back-pressure: while ``max_inflight_bytes`` or more of snapshots wait for the store, ``submit``
 snapshots nothing; its items are reported not held at once (``num_offload_skipped_blocks``) and
 the planner plans them again later.
@@ -38,7 +43,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from kvbridge.transport import NodeMetadata
+from kvbridge.transport import NodeMetadata, format_host_port
 
 from ..loop_thread import LoopThread, get_loop_thread
 from ..stats import KVTransferStats
@@ -105,6 +110,8 @@ class OffloadSender:
         self._store_incarnation = 0  # of the store that answered the latest put
         self._futures: set[Future[None]] = set()
         self._refusals_logged: set[str] = set()  # loop thread only
+        self._failing_since_s: float | None = None  # writes failing since (loop thread only)
+        self._num_failed_writes = 0
 
     # ------------------------------------------------------------------ worker thread
     def bind(self, kv_caches_by_group: Sequence[Sequence[torch.Tensor]],
@@ -254,9 +261,8 @@ class OffloadSender:
             view = memoryview(buffer[: put.payload_nbytes].numpy())
             reply = await self.writer.put(put, [view])
         except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
-            num_blocks = sum(len(g.block_hashes) for g in put.groups)
             if not isinstance(exc, StoreRefusedError):
-                logger.warning("offload of %d block(s) failed: %s", num_blocks, exc)
+                self._say_failed(put, exc)
             elif str(exc) not in self._refusals_logged:  # the same every time: said once
                 self._refusals_logged.add(str(exc))
                 logger.error("offload to the store tier stopped: %s (counted as store write "
@@ -271,6 +277,7 @@ class OffloadSender:
             with self._lock:
                 self._inflight_bytes -= put.payload_nbytes
             self._staging_pool.give(buffer)  # the socket no longer reads it
+        self._say_landed()
         num_held, bytes_held = self._report(
             put, refused=set(reply.refused), missing_ancestors=reply.missing_ancestors,
             store_incarnation=reply.store_incarnation,
@@ -278,6 +285,31 @@ class OffloadSender:
         self.stats.add("num_offloaded_blocks", num_held)
         self.stats.add("bytes_offloaded", bytes_held)
         self.stats.add("num_offload_refused_blocks", reply.num_refused)
+
+    def _say_failed(self, put: PutRequest, exc: BaseException) -> None:
+        """A write failed (the store unreachable, silent, or answering garbage): one WARNING
+        naming the store and the error when writes start failing, DEBUG for the later ones of
+        the same outage (a write fails every step meanwhile). Loop thread."""
+        num_blocks = sum(len(g.block_hashes) for g in put.groups)
+        if self._failing_since_s is not None:
+            self._num_failed_writes += 1
+            logger.debug("offload of %d block(s) failed: %s", num_blocks, exc)
+            return
+        self._failing_since_s, self._num_failed_writes = time.monotonic(), 1
+        logger.warning(
+            "offload to the store at %s failed (%s: %s); the blocks stay in this node's cache "
+            "and are planned again, each failed write counted in num_offload_failures; said "
+            "again once a write lands", format_host_port(*self.writer_address),
+            type(exc).__name__, exc)
+
+    def _say_landed(self) -> None:
+        """A write was answered: one INFO line if writes were failing until now. Loop thread."""
+        if self._failing_since_s is None:
+            return
+        logger.info("offload to the store at %s works again after %.1f s (%d failed writes)",
+                    format_host_port(*self.writer_address),
+                    time.monotonic() - self._failing_since_s, self._num_failed_writes)
+        self._failing_since_s = None
 
     def _report(
         self,

@@ -330,6 +330,17 @@ def start_nodes(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> tuple[Node,
     return nodes
 
 
+def assert_drained(*nodes: Node) -> None:
+    """Each node's scheduler holds no request and every block but vLLM's null block is free
+    (``Node.wait_drained``; issue 31, part 6: "after every test every block is free and
+    nothing is held")."""
+    for node in nodes:
+        state = node.wait_drained()
+        assert state is not None, f"node {node.name}: no scheduler state (mp mode)"
+        assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"] - 1, (
+            node.name, state)
+
+
 # ----------------------------------------------------------------------------- configs
 def kvbridge_config(role: str, engine_id: str, *, policy: str = "recompute",
                     **extra: Any) -> dict[str, Any]:

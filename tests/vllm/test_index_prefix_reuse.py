@@ -20,6 +20,8 @@ tokens), so that A can be made to evict. Checked:
 - a holder that dies (paused, then killed) while a pull waits on it: B recomputes, the tokens
   are right, and the dead holder's registration (so its entries) lapses with its TTL.
 
+After each test every engine still running holds no request and every block is free.
+
 Holder-side counters reach A's scheduler half (``stats``) at A's next step: the tests give A a
 one-token request before reading them.
 """
@@ -30,7 +32,15 @@ import time
 
 import pytest
 import redis
-from _harness import BLOCK, Node, free_port, kvbridge_config, request, start_nodes
+from _harness import (
+    BLOCK,
+    Node,
+    assert_drained,
+    free_port,
+    kvbridge_config,
+    request,
+    start_nodes,
+)
 from _prompts import INDEX_PREFIXES, N_NEW, PROMPTS
 
 TTL_S = 3.0  # index_ttl_s: heartbeats every second; a dead holder's entries go within 3 s
@@ -110,7 +120,7 @@ def test_b_pulls_the_prefixes_a_computed_and_decodes_a_single_instance_s_tokens(
     assert m_after[p2p] - m_before[p2p] == pulled_blocks * BLOCK
     assert (m_after["vllm:kvbridge_num_index_hits"]
             - m_before["vllm:kvbridge_num_index_hits"]) == 3
-    assert a.wait_drained()["requests"] == 0 and b.wait_drained()["requests"] == 0
+    assert_drained(a, b)
 
 
 def _entries_of(client: redis.Redis, node_id: str) -> dict[bytes, bytes]:
@@ -150,7 +160,7 @@ def test_a_holder_that_evicted_the_blocks_the_index_named_is_refused_and_b_recom
         assert (hits, failed) == (1, 1) and errors > 0, (hits, failed, errors)
     finally:
         client.close()
-    assert b.wait_drained()["requests"] == 0
+    assert_drained(a, b)
 
 
 def test_malformed_index_entries_are_skipped_with_a_log_line_and_b_computes(
@@ -172,7 +182,7 @@ def test_malformed_index_entries_are_skipped_with_a_log_line_and_b_computes(
     assert out["token_ids"] == reference["index_garbage"]
     assert _delta(b.stats(), before, "num_index_lookups", "num_index_hits") == (1, 0)
     assert _log_lines(b, "malformed entr") == said + 1
-    assert b.wait_drained()["requests"] == 0
+    assert_drained(a, b)
 
 
 def _log_lines(node: Node, text: str) -> int:
@@ -209,7 +219,7 @@ def test_redis_stopped_mid_run_b_keeps_serving_says_so_once_and_uses_the_index_a
     assert outs[0]["token_ids"] == reference["index_after_outage"]
     after = b.stats()
     assert _delta(after, during, "num_index_hits") == (1,)
-    assert b.wait_drained()["requests"] == 0
+    assert_drained(a, b)
 
 
 def test_an_engine_started_while_redis_is_down_serves_and_another_dtype_sees_no_entries(
@@ -244,6 +254,7 @@ def test_an_engine_started_while_redis_is_down_serves_and_another_dtype_sees_no_
         finally:
             client.close()
         assert len(prefixes) == 2, prefixes  # A and B in one namespace, C in another
+        assert_drained(a, c)
     finally:
         c.stop()
 
@@ -264,7 +275,7 @@ def test_a_holder_that_dies_while_b_waits_on_its_pull_costs_a_recompute(
     assert out["token_ids"] == reference["index_died"]
     after = b.stats()
     assert _delta(after, before, "num_index_hits", "num_failed_loads") == (1, 1)
-    assert b.wait_drained()["requests"] == 0
+    assert_drained(b)
     # A's registration ends with its last heartbeat's TTL: lookups ignore its entries after.
     client = redis.Redis.from_url(redis_server.url)
     try:

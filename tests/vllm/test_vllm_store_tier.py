@@ -21,8 +21,11 @@ pulled for them).
 Checked: no block is offloaded while the prompts' blocks are far from eviction; C restores an
 evicted prompt from the store (A still running), its greedy tokens equal A's, the restored
 blocks counted by C (``num_restored_blocks``, ``store_hit_tokens``, vLLM's
-``external_unspecified`` hit source) and A counted its writes; A stopped, C restores from the
-store a prompt that A still held; the store paused while C's restore waits on it, then killed:
+``external_unspecified`` hit source) and A counted its writes; store blocks whose hash no
+longer matches the index's entry are refused by the store's re-check and the tail recomputed
+(A restoring s2, with the store's entries' block ids rotated in Redis); A stopped, C restores
+from the store a prompt that A still held; the store paused while C's restore waits on it, then
+killed:
 C recomputes, the tokens are right, the failure is counted. vLLM's KV-event stream (ZMQ, on
 A) carries a ``BlockStored`` of the medium ``KVBRIDGE_STORE`` for the blocks A wrote. After
 each test the engines still running hold no request and every block is free.
@@ -34,6 +37,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -41,7 +45,17 @@ import time
 
 import msgpack
 import pytest
-from _harness import BLOCK, Node, free_port, kvbridge_config, request, start_nodes, tokens
+import redis
+from _harness import (
+    BLOCK,
+    Node,
+    assert_drained,
+    free_port,
+    kvbridge_config,
+    request,
+    start_nodes,
+    tokens,
+)
 
 A_KV_BYTES = 6 << 20  # 192 blocks of 32 tokens (32 KiB a block: 2 layers, 2 KV heads, fp32)
 N_NEW = 8
@@ -170,12 +184,6 @@ def tier(tiny_llama, log_dir, redis_server):
         a.stop()
 
 
-def _drained(*nodes: Node) -> None:
-    for node in nodes:
-        state = node.wait_drained()
-        assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"] - 1, state
-
-
 @pytest.fixture(scope="module")
 def served(tier):
     """A serves the six prompts in turn; their tokens (A computed each from scratch) and A's
@@ -225,7 +233,58 @@ def test_a_offloads_only_blocks_near_eviction_and_c_restores_an_evicted_prompt(t
                      "num_failed_loads": 0}, moved
     source = "vllm:prompt_tokens_cached_by_source:external_unspecified"
     assert m_after.get(source, 0) - m_before.get(source, 0) == FULL_BLOCKS * BLOCK
-    _drained(a, c)
+    assert_drained(a, c)
+
+
+STORE_ID = "store-0"  # kvbridge-store's default --engine-id
+CORRUPT_FROM = 20  # the store's entries of every chain's blocks 20 and deeper name wrong blocks
+
+
+def _store_entries(client: redis.Redis) -> dict[bytes, bytes]:
+    """Every index entry of the store as Redis holds it: entry key -> the store's field
+    (``index/redis_scripts.py``: incarnation [0:20], block id [20:24], tier [24], run [25:29])."""
+    return {ekey: value
+            for keys in client.scan_iter(match=f"kvbridge:bi:*:keys:{STORE_ID}")
+            for ekey in client.smembers(keys)
+            if (value := client.hget(ekey, STORE_ID)) is not None}
+
+
+def test_store_blocks_whose_hash_no_longer_matches_are_refused_and_the_tail_recomputed(
+        tier, served, redis_server):
+    """Corrupt store data (issue 31, part 6): the index names, for every chain's blocks from
+    ``CORRUPT_FROM`` on, a store block that holds another hash (the entries' block ids rotated
+    among themselves, as a store whose blocks were rewritten behind the index would be). A,
+    which still runs but evicted s2 long ago (all but its first blocks), restores s2: the
+    store's hash re-check refuses the rotated blocks, A keeps the blocks before them and
+    recomputes the rest; its tokens equal its own from scratch, the failure is counted."""
+    a, _, _, _ = tier
+    outs, _ = served
+    client = redis.Redis.from_url(redis_server.url)
+    listed: dict[bytes, bytes] = {}
+    try:
+        listed = _store_entries(client)
+        deep = [k for k, v in listed.items() if struct.unpack(">I", v[25:29])[0] > CORRUPT_FROM]
+        assert len(deep) >= FULL_BLOCKS - CORRUPT_FROM, len(deep)  # s2's at least
+        for ekey, src in zip(deep, deep[1:] + deep[:1], strict=True):  # each: another's block
+            client.hset(ekey, STORE_ID, listed[ekey][:20] + listed[src][20:24]
+                        + listed[ekey][24:])
+        before = a.stats()
+        (out,) = a.generate([request(PROMPTS["s2"], N_NEW)])
+        after = a.stats()
+    finally:
+        for ekey in listed:  # as the store published them, for the tests after this one
+            client.hset(ekey, STORE_ID, listed[ekey])
+        client.close()
+    assert out["token_ids"] == outs["s2"]
+    moved = {k: after[k] - before[k] for k in ("num_index_hits", "num_restored_blocks",
+                                               "num_failed_loads", "num_load_errors_blocks")}
+    # Restored: the blocks before the first refused one that A no longer cached (it still
+    # held s2's first ones, freed last); every refused block counted. (vLLM's
+    # num_cached_tokens counts the whole hit as the scheduler saw it, failed part included.)
+    assert 0 < moved.pop("num_restored_blocks") <= CORRUPT_FROM
+    assert moved == {"num_index_hits": 1, "num_failed_loads": 1,
+                     "num_load_errors_blocks": FULL_BLOCKS - CORRUPT_FROM}, moved
+    assert_drained(a)
 
 
 def test_after_a_exits_c_restores_from_the_store_what_only_a_held_besides(tier, served):
@@ -238,7 +297,7 @@ def test_after_a_exits_c_restores_from_the_store_what_only_a_held_besides(tier, 
     after = c.stats()
     assert (after["num_restored_blocks"] - before["num_restored_blocks"],
             after["num_failed_loads"] - before["num_failed_loads"]) == (FULL_BLOCKS, 0)
-    _drained(c)
+    assert_drained(c)
 
 
 def test_the_store_killed_mid_restore_costs_a_recompute_with_the_right_tokens(tier, served):
@@ -257,4 +316,4 @@ def test_the_store_killed_mid_restore_costs_a_recompute_with_the_right_tokens(ti
     assert (after["num_index_hits"] - before["num_index_hits"],
             after["num_failed_loads"] - before["num_failed_loads"]) == (1, 1)
     assert after["num_restored_blocks"] == before["num_restored_blocks"]
-    _drained(c)
+    assert_drained(c)
