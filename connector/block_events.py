@@ -34,8 +34,9 @@ def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
             for block_id in event.block_ids:
                 stored.pop(block_id, None)
         elif isinstance(event, BlockStored):
+            suffix = make_block_hash_with_group_id(b"", event.group_id)  # once per event
             for block_id, block_hash in zip(event.block_ids, event.block_hashes, strict=True):
-                stored[block_id] = make_block_hash_with_group_id(block_hash, event.group_id)
+                stored[block_id] = block_hash + suffix
     return BlockHashDelta(
         cleared=cleared,
         removed_block_ids=removed,

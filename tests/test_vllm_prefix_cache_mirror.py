@@ -3,7 +3,8 @@
 A stand-in map (key -> block ids, first one first, as vLLM's ``BlockHashToBlockMap``) is
 changed the way vLLM's pool changes it, each change recorded as the pool follower records it;
 the events must bring the last report exactly up to the map, removals first, stores parents
-first, one block per key.
+first, one block per key. Most tests compare the events block by block (``_per_block``: a
+``BlockStored``'s hashes are one chain); how they are grouped into events has tests of its own.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class _Map:
 
     def insert(self, key: bytes, block_id: int) -> None:
         self.blocks.setdefault(key, []).append(block_id)
-        self.mirror.record_insert(key)
+        self.mirror.record_insert(key, block_id)
 
     def pop(self, key: bytes, block_id: int) -> None:
         held = self.blocks.get(key, [])
@@ -51,20 +52,42 @@ class _Map:
         held = self.blocks.get(key)
         return held[0] if held else None
 
-    def take(self) -> list:
+    def take_events(self) -> list:
         return self.mirror.take_events(self.holds, self.block_of)
 
-
-def _stored(i: int, block_id: int, parent: int | None, group_id: int = 0) -> BlockStored:
-    return BlockStored(
-        block_hashes=[_hash(i)], parent_block_hash=None if parent is None else _hash(parent),
-        token_ids=[], block_size=BLOCK_SIZE, lora_name=None, medium=None, group_id=group_id,
-        block_ids=[block_id])
+    def take(self) -> list[tuple]:
+        return _per_block(self.take_events())
 
 
-def _removed(i: int, block_id: int, group_id: int = 0) -> BlockRemoved:
-    return BlockRemoved(block_hashes=[_hash(i)], medium=None, group_id=group_id,
-                        block_ids=[block_id])
+def _per_block(events: list) -> list[tuple]:
+    """The events as one fact per block, in order: ``("S", hash, block id, parent, group)``,
+    ``("R", hash, block id, group)``, ``("C",)``."""
+    facts: list[tuple] = []
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            assert event.medium is None
+            facts.append(("C",))
+        elif isinstance(event, BlockRemoved):
+            assert event.medium is None
+            facts += [("R", h, b, event.group_id)
+                      for h, b in zip(event.block_hashes, event.block_ids, strict=True)]
+        else:
+            assert isinstance(event, BlockStored)
+            assert (event.token_ids, event.block_size, event.lora_name, event.medium) == (
+                [], BLOCK_SIZE, None, None)
+            parent = event.parent_block_hash
+            for h, b in zip(event.block_hashes, event.block_ids, strict=True):
+                facts.append(("S", h, b, parent, event.group_id))
+                parent = h
+    return facts
+
+
+def _stored(i: int, block_id: int, parent: int | None, group_id: int = 0) -> tuple:
+    return ("S", _hash(i), block_id, None if parent is None else _hash(parent), group_id)
+
+
+def _removed(i: int, block_id: int, group_id: int = 0) -> tuple:
+    return ("R", _hash(i), block_id, group_id)
 
 
 @pytest.fixture
@@ -156,7 +179,7 @@ def test_a_clear_comes_first_and_supersedes_what_was_recorded_before(pool):
     pool.blocks.clear()
     pool.mirror.record_clear()
     _cache_request(pool, [30], [9])  # cached after the reset, in the same step
-    assert pool.take() == [AllBlocksCleared(medium=None), _stored(30, 9, None)]
+    assert pool.take() == [("C",), _stored(30, 9, None)]
     assert pool.mirror.snapshot_cached_blocks() == [CachedBlock(_hash(30), 0, 9)]
 
 
@@ -185,8 +208,57 @@ def test_a_key_lost_without_a_recorded_pop_is_removed(pool):
     _cache_request(pool, [10], [5])
     pool.take()
     pool.blocks[_key(10)] = [8]  # changed behind the mirror's back, then touched
-    pool.mirror.record_insert(_key(10))
+    pool.mirror.record_insert(_key(10), 8)
     assert pool.take() == [_removed(10, 5), _stored(10, 8, None)]
+
+
+def test_a_run_of_stores_is_one_event_and_the_removals_one_per_group(pool):
+    _cache_request(pool, [10, 11, 12], [5, 6, 7])
+    _cache_request(pool, [20, 21], [8, 9])  # another request: a chain of its own
+    _cache_request(pool, [10, 11], [1, 2], group_id=1)
+    assert pool.take_events() == [
+        BlockStored(block_hashes=[_hash(10), _hash(11), _hash(12)], parent_block_hash=None,
+                    token_ids=[], block_size=BLOCK_SIZE, lora_name=None, medium=None,
+                    group_id=0, block_ids=[5, 6, 7]),
+        BlockStored(block_hashes=[_hash(20), _hash(21)], parent_block_hash=None, token_ids=[],
+                    block_size=BLOCK_SIZE, lora_name=None, medium=None, group_id=0,
+                    block_ids=[8, 9]),
+        BlockStored(block_hashes=[_hash(10), _hash(11)], parent_block_hash=None, token_ids=[],
+                    block_size=BLOCK_SIZE, lora_name=None, medium=None, group_id=1,
+                    block_ids=[1, 2]),
+    ]
+    for key, block_id in [(_key(11), 6), (_key(20), 8), (_key(10, 1), 1), (_key(12), 7)]:
+        pool.pop(key, block_id)
+    assert pool.take_events() == [
+        BlockRemoved(block_hashes=[_hash(11), _hash(20), _hash(12)], medium=None, group_id=0,
+                     block_ids=[6, 8, 7]),
+        BlockRemoved(block_hashes=[_hash(10)], medium=None, group_id=1, block_ids=[1]),
+    ]
+
+
+def test_keys_that_only_gained_blocks_are_not_looked_up_in_the_map(pool):
+    # A step's work is proportional to what changed, with no map look-up per new block: the
+    # journal alone says which block a new key has.
+    asked: list[bytes] = []
+
+    def holds(key: bytes, block_id: int) -> bool:
+        asked.append(key)
+        return pool.holds(key, block_id)
+
+    def block_of(key: bytes) -> int | None:
+        asked.append(key)
+        return pool.block_of(key)
+
+    _cache_request(pool, list(range(10, 74)), list(range(100, 164)))
+    events = pool.mirror.take_events(holds, block_of)
+    assert asked == []
+    assert _per_block(events) == [_stored(10, 100, None)] + [
+        _stored(h, h + 90, h - 1) for h in range(11, 74)]
+    pool.pop(_key(11), 101)  # a key that lost a block is checked against the map
+    pool.insert(_key(11), 7)
+    assert _per_block(pool.mirror.take_events(holds, block_of)) == [
+        _removed(11, 101), _stored(11, 7, 10)]
+    assert asked == [_key(11)]
 
 
 def test_block_size_must_be_positive():

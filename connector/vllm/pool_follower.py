@@ -53,11 +53,11 @@ class _JournaledMap(BlockHashToBlockMap):
         self._mirror = mirror
         self._cache = entries._cache  # adopt the pool's entries as they are
         for key in self._cache:
-            mirror.record_insert(key)
+            mirror.record_insert(key, self.block_id_of(key))
 
     def insert(self, key: Any, block: Any) -> None:
         super().insert(key, block)
-        self._mirror.record_insert(key)
+        self._mirror.record_insert(key, block.block_id)
 
     def pop(self, key: Any, block_id: int) -> Any:
         block = super().pop(key, block_id)

@@ -3,9 +3,9 @@
 vLLM's ``BlockPool`` keeps its prefix cache in one map, ``BlockHashWithGroupId`` (the block hash
 plus 4 big-endian bytes of the KV cache group id) -> the block(s) holding it. The pool follower
 (``pool_follower.py``) reports each change of that map here as it happens, inside the scheduler
-step, at the cost of one list append:
+step, at the cost of one append:
 
-    record_insert(key)               the map now maps ``key`` to a block (maybe another too)
+    record_insert(key, block_id)     the map now maps ``key`` to ``block_id`` (maybe another too)
     record_pop(key, block_id)        the map no longer maps ``key`` to ``block_id``
     record_clear()                   the map was emptied (``reset_prefix_cache``)
     record_parents(hashes, ...)      the parents of the hashes a request is about to cache
@@ -15,17 +15,26 @@ own ``BlockPool.take_events`` would have given, ``BlockStored`` / ``BlockRemoved
 and ``AllBlocksCleared``, so that the scheduler half's hash deltas (``block_events.py``), the index
 client's publishes and its resyncs work on vLLM's pool unchanged. The result is exact at the moment
 of the call: it compares what was last reported (``_block_of_key``) with the map itself, only for
-the keys that changed, so a key stored and evicted within one step costs nothing and a key that
-moved to another block (vLLM's copy-on-write ``move_block_hashes``) is reported as moved.
+the keys that lost a block since (``record_pop``), so a key stored and evicted within one step costs
+nothing and a key that moved to another block (vLLM's copy-on-write ``move_block_hashes``) is
+reported as moved. A key that gained a block and lost none is not looked up in the map: every
+change of the map passes through the two recorded methods, so a key not reported at the last call
+and popped from no block since was absent then, and the map names it with the first block it was
+inserted with (vLLM keeps a key's blocks in insertion order). The work of a call is proportional to
+the keys that changed, never to the size of the cache.
 
 One block per key is published (the first the map names): the index needs one holder block per
 hash and node; a second block holding the same key (vLLM does not de-duplicate) is published only
 when the first loses it.
 
 Order of a batch (the worker half applies removals before the step's forward and stores after it,
-``holder.HeldBlockHashes``): ``AllBlocksCleared`` if the map was emptied, then every removal, then
+``holder.HeldBlockHashes``): ``AllBlocksCleared`` if the map was emptied, then every removal (one
+``BlockRemoved`` per KV cache group), then
 the stores in the order their keys were first inserted (a request caches its blocks in position
-order, so a parent comes before its child, which the Redis index needs to extend a run).
+order, so a parent comes before its child, which the Redis index needs to extend a run). Stores
+that follow one another in that order form one ``BlockStored`` while each key's parent is the hash
+before it in the same group (one event per run of a request's blocks, as vLLM's own events; a
+``BlockStored``'s hashes are one chain: ``kvmanager.kv_events``).
 
 Owner: the engine thread (vLLM's scheduler thread); nothing here is shared.
 """
@@ -41,6 +50,8 @@ from kvbridge.kvmanager.block_hash import (
     get_group_id,
     make_block_hash_with_group_id,
 )
+
+_GROUP_ID_BYTES = len(make_block_hash_with_group_id(b"", 0))  # the key's group id suffix
 
 __all__ = ["PrefixCacheMirror"]
 
@@ -59,7 +70,7 @@ class PrefixCacheMirror:
         self._block_of_key: dict[bytes, int] = {}  # key -> the block reported as holding it
         self._parent_of_key: dict[bytes, bytes | None] = {}  # reported keys' parent hashes
         self._new_parents: dict[bytes, bytes | None] = {}  # since the last take
-        self._inserted: dict[bytes, None] = {}  # keys inserted since the last take, in order
+        self._inserted: dict[bytes, int] = {}  # key -> first block inserted since the last take
         self._popped: list[tuple[bytes, int]] = []  # (key, block id) popped since, in order
         self._cleared = False
 
@@ -68,8 +79,8 @@ class PrefixCacheMirror:
         return len(self._block_of_key)
 
     # ------------------------------------------------------------------ recording (in the step)
-    def record_insert(self, key: bytes) -> None:
-        self._inserted.setdefault(key)
+    def record_insert(self, key: bytes, block_id: int) -> None:
+        self._inserted.setdefault(key, block_id)
 
     def record_pop(self, key: bytes, block_id: int) -> None:
         self._popped.append((key, block_id))
@@ -89,9 +100,15 @@ class PrefixCacheMirror:
         parent never changes; a recorded key that is not then inserted is forgotten at the
         next ``take_events``."""
         stop = min(stop, len(block_hashes))
-        for i in range(max(start, 0), stop):
-            key = make_block_hash_with_group_id(block_hashes[i], group_id)
-            self._new_parents[key] = block_hashes[i - 1] if i > 0 else None
+        start = max(start, 0)
+        if start >= stop:
+            return
+        suffix = make_block_hash_with_group_id(b"", group_id)
+        parents = self._new_parents
+        parent = block_hashes[start - 1] if start > 0 else None
+        for block_hash in block_hashes[start:stop]:
+            parents[block_hash + suffix] = parent
+            parent = block_hash
 
     # ------------------------------------------------------------------ the step's batch
     def take_events(
@@ -107,8 +124,9 @@ class PrefixCacheMirror:
             block_of: ``block_of(key)``: a block the map maps ``key`` to now, or None.
 
         Returns:
-            kvbridge KV events (``kvbridge.kvmanager.kv_events``), one block each, ``medium``
-            None (the engine's device tier).
+            kvbridge KV events (``kvbridge.kvmanager.kv_events``): a ``BlockRemoved`` per group,
+            a ``BlockStored`` per run of stores that make one chain (see the module docstring),
+            ``medium`` None (the engine's device tier).
         """
         events: list[Any] = []
         reported = self._block_of_key
@@ -118,13 +136,27 @@ class PrefixCacheMirror:
             self._parent_of_key.clear()
             self._cleared = False
         removed: list[bytes] = []  # their parents are kept until the stores below are done
+        popped: set[bytes] = set()
+        gone: dict[bytes, tuple[list[bytes], list[int]]] = {}  # group suffix -> hashes, ids
         for key, block_id in self._popped:
+            popped.add(key)
             if reported.get(key) == block_id:
                 del reported[key]
                 removed.append(key)
-                events.append(self._removed(key, block_id))
-        touched = list(self._inserted)
-        touched.extend(key for key, _ in self._popped if key not in self._inserted)
+                hashes, block_ids = gone.setdefault(key[-_GROUP_ID_BYTES:], ([], []))
+                hashes.append(key[:-_GROUP_ID_BYTES])
+                block_ids.append(block_id)
+        events.extend(
+            BlockRemoved(block_hashes=hashes, medium=None, group_id=get_group_id(suffix),
+                         block_ids=block_ids)
+            for suffix, (hashes, block_ids) in gone.items()
+        )
+        inserted = self._inserted
+        touched = list(inserted)
+        touched.extend(key for key in dict.fromkeys(key for key, _ in self._popped)
+                       if key not in inserted)
+        run = _Run(self.block_size, events)
+        new_parents, parent_of_key = self._new_parents, self._parent_of_key
         for key in touched:
             block_id = reported.get(key)
             if block_id is not None:
@@ -133,31 +165,26 @@ class PrefixCacheMirror:
                 # Lost without a recorded pop: the map changed behind the follower's back.
                 del reported[key]
                 removed.append(key)
+                run.flush()
                 events.append(self._removed(key, block_id))
-            block_id = block_of(key)
+                block_id = block_of(key)
+            elif key in popped or key not in inserted:
+                block_id = block_of(key)
+            else:  # gained a block, lost none, not reported: the first one it gained
+                block_id = inserted[key]
             if block_id is None:
                 continue
-            parent = self._new_parents.get(key, self._parent_of_key.get(key))
+            parent = new_parents.get(key, parent_of_key.get(key))
             reported[key] = block_id
-            self._parent_of_key[key] = parent
-            events.append(
-                BlockStored(
-                    block_hashes=[get_block_hash(key)],
-                    parent_block_hash=parent,
-                    token_ids=[],
-                    block_size=self.block_size,
-                    lora_name=None,
-                    medium=None,
-                    group_id=get_group_id(key),
-                    block_ids=[block_id],
-                )
-            )
+            parent_of_key[key] = parent
+            run.add(key, block_id, parent)
+        run.flush()
         for key in removed:
             if key not in reported:
-                self._parent_of_key.pop(key, None)
-        self._inserted.clear()
+                parent_of_key.pop(key, None)
+        inserted.clear()
         self._popped.clear()
-        self._new_parents.clear()
+        new_parents.clear()
         return events
 
     def snapshot_cached_blocks(self) -> list[CachedBlock]:
@@ -176,3 +203,44 @@ class PrefixCacheMirror:
             group_id=get_group_id(key),
             block_ids=[block_id],
         )
+
+
+class _Run:
+    """The stores of one ``take_events``, gathered into ``BlockStored`` events of one chain each
+    (a key joins the run when its parent is the run's last hash in the same group)."""
+
+    __slots__ = ("_block_ids", "_block_size", "_events", "_hashes", "_parent", "_suffix")
+
+    def __init__(self, block_size: int, events: list[Any]) -> None:
+        self._block_size = block_size
+        self._events = events
+        self._suffix = b""
+        self._hashes: list[bytes] = []
+        self._block_ids: list[int] = []
+        self._parent: bytes | None = None
+
+    def add(self, key: bytes, block_id: int, parent: bytes | None) -> None:
+        block_hash, suffix = key[:-_GROUP_ID_BYTES], key[-_GROUP_ID_BYTES:]
+        hashes = self._hashes
+        if not hashes or suffix != self._suffix or parent != hashes[-1]:
+            self.flush()
+            self._suffix, self._parent = suffix, parent
+            hashes = self._hashes
+        hashes.append(block_hash)
+        self._block_ids.append(block_id)
+
+    def flush(self) -> None:
+        """End the run: its ``BlockStored`` (if it holds a block) goes to the events."""
+        if not self._hashes:
+            return
+        self._events.append(BlockStored(
+            block_hashes=self._hashes,
+            parent_block_hash=self._parent,
+            token_ids=[],
+            block_size=self._block_size,
+            lora_name=None,
+            medium=None,
+            group_id=get_group_id(self._suffix),
+            block_ids=self._block_ids,
+        ))
+        self._hashes, self._block_ids = [], []

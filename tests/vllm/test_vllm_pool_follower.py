@@ -26,15 +26,17 @@ def _hash(i: int) -> bytes:
     return bytes([i]) * 32
 
 
-def _stored(i: int, block_id: int, parent: int | None) -> BlockStored:
-    return BlockStored(block_hashes=[_hash(i)],
+def _stored(hashes: list[int], block_ids: list[int], parent: int | None) -> BlockStored:
+    """One chain of stores: ``hashes[i]`` in ``block_ids[i]``, its parent the hash before."""
+    return BlockStored(block_hashes=[_hash(i) for i in hashes],
                        parent_block_hash=None if parent is None else _hash(parent), token_ids=[],
                        block_size=BLOCK_SIZE, lora_name=None, medium=None, group_id=0,
-                       block_ids=[block_id])
+                       block_ids=block_ids)
 
 
-def _removed(i: int, block_id: int) -> BlockRemoved:
-    return BlockRemoved(block_hashes=[_hash(i)], medium=None, group_id=0, block_ids=[block_id])
+def _removed(hashes: list[int], block_ids: list[int]) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[_hash(i) for i in hashes], medium=None, group_id=0,
+                        block_ids=block_ids)
 
 
 @pytest.fixture
@@ -61,8 +63,7 @@ def test_cached_blocks_are_stored_with_their_ids_and_parents(pool, positional):
     follower = VllmPoolFollower(pool, block_size=BLOCK_SIZE)
     blocks = _cache(pool, [1, 2, 3], positional=positional)
     ids = [b.block_id for b in blocks]
-    assert follower.take_events() == [_stored(1, ids[0], None), _stored(2, ids[1], 1),
-                                      _stored(3, ids[2], 2)]
+    assert follower.take_events() == [_stored([1, 2, 3], ids, None)]  # one chain, one event
     assert follower.take_events() == []
     assert sorted(c.block_id for c in follower.snapshot_cached_blocks()) == sorted(ids)
 
@@ -74,9 +75,10 @@ def test_an_eviction_for_reuse_removes_the_block(pool):
     pool.free_blocks(reversed(blocks))  # cached, unused: the cold end of the free queue
     assert follower.take_events() == []  # freeing (a finish, a preemption) changes no entry
     pool.get_new_blocks(7)  # every usable block: both cached ones are evicted for reuse
-    assert sorted(follower.take_events(), key=lambda e: e.block_ids) == sorted(
-        [_removed(1, blocks[0].block_id), _removed(2, blocks[1].block_id)],
-        key=lambda e: e.block_ids)
+    (removed,) = follower.take_events()
+    assert sorted(zip(removed.block_hashes, removed.block_ids, strict=True)) == [
+        (_hash(1), blocks[0].block_id), (_hash(2), blocks[1].block_id)]
+    assert (removed.medium, removed.group_id) == (None, 0)
     assert follower.snapshot_cached_blocks() == []
 
 
@@ -86,7 +88,8 @@ def test_a_copy_on_write_move_is_reported_as_a_move(pool):
     follower.take_events()
     (dst,) = pool.get_new_blocks(1)
     pool.move_block_hashes(child, dst)  # vLLM emits no KV event for this
-    assert follower.take_events() == [_removed(2, child.block_id), _stored(2, dst.block_id, 1)]
+    assert follower.take_events() == [_removed([2], [child.block_id]),
+                                      _stored([2], [dst.block_id], 1)]
 
 
 def test_reset_prefix_cache_clears_and_what_comes_after_is_stored(pool):
@@ -96,8 +99,8 @@ def test_reset_prefix_cache_clears_and_what_comes_after_is_stored(pool):
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache()
     (block,) = _cache(pool, [5])
-    assert follower.take_events() == [AllBlocksCleared(medium=None), _stored(5, block.block_id,
-                                                                             None)]
+    assert follower.take_events() == [AllBlocksCleared(medium=None),
+                                      _stored([5], [block.block_id], None)]
 
 
 def test_a_finer_hash_granularity_than_the_block_is_refused():
