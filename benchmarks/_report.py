@@ -109,6 +109,15 @@ KEY_RATIOS: dict[str, list[tuple[str, str, str]]] = {
     "vllm_pd": [("kvbridge_over_nixl", "vLLM D's first token, kvbridge / NixlConnector", "<= 0.5"),
                 ("wrong_ticket_over_recompute",
                  "vLLM first token after a wrong ticket / a plain recompute", "<= 1.2")],
+    "vllm_prefix": [
+        ("cross_over_recompute", "vLLM first token, a prefix from another engine / recompute",
+         "<= 0.25"),
+        ("restore_over_recompute", "vLLM first token, a prefix restored from the store / recompute",
+         "<= 0.3"),
+        ("sched_index_over_off", "vLLM schedule() per step, index on / no connector", "<= 1.05"),
+        ("replay_hit_over_unbounded", "trace replay, 3 engines: cached tokens / unbounded caches",
+         ">= 0.85"),
+    ],
 }
 
 
