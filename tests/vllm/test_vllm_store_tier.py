@@ -196,7 +196,15 @@ def served(tier):
         outs[name] = out["token_ids"]
         if name == "s2":
             after_two = a.stats()
-    time.sleep(0.5)  # the last writes land; A's last step reported them
+    # The writes land on A's connector loop after the steps that planned them, and A's
+    # scheduler half counts them at a later step (the worker's report): one-token requests
+    # step A until s1's and s2's blocks are counted (on a fresh host the store's first write
+    # also waits for the store to take its geometry), or a deadline the test then reports.
+    deadline = time.monotonic() + 60.0
+    while (a.stats()["num_offloaded_blocks"] < 2 * FULL_BLOCKS
+           and time.monotonic() < deadline):
+        time.sleep(0.5)
+        a.generate([request([5, 6, 7], 1)])
     return outs, after_two
 
 
