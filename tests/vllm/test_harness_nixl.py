@@ -15,13 +15,35 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from _harness import Node, free_port, nixl_config, prefill_requests, request, start_nodes
+from _harness import Node, free_port, nixl_config, prefill_requests, request, start_nodes, tokens
 from _prompts import N_NEW, PROMPTS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                                 reason="nixl is not installed in the vLLM venv")
 
 NAMES = ["nixl_a", "nixl_b", "nixl_c", "t33"]
+WARM_UP = tokens(9_901, 40)  # a prompt of no test's: only opens D's NIXL handshake to P
+HANDSHAKE_TRIES = 3
+NIXL_LEASE_S = 30  # NixlConnector's default kv_lease_duration: P frees a dropped ticket by then
+
+
+def open_handshake(p: Node, d: Node) -> None:
+    """One throwaway handover, retried, so D's handshake with P is open before the tokens the
+    test compares; returns once P holds nothing again.
+
+    vLLM's NIXL handshake waits at most a hard-coded 5 s for P's side-channel reply (its
+    ``base_worker.py``, ``zmq.RCVTIMEO``); P's listener is a thread of a busy engine process,
+    and on a loaded 2-core CI host it once answered late, which failed that request's load (a
+    failure of the host, not of the flow this module checks). A failed handshake is retried
+    by NIXL on the next request, and P frees the dropped ticket's blocks at its lease's end.
+    """
+    for failed in range(HANDSHAKE_TRIES):
+        params = p.generate(prefill_requests([WARM_UP]))[0]["kv_transfer_params"]
+        if d.generate([request(WARM_UP, 1, params)])[0]["finish_reason"] != "error":
+            drained = p.wait_drained(timeout_s=30 + NIXL_LEASE_S * (failed > 0))
+            assert drained["requests"] == 0, drained
+            return
+    raise AssertionError(f"D's NIXL handshake with P failed {HANDSHAKE_TRIES} times")
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +55,7 @@ def nixl_pair(tiny_llama, log_dir, reference):  # reference first: its engine is
              kv_transfer_config=nixl_config("consumer", "nixl-decode"),
              env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
     start_nodes(p, d)
+    open_handshake(p, d)
     yield p, d
     d.stop()
     p.stop()
