@@ -23,6 +23,7 @@ scheduler half's block pool.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
@@ -35,34 +36,59 @@ from .stats import KVTransferStats
 __all__ = ["HeldBlockHashes", "HolderChecks"]
 
 
+def _always() -> bool:
+    return True
+
+
 class HeldBlockHashes:
     """Block id -> the ``BlockHashWithGroupId`` it holds, as the scheduler half reported.
 
     Thread-safety: the worker thread applies deltas, the loop thread reads; one lock. Order
-    (``BlockHashDelta``): removals before the step's forward may overwrite a block, stores after
+    (``BlockHashDelta``): removals before the step's forward may overwrite a block, stores once
     the forward has computed it, so at every moment a listed hash describes the bytes there.
+    On a GPU the worker thread reaches ``wait_for_save`` when the forward is launched, not
+    finished: its stores come with ``done`` (``forward_marker.forward_done_marker``) and are
+    listed only once ``done()`` says the device computed them; a later removal of one of
+    their blocks drops it from them too, so a block reused in between is never listed.
     """
 
     def __init__(self) -> None:
         self._block_to_hash: dict[int, bytes] = {}
+        self._pending: deque[tuple[Callable[[], bool], dict[int, bytes]]] = deque()
         self._lock = threading.Lock()
 
     def apply_removals(self, delta: BlockHashDelta) -> None:
         with self._lock:
+            self._list_computed()
             if delta.cleared:
                 self._block_to_hash.clear()
+                self._pending.clear()
             for block_id in delta.removed_block_ids:
                 self._block_to_hash.pop(block_id, None)
+                for _, stores in self._pending:
+                    stores.pop(block_id, None)
 
-    def apply_stores(self, delta: BlockHashDelta) -> None:
+    def apply_stores(self, delta: BlockHashDelta, done: Callable[[], bool] | None = None
+                     ) -> None:
+        """List ``delta``'s stores now (``done`` None: the forward has finished) or once
+        ``done()`` is true, after every store given before them (one stream: in order)."""
+        stores = dict(zip(delta.stored_block_ids, delta.stored_hashes, strict=True))
         with self._lock:
-            self._block_to_hash.update(
-                zip(delta.stored_block_ids, delta.stored_hashes, strict=True)
-            )
+            if done is None and not self._pending:
+                self._block_to_hash.update(stores)
+                return
+            self._pending.append((done or _always, stores))
+            self._list_computed()
 
     def holds(self, block_id: int, block_hash_with_group: bytes) -> bool:
         with self._lock:
+            self._list_computed()
             return self._block_to_hash.get(block_id) == block_hash_with_group
+
+    def _list_computed(self) -> None:
+        """Move the pending stores whose forward is done into the map (lock held)."""
+        while self._pending and self._pending[0][0]():
+            self._block_to_hash.update(self._pending.popleft()[1])
 
     def __len__(self) -> int:
         with self._lock:

@@ -45,6 +45,7 @@ from kvbridge.transport import (
 
 from .config import KVTransferConfig
 from .errors import KVConnectorError
+from .forward_marker import forward_done_marker
 from .holder import HeldBlockHashes, HolderChecks
 from .index import new_incarnation
 from .lease import LeaseTable
@@ -134,6 +135,7 @@ class KVBridgeWorker:
         self._meta: KVBridgeConnectorMetadata | None = None
         self._idle_hold_wait_s = min(IDLE_HOLD_FIRST_WAIT_S, config.idle_hold_wait_s)
         self._stores_after_forward: BlockHashDelta | None = None
+        self._kv_device = torch.device("cpu")  # the KV tensors' (register_kv_caches)
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
         self._board_counts_seen = (0, 0)  # transport.board_counts moved into stats so far
@@ -189,7 +191,8 @@ class KVBridgeWorker:
             [region for name in group.layer_names for region in _regions(kv_caches[name])]
             for group in self.kv_cache_config.kv_cache_groups
         ]
-        get_loop_thread().bind(by_group[0][0].device)  # it gathers, scatters, sends these
+        self._kv_device = by_group[0][0].device
+        get_loop_thread().bind(self._kv_device)  # it gathers, scatters, sends these
         self._switch_interval.apply()
         kv_heads = None
         if tp_layout is not None:
@@ -211,15 +214,10 @@ class KVBridgeWorker:
         transport = self._make_transport(metadata, by_group)
         self.leases.attach_board(transport.block_board)
         checks = HolderChecks(
-            leases=self.leases,
-            hashes=self.hashes,
-            stats=self.stats,
+            leases=self.leases, hashes=self.hashes, stats=self.stats,
             num_blocks=self.kv_cache_config.num_blocks,
-            bytes_per_block=[
-                group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-                for group in self.kv_cache_config.kv_cache_groups
-            ],
-        )
+            bytes_per_block=[group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+                             for group in self.kv_cache_config.kv_cache_groups])
         transport.set_callbacks(**checks.as_kwargs())  # type: ignore[arg-type]
         self.tp_layout = self.puller.tp_layout = tp_layout
         try:
@@ -312,10 +310,11 @@ class KVBridgeWorker:
             self.puller.wait_settled(sync_pulls)
 
     def wait_for_save(self) -> None:
-        """End of the forward: the blocks this step cached now hold their KV."""
+        """End of the forward (issued; on a GPU maybe still running): the blocks this step
+        cached are vouched for once the device has computed them (``forward_done_marker``)."""
         delta, self._stores_after_forward = self._stores_after_forward, None
         if delta is not None:
-            self.hashes.apply_stores(delta)
+            self.hashes.apply_stores(delta, forward_done_marker(self._kv_device))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(finished_sending, finished_recving)`` since the last call. Pulls of requests in
