@@ -259,6 +259,31 @@ def check_ucx(device: torch.device, peer: peer_side.Peer) -> str:
             + f"; device-to-host copy {nbytes / copy_s / 2**30:.2f} GiB/s")
 
 
+# ----------------------------------------------------------------------------- 5. marker
+def check_forward_marker(device: torch.device) -> str:
+    """A step's new blocks are vouched for only once the forward's kernels finished: the marker
+    ``wait_for_save`` records is not done while queued work runs, done after it."""
+    from kvbridge.connector.forward_marker import forward_done_marker
+    from kvbridge.connector.holder import HeldBlockHashes
+    from kvbridge.connector.metadata import BlockHashDelta
+
+    held = HeldBlockHashes()
+    if device.type != "cuda":
+        assert forward_done_marker(device) is None
+        return "CPU: no marker, the forward ran on the calling thread"
+    a = torch.randn(8192, 8192, device=device)
+    for _ in range(20):  # a forward still running on the stream: tens of ms of queued matmuls
+        a = a @ a / 8192
+    done = forward_done_marker(device)
+    assert done is not None
+    held.apply_stores(BlockHashDelta(stored_block_ids=[1], stored_hashes=[b"h"]), done)
+    early = held.holds(1, b"h")
+    torch.cuda.synchronize(device)
+    assert not early, "vouched for a block while its forward was still queued"
+    assert held.holds(1, b"h"), "not vouched for after the forward finished"
+    return "not vouched for while the forward ran, vouched for once it finished"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
@@ -283,6 +308,8 @@ def main() -> int:
             check(4, "UCX reads of device KV blocks", lambda: check_ucx(device, peer), results)
         check(3, "connector threads bound to the KV device",
               lambda: check_binding(device, before, peer), results)
+        check(5, "holder vouches for new blocks once the forward finished",
+              lambda: check_forward_marker(device), results)
     finally:
         if peer is not None:
             peer.stop()
