@@ -14,6 +14,11 @@ block here), ``kvbridge_store`` (also ``store_url`` and ``offload: "evict"`` to 
 node; only when the connector accepts them) and ``none`` (no connector: local prefix caches
 only, and the reference tokens).
 
+The ``kvbridge_store`` variant's store holds ``--replay-store-bytes`` (a capacity tier several
+times the engines' caches; the summary gives it in blocks against the trace's distinct full
+blocks: the first 200 requests reuse prefixes up to 161 requests later, long after every
+engine's own cache has evicted them, so only a store that reaches that far can serve them).
+
 Figures: prompt tokens served from any cache (``num_cached_tokens``: the engine's own and
 pulled) over what unbounded caches would serve (``load_trace``'s ``oracle_hit_blocks``: every
 leading block seen in an earlier prompt, never the last token's block); mean first-token
@@ -75,6 +80,17 @@ def _variant(name: str, extra: dict[str, Any] | None, model: str, llm: dict[str,
     return {"outs": outs, "by_source": by_source, "stats": stats}
 
 
+def _distinct_full_blocks(prompts: list[list[int]]) -> int:
+    """How many different full blocks (a block and every token before it) the prompts hold."""
+    chains = set()
+    for prompt in prompts:
+        chain: int | None = None
+        for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
+            chain = hash((chain, tuple(prompt[start:start + BLOCK])))
+            chains.add(chain)
+    return len(chains)
+
+
 def run_replay(args: argparse.Namespace, model: str, redis_url: str, logs: Path
                ) -> dict[str, Any] | str:
     """The replay row's figures (see the module docstring)."""
@@ -88,8 +104,12 @@ def run_replay(args: argparse.Namespace, model: str, redis_url: str, logs: Path
              "min_remote_hit_tokens": args.replay_min_remote_hit_tokens}
     unbounded = sum(trace.oracle_hit_blocks) * BLOCK
     prompt_tokens = sum(map(len, prompts))
+    distinct_blocks = _distinct_full_blocks(prompts)
+    store_blocks = args.replay_store_bytes // args.block_bytes
     print(f"\nreplay: {len(prompts)} requests, {prompt_tokens} prompt tokens, unbounded caches "
-          f"would serve {unbounded}; {NUM_ENGINES} engines of {num_blocks} blocks", flush=True)
+          f"would serve {unbounded}; {NUM_ENGINES} engines of {num_blocks} blocks; the store "
+          f"holds {store_blocks} blocks of the {distinct_blocks} distinct full blocks",
+          flush=True)
     runs: dict[str, dict[str, Any]] = {}
     notes: dict[str, str] = {}
     if not args.store_available:
@@ -99,7 +119,7 @@ def run_replay(args: argparse.Namespace, model: str, redis_url: str, logs: Path
             continue
         try:
             runs[name] = _variant(name, cfg, model, llm, prompts, args.replay_max_tokens,
-                                  redis_url, logs, args.store_bytes)
+                                  redis_url, logs, args.replay_store_bytes)
         except (NodeError, RuntimeError) as exc:
             if name != "kvbridge_store":
                 raise
@@ -109,7 +129,8 @@ def run_replay(args: argparse.Namespace, model: str, redis_url: str, logs: Path
     mismatched: list[int] = []
     summary: dict[str, Any] = {"requests": len(prompts), "prompt_tokens": prompt_tokens,
                                "unbounded_cached_tokens": unbounded,
-                               "blocks_per_engine": num_blocks}
+                               "blocks_per_engine": num_blocks,
+                               "distinct_blocks": distinct_blocks, "store_blocks": store_blocks}
     base_ttft = statistics.mean(o["first_token_latency"] for o in runs["none"]["outs"])
     print(f"{'variant':16s} {'cached/unbounded':>17s} {'mean TTFT ms':>13s} {'vs none':>8s}  "
           "cached tokens by source, per engine")

@@ -260,6 +260,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--kv-bytes", type=int, default=256 << 20)
     parser.add_argument("--store-bytes", type=int, default=256 << 20)
+    parser.add_argument("--replay-store-bytes", type=int, default=1 << 30,
+                        help="the replay's store: a capacity tier several times the engines' "
+                             "caches (the default holds every block of the first 200 requests)")
     parser.add_argument("--lmcache-python", default=None,
                         help="python of a venv with lmcache 0.5.6 and vLLM "
                         "(default $KVBRIDGE_LMCACHE_PYTHON)")
@@ -288,6 +291,7 @@ def parse_args() -> argparse.Namespace:
         args.model, args.prompts, args.tokens, args.rounds = "tiny", 2, 512, 1
         args.sched_requests, args.sched_tokens, args.sched_bursts = 8, 320, 1
         args.kv_bytes, args.store_bytes = 64 << 20, 64 << 20
+        args.replay_store_bytes = 64 << 20
     args.max_model_len = -(-(args.tokens + args.suffix + args.max_tokens) // 32) * 32 + 32
     return args
 
