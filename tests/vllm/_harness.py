@@ -32,6 +32,8 @@ NODE = HERE / "_node.py"
 from kvbridge.connector.serve.demo.processes import free_port  # noqa: E402, F401 (re-exported to the tests)
 
 BLOCK = 32  # the suite's vLLM block_size (the CPU attention backend needs a multiple of 32)
+# vLLM's KV cache groups of the hybrid model (tiny_checkpoint.HYBRID), in its order
+HYBRID_GROUP_KINDS = ["SlidingWindowSpec", "FullAttentionSpec"]
 START_TIMEOUT_S = 240.0  # engines start in 10-60 s on 2 cores; two at once, slower
 
 
@@ -328,6 +330,16 @@ def start_nodes(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> tuple[Node,
             node.kill()
         raise
     return nodes
+
+
+def stop_nodes(*nodes: Node) -> None:
+    """``Node.stop`` on every node at once (one thread each): an engine's shutdown mostly
+    waits, so a module's engines need not take their turns."""
+    threads = [threading.Thread(target=node.stop, name=f"stop-{node.name}") for node in nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def assert_drained(*nodes: Node) -> None:

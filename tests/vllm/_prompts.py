@@ -108,3 +108,19 @@ HYBRID_PROMPTS: dict[str, list[int]] = {
     "h319": tokens(62, 319),
     "h1000": tokens(63, 1000),
 }
+
+# The hybrid model through the block index (``test_index_hybrid.py``): name -> (prefix, suffix).
+# One engine serves the prefix alone, another the whole prompt (``hi*``: A then B; ``hs*``: B
+# then A); every prefix is far longer than the window, so most of the holder's sliding-window
+# blocks are out of any later token's window.
+_HYBRID_INDEX: dict[str, tuple[list[int], list[int]]] = {
+    name: (tokens(110 + i, n_prefix), tokens(120 + i, n_suffix))
+    for i, (name, n_prefix, n_suffix) in enumerate([
+        ("hi1000", 1000, 45),
+        ("hi1504", 1504, 70),  # ends on a block boundary
+        ("hi1990", 1990, 90),
+        ("hs1504", 1504, 60),
+    ])
+}
+HYBRID_INDEX_PREFIXES = {name: prefix for name, (prefix, _) in _HYBRID_INDEX.items()}
+HYBRID_INDEX_PROMPTS = {name: prefix + suffix for name, (prefix, suffix) in _HYBRID_INDEX.items()}

@@ -9,6 +9,9 @@
 - ``reference``: each prompt of ``_prompts.PROMPTS`` -> the greedy tokens of a single plain vLLM
   instance (no connector), decoded once per session by a node that is stopped before anything
   else starts, so at most two engines (a P and a D) are alive at any time.
+- ``hybrid_reference``: the same for the hybrid model's prompts (``_prompts.HYBRID_PROMPTS`` and
+  ``HYBRID_INDEX_PROMPTS``), one plain engine on ``tiny_hybrid_llama`` for the session; it also
+  checks that vLLM made the model's two KV cache groups (``_harness.HYBRID_GROUP_KINDS``).
 
 ``make test`` never collects this folder (``addopts = "--ignore=tests/vllm"`` in pyproject.toml);
 run from a Python without vLLM (``pytest tests/vllm``), every test here is skipped.
@@ -21,8 +24,8 @@ import os
 from pathlib import Path
 
 import pytest
-from _harness import Node
-from _prompts import N_NEW, PROMPTS
+from _harness import HYBRID_GROUP_KINDS, Node, request
+from _prompts import HYBRID_INDEX_PROMPTS, HYBRID_PROMPTS, N_NEW, PROMPTS
 
 
 def _have_vllm() -> bool:
@@ -86,3 +89,17 @@ def reference(tiny_llama: Path, log_dir: Path) -> dict[str, list[int]]:
         node.stop()
     assert all(len(o["token_ids"]) == N_NEW for o in outs)
     return {n: o["token_ids"] for n, o in zip(names, outs, strict=True)}
+
+
+@pytest.fixture(scope="session")
+def hybrid_reference(tiny_hybrid_llama: Path, log_dir: Path) -> dict[str, list[int]]:
+    prompts = {**HYBRID_PROMPTS, **HYBRID_INDEX_PROMPTS}
+    node = Node("hybrid-reference", model=tiny_hybrid_llama, log_dir=log_dir)
+    try:
+        node.wait_ready()
+        outs = node.generate([request(p, N_NEW) for p in prompts.values()])
+        assert node.state()["kv_cache_groups"] == HYBRID_GROUP_KINDS
+    finally:
+        node.stop()
+    assert all(len(o["token_ids"]) == N_NEW for o in outs)
+    return {n: o["token_ids"] for n, o in zip(prompts, outs, strict=True)}

@@ -6,8 +6,8 @@ turns (``tiny_checkpoint.HYBRID``), so vLLM makes two KV cache groups, ``Sliding
 block id belongs to one group at a time). ``KVBridgeConnector`` is ``SupportsHMA``, so vLLM
 keeps that allocator on instead of "Turning off hybrid kv cache manager because ...".
 
-One plain engine decodes the reference first and is stopped; then one P/D pair per variant
-serves every prompt of ``HYBRID_PROMPTS`` in one batch:
+The session's plain hybrid engine (``conftest.hybrid_reference``) decodes the reference first and
+is stopped; then one P/D pair per variant serves every prompt of ``HYBRID_PROMPTS`` in one batch:
 
 - ``cma``: the same-host copy path, both engines in-process;
 - ``ucx-mp-p``: ``cma: false`` (every read over UCX, two regions per group and layer), P on
@@ -21,24 +21,19 @@ from __future__ import annotations
 import time
 
 import pytest
-from _harness import BLOCK, Node, kvbridge_config, prefill_requests, request, start_nodes
+from _harness import (
+    BLOCK,
+    HYBRID_GROUP_KINDS,
+    Node,
+    kvbridge_config,
+    prefill_requests,
+    request,
+    start_nodes,
+)
 from _prompts import HYBRID_PROMPTS, N_NEW
 
 WINDOW = 64  # tiny_checkpoint.HYBRID["sliding_window"]
-GROUP_KINDS = ["SlidingWindowSpec", "FullAttentionSpec"]
 NAMES = list(HYBRID_PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def hybrid_reference(tiny_hybrid_llama, log_dir) -> dict[str, list[int]]:
-    node = Node("hybrid-reference", model=tiny_hybrid_llama, log_dir=log_dir)
-    try:
-        node.wait_ready()
-        outs = node.generate([request(HYBRID_PROMPTS[n], N_NEW) for n in NAMES])
-        assert node.state()["kv_cache_groups"] == GROUP_KINDS
-    finally:
-        node.stop()
-    return {n: o["token_ids"] for n, o in zip(NAMES, outs, strict=True)}
 
 
 VARIANTS = {
@@ -73,7 +68,7 @@ def test_hybrid_model_keeps_hma_with_kvbridge(hybrid_pair):
     from in-process nodes), and neither logged vLLM's "Turning off hybrid kv cache manager"."""
     for node in hybrid_pair:
         state = node.state()  # None on an mp node: its tickets name two groups (next test)
-        assert state is None or state["kv_cache_groups"] == GROUP_KINDS, node.name
+        assert state is None or state["kv_cache_groups"] == HYBRID_GROUP_KINDS, node.name
         assert "Turning off hybrid kv cache manager" not in node.log_path.read_text(), node.name
 
 
@@ -109,7 +104,8 @@ def test_hybrid_handover_equals_single_engine(hybrid_pair, hybrid_reference):
     d_out = d.generate([request(HYBRID_PROMPTS[n], N_NEW, o["kv_transfer_params"])
                         for n, o in zip(NAMES, p_out, strict=True)])
     after = d.stats()
-    assert {n: o["token_ids"] for n, o in zip(NAMES, d_out, strict=True)} == hybrid_reference
+    assert {n: o["token_ids"] for n, o in zip(NAMES, d_out, strict=True)} == {
+        n: hybrid_reference[n] for n in NAMES}
     delta = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
     pulled = [n for n in NAMES if n != "h319"]
     assert delta["num_loads"] == len(pulled), delta
