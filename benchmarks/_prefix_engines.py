@@ -28,7 +28,8 @@ from _redis_fixture import RedisServer  # noqa: E402
 
 __all__ = ["BLOCK", "Node", "NodeError", "Proc", "block_bytes", "engine", "lmcache_connector",
            "lmcache_python",
-           "start_lmcache_server", "start_redis", "start_store", "store_refusal"]
+           "spawned_engine", "start_lmcache_server", "start_redis", "start_store",
+           "store_refusal"]
 
 LONG_ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # the tiny Llama declares 4,096 positions
 
@@ -51,6 +52,27 @@ def engine(name: str, model_path: str, log_dir: Path, *, extra: dict[str, Any] |
         transfer = kvbridge_config("both", name, **extra)
     return Node(name, model=model_path, log_dir=log_dir, kv_transfer_config=transfer,
                 llm=llm, env=LONG_ENV, python=python)
+
+
+def spawned_engine(name: str, model_path: str, log_dir: Path, *, connector: dict[str, Any],
+                   llm: dict[str, Any] | None = None, python: str | None = None) -> Node:
+    """A started (not yet ready) engine with ``connector`` (a ``kv_transfer_config``) in vLLM's
+    multiprocess mode with the in-process executor: an EngineCore subprocess, spawned (vLLM's
+    CPU platform forces ``spawn``), holds the scheduler and the worker.
+
+    For a connector whose module imports ``numba`` (LMCache 0.5.6's ``LMCacheMPConnector``:
+    its ``token_hasher``), which ``engine`` cannot start (measured with vLLM 0.32.0). vLLM
+    imports the connector's module while it builds its config; on a CPU without Triton the
+    worker's ``register_triton_kernel_overrides`` then scans every loaded module and fails on
+    llvmlite's ``llvmlite.binding.ffi.lib`` (``AttributeError: '_lib_fn_wrapper' object has
+    no attribute 'get'``). Spawned, EngineCore registers its overrides before it imports the
+    connector. The frontend's ``first_token_latency`` also counts the hand-offs between the
+    two processes, which an in-process engine has not. No connector ``stats`` (in process
+    only).
+    """
+    return Node(name, model=model_path, log_dir=log_dir, kv_transfer_config=connector,
+                mode="mp", llm={**(llm or {}), "distributed_executor_backend": "uni"},
+                env=LONG_ENV, python=python)
 
 
 def start_redis(workdir: Path) -> RedisServer:
@@ -155,7 +177,8 @@ def start_lmcache_server(python: str, port: int, log_dir: Path) -> Proc:
 
 
 def lmcache_connector(port: int) -> dict[str, Any]:
-    """``kv_transfer_config`` of an engine on LMCache's multiprocess server (issue 31)."""
+    """``kv_transfer_config`` of an engine on LMCache's multiprocess server (issue 31); start
+    the engine with ``spawned_engine``."""
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost",
                                           "lmcache.mp.port": port}}

@@ -19,7 +19,8 @@ tiny Llama). Rows:
   greedy tokens must equal R's, prompt for prompt: a mismatch is printed loudly and the run
   exits 1. ``--rounds N``: N sets of fresh prompts on the same engines, medians over all.
 - ``lmcache``: the same prompts through LMCache 0.5.6's multiprocess connector (its server and
-  two engines in the venv that ``--lmcache-python`` / ``KVBRIDGE_LMCACHE_PYTHON`` names);
+  two engines in the venv that ``--lmcache-python`` / ``KVBRIDGE_LMCACHE_PYTHON`` names; the
+  engines in vLLM's multiprocess mode, ``_prefix_engines.spawned_engine`` says why);
   skipped, saying why, when no such venv imports ``lmcache`` (it is never installed here).
 - ``restore``: an engine with ``store_url`` and ``offload: "evict"`` serves the prompts, then
   others until they are evicted (copied to the store on their way out); B gets them with a
@@ -53,6 +54,7 @@ from _prefix_engines import (
     free_port,
     lmcache_connector,
     lmcache_python,
+    spawned_engine,
     start_lmcache_server,
     start_redis,
     start_store,
@@ -167,10 +169,10 @@ def lmcache_row(args, model: str, logs: Path, tally: Tally, prompts: Prompts,
     port = free_port()
     server = start_lmcache_server(python, port, logs)
     llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
-    a = engine("lmcache-a", model, logs, connector=lmcache_connector(port), llm=llm,
-               python=python)
-    b = engine("lmcache-b", model, logs, connector=lmcache_connector(port), llm=llm,
-               python=python)
+    a = spawned_engine("lmcache-a", model, logs, connector=lmcache_connector(port), llm=llm,
+                       python=python)
+    b = spawned_engine("lmcache-b", model, logs, connector=lmcache_connector(port), llm=llm,
+                       python=python)
     try:
         _start(a, b)
         _serve(a, prompts.prefixes)

@@ -1,5 +1,7 @@
 """benchmarks/bench_vllm_prefix.py still runs: its ``--smoke`` form (the suite's tiny Llama, two
-prompts of 512 tokens, bursts of 8) with the cross-instance, LMCache and scheduler rows.
+prompts of 512 tokens, bursts of 8) with the cross-instance, LMCache and scheduler rows; and
+``_prefix_engines.spawned_engine``, which starts the LMCache row's engines, starts an engine
+whose connector module imports ``numba`` (as LMCache's does) and decodes a plain vLLM's tokens.
 
 Checked on its last line (one JSON object): B pulled every prefix A served through the index
 (warm-up included) and decoded a plain vLLM's tokens (no mismatch, exit code 0); the three
@@ -17,6 +19,10 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_prefix.py"
+sys.path.insert(0, str(BENCH.parent))  # its sibling _prefix_engines, as when run as a script
+
+from _prefix_engines import spawned_engine  # noqa: E402
+from _prompts import N_NEW, PROMPTS  # noqa: E402
 
 
 def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports_each_row():
@@ -39,3 +45,20 @@ def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports
     assert report["sched"]["index"]["index_hits"] == 0
     assert report["sched_index_over_off"] > 0
     assert report["replay"] == "not run: --replay 0"
+
+
+def test_an_engine_whose_connector_imports_numba_starts_spawned_and_decodes_plain_vllm_s_tokens(
+        tiny_llama, log_dir, reference, tmp_path):
+    # In process, vLLM 0.32.0 fails such an engine at start (its Triton-override scan trips on
+    # llvmlite, loaded with the connector's module): the LMCache row never ran.
+    connector = {"kv_connector": "NumbaImportingConnector",
+                 "kv_connector_module_path": "_numba_connector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    node = spawned_engine("numba-connector", str(tiny_llama), log_dir, connector=connector)
+    try:
+        node.wait_ready()
+        (out,) = node.generate([{"prompt_token_ids": PROMPTS["t64"], "max_tokens": N_NEW,
+                                 "kv_transfer_params": None}])
+    finally:
+        node.stop()
+    assert out["token_ids"] == reference["t64"]
