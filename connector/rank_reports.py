@@ -13,8 +13,9 @@ that the node's counters say what happened to requests, not how many ranks saw i
     a block's offload            once, when every rank reported  rank r's num_offloaded_blocks
       (num_offloaded_blocks; the outcome the offload planner gets: held only if every rank's
        write of its KV heads was held; ``offload_outcomes``)
-    other events (leases released or expired, sync and one-sided loads, offload failures,
-      the store's missing-ancestor names, ...)
+    a block the store names as a missing ancestor (an ``OffloadOutcome`` marked ``missing``)
+                                 once a step, whichever rank's put met it
+    other events (leases released or expired, sync and one-sided loads, offload failures, ...)
                                  rank 0's (every rank sees each) rank r's
 
 With one rank (kvbridge's own engine, a vLLM engine without tensor parallelism) the totals are
@@ -24,6 +25,7 @@ that rank's, as before ranks were counted.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from .metadata import KVBridgeWorkerMeta, PullReport
 from .stats import KVTransferStats
@@ -73,10 +75,19 @@ class RankReports:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.num_ranks = num_ranks
 
+    def apply_step(self, metas: Iterable[KVBridgeWorkerMeta]) -> list[OffloadOutcome]:
+        """Add the reports of one step (one per rank; ``apply``). Returns the offload outcomes
+        they settled, a ``missing`` name once however many ranks' puts met it (which rank's
+        put completes a block, and so meets its missing parent, is a race)."""
+        settled: dict[OffloadOutcome, None] = {}
+        for meta in metas:
+            settled.update(dict.fromkeys(self.apply(meta)))
+        return list(settled)
+
     def apply(self, meta: KVBridgeWorkerMeta) -> list[OffloadOutcome]:
         """Add one rank's report (module docstring's table). Returns the offload outcomes it
         settled for the node: a block's once every rank reported it (held only if every rank's
-        was), and rank 0's ``missing`` names, in the order they settled.
+        was), and its ``missing`` names, in the order they settled.
 
         Raises:
             ValueError: a counter name ``KVTransferStats`` does not have (``apply_report``).
@@ -100,8 +111,7 @@ class RankReports:
         for raw in meta.offload_outcomes:
             outcome = OffloadOutcome._make(raw)
             if outcome.missing:
-                if meta.tp_rank == 0:  # every rank's puts meet the same store
-                    settled.append(outcome)
+                settled.append(outcome)
                 continue
             held = self._offloads.setdefault(outcome.key, [])
             held.append(outcome.held)

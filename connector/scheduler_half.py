@@ -325,8 +325,8 @@ class KVBridgeScheduler:
     ) -> list[OffloadOutcome]:
         """Learn the workers' identity and statistics from this step's reports (one, or every
         rank's); publish the step's block events; plan the next offloads, once per step.
-        Returns the offload outcomes settled (``RankReports.apply``: a block's once every rank
-        reported it).
+        Returns the offload outcomes settled (``RankReports.apply_step``: a block's once every
+        rank reported it).
 
         Publishing waits for the forward: ``allocate_slots`` hashes a step's new full blocks
         before their KV is computed (vLLM's order, safe inside one engine), but a peer could
@@ -334,9 +334,8 @@ class KVBridgeScheduler:
         """
         metas = [] if worker_meta is None else \
             [worker_meta] if isinstance(worker_meta, KVBridgeWorkerMeta) else list(worker_meta)
-        outcomes: list[OffloadOutcome] = []
+        outcomes = self.rank_reports.apply_step(metas)
         for meta in metas:
-            outcomes += self.rank_reports.apply(meta)
             self._load_policy.observe(meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
             events, self._unpublished = self._unpublished, []

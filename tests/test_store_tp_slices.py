@@ -213,10 +213,38 @@ def test_the_ranks_offload_outcomes_settle_once_per_block_held_only_if_every_ran
     reports.set_num_ranks(2)
     settled = reports.apply(_report(0, [OffloadOutcome(0, A, True), OffloadOutcome(0, B, True),
                                         OffloadOutcome(0, C, False, True)]))
-    assert settled == [OffloadOutcome(0, C, False, True)]  # rank 0's store report passes
-    settled = reports.apply(_report(1, [OffloadOutcome(0, A, True), OffloadOutcome(0, B, False),
-                                        OffloadOutcome(0, C, False, True)]))
+    assert settled == [OffloadOutcome(0, C, False, True)]  # the store's name passes at once
+    settled = reports.apply(_report(1, [OffloadOutcome(0, A, True), OffloadOutcome(0, B, False)]))
     assert settled == [OffloadOutcome(0, A, True), OffloadOutcome(0, B, False)]
     assert stats.num_offloaded_blocks == 1  # A once, not once per rank; B not at all
     assert reports.by_rank[0].num_offloaded_blocks == 2
     assert reports.by_rank[1].num_offloaded_blocks == 1
+    # One step's reports: a missing name both ranks' puts met passes once; one only rank 1's
+    # put met (it completed the child) passes too.
+    settled = reports.apply_step([
+        _report(0, [OffloadOutcome(0, C, True), OffloadOutcome(0, A, False, True)]),
+        _report(1, [OffloadOutcome(0, A, False, True), OffloadOutcome(0, B, False, True),
+                    OffloadOutcome(0, C, True)]),
+    ])
+    assert settled == [OffloadOutcome(0, A, False, True), OffloadOutcome(0, B, False, True),
+                       OffloadOutcome(0, C, True)]
+    assert stats.num_offloaded_blocks == 2
+
+
+def test_a_writer_of_another_tensor_parallel_size_is_refused_by_the_store(store):
+    caches = _model_caches()
+    tp2 = _sender(store, *_rank(caches, 0))
+    tp2.submit([OffloadItem(1, 0, A, b"")])
+    tp2.wait_idle()
+    whole = NodeMetadata.from_kv_caches(
+        engine_id="tp1", kv_caches_by_group=[caches], model_name="m", hash_fn_name="sha256",
+        kv_layout="vllm:test", hash_root="0123456789abcdef",
+        kv_heads=KVHeads(first=0, total=HEADS, sliceable=True))
+    tp1 = _sender(store, caches, whole, layout="")
+    tp1.submit([OffloadItem(2, 0, B, b"")])
+    tp1.wait_idle()
+    assert tp1.take_outcomes() == [OffloadOutcome(0, B, False)]
+    assert tp1.stats.num_offload_failures == 1
+    assert store.profile.kv_heads_layout == "tp2h2" and store.cache.num_incomplete(0) == 1
+    for sender in (tp1, tp2):
+        sender.close()
