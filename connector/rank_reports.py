@@ -10,7 +10,12 @@ that the node's counters say what happened to requests, not how many ranks saw i
     a request's pull             once, when every rank reported  rank r's num_loads, ...
       (num_loads / num_failed_loads, num_blocks_received, num_load_errors_blocks,
        transfer_s = the slowest rank's; failed if any rank's part failed)
-    other events (leases released or expired, sync and one-sided loads, ...)
+    a block's offload            once, when every rank reported  rank r's num_offloaded_blocks
+      (num_offloaded_blocks; the outcome the offload planner gets: held only if every rank's
+       write of its KV heads was held; ``offload_outcomes``)
+    a block the store names as a missing ancestor (an ``OffloadOutcome`` marked ``missing``)
+                                 once a step, whichever rank's put met it
+    other events (leases released or expired, sync and one-sided loads, offload failures, ...)
                                  rank 0's (every rank sees each) rank r's
 
 With one rank (kvbridge's own engine, a vLLM engine without tensor parallelism) the totals are
@@ -20,20 +25,26 @@ that rank's, as before ranks were counted.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from .metadata import KVBridgeWorkerMeta, PullReport
 from .stats import KVTransferStats
+from .store.offload_items import OffloadOutcome
 
 __all__ = ["PER_REQUEST_COUNTERS", "RankReports"]
 
 PER_REQUEST_COUNTERS = frozenset(
-    {"num_loads", "num_failed_loads", "num_blocks_received", "num_load_errors_blocks"}
+    {"num_loads", "num_failed_loads", "num_blocks_received", "num_load_errors_blocks",
+     "num_offloaded_blocks"}
 )
 """Counters a node counts per request from ``KVBridgeWorkerMeta.pulls``, not from the ranks'
 counters."""
 MAX_PENDING_PULLS = 4096
 """Requests whose pull some rank has reported and another not yet; the oldest is dropped past
 this (a rank that never reports: its worker died, and the engine with it)."""
+MAX_PENDING_OFFLOADS = 1 << 16
+"""Blocks whose offload some rank has reported and another not yet; past this the oldest is
+settled as not held (the planner plans it again), so a rank that never reports pins nothing."""
 
 
 class RankReports:
@@ -51,6 +62,8 @@ class RankReports:
         self.by_rank: dict[int, KVTransferStats] = {}
         self.num_ranks = 1
         self._pending: OrderedDict[str, list[PullReport]] = OrderedDict()
+        # (group_id, block_hash) -> whether each rank that reported holds its heads
+        self._offloads: OrderedDict[tuple[int, bytes], list[bool]] = OrderedDict()
 
     def set_num_ranks(self, num_ranks: int) -> None:
         """The node's worker ranks (its tensor-parallel size; the handshakes tell it).
@@ -62,8 +75,19 @@ class RankReports:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.num_ranks = num_ranks
 
-    def apply(self, meta: KVBridgeWorkerMeta) -> None:
-        """Add one rank's report (module docstring's table).
+    def apply_step(self, metas: Iterable[KVBridgeWorkerMeta]) -> list[OffloadOutcome]:
+        """Add the reports of one step (one per rank; ``apply``). Returns the offload outcomes
+        they settled, a ``missing`` name once however many ranks' puts met it (which rank's
+        put completes a block, and so meets its missing parent, is a race)."""
+        settled: dict[OffloadOutcome, None] = {}
+        for meta in metas:
+            settled.update(dict.fromkeys(self.apply(meta)))
+        return list(settled)
+
+    def apply(self, meta: KVBridgeWorkerMeta) -> list[OffloadOutcome]:
+        """Add one rank's report (module docstring's table). Returns the offload outcomes it
+        settled for the node: a block's once every rank reported it (held only if every rank's
+        was), and its ``missing`` names, in the order they settled.
 
         Raises:
             ValueError: a counter name ``KVTransferStats`` does not have (``apply_report``).
@@ -80,6 +104,27 @@ class RankReports:
         self.stats.apply_report(node, [], [])
         for report in meta.pulls:
             self._add(report)
+        return self._settle_offloads(meta)
+
+    def _settle_offloads(self, meta: KVBridgeWorkerMeta) -> list[OffloadOutcome]:
+        settled: list[OffloadOutcome] = []
+        for raw in meta.offload_outcomes:
+            outcome = OffloadOutcome._make(raw)
+            if outcome.missing:
+                settled.append(outcome)
+                continue
+            held = self._offloads.setdefault(outcome.key, [])
+            held.append(outcome.held)
+            if len(held) >= self.num_ranks:
+                del self._offloads[outcome.key]
+                settled.append(outcome._replace(held=all(held)))
+        while len(self._offloads) > MAX_PENDING_OFFLOADS:
+            (group_id, block_hash), _ = self._offloads.popitem(last=False)
+            settled.append(OffloadOutcome(group_id, block_hash, False))
+        num_held = sum(outcome.held for outcome in settled)
+        if num_held:
+            self.stats.add("num_offloaded_blocks", num_held)
+        return settled
 
     def _add(self, report: PullReport) -> None:
         reports = self._pending.setdefault(report.request_id, [])

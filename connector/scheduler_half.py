@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishedResult
@@ -320,26 +320,33 @@ class KVBridgeScheduler:
         return meta
 
     # ------------------------------------------------------------------ update_from_output()
-    def update_connector_output(self, worker_meta: KVBridgeWorkerMeta | None) -> None:
-        """Learn the worker's identity and statistics; publish the step's block events.
+    def update_connector_output(
+        self, worker_meta: KVBridgeWorkerMeta | Sequence[KVBridgeWorkerMeta] | None
+    ) -> list[OffloadOutcome]:
+        """Learn the workers' identity and statistics from this step's reports (one, or every
+        rank's); publish the step's block events; plan the next offloads, once per step.
+        Returns the offload outcomes settled (``RankReports.apply_step``: a block's once every
+        rank reported it).
 
         Publishing waits for the forward: ``allocate_slots`` hashes a step's new full blocks
         before their KV is computed (vLLM's order, safe inside one engine), but a peer could
         pull them through the index in between.
         """
-        if worker_meta is not None:
-            self.rank_reports.apply(worker_meta)
-            self._load_policy.observe(worker_meta.one_sided_holders)
+        metas = [] if worker_meta is None else \
+            [worker_meta] if isinstance(worker_meta, KVBridgeWorkerMeta) else list(worker_meta)
+        outcomes = self.rank_reports.apply_step(metas)
+        for meta in metas:
+            self._load_policy.observe(meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
             events, self._unpublished = self._unpublished, []
             self.index_client.publish(events)
         if self.offload_planner is not None and self._block_pool is not None:
             # After this step's frees and before the next schedule can reuse a cold block: the
             # worker snapshots the picks at the next step's start, before its forward writes.
-            if worker_meta is not None:
-                outcomes = map(OffloadOutcome._make, worker_meta.offload_outcomes)
-                self.offload_planner.apply_outcomes(outcomes, worker_meta.store_incarnation)
+            incarnation = max((meta.store_incarnation for meta in metas), default=0)
+            self.offload_planner.apply_outcomes(outcomes, incarnation)
             self._meta.offload_items.extend(self.offload_planner.plan(self._block_pool))
+        return outcomes
 
     def set_xfer_handshake_metadata(
         self, handshake: WorkerHandshake | Mapping[int, WorkerHandshake]

@@ -371,21 +371,22 @@ def test_offload_on_eviction_to_a_store_is_accepted_in_vllm_and_write_through_re
     config_from_vllm(_vllm_transfer_config(offload="off", index_url=None), model_name="tiny")
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_the_store_tier_is_refused_on_an_engine_of_several_ranks(tp, pp):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_store_tier_is_refused_with_pipeline_parallel_and_served_with_tensor_parallel(tp):
     extra = {"index_url": "redis://127.0.0.1:6379/0", "store_url": "127.0.0.1:7000",
              "offload": "evict"}
     config = config_from_vllm(_vllm_transfer_config(**extra), model_name="tiny")
-    engine = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp,
-                                                             pipeline_parallel_size=pp))
-    with pytest.raises(KVTransferConfigError, match=rf"store_url: .*tensor_parallel_size {tp}"):
-        check_store_tier(engine, config)
-    single = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1,
-                                                             pipeline_parallel_size=1))
-    check_store_tier(single, config)
+
+    def engine(pp: int) -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                                               pipeline_parallel_size=pp))
+
+    with pytest.raises(KVTransferConfigError, match=r"store_url: .*pipeline_parallel_size 2"):
+        check_store_tier(engine(2), config)
+    check_store_tier(engine(1), config)  # each rank writes its own KV heads of a block
     no_store = config_from_vllm(_vllm_transfer_config(index_url=extra["index_url"]),
                                 model_name="tiny")
-    check_store_tier(engine, no_store)  # the index alone: the ranks' own business
+    check_store_tier(engine(2), no_store)  # the index alone: the ranks' own business
 
 
 def test_request_view_gives_the_prompt_digest_its_inputs_and_only_token_ids():

@@ -269,13 +269,14 @@ def test_case4_a_block_whose_store_write_fails_cuts_the_chain_there(network, mod
     assert len(hashes) == 4
     put = store.cache.put
 
-    def put_failing_block_2(group_id, block_hashes, parent_hashes, staging):
+    def put_failing_block_2(group_id, block_hashes, parent_hashes, staging, heads=None):
         keep = [i for i, h in enumerate(block_hashes) if h != hashes[2]]
         result = put(
             group_id,
             [block_hashes[i] for i in keep],
             [parent_hashes[i] for i in keep],
             staging.index_select(1, torch.tensor(keep, dtype=torch.int64)),
+            heads,
         )
         lost = (hashes[2],) if len(keep) < len(block_hashes) else ()
         return result._replace(refused=result.refused + lost)

@@ -32,6 +32,17 @@ Read guard. A read is validated first and its bytes are copied afterwards, chunk
 validator stamps the blocks it passes, and a block stamped less than ``read_guard_s`` ago is never
 overwritten: if the coldest block is that fresh, the write is refused (no room) instead.
 
+Blocks written in slices. Each rank of a tensor-parallel writer puts its own KV heads of a
+block (``put``'s ``heads``; ``slices.py``). A block some of whose heads are written is
+*incomplete*: it takes a store block but is not held (never served: ``validate`` refuses it,
+never published, never named in ``missing_ancestors``, counted in no ``num_held``) until a put
+writes its last heads; then it is stored as a whole put's block would be. A slice of heads
+already written is present (not rewritten); one overlapping written heads otherwise (writers of
+another head split) is refused by ``head_conflict``, which the store asks before any put. When
+room is needed, an incomplete block older than ``incomplete_ttl_s`` (a rank that died or lost
+its write) is dropped before any held block, so none pins memory; younger ones are kept, so the
+ranks' slices of a full store do not evict one another before they meet.
+
 Not thread-safe: the store's event loop owns it.
 """
 
@@ -44,9 +55,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-from kvbridge.kernels import scatter_blocks
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvbridge.transport import LeaseRef
+
+from .slices import HeadSlice, IncompleteBlock, write_rows
 
 __all__ = ["GroupPutResult", "StoreCache"]
 
@@ -65,6 +77,7 @@ class GroupPutResult(NamedTuple):
     num_dropped: int
     events: tuple[KVCacheEvent, ...]
     missing_ancestors: tuple[bytes, ...] = ()
+    num_incomplete: int = 0  # put blocks still lacking other heads ("Blocks written in slices")
 
 
 @dataclass(slots=True)
@@ -79,6 +92,7 @@ class _GroupCache:
     children: dict[bytes, set[bytes]] = field(default_factory=dict)
     anchored: set[bytes] = field(default_factory=set)
     published: set[bytes] = field(default_factory=set)
+    incomplete: OrderedDict[bytes, IncompleteBlock] = field(default_factory=OrderedDict)
 
 
 class StoreCache:
@@ -89,6 +103,8 @@ class StoreCache:
             num_kv_heads, head_size]`` (all groups the same ``num_store_blocks``).
         read_guard_s: a block validated for a read this recently is never overwritten.
         clock: monotonic seconds.
+        incomplete_ttl_s: an incomplete block this old is dropped first when room is needed
+            (module docstring, "Blocks written in slices").
     """
 
     def __init__(
@@ -97,10 +113,12 @@ class StoreCache:
         *,
         read_guard_s: float,
         clock: Callable[[], float] = time.monotonic,
+        incomplete_ttl_s: float = 10.0,
     ) -> None:
-        if read_guard_s < 0:
-            raise ValueError(f"read_guard_s must be >= 0, got {read_guard_s}")
-        self.read_guard_s = read_guard_s
+        if read_guard_s < 0 or incomplete_ttl_s < 0:
+            raise ValueError(f"read_guard_s {read_guard_s} and incomplete_ttl_s "
+                             f"{incomplete_ttl_s} must be >= 0")
+        self.read_guard_s, self.incomplete_ttl_s = read_guard_s, incomplete_ttl_s
         self._clock = clock
         self.block_size = int(kv_caches_by_group[0][0].shape[2])
         self.groups: list[_GroupCache] = []
@@ -126,6 +144,27 @@ class StoreCache:
     def num_held(self, group_id: int | None = None) -> int:
         groups = self.groups if group_id is None else [self.groups[group_id]]
         return sum(len(g.hash_to_block_id) for g in groups)
+
+    def num_incomplete(self, group_id: int) -> int:
+        """Blocks of ``group_id`` some but not all of whose heads are written."""
+        return len(self.groups[group_id].incomplete)
+
+    def head_conflict(self, group_id: int, block_hashes: Sequence[bytes],
+                      heads: HeadSlice | None) -> str | None:
+        """Why a put of ``heads`` of ``block_hashes`` cannot be assembled with what group
+        ``group_id`` holds (an incomplete block whose written heads overlap ``heads`` without
+        being them), or None. Mutates nothing."""
+        incomplete = self.groups[group_id].incomplete
+        if heads is None or heads.whole or not incomplete:
+            return None
+        for block_hash in block_hashes:
+            block = incomplete.get(block_hash)
+            run = None if block is None else block.conflict(heads.start, heads.stop)
+            if run is not None:
+                return (f"heads [{heads.start}, {heads.stop}) of block {block_hash.hex()[:16]} "
+                        f"overlap its heads [{run[0]}, {run[1]}) written by another writer; "
+                        "writers of one store must split the KV heads alike")
+        return None
 
     def block_id_of(self, group_id: int, block_hash: bytes) -> int | None:
         """The store block holding ``block_hash`` in ``group_id`` (no LRU touch)."""
@@ -168,6 +207,7 @@ class StoreCache:
         block_hashes: Sequence[bytes],
         parent_hashes: Sequence[bytes],
         staging: torch.Tensor,
+        heads: HeadSlice | None = None,
     ) -> GroupPutResult:
         """Store ``block_hashes[i]`` with bytes ``staging[:, i]`` (mutates the tensors, the map,
         the LRU order). A hash already held is touched, not rewritten. The stored and present
@@ -176,11 +216,15 @@ class StoreCache:
 
         Args:
             staging: ``[num_layers, n, 2, block_size, num_kv_heads, head_size]``, the caches'
-                dtype, on CPU (the ``gather_blocks`` layout).
+                dtype, on CPU (the ``gather_blocks`` layout); with ``heads`` of part of the
+                model's, ``[num_layers, n, row bytes of those heads]`` (uint8).
+            heads: the KV heads ``staging`` holds of each block (None: every head); module
+                docstring, "Blocks written in slices".
 
         Raises:
-            ValueError: ``group_id`` out of range or lengths that disagree (the caller checks
-                network input first and reports it to the writer).
+            ValueError: ``group_id`` out of range, lengths that disagree, or heads that
+                ``head_conflict`` names (the caller checks network input first and reports it
+                to the writer).
         """
         if not 0 <= group_id < len(self.groups):
             raise ValueError(f"group_id {group_id} not in [0, {len(self.groups)})")
@@ -189,11 +233,15 @@ class StoreCache:
                 f"{len(block_hashes)} hashes, {len(parent_hashes)} parents, "
                 f"staging holds {staging.shape[1]} blocks"
             )
+        conflict = self.head_conflict(group_id, block_hashes, heads)
+        if conflict is not None:
+            raise ValueError(conflict)
         group = self.groups[group_id]
         events: list[KVCacheEvent] = []
         refused: list[bytes] = []
         block_id_to_row: dict[int, int] = {}
         num_present = num_dropped = 0
+        sliced = heads is not None and not heads.whole
         if len(block_hashes) > len(group.free_block_ids):  # may evict: shield the ancestors
             self._touch_chains(group, [*parent_hashes, *block_hashes])
         for row, (block_hash, parent) in enumerate(zip(block_hashes, parent_hashes, strict=True)):
@@ -201,31 +249,54 @@ class StoreCache:
                 group.hash_to_block_id.move_to_end(block_hash)
                 num_present += 1
                 continue
-            num_free_before = len(group.free_block_ids)
-            block_id = self._take_block(group_id, events)
-            num_dropped += int(num_free_before == 0 and block_id is not None)
-            if block_id is None:
-                refused.append(block_hash)
+            block = group.incomplete.get(block_hash)
+            if block is not None and sliced and (heads.start, heads.stop) in block.covered:
+                num_present += 1  # these heads are written: wait for the others
                 continue
+            if block is None:
+                num_free_before = len(group.free_block_ids)
+                block_id = self._take_block(group_id, events)
+                num_dropped += int(num_free_before == 0 and block_id is not None)
+                if block_id is None:
+                    refused.append(block_hash)
+                    continue
+                if sliced:
+                    block = IncompleteBlock(block_id, parent, self._clock())
+                    group.incomplete[block_hash] = block
+            else:
+                block_id = block.block_id
             block_id_to_row[block_id] = row  # a later row may take the block of an earlier one
-            group.hash_to_block_id[block_hash] = block_id
-            group.block_id_to_hash[block_id] = block_hash
-            group.parent_of[block_hash] = parent
-            group.children.setdefault(parent, set()).add(block_hash)
-            if parent == ROOT_PARENT or parent in group.anchored:
-                self._anchor(group_id, block_hash, events)
+            if block is not None:  # a slice, or a whole put over an incomplete block
+                if sliced:
+                    block.covered.append((heads.start, heads.stop))
+                    if block.num_covered() < heads.total:
+                        continue  # incomplete: not held yet
+                del group.incomplete[block_hash]
+            self._hold(group_id, block_hash, parent, block_id, events)
         if block_id_to_row:
-            ids = torch.tensor(list(block_id_to_row), dtype=torch.int64)
             rows = list(block_id_to_row.values())
             if rows != list(range(len(block_hashes))):  # some rows skipped or reordered
                 staging = staging.index_select(1, torch.tensor(rows, dtype=torch.int64))
-            scatter_blocks(staging.contiguous(), group.kv_caches, ids)
+            write_rows(group.kv_caches, list(block_id_to_row), staging, heads)
         self._touch_chains(group, block_hashes)  # refused ones are not held: skipped
         num_stored = len(block_hashes) - num_present - len(refused)
+        num_incomplete = sum(h in group.incomplete for h in block_hashes) if sliced else 0
         return GroupPutResult(
             num_stored, num_present, tuple(refused), num_dropped, tuple(events),
-            self._missing_ancestors(group, block_hashes),
+            self._missing_ancestors(group, block_hashes), num_incomplete,
         )
+
+    def _hold(self, group_id: int, block_hash: bytes, parent: bytes, block_id: int,
+              events: list[KVCacheEvent]) -> None:
+        """``block_hash`` (every head written) is held in ``block_id``: mapped, linked to its
+        parent, anchored and published if its chain reaches block 0."""
+        group = self.groups[group_id]
+        group.hash_to_block_id[block_hash] = block_id
+        group.block_id_to_hash[block_id] = block_hash
+        group.parent_of[block_hash] = parent
+        group.children.setdefault(parent, set()).add(block_hash)
+        if parent == ROOT_PARENT or parent in group.anchored:
+            self._anchor(group_id, block_hash, events)
 
     @staticmethod
     def _missing_ancestors(group: _GroupCache, block_hashes: Sequence[bytes]) -> tuple[bytes, ...]:
@@ -241,6 +312,8 @@ class StoreCache:
                 seen.add(current)
                 parent = group.parent_of[current]
                 if parent == ROOT_PARENT:  # held first blocks are anchored: not reached
+                    break
+                if parent in group.incomplete:  # its other heads are on their way
                     break
                 if parent not in group.hash_to_block_id:
                     missing[parent] = None
@@ -282,6 +355,11 @@ class StoreCache:
         group = self.groups[group_id]
         if group.free_block_ids:
             return group.free_block_ids.pop()
+        if group.incomplete:  # the oldest incomplete block, if stale, goes first
+            block_hash, block = next(iter(group.incomplete.items()))
+            if self._clock() - block.since >= self.incomplete_ttl_s:
+                del group.incomplete[block_hash]
+                return block.block_id
         if not group.hash_to_block_id:
             return None
         coldest_hash, block_id = next(iter(group.hash_to_block_id.items()))

@@ -33,6 +33,7 @@ from ..loop_thread import get_loop_thread
 from .cache import StoreCache
 from .model_profile import model_profile, store_kv_caches
 from .profile import StoreProfile
+from .put_checks import check_put, put_heads
 from .server import StoreWriteServer
 from .store_stats import StoreStats
 from .url import format_store_url
@@ -297,28 +298,9 @@ class StoreNode:
         self.stats.add(num_put_errors=1)
 
     def check_put(self, put: PutRequest) -> None:
-        """Raise StoreWireError if ``put`` does not fit this store (namespace, group, sizes)."""
-        if self.metadata is None or self.cache is None:
-            raise StoreWireError("this store has no block geometry yet: a writer names its own "
-                                 "in a hello on its connection (or start kvbridge-store with "
-                                 "--profile)")
-        if put.compat_hash != self.metadata.compat_hash:
-            raise StoreWireError(
-                f"compat_hash {put.compat_hash[:16]}... is not this store's "
-                f"{self.metadata.compat_hash[:16]}... (another block identity: model, "
-                "revision, KV dtype, layout, block size or hash function; or KV geometry)"
-            )
-        for i, group in enumerate(put.groups):
-            if group.group_id >= len(self.cache.groups):
-                raise StoreWireError(
-                    f"groups[{i}].group_id {group.group_id} not in [0, {len(self.cache.groups)})"
-                )
-            expected = len(group.block_hashes) * self.cache.groups[group.group_id].block_nbytes
-            if group.nbytes != expected:
-                raise StoreWireError(
-                    f"groups[{i}].nbytes {group.nbytes} != {len(group.block_hashes)} blocks x "
-                    f"{self.cache.groups[group.group_id].block_nbytes} bytes"
-                )
+        """Raise StoreWireError if ``put`` does not fit this store (``put_checks.check_put``:
+        identity, groups, sizes, KV heads)."""
+        check_put(put, self.metadata, self.cache)
 
     async def put(self, put: PutRequest, payload: torch.Tensor) -> PutReply:
         """Store a checked put (``check_put``); publish the index events before replying, so a
@@ -340,25 +322,25 @@ class StoreNode:
         events: list[Any] = []
         refused: list[tuple[int, bytes]] = []
         missing: list[tuple[int, bytes]] = []
-        num_stored = num_present = 0
+        num_stored = num_present = num_incomplete = 0
         offset = 0
+        heads = put_heads(put, self.metadata)
         for group in put.groups:
             caches = self.cache.groups[group.group_id].kv_caches
             n = len(group.block_hashes)
-            staging = (
-                payload[offset : offset + group.nbytes]
-                .view(caches[0].dtype)
-                .view(len(caches), n, *caches[0].shape[1:])
-                if n
-                else None
-            )
+            staging = payload[offset : offset + group.nbytes]
             offset += group.nbytes
-            if staging is None:
+            if not n:
                 continue
+            if heads is None or heads.whole:
+                staging = staging.view(caches[0].dtype).view(len(caches), n, *caches[0].shape[1:])
+            else:  # each row's bytes of these heads
+                staging = staging.view(len(caches), n, -1)
             result = self.cache.put(
-                group.group_id, group.block_hashes, group.parent_hashes, staging
+                group.group_id, group.block_hashes, group.parent_hashes, staging, heads
             )
-            block_nbytes = self.cache.groups[group.group_id].block_nbytes
+            block_nbytes = group.nbytes // n  # the bytes a block of this put carries
+            num_incomplete += result.num_incomplete
             num_stored += result.num_stored
             num_present += result.num_present
             refused.extend((group.group_id, h) for h in result.refused)
@@ -370,7 +352,7 @@ class StoreNode:
                 num_blocks_present=result.num_present,
                 num_blocks_refused=len(result.refused),
                 num_blocks_dropped=result.num_dropped,
-                bytes_dropped=result.num_dropped * block_nbytes,
+                bytes_dropped=result.num_dropped * self.cache.groups[group.group_id].block_nbytes,
             )
         if any(group.block_hashes for group in put.groups):  # not a writer's empty probe
             self.stats.add(num_puts=1)
@@ -379,7 +361,7 @@ class StoreNode:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._publisher, self._publish_and_wait, client, events)
         return PutReply(num_stored, num_present, len(refused), tuple(refused), tuple(missing),
-                        self.incarnation)
+                        self.incarnation, num_incomplete)
 
     async def _tick_index(self, client: IndexClient) -> None:
         """Offer the index client a step every third of the TTL, so that a resync it asks for

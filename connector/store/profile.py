@@ -92,6 +92,24 @@ class StoreProfile:
             kv_heads_layout=kv_heads_layout,
         )
 
+    def full_heads(self) -> StoreProfile:
+        """The profile of the model's whole blocks: each group's block shape with every KV head
+        of the model on axis 2 (``kv_heads.total``), ``kv_heads`` from head 0. A store keeps
+        whole blocks; every rank of a tensor-parallel writer has the same full profile and
+        writes its own heads of each block (docs/vllm-prefix-reuse.md, "Tensor-parallel
+        engines and the store"). A profile of all heads already is returned as it is."""
+        heads = self.kv_heads
+        if heads is None or (heads.first == 0 and self.groups[0].block_shape[2] == heads.total):
+            return self
+        groups = tuple(GroupGeometry(num_layers=g.num_layers, dtype=g.dtype,
+                                     block_shape=(*g.block_shape[:2], heads.total,
+                                                  *g.block_shape[3:]))
+                       for g in self.groups)
+        return StoreProfile(identity=self.identity, groups=groups,
+                            kv_heads=KVHeads(first=0, total=heads.total,
+                                             sliceable=heads.sliceable),
+                            kv_heads_layout=self.kv_heads_layout)
+
     # ------------------------------------------------------------------ encodings
     def to_json(self) -> str:
         """One line of JSON (what ``kvbridge-store --profile`` takes)."""

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from kvbridge.transport import NodeMetadata, format_host_port
 
+from ..errors import KVTransferConfigError
 from ..loop_thread import LoopThread, get_loop_thread
 from ..stats import KVTransferStats
 from .offload_items import OffloadItem, OffloadOutcome
@@ -103,6 +104,7 @@ class OffloadSender:
         self._staging_pool = StagingPool(max_inflight_bytes)
         self._kv_caches_by_group: list[list[torch.Tensor]] | None = None
         self._compat_hash = ""
+        self._heads: tuple[int, int] | None = None  # this rank's KV heads (None: all)
         self._closed = False
         self._lock = threading.Lock()
         self._inflight_bytes = 0
@@ -119,10 +121,28 @@ class OffloadSender:
         """Give the sender the node's KV tensors, ``[group][layer]`` tensors
         ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (``register_kv_caches``), and
         its handshake ``metadata`` and ``IndexNamespace.kv_heads_layout``: its store profile
-        (``profile.StoreProfile``), logged once at INFO and sent in a hello on each connection
-        (a store without a geometry takes it; one of another geometry refuses this node)."""
+        (``profile.StoreProfile``, of the model's whole blocks: ``full_heads``), logged once
+        at INFO and sent in a hello on each connection (a store without a geometry takes it;
+        one of another geometry refuses this node). A rank holding part of the model's KV
+        heads (``metadata.kv_heads``, tensor parallel) names them in each put: the store holds
+        a block once every rank wrote its heads.
+
+        Raises:
+            KVTransferConfigError: a rank holding part of the heads in a layout that does not
+                keep them in one byte range of a block (``KVHeads.sliceable`` False).
+        """
+        heads = metadata.held_heads
+        self._heads = None if heads == (0, metadata.total_kv_heads) else heads
+        if self._heads is not None and not (metadata.kv_heads and metadata.kv_heads.sliceable):
+            raise KVTransferConfigError(
+                f"kv_connector_extra_config.store_url: this rank holds KV heads [{heads[0]}, "
+                f"{heads[1]}) of {metadata.total_kv_heads} in the layout "
+                f"{metadata.identity.kv_layout!r}, which does not keep a rank's heads in one "
+                "byte range of a block; the store tier keeps whole blocks written by every rank "
+                "(tensor_parallel_size 1 works)")
         self._kv_caches_by_group = [list(group) for group in kv_caches_by_group]
-        self.profile = StoreProfile.of_metadata(metadata, kv_heads_layout=kv_heads_layout)
+        self.profile = StoreProfile.of_metadata(
+            metadata, kv_heads_layout=kv_heads_layout).full_heads()
         self.writer.hello = self.profile  # each connection's hello: a new store takes it
         self._compat_hash = metadata.compat_hash
         logger.info("offload to the store at %s:%d; this node's store profile: kvbridge-store "
@@ -168,7 +188,7 @@ class OffloadSender:
                     nbytes=staging_nbytes(caches_by_group[group_id], len(members)),
                 )
             )
-        put = PutRequest(compat_hash=self._compat_hash, groups=tuple(groups))
+        put = PutRequest(compat_hash=self._compat_hash, groups=tuple(groups), heads=self._heads)
         buffer = self._staging_pool.take(put.payload_nbytes)
         offset = 0
         for group in groups:

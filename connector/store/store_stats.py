@@ -14,7 +14,8 @@ __all__ = ["StoreStats"]
 class StoreStats:
     """Counters of one store node (thread-safe reads via ``snapshot``).
 
-    ``num_blocks_stored`` / ``bytes_stored``: blocks written; ``num_blocks_present``: writes of
+    ``num_blocks_stored`` / ``bytes_stored``: blocks (or a tensor-parallel rank's slices of
+    KV heads of blocks) written; ``num_blocks_present``: writes of
     blocks already held (touched only); ``num_blocks_refused``: writes refused for lack of room;
     ``num_blocks_dropped`` / ``bytes_dropped``: LRU evictions; ``num_blocks_requested`` /
     ``num_blocks_hit`` / ``bytes_served``: blocks pulls asked for, and those the store still held

@@ -20,9 +20,15 @@ Messages (every header carries ``"v": STORE_SCHEMA_VERSION`` and ``"type"``):
   payload is the groups' bytes back to back; group ``k``'s ``nbytes`` bytes are the
   ``gather_blocks`` staging layout ``[num_layers, n, 2, block_size, num_kv_heads, head_size]``
   for its ``n`` hashes (kvbridge.kernels.layout), so its size must be exactly
-  ``n * num_layers * block_nbytes`` of that group on the store.
-- ``put_ok`` (store -> writer): ``num_stored``, ``num_present`` (already held: touched, not
-  rewritten), ``num_refused`` (no room: every cold block is still being served), ``refused``
+  ``n * num_layers * block_nbytes`` of that group on the store. Optional ``heads``
+  (``[start, stop]``, the model's KV heads): the put carries only those heads of each block (a
+  tensor-parallel rank's; ``num_kv_heads`` of the staging layout is then ``stop - start`` and
+  the size scales with it); absent: every head. The store holds a block once every head of it
+  was written (``StoreCache``, "Blocks written in slices").
+- ``put_ok`` (store -> writer): ``num_stored`` (blocks, or a ``heads`` put's slices, written),
+  ``num_present`` (already held: touched, not rewritten; for a ``heads`` put, those heads of
+  the block already written), ``num_incomplete`` (blocks of the put still lacking other heads;
+  may be absent), ``num_refused`` (no room: every cold block is still being served), ``refused``
   (``[[group_id, block_hash], ...]``), ``missing_ancestors`` (``[[group_id, block_hash], ...]``:
   for the put's blocks the store holds but cannot publish, the first ancestor it does not hold,
   which breaks their chain back to block 0: a block it evicted since, or one never written; may
@@ -75,6 +81,7 @@ MAX_HASH_BYTES = 128
 MAX_ERROR_LEN = 2048
 MAX_INCARNATION = (1 << 63) - 1
 MAX_PROFILE_BYTES = 64 << 10
+MAX_KV_HEADS = 1 << 16
 
 
 class StoreWireError(KVConnectorError):
@@ -99,8 +106,12 @@ class PutGroup:
 
 @dataclass(frozen=True, slots=True)
 class PutRequest:
+    """``heads``: the model's KV heads ``(start, stop)`` the payload holds of each block (a
+    tensor-parallel rank's); None: every head."""
+
     compat_hash: str
     groups: tuple[PutGroup, ...]
+    heads: tuple[int, int] | None = None
 
     @property
     def payload_nbytes(self) -> int:
@@ -115,6 +126,7 @@ class PutReply:
     refused: tuple[tuple[int, bytes], ...] = ()
     missing_ancestors: tuple[tuple[int, bytes], ...] = ()
     store_incarnation: int = 0  # the answering store's; 0: a store that does not say
+    num_incomplete: int = 0  # blocks of the put still lacking other heads (a ``heads`` put)
 
 
 # ---------------------------------------------------------------------- field checks
@@ -186,13 +198,25 @@ def decode_put(obj: dict[Any, Any], *, max_payload_nbytes: int) -> PutRequest:
                 nbytes=_int(raw, "nbytes", 0, max_payload_nbytes),
             )
         )
-    put = PutRequest(compat_hash=compat_hash, groups=tuple(groups))
+    put = PutRequest(compat_hash=compat_hash, groups=tuple(groups), heads=_heads(obj))
     declared = _int(obj, "payload_nbytes", 0, max_payload_nbytes)
     if declared != put.payload_nbytes:
         raise StoreWireError(
             f"payload_nbytes {declared} != sum of groups' nbytes {put.payload_nbytes}"
         )
     return put
+
+
+def _heads(obj: dict[Any, Any]) -> tuple[int, int] | None:
+    """A put's optional ``heads``: ``[start, stop]`` with ``0 <= start < stop``."""
+    value = obj.get("heads")
+    if value is None:
+        return None
+    if (type(value) is not list or len(value) != 2 or any(type(v) is not int for v in value)
+            or not 0 <= value[0] < value[1] <= MAX_KV_HEADS):
+        raise StoreWireError(f"field 'heads' must be [start, stop] with 0 <= start < stop <= "
+                             f"{MAX_KV_HEADS}, got {value!r}")
+    return value[0], value[1]
 
 
 def decode_hello(obj: dict[Any, Any]) -> StoreProfile:
@@ -232,6 +256,7 @@ def decode_reply(obj: dict[Any, Any]) -> PutReply:
         missing_ancestors=_block_keys(obj.get("missing_ancestors", []), "missing_ancestors"),
         store_incarnation=_int(obj, "incarnation", 0, MAX_INCARNATION) if "incarnation" in obj
         else 0,
+        num_incomplete=_int(obj, "num_incomplete", 0, top) if "num_incomplete" in obj else 0,
     )
 
 
@@ -284,23 +309,24 @@ def _frame(header: dict[str, Any]) -> bytes:
 
 def encode_put_header(put: PutRequest) -> bytes:
     """Length prefix and header of a put; the caller sends ``put.payload_nbytes`` bytes next."""
-    return _frame(
-        {
-            "v": STORE_SCHEMA_VERSION,
-            "type": "put",
-            "compat_hash": put.compat_hash,
-            "payload_nbytes": put.payload_nbytes,
-            "groups": [
-                {
-                    "group_id": g.group_id,
-                    "block_hashes": list(g.block_hashes),
-                    "parent_hashes": list(g.parent_hashes),
-                    "nbytes": g.nbytes,
-                }
-                for g in put.groups
-            ],
-        }
-    )
+    header: dict[str, Any] = {
+        "v": STORE_SCHEMA_VERSION,
+        "type": "put",
+        "compat_hash": put.compat_hash,
+        "payload_nbytes": put.payload_nbytes,
+        "groups": [
+            {
+                "group_id": g.group_id,
+                "block_hashes": list(g.block_hashes),
+                "parent_hashes": list(g.parent_hashes),
+                "nbytes": g.nbytes,
+            }
+            for g in put.groups
+        ],
+    }
+    if put.heads is not None:
+        header["heads"] = list(put.heads)
+    return _frame(header)
 
 
 def encode_hello(profile: StoreProfile) -> bytes:
@@ -322,6 +348,7 @@ def encode_reply(reply: PutReply) -> bytes:
             "refused": [[g, h] for g, h in reply.refused],
             "missing_ancestors": [[g, h] for g, h in reply.missing_ancestors],
             "incarnation": reply.store_incarnation,
+            "num_incomplete": reply.num_incomplete,
         }
     )
 

@@ -298,14 +298,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         payloads = report.payloads if isinstance(report, _WorkerReport) else []
-        if not payloads:
-            self._sched().update_connector_output(None)
-        for payload in payloads:
-            meta = decode_worker_meta(payload)
-            if self._store_events is not None:
-                self._store_events.observe(meta.offload_outcomes)
-            self._sched().update_connector_output(meta)
-            if self._tap is not None:
+        metas = [decode_worker_meta(payload) for payload in payloads]
+        # Every rank's report at once: a block's offload settles when every rank's did.
+        outcomes = self._sched().update_connector_output(metas)
+        if self._store_events is not None:
+            self._store_events.observe(outcomes)
+        if self._tap is not None:
+            for meta in metas:
                 self._tap.observe_load_s(meta.stats.transfer_s)
 
     def request_finished(

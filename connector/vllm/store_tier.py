@@ -1,5 +1,5 @@
-"""Checks of the store tier's settings against a vLLM engine (issue 31 part 4), read from vLLM's
-objects by attribute (no vLLM import, tested without vLLM)."""
+"""Checks of the store tier's settings against a vLLM engine (issue 31 part 4, issue 30 part 3),
+read from vLLM's objects by attribute (no vLLM import, tested without vLLM)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,19 @@ __all__ = ["check_store_tier"]
 
 
 def check_store_tier(vllm_config: Any, config: KVTransferConfig) -> None:
-    """Refuse ``store_url`` on an engine of several tensor- or pipeline-parallel ranks: every
-    rank holds its own share of a block's KV under the same block hash, and one store keeps one
-    block per hash, so a restore would hand each rank another rank's bytes. Reads
-    ``vllm_config.parallel_config`` by attribute.
+    """Refuse ``store_url`` on an engine of several pipeline-parallel ranks: a rank holds some
+    layers of a block only, and the store keeps whole blocks. Tensor-parallel engines are
+    served: every rank writes its own KV heads of each block and the store holds a block once
+    all its heads are written (docs/vllm-prefix-reuse.md, "Tensor-parallel engines and the
+    store"). Reads ``vllm_config.parallel_config`` by attribute.
 
     Raises:
-        KVTransferConfigError: naming ``store_url`` and the parallel sizes.
+        KVTransferConfigError: naming ``store_url`` and ``pipeline_parallel_size``.
     """
-    parallel = vllm_config.parallel_config
-    sizes = (int(getattr(parallel, "tensor_parallel_size", 1)),
-             int(getattr(parallel, "pipeline_parallel_size", 1)))
-    if config.store_url and sizes != (1, 1):
+    pipeline = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    if config.store_url and pipeline != 1:
         raise KVTransferConfigError(
-            f"kv_connector_extra_config.store_url: an engine of tensor_parallel_size {sizes[0]} "
-            f"and pipeline_parallel_size {sizes[1]} is not supported with the store tier yet "
-            "(one store keeps one copy of a block hash, each rank holds another part of it)"
+            f"kv_connector_extra_config.store_url: an engine of pipeline_parallel_size "
+            f"{pipeline} is not supported with the store tier (a rank holds some layers of a "
+            "block, the store keeps whole blocks); use pipeline_parallel_size 1"
         )

@@ -34,12 +34,9 @@ each test the engines still running hold no request and every block is free.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
 
@@ -56,6 +53,7 @@ from _harness import (
     start_nodes,
     tokens,
 )
+from _store_process import StoreProcess
 
 A_KV_BYTES = 6 << 20  # 192 blocks of 32 tokens (32 KiB a block: 2 layers, 2 KV heads, fp32)
 N_NEW = 8
@@ -116,40 +114,6 @@ class _KVEvents:
         self._context.term()
 
 
-class _Store:
-    """``kvbridge-store`` as its own process (its own session, so it can be paused and killed
-    whole)."""
-
-    def __init__(self, redis_url: str, write_port: int, log_path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in kill
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.connector.serve.store_server",
-             "--index-url", redis_url, "--capacity-bytes", str(STORE_BYTES),
-             "--write-port", str(write_port)],
-            stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            for line in self.proc.stdout:  # its one JSON line once serving (UCX may warn first)
-                if line.startswith("{"):
-                    self.announced = json.loads(line)
-                    break
-            else:
-                raise AssertionError(f"the store exited before serving (log: {log_path})")
-        except BaseException:
-            self.kill()  # never left running
-            raise
-
-    def signal(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def tier(tiny_llama, log_dir, redis_server):
     write_port, events_port = free_port(), free_port()
@@ -164,7 +128,8 @@ def tier(tiny_llama, log_dir, redis_server):
     c = Node("store-c", model=tiny_llama, log_dir=log_dir,
              kv_transfer_config=kvbridge_config("both", "store-engine-c",
                                                 index_url=redis_server.url, load_timeout_s=5.0))
-    store = _Store(redis_server.url, write_port, log_dir / "store.log")
+    store = StoreProcess(redis_server.url, write_port, log_dir / "store.log",
+                         capacity_bytes=STORE_BYTES)
     try:
         start_nodes(a, c)
     except BaseException:
