@@ -16,16 +16,14 @@ a handoff the worker half reads one-sided from a same-host holder's block board
 only as block ids, which it refuses with several groups). Every other pull is async.
 
 What it risks: the choice is made at scheduling from the worker's last report, before the read.
-So the scheduler half first looks at the holder's board itself (``ticket_board``): a ticket
-whose blocks the board shows holding other content (another prompt's ticket without a digest,
-a stale ticket whose blocks P reused) is refused there, before anything is allocated or read,
-as D refuses another prompt's digest (``handoff``); a handoff the board does not vouch for (a
-lease P's worker has not been handed yet, or one that ended) runs over later steps, since only
-P's answer can settle it. A board that changes between that look and the worker's copy
-(rare: a lease ending meanwhile) is read the usual way inside that step: the step waits for
-P's answer, and for a lease not yet granted for P's retries (``lease_reads.LEASE_GRANT_RETRY_S``,
-0.38 s at most), never past ``sync_load_timeout_s``. ``load_mode`` ``"async"`` never stalls a
-step that way.
+The scheduler half first looks at the holder's board itself (``ticket_board``), and refuses a
+ticket whose blocks the board shows holding other content (another prompt's ticket without a
+digest, a stale ticket whose blocks P leased again) before anything is allocated or read, as
+D refuses another prompt's digest (``handoff``). A handoff the board does not vouch for after
+all (a ticket whose lease P's worker has not been handed yet, a stale ticket whose lease ended)
+is then read the usual way inside that step: the step waits for P's answer, and for a lease not
+yet granted for P's retries (``lease_reads.LEASE_GRANT_RETRY_S``, 0.38 s at most), never past
+``sync_load_timeout_s``. ``load_mode`` ``"async"`` never stalls a step that way.
 """
 
 from __future__ import annotations

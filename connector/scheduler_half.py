@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishedResult
 from kvbridge.kvmanager.coordinator import PrefixHitRule
 from kvbridge.kvmanager.request import RequestStatus
-from kvbridge.transport import BoardLook
 
 from .block_events import hash_delta_of
 from .config import KVTransferConfig
@@ -201,17 +200,16 @@ class KVBridgeScheduler:
         ranks = rank_holders(ticket)
         holder = ranks[0]
         board = self._load_policy.board_of(holder) if num_new and not refusal else None
-        look = None  # P's block board, read before committing a step to the load (ticket_board)
-        if board is not None:
-            look, refusal = ticket_on_board(
+        if board is not None:  # P's block board, read before a step takes the load
+            refusal = ticket_on_board(
                 board, ticket, request, num_computed_tokens=num_computed_tokens,
                 num_remote=num_remote, block_size=self.block_size)
         if refusal and (refusal.window_gap or self.config.load_failure_policy == "recompute"):
             return self._compute_locally(request, ticket, refusal)
         # vLLM: no async load of zero tokens
         num_blocks = cdiv(num_remote, self.block_size) - num_computed_tokens // self.block_size
-        load_async = num_new > 0 and self._load_async and (
-            look is BoardLook.UNSETTLED or not self._load_policy.loads_in_step(holder, num_blocks))
+        load_async = num_new > 0 and self._load_async and not self._load_policy.loads_in_step(
+            holder, num_blocks)
         self._matches[request.request_id] = RemoteMatch(
             holder=holder, remote_block_ids=ticket.remote_block_ids, ticket=ticket_of(ticket),
             num_local_tokens=num_computed_tokens, num_remote_tokens=num_remote,

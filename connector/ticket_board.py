@@ -14,10 +14,12 @@ position without one), and the scheduler half (``get_num_new_matched_tokens``) a
 
 - ``OTHER_BLOCKS`` (P holds other content there under a live lease, so P would refuse the read):
   the ticket is refused before anything is allocated or read, as one of another prompt's digest
-  is (``handoff.ticket_refusal``): under "recompute" the request is computed in its first step;
-- ``UNSETTLED`` (a lease not granted yet, or ended): the pull runs over later steps (only P's
-  answer can settle it, and no step should wait for that);
-- ``VOUCHED`` / ``UNREADABLE``: as before the look (``load_mode.LoadModePolicy``).
+  is (``handoff.ticket_refusal``): under "recompute" the request is computed in its first step,
+  under "fail" its load fails without reading anything;
+- anything else: the pull is planned as before the look (``load_mode.LoadModePolicy``). Empty
+  entries (a lease P's worker has not been handed yet, or one that ended) only P can answer
+  for, and a correct ticket often arrives before P's next step hands its lease over, so they
+  are not refused, nor moved off the step (that would cost correct tickets a step).
 
 Owner: the scheduler half's thread (pure functions; nothing here keeps state).
 """
@@ -49,8 +51,9 @@ def ticket_on_board(
     num_computed_tokens: int,
     num_remote: int,
     block_size: int,
-) -> tuple[BoardLook, TicketRefusal | None]:
-    """What P's ``board`` says of the blocks ``ticket`` would load for ``request``.
+) -> TicketRefusal | None:
+    """Why P's ``board`` shows that P would refuse the blocks ``ticket`` would load for
+    ``request``, or None (it vouches for them, or cannot tell).
 
     Args:
         board: the ticket's holder's board (rank 0's, which the pull's first read goes to).
@@ -62,16 +65,16 @@ def ticket_on_board(
         block_size: tokens per block.
 
     Returns:
-        The look, and for ``OTHER_BLOCKS`` the refusal (``BOARD_REFUSAL``, counting the blocks
-        the pull would have filled); ``UNREADABLE`` where the ticket names no block on the
+        For ``BoardLook.OTHER_BLOCKS`` the refusal (``BOARD_REFUSAL``, counting the blocks the
+        pull would have filled); None otherwise, also where the ticket names no block on the
         board (the worker half's own checks report such a ticket).
     """
     start_block = num_computed_tokens // block_size
     end_block = cdiv(num_remote, block_size)
+    if len(ticket.remote_block_ids) > len(board.board_blocks):
+        return None
     hashes = request.block_hashes
     partial = lease_block_tag(ticket.remote_request_id, ticket.remote_lease_token)
-    if len(ticket.remote_block_ids) > len(board.board_blocks):
-        return BoardLook.UNREADABLE, None
     blocks = []
     for group_id, remote_ids in enumerate(ticket.remote_block_ids):
         positions = [p for p in range(start_block, min(end_block, len(remote_ids)))
@@ -80,10 +83,6 @@ def ticket_on_board(
             blocks.append((group_id, [remote_ids[p] for p in positions],
                            [full_block_tag(hashes[p]) if p < len(hashes) else partial
                             for p in positions]))
-    if not blocks:
-        return BoardLook.UNREADABLE, None
-    look = look_at_board(board, blocks)
-    if look is not BoardLook.OTHER_BLOCKS:
-        return look, None
-    return look, TicketRefusal(BOARD_REFUSAL, window_gap=False,
-                               num_blocks=end_block - start_block)
+    if not blocks or look_at_board(board, blocks) is not BoardLook.OTHER_BLOCKS:
+        return None
+    return TicketRefusal(BOARD_REFUSAL, window_gap=False, num_blocks=end_block - start_block)
