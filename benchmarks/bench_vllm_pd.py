@@ -33,8 +33,10 @@ weighs on every case alike):
   twice, both on an empty prefix cache (``reset_prefix_cache``): with the ticket P gave for
   prompt ``i % prompts + 1`` (another prompt's), and with no ticket at all (a plain recompute
   in the same engine). ``wrong_ticket`` hands the ticket as P made it (D refuses it by its
-  ``remote_prompt_digest``, before any read); ``wrong_ticket_p`` without that digest (P's
-  hash check refuses the blocks and D's load ends at P's answer). The two run back to back,
+  ``remote_prompt_digest``, before any read); ``wrong_ticket_p`` without that digest (D's
+  scheduler half finds another prompt's blocks on P's block board before planning the load,
+  ``connector.ticket_board``; with ``--kvbridge-extra '{"cma_board": false}'`` P's hash check
+  refuses the blocks and D's load ends at P's answer). The two run back to back,
   in alternating order; the figure is the median over prompts of the first token after the
   wrong ticket over the plain recompute's (needs ``--prompts`` >= 2);
 - the CPU an idle kvbridge P engine uses (all its processes, over ``--idle-s`` seconds);

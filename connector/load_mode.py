@@ -16,18 +16,22 @@ a handoff the worker half reads one-sided from a same-host holder's block board
 only as block ids, which it refuses with several groups). Every other pull is async.
 
 What it risks: the choice is made at scheduling from the worker's last report, before the read.
-A handoff the board does not vouch for after all (a ticket whose lease P's worker has not been
-handed yet, a stale ticket, another prompt's ticket without a digest: D refuses one with a
-digest before planning any read, ``handoff``) is then read the usual way inside that step: the
-step waits for P's answer, and for a lease not yet granted for P's retries
-(``lease_reads.LEASE_GRANT_RETRY_S``, 0.38 s at most), never past ``sync_load_timeout_s``.
-``load_mode`` ``"async"`` never stalls a step that way.
+The scheduler half first looks at the holder's board itself (``ticket_board``), and refuses a
+ticket whose blocks the board shows holding other content (another prompt's ticket without a
+digest, a stale ticket whose blocks P leased again) before anything is allocated or read, as
+D refuses another prompt's digest (``handoff``). A handoff the board does not vouch for after
+all (a ticket whose lease P's worker has not been handed yet, a stale ticket whose lease ended)
+is then read the usual way inside that step: the step waits for P's answer, and for a lease not
+yet granted for P's retries (``lease_reads.LEASE_GRANT_RETRY_S``, 0.38 s at most), never past
+``sync_load_timeout_s``. ``load_mode`` ``"async"`` never stalls a step that way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from kvbridge.transport import BoardRef
 
 from .config import AUTO_SYNC_MAX_BYTES
 from .metadata import HolderRef
@@ -58,13 +62,18 @@ class LoadModePolicy:
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             group = kv_cache_config.kv_cache_groups[0]
             self._block_nbytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        self._one_sided_holders: set[tuple[str, str]] = set()
+        self._boards: dict[tuple[str, str], BoardRef] = {}
 
-    def observe(self, one_sided_holders: Iterable[Iterable[str]] | None) -> None:
+    def observe(self, one_sided_holders: Iterable[BoardRef] | None) -> None:
         """The worker half's report (``KVBridgeWorkerMeta.one_sided_holders``; None:
         unchanged)."""
         if one_sided_holders is not None:
-            self._one_sided_holders = {(str(e), str(i)) for e, i in one_sided_holders}
+            self._boards = {(b.engine_id, b.incarnation): b for b in one_sided_holders}
+
+    def board_of(self, holder: HolderRef) -> BoardRef | None:
+        """``holder``'s block board as the worker half last reported it (None: not read
+        one-sided, or another incarnation)."""
+        return self._boards.get((holder.engine_id, holder.incarnation))
 
     def loads_in_step(self, holder: HolderRef, num_blocks: int) -> bool:
         """Whether a handoff of ``num_blocks`` blocks from ``holder`` loads inside the step.
@@ -74,5 +83,5 @@ class LoadModePolicy:
             self._auto
             and self._block_nbytes is not None
             and num_blocks * self._block_nbytes <= AUTO_SYNC_MAX_BYTES
-            and (holder.engine_id, holder.incarnation) in self._one_sided_holders
+            and (holder.engine_id, holder.incarnation) in self._boards
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from kvbridge.transport import BlockIdentity, GroupRead, LeaseRef
+from kvbridge.transport import BlockIdentity, BoardRef, GroupRead, LeaseRef
 
 __all__ = [
     "METADATA_SCHEMA_VERSION",
@@ -38,10 +38,11 @@ __all__ = [
     "encode_worker_meta",
 ]
 
-METADATA_SCHEMA_VERSION = 3
+METADATA_SCHEMA_VERSION = 4
 # 2: offload outcomes carry ``missing``
 # 3: WorkerHandshake.identity; tensor parallelism: PullPlan.remote_ranks, WorkerHandshake's
 #    layout, reports by rank
+# 4: KVBridgeWorkerMeta.one_sided_holders carry the holders' boards (``BoardRef``)
 
 
 class HolderRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -228,9 +229,10 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     (``pulls``: the node counts each request once, whatever its number of ranks), what became
     of the offload items it was given (``store.offload_items.OffloadOutcome`` records) with the
     incarnation of the store that answered the latest put
-    (``OffloadSender.store_incarnation``; 0: none), and, when they changed, the holders (engine
-    id, incarnation) it can read handoffs from one-sided (``Transport.one_sided_holders``;
-    None: unchanged), for ``load_mode`` ``"auto"``."""
+    (``OffloadSender.store_incarnation``; 0: none), and, when they changed, the holders it can
+    read handoffs from one-sided, with where their block boards are
+    (``Transport.one_sided_holders``; None: unchanged), for ``load_mode`` ``"auto"`` and the
+    scheduler's look at a ticket's blocks (``ticket_board``)."""
 
     version: int = METADATA_SCHEMA_VERSION
     tp_rank: int = 0
@@ -238,7 +240,7 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     pulls: list[PullReport] = msgspec.field(default_factory=list)
     offload_outcomes: list[tuple[int, bytes, bool, bool]] = msgspec.field(default_factory=list)
     store_incarnation: int = 0
-    one_sided_holders: list[tuple[str, str]] | None = None
+    one_sided_holders: list[BoardRef] | None = None
 
     def is_empty(self) -> bool:
         """Nothing to tell the scheduler half (an engine may skip sending such a report; a

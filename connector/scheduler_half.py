@@ -58,6 +58,7 @@ from .role_check import RoleCheck
 from .stats import KVTransferStats
 from .store.offload_items import OffloadOutcome
 from .store.planner import OffloadPlanner
+from .ticket_board import ticket_on_board
 from .transfer_params import (
     RemotePrefillParams,
     rank_tickets,
@@ -196,10 +197,15 @@ class KVBridgeScheduler:
         refusal = ticket_refusal(
             ticket, request, num_computed_tokens=num_computed_tokens, num_remote=num_remote,
             block_size=self.block_size, sliding_windows=self._sliding_windows) if num_new else None
-        if refusal and (refusal.window_gap or self.config.load_failure_policy == "recompute"):
-            return self._compute_locally(request, ticket, refusal)
         ranks = rank_holders(ticket)
         holder = ranks[0]
+        board = self._load_policy.board_of(holder) if num_new and not refusal else None
+        if board is not None:  # P's block board, read before a step takes the load
+            refusal = ticket_on_board(
+                board, ticket, request, num_computed_tokens=num_computed_tokens,
+                num_remote=num_remote, block_size=self.block_size)
+        if refusal and (refusal.window_gap or self.config.load_failure_policy == "recompute"):
+            return self._compute_locally(request, ticket, refusal)
         # vLLM: no async load of zero tokens
         num_blocks = cdiv(num_remote, self.block_size) - num_computed_tokens // self.block_size
         load_async = num_new > 0 and self._load_async and not self._load_policy.loads_in_step(

@@ -34,6 +34,7 @@ import torch
 from kvbridge.kvmanager.kv_cache_spec import KVCacheConfig
 from kvbridge.transport import (
     KV_LAYOUT_NAME,
+    BoardRef,
     KVHeads,
     LoopbackFaults,
     LoopbackNetwork,
@@ -139,7 +140,7 @@ class KVBridgeWorker:
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
         self._board_counts_seen = (0, 0)  # transport.board_counts moved into stats so far
-        self._one_sided_reported: list[tuple[str, str]] | None = []  # the last report's holders
+        self._one_sided_reported: list[BoardRef] | None = []  # the last report's holders
         self.tp_layout: TPLayout | None = None  # set by register_kv_caches
         self.report_failed_recving = False
         """Keep the failed pulls' request ids for ``take_failed_recving`` (vLLM's adapter
@@ -366,8 +367,7 @@ class KVBridgeWorker:
     def take_failed_recving(self) -> set[str]:
         """The async pulls reported in ``get_finished`` since the last call whose blocks did
         not all land (their blocks are in ``get_block_ids_with_load_errors`` too): vLLM's
-        ``failed_recving``, the only load-error report it takes with several KV cache
-        groups."""
+        ``failed_recving``, the only load-error report it takes with several groups."""
         failed, self._failed_recving = self._failed_recving, set()
         return failed
 

@@ -11,9 +11,12 @@ from kvbridge.connector.load_mode import LoadModePolicy
 from kvbridge.connector.metadata import HolderRef, decode_worker_meta, encode_worker_meta
 from kvbridge.connector.worker_half import KVBridgeWorker
 from kvbridge.kvmanager.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvbridge.transport import BoardRef
 
 BLOCK_NBYTES_PER_LAYER = 1024  # 2 x 16 tokens x 2 heads x 8 dims x 2 bytes
 P = HolderRef(engine_id="prefill-0", incarnation="7", host="127.0.0.1", port=9)
+P_BOARD = BoardRef("prefill-0", "7", pid=4321, board_address=4096, board_blocks=(64,),
+                   probe_address=8192, probe=bytes(range(16)))
 
 
 def _config(num_layers: int = 2) -> KVCacheConfig:
@@ -25,7 +28,7 @@ def _config(num_layers: int = 2) -> KVCacheConfig:
 
 def _policy(load_mode: str = "auto", num_groups: int = 1) -> LoadModePolicy:
     policy = LoadModePolicy(load_mode, num_groups, _config())
-    policy.observe([("prefill-0", "7")])
+    policy.observe([P_BOARD])
     return policy
 
 
@@ -59,7 +62,7 @@ def test_anything_else_runs_over_later_steps(case):
         policy = _policy(num_groups=2)
     else:
         policy = LoadModePolicy("auto", 1, None)
-        policy.observe([("prefill-0", "7")])
+        policy.observe([P_BOARD])
     assert not policy.loads_in_step(holder, 1)
 
 
@@ -73,9 +76,9 @@ class _HolderListTransport:
     """Stands in for the worker's transport: only the holders it reads one-sided."""
 
     def __init__(self) -> None:
-        self.holders: list[tuple[str, str]] = []
+        self.holders: list[BoardRef] = []
 
-    def one_sided_holders(self) -> list[tuple[str, str]]:
+    def one_sided_holders(self) -> list[BoardRef]:
         return list(self.holders)
 
 
@@ -87,13 +90,15 @@ def test_the_worker_half_reports_its_one_sided_holders_once_per_change():
     transport = _HolderListTransport()
     worker.transport = transport  # type: ignore[assignment]
     assert worker.build_connector_worker_meta().is_empty()  # none yet, none before
-    transport.holders = [("prefill-0", "7")]
+    transport.holders = [P_BOARD]
     meta = worker.build_connector_worker_meta()
-    assert not meta.is_empty() and meta.one_sided_holders == [("prefill-0", "7")]
+    assert not meta.is_empty() and meta.one_sided_holders == [P_BOARD]
     assert worker.build_connector_worker_meta().is_empty()  # unchanged: not sent again
     policy = LoadModePolicy("auto", 1, _config())
-    policy.observe(decode_worker_meta(encode_worker_meta(meta)).one_sided_holders)
-    assert policy.loads_in_step(P, 1)
+    decoded = decode_worker_meta(encode_worker_meta(meta)).one_sided_holders
+    assert decoded == [P_BOARD] and isinstance(decoded[0], BoardRef)  # where P's board is
+    policy.observe(decoded)
+    assert policy.loads_in_step(P, 1) and policy.board_of(P) == P_BOARD
     transport.holders = []  # the connection to P was dropped
     meta = worker.build_connector_worker_meta()
     assert not meta.is_empty() and meta.one_sided_holders == []

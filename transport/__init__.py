@@ -32,6 +32,7 @@ from .base import (
     TransferDoneNotice,
     Transport,
 )
+from .board_look import BoardLook, BoardRef, look_at_board
 from .cma_board import BlockBoard, BoardCounts, full_block_tag, lease_block_tag
 from .errors import (
     HandshakeError,
@@ -64,6 +65,8 @@ __all__ = [
     "BlockIdentity",
     "BlockValidator",
     "BoardCounts",
+    "BoardLook",
+    "BoardRef",
     "GroupRead",
     "HandshakeError",
     "HeartbeatCallback",
@@ -94,6 +97,7 @@ __all__ = [
     "format_host_port",
     "full_block_tag",
     "lease_block_tag",
+    "look_at_board",
     "parse_base_url",
     "parse_host_port",
     "split_host_port",

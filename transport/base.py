@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from .board_look import BoardRef
 from .cma_board import BlockBoard
 from .metadata import NodeMetadata
 from .wire import LeaseRef, TransferDoneNotice
@@ -224,9 +225,10 @@ class Transport(abc.ABC):
     def address(self) -> PeerAddress:
         """Host and port peers connect to (valid after ``start``)."""
 
-    def one_sided_holders(self) -> list[tuple[str, str]]:
-        """``(engine_id, incarnation)`` of the connected holders ``read_one_sided`` may read
-        (a hint: a read can still be declined); any thread. This default: none."""
+    def one_sided_holders(self) -> list[BoardRef]:
+        """The connected holders ``read_one_sided`` may read (a hint: a read can still be
+        declined), each with where its block board is (``board_look.BoardRef``: a scheduler
+        may look at it before planning a read); any thread. This default: none."""
         return []
 
     def read_one_sided(

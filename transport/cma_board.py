@@ -232,6 +232,20 @@ class BoardCheck:
         self._versions = versions
         return True
 
+    def verdict(self) -> bool | None:
+        """Read the entries once, for a look before any copy (``board_look``): True when
+        ``before_copy`` would pass; False when a stable entry (even version) names another
+        block (a tag neither empty nor the expected one); None otherwise (an entry empty or
+        being rewritten). Raises CmaReadError as ``before_copy``."""
+        self._read()
+        stable = (self._local[:, 0] & np.uint64(1)) == 0
+        tags = self._local[:, 1:3]
+        expected = np.all(tags == self._expected, axis=1)
+        if bool(np.all(stable & expected)):
+            return True
+        other = stable & ~expected & np.any(tags != 0, axis=1)
+        return False if bool(np.any(other)) else None
+
     def after_copy(self) -> bool:
         """Read the entries again; True when every entry is as ``before_copy`` read it, its
         version and its (expected) tag. The tag is compared again because the first read

@@ -48,6 +48,7 @@ from .base import (
     Transport,
     check_kv_caches_match,
 )
+from .board_look import BoardRef
 from .cma import INLINE_COPY_MAX_BYTES, CmaPeer, CmaReadError, cma_from_environment
 from .cma_board import BoardCounts, offer_same_host_reads
 from .cma_one_sided import OneSidedRead
@@ -376,9 +377,9 @@ class UcxxTransport(Transport):
         finally:
             del self._reads[transfer_id]
 
-    def one_sided_holders(self) -> list[tuple[str, str]]:
+    def one_sided_holders(self) -> list[BoardRef]:
         return sorted(
-            (conn.remote.engine_id, conn.remote.incarnation)
+            BoardRef.of(conn.remote, conn.cma.offer)
             for conn in list(self._conns.values())  # a copy: safe from any thread
             if conn.cma is not None and conn.cma.offer.board_address is not None
         )

@@ -160,13 +160,17 @@ def test_partial_local_hit_pulls_only_the_rest(pair, reference):
             assert one_sided <= 1 <= one_sided + asked, after
 
 
-def _wrong_ticket(pair: Pair, x_name: str, y_name: str, *, digest: bool = True):
+def _wrong_ticket(pair: Pair, x_name: str, y_name: str, *, digest: bool = True,
+                  granted: bool = False):
     """P prefills x (plainly) and y (for D); D decodes x with y's ticket (without its
     ``remote_prompt_digest`` unless ``digest``). Returns (D's output, its stats before, after,
-    y's ticket). x is at least as long as y, so the ticket passes admission."""
+    y's ticket). x is at least as long as y, so the ticket passes admission. ``granted``: P
+    steps once more first (x again), which hands y's lease to P's worker (P's board shows it)."""
     x, y = PROMPTS[x_name], PROMPTS[y_name]
     assert x[: len(y)] != y and len(x) >= len(y)
     p_out = pair.p.generate([request(x, 1), *prefill_requests([y])])
+    if granted:
+        pair.p.generate([request(x, 1)])
     ticket_y = p_out[1]["kv_transfer_params"]
     assert ticket_y["remote_num_tokens"] == len(y)
     sent = dict(ticket_y) if digest else {
@@ -236,15 +240,22 @@ def test_a_wrong_ticket_sharing_every_full_block_is_recomputed(pair, reference):
     _assert_recomputed(pair, out, before, after, "tail_x", "tail_y", reference)
 
 
-def test_a_ticket_without_a_digest_fails_at_ps_first_answer(pair, reference):
-    """A ticket for another prompt that carries no digest (a P that sends none): P's hash
-    check refuses y's blocks, and that answer is final, so the load fails after the one read
-    that asked P (``num_board_fallbacks`` counts each such read over the same-host path;
-    before, D asked again for 0.38 s, 6 reads, thinking the lease not granted yet)."""
-    out, before, after, _ = _wrong_ticket(pair, "nodigest_x", "nodigest_y", digest=False)
+def test_a_ticket_without_a_digest_is_refused_before_a_step_waits_for_it(pair, reference):
+    """A ticket for another prompt that carries no digest (a P that sends none). Once D reads P
+    one-sided (a first handover connected them), D's scheduler half looks at P's block board
+    before planning anything (``connector.ticket_board``): the board shows y's blocks where x's
+    are expected, so D refuses the ticket and computes x in its first step, and asks P nothing
+    (``num_board_fallbacks`` 0; before, a load planned into that step asked P once and failed,
+    and x was computed one step later). Over UCX P's hash check refuses y's blocks, and that
+    answer is final. (A ticket whose lease P has not handed its worker yet shows nothing on the
+    board: its pull runs over later steps and P's answer ends it; ``granted`` rules that out.)"""
+    _handover(pair, ["nodigest_y"])  # D connects to P and learns where P's board is
+    out, before, after, _ = _wrong_ticket(pair, "nodigest_x", "nodigest_y", digest=False,
+                                          granted=True)
     _assert_recomputed(pair, out, before, after, "nodigest_x", "nodigest_y", reference)
     if after is not None and pair.cma:
-        assert _delta(after, before, "num_board_fallbacks") == 1, after
+        assert _delta(after, before, "num_board_fallbacks") == 0, after
+        assert _delta(after, before, "num_sync_loads") == 0, after  # no step took a load
 
 
 def test_vllm_metrics_count_what_was_pulled(pair, reference):
