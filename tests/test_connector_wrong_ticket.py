@@ -31,7 +31,7 @@ from kvbridge.kvmanager import SamplingParams
 
 MAX_TOKENS = 4
 LONG_S = 30.0
-FAST_S = 1.0
+FAST_S = 5.0  # far below LONG_S; a loaded CI host took up to 2.7 s
 
 
 def _stats(engine):
