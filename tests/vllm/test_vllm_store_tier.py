@@ -54,13 +54,14 @@ from _harness import (
     tokens,
 )
 from _store_process import StoreProcess
+from kvbridge.connector.serve.store_server import DEFAULT_MAX_SHELVES
 
 A_KV_BYTES = 6 << 20  # 192 blocks of 32 tokens (32 KiB a block: 2 layers, 2 KV heads, fp32)
 N_NEW = 8
 PROMPT_LEN = 1500  # 46 full blocks cached; 48 blocks in use with the decoded tokens
 PROMPTS = {f"s{i}": tokens(300 + i, PROMPT_LEN) for i in range(1, 7)}
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # what a lookup may restore (never the last token)
-STORE_BYTES = 256 * 32768  # 256 blocks
+STORE_BYTES = 256 * 32768 * DEFAULT_MAX_SHELVES  # 256 blocks a shelf
 
 
 def _logged_profile(log_path, pattern: str, timeout_s: float = 30.0) -> dict:
