@@ -11,6 +11,8 @@ namespace another shelf has, is refused with one error and opens nothing."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from kvbridge.connector.index import open_index
@@ -19,9 +21,18 @@ from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.store import (
     OffloadItem,
     OffloadSender,
+    PutGroup,
+    PutRequest,
     StoreNode,
     close_store_node,
     start_store_node,
+)
+from kvbridge.connector.store.profile import StoreProfile
+from kvbridge.connector.store.wire import (
+    FRAME_HEADER,
+    decode_header,
+    encode_hello,
+    encode_put_header,
 )
 from kvbridge.transport import (
     GroupRead,
@@ -193,3 +204,50 @@ def test_a_geometry_in_another_shelf_s_index_namespace_is_refused(store):
     assert store.stats.num_put_errors == 1
     first.close()
     other.close()
+
+
+def _send(sock: socket.socket, frame: bytes, payload: bytes = b"") -> dict:
+    """Send one frame (and its payload); return the store's reply header."""
+    sock.sendall(frame + payload)
+    (size,) = FRAME_HEADER.unpack(sock.recv(FRAME_HEADER.size, socket.MSG_WAITALL))
+    return decode_header(sock.recv(size, socket.MSG_WAITALL))
+
+
+def _put(caches, metadata, block_id: int, block_hash: bytes) -> tuple[bytes, bytes]:
+    """The frame and payload of a put of one block of ``caches`` (every layer's bytes)."""
+    payload = torch.stack([c[block_id] for c in caches]).contiguous().view(torch.uint8)
+    put = PutRequest(compat_hash=metadata.compat_hash, groups=(PutGroup(
+        group_id=0, block_hashes=(block_hash,), parent_hashes=(b"",),
+        nbytes=payload.numel()),))
+    return encode_put_header(put), payload.numpy().tobytes()
+
+
+def test_each_connection_s_puts_go_to_the_shelf_its_hello_named(redis_url):
+    store = _store(redis_url, max_shelves=2)
+    writers = _writers()
+    c, d = b"c" * 32, b"d" * 32
+    try:
+        sender, held = _offload(store, *writers["f32"])
+        assert held == [True, True]
+        with socket.create_connection(store.write_address, timeout=10) as sock:
+            # No hello: the put goes to the one shelf of its compat_hash.
+            reply = _send(sock, *_put(*writers["f32"], 3, c))
+            assert (reply["type"], reply["num_stored"]) == ("put_ok", 1), reply
+        assert store.shelves[0].cache.block_id_of(0, c) is not None
+        with socket.create_connection(store.write_address, timeout=10) as sock:
+            reply = _send(sock, encode_hello(StoreProfile.of_metadata(writers["f16"][1])))
+            assert reply["type"] == "hello_ok" and len(store.shelves) == 2
+            # A put of another geometry than the hello's is refused by the hello's shelf.
+            reply = _send(sock, *_put(*writers["f32"], 4, d))
+            assert reply["type"] == "error" and "compat_hash" in reply["error"], reply
+        with socket.create_connection(store.write_address, timeout=10) as sock:
+            reply = _send(sock, encode_hello(StoreProfile.of_metadata(writers["bs32"][1])))
+            assert reply["type"] == "error" and "at most 2" in reply["error"], reply
+            # After a refused hello the connection takes no put, even one another shelf fits.
+            reply = _send(sock, *_put(*writers["f32"], 4, d))
+            assert reply["type"] == "error" and "hello was refused" in reply["error"], reply
+        assert all(shelf.cache.block_id_of(0, d) is None for shelf in store.shelves)
+        assert store.stats.num_put_errors == 3
+        sender.close()
+    finally:
+        close_store_node(store)
