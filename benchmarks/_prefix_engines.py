@@ -126,10 +126,12 @@ def store_refusal(error: str) -> str:
 def start_store(redis_url: str, write_port: int, capacity_bytes: int, log_dir: Path,
                 timeout_s: float = 60.0) -> Proc:
     """``kvbridge-store`` for engines configured with ``store_url: 127.0.0.1:<write_port>``,
-    started as a user starts it: no model or profile (it takes the first writer's geometry)."""
+    started as a user starts it: no model or profile (it learns the writers' geometry), and with
+    ``--max-shelves 1``, so that the one geometry of the benchmark's engines gets all of
+    ``capacity_bytes``."""
     store = Proc([sys.executable, "-m", "kvbridge.connector.serve.store_server",
                   "--index-url", redis_url, "--capacity-bytes", str(capacity_bytes),
-                  "--write-port", str(write_port)], log_dir / "store.log")
+                  "--write-port", str(write_port), "--max-shelves", "1"], log_dir / "store.log")
     try:
         store.first_json_line(timeout_s)
     except BaseException:

@@ -31,6 +31,7 @@ from kvbridge.connector.metadata import (
     decode_worker_meta,
     encode_worker_meta,
 )
+from kvbridge.connector.serve.store_server import DEFAULT_MAX_SHELVES
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.store.cache import ROOT_PARENT, StoreCache
 from kvbridge.connector.store.node import (
@@ -565,13 +566,14 @@ def _start_store_process(
     redis_url: str, *, capacity_blocks: int, host: str = "127.0.0.1"
 ) -> tuple[subprocess.Popen, dict]:
     """``kvbridge-store`` as a child process listening on ``host``, from the plain command line
-    (no model or profile: it takes its geometry from the first writer); returns it and its
-    "serving" JSON line."""
+    (no model or profile: it learns the writer's geometry; ``capacity_blocks`` is one shelf's,
+    ``DEFAULT_MAX_SHELVES`` of them in the capacity); returns it and its "serving" JSON line."""
     model = tiny_model(hybrid=False).config
     per_block = 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * 4 * model.num_layers
     proc = subprocess.Popen(
         [sys.executable, "-m", _STORE_MAIN, "--index-url", redis_url,
-         "--capacity-bytes", str(capacity_blocks * per_block), "--host", host],
+         "--capacity-bytes", str(capacity_blocks * per_block * DEFAULT_MAX_SHELVES),
+         "--host", host],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -641,7 +643,12 @@ def test_store_in_its_own_process_takes_offloads_and_serves_restores_over_ucx(re
     # The store's own counters, printed as it stopped: A and B (20 blocks each) stored, the
     # 18 blocks served, no bad put.
     last_json = [line for line in tail.splitlines() if line.startswith('{"stats"')][-1]
-    store_stats = json.loads(last_json)["stats"]
+    final = json.loads(last_json)
+    store_stats = final["stats"]
+    # One shelf (one geometry): its counters are the totals, its profile the node's.
+    [shelf] = final["shelves"]
+    assert shelf["stats"] == store_stats
+    assert shelf["profile"]["identity"]["block_size"] == BLOCK_SIZE
     assert store_stats["num_blocks_stored"] == 40
     assert (store_stats["num_blocks_requested"], store_stats["num_blocks_hit"]) == (18, 18)
     assert store_stats["num_put_errors"] == 0

@@ -6,7 +6,8 @@ The contract of a command (``kvbridge-proxy``, ``kvbridge-store``, ``kvbridge-no
 - ``--help`` describes it; a bad argument is one line on stderr, ``PROG: error: ...``, and exit
   code 2 (``CommandParser``), before anything starts;
 - a server prints one JSON object on one stdout line once it serves, holding its addresses
-  (``announce``); ``kvbridge-store`` prints one more, ``{"stats": ...}``, as it stops;
+  (``announce``); ``kvbridge-store`` prints one more, ``{"stats": ..., "shelves": [...]}``, as
+  it stops;
 - SIGTERM and Ctrl-C stop it cleanly (uvicorn's own handlers for the HTTP servers; ``wait_for_stop``
   for the others), and it exits 0.
 

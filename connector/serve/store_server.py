@@ -9,14 +9,17 @@ Nodes point at it with ``kv_connector_extra_config = {"store_url": "<host>:<writ
 Prints one JSON line with its addresses once serving, then serves until interrupted (Ctrl-C /
 SIGTERM).
 
-The store takes its block geometry (block identity, KV layout and shapes, index namespace) from
-the first writer's hello: kvbridge's own nodes and vLLM engines alike, no model named here. It
-keeps that one geometry; a writer of another is refused, naming both (docs/operations.md, "One
-block geometry per store"). To fix it up front: ``--profile '<json>'`` (the JSON a writer logs,
-``store/profile.py``), or ``--model tiny|tiny_hybrid`` with ``--block-size``, ``--model-name``,
-``--model-revision`` and ``--hash-fn`` for kvbridge's own models. Until the first writer the
-JSON line's ``pull_address`` and ``capacity_blocks`` are null (the store logs them when it
-takes the geometry).
+The store learns block geometries (block identity, KV layout and shapes, index namespace) from
+the writers' hellos: kvbridge's own nodes and vLLM engines alike, no model named here. It keeps
+each geometry on a shelf of its own (its blocks, its pull address, its index namespace), at most
+``--max-shelves`` of them, each with ``--capacity-bytes // --max-shelves`` bytes; a writer of
+one more geometry is refused, naming the first shelf's and its own (docs/operations.md,
+"Several block geometries in one store"). To fix the first up front: ``--profile '<json>'`` (the
+JSON a writer logs, ``store/profile.py``), or ``--model tiny|tiny_hybrid`` with
+``--block-size``, ``--model-name``, ``--model-revision`` and ``--hash-fn`` for kvbridge's own
+models. The JSON line's ``pull_address`` and ``capacity_blocks`` are the first shelf's, null
+until there is one (the store logs each shelf as it opens). The last line, as it stops, is
+``{"stats": <totals>, "shelves": [{"profile", "pull_address", "stats"}, ...]}``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from kvbridge.connector.store import StoreNode, close_store_node, start_store_node
 from kvbridge.connector.store.profile import StoreProfile
@@ -32,13 +36,21 @@ from kvbridge.kernels.model import ModelConfig
 
 from .cli import CommandParser, announce, wait_for_stop
 
+__all__ = ["DEFAULT_MAX_SHELVES", "main"]
+
+DEFAULT_MAX_SHELVES = 4
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="kvbridge-store", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address for pulls and writes")
     parser.add_argument("--port", type=int, default=0, help="transport (pull) port; 0: any")
     parser.add_argument("--write-port", type=int, default=0, help="write server port; 0: any")
-    parser.add_argument("--capacity-bytes", type=int, required=True)
+    parser.add_argument("--capacity-bytes", type=int, required=True,
+                        help="host memory for blocks, all shelves together")
+    parser.add_argument("--max-shelves", type=int, default=DEFAULT_MAX_SHELVES,
+                        help="block geometries kept at most, each in capacity-bytes / "
+                        "max-shelves; 1: one geometry with all of it")
     parser.add_argument("--index-url", required=True, help="redis://host:port/db")
     parser.add_argument("--engine-id", default="store-0")
     parser.add_argument("--read-guard-s", type=float, default=30.0)
@@ -54,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.profile is not None and args.model is not None:
         parser.error("--profile and --model both fix the geometry: give one")
+    if args.max_shelves < 1:
+        parser.error(f"--max-shelves must be >= 1, got {args.max_shelves}")
     try:
         profile = None if args.profile is None else StoreProfile.from_json(args.profile)
     except ValueError as exc:
@@ -74,13 +88,24 @@ def main(argv: list[str] | None = None) -> int:
         pull_address=None if node.transport is None else list(node.address),
         store_url=node.store_url,
         capacity_blocks=None if node.cache is None else node.cache.num_store_blocks,
+        max_shelves=node.max_shelves,
     )
     try:
         wait_for_stop()
     finally:
-        print(json.dumps({"stats": node.stats.snapshot()}), flush=True)  # its last line
+        print(json.dumps(_final_stats(node)), flush=True)  # its last line
         close_store_node(node)
     return 0
+
+
+def _final_stats(node: StoreNode) -> dict[str, Any]:
+    """The store's totals and, per shelf in the order they opened, its profile (the JSON
+    ``--profile`` takes, as an object), pull address and counters."""
+    shelves = [{"profile": json.loads(shelf.profile.to_json()),
+                "pull_address": None if shelf.transport is None else list(shelf.address),
+                "stats": shelf.stats.snapshot()}
+               for shelf in list(node.shelves)]
+    return {"stats": node.stats.snapshot(), "shelves": shelves}
 
 
 def _start(args: argparse.Namespace, model: ModelConfig | None,
@@ -101,6 +126,7 @@ def _start(args: argparse.Namespace, model: ModelConfig | None,
             write_port=args.write_port,
             read_guard_s=args.read_guard_s,
             profile=profile,
+            max_shelves=args.max_shelves,
         )
     )
 

@@ -1,13 +1,15 @@
 """The remote store tier's node (issue 7, part 1; docs/architecture.md, "Life of a store offload
 and restore").
 
-A ``StoreNode`` holds offloaded blocks in host memory (``StoreCache``: KV tensors shaped like a
-node's, a hash map, LRU eviction within ``capacity_bytes``), serves pulls with the same
+A ``StoreNode`` holds offloaded blocks in host memory, on one shelf per block geometry
+(``shelf.StoreShelf``: a ``StoreCache`` of KV tensors shaped like the writers', a hash map, LRU
+eviction within the shelf's share of ``capacity_bytes``), serves pulls with the same
 ``Transport`` as any holder (its ``block_validator`` checks that the store still holds the
 expected hash in that block, so a pull never gets stale bytes and an unknown hash is a load error
 for that request), accepts writes on a small TCP server (``server.py``, schema in
-``wire.py``), and publishes what it stores and drops to the block index as tier ``"store"``
-with its own node id and incarnation (a restart is a new incarnation: its old entries vanish).
+``wire.py``; each connection's hello picks its shelf), and publishes what it stores and drops
+to the block index as tier ``"store"``, in each shelf's namespace, with its own node id and
+incarnation (a restart is a new incarnation: its old entries vanish).
 
 Everything runs on one asyncio loop (the connector's loop thread when in-process). Start and
 stop with ``await node.start()`` / ``await node.close()``, or ``start_store_node`` from a thread.
@@ -18,23 +20,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from kvbridge.kernels.model import ModelConfig
-from kvbridge.transport import LeaseRef, LoopbackNetwork, NodeMetadata, PeerAddress, Transport
-from kvbridge.transport.address import check_host, format_host_port
+from kvbridge.transport import LoopbackNetwork, NodeMetadata, PeerAddress, Transport
+from kvbridge.transport.address import check_host
 
-from ..index.client import IndexClient, open_index
+from ..index.client import IndexClient
 from ..index.protocol import IndexNamespace, new_incarnation
 from ..index.redis_cluster import cluster_client
 from ..loop_thread import get_loop_thread
 from .cache import StoreCache
 from .model_profile import model_profile, store_kv_caches
 from .profile import StoreProfile
-from .put_checks import check_put, put_heads
+from .put_checks import check_put
 from .server import StoreWriteServer
+from .shelf import StoreShelf
 from .store_stats import StoreStats
 from .url import format_store_url
 from .wire import PutReply, PutRequest, StoreWireError
@@ -47,32 +49,33 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
-# How long a put waits for its index events to reach the index before replying anyway (the index
-# down: the put still succeeds, its blocks are found once the queued batch lands).
-_PUBLISH_WAIT_S = 2.0
 
 
 class StoreNode:
     """A store node. See the module docstring.
 
-    The block geometry (``profile``) is fixed up front by ``model_config`` or ``profile``, or,
-    with neither, taken from the first writer's hello (``hello``): until then the store has no
-    KV tensors, no transport and no index registration (``profile``, ``cache``, ``metadata``,
-    ``namespace`` and ``transport`` are None), and refuses puts. One store keeps one geometry:
-    a writer of another is refused, naming both profiles (docs/operations.md, "One block
-    geometry per store").
+    Its blocks are kept on shelves (``shelf.StoreShelf``), one per block geometry
+    (``StoreProfile``): a geometry fixed up front by ``model_config`` or ``profile`` is the first
+    shelf from the start; a writer's hello (``hello``) of a geometry the store has no shelf for
+    opens one, up to ``max_shelves``; a writer beyond that is refused, naming both profiles
+    (docs/operations.md, "Several block geometries in one store"). Each shelf gets
+    ``capacity_bytes // max_shelves`` bytes of host memory, allocated when it opens.
+
+    ``profile``, ``block_size``, ``kv_caches_by_group``, ``cache``, ``metadata``, ``namespace``,
+    ``transport``, ``index_client`` and ``address`` are the first shelf's (None, and ``address``
+    raises, before there is one); ``shelves`` lists them all, in the order they opened.
 
     Args:
         model_config: the model of kvbridge's own nodes whose KV this store keeps (layout,
-            dtype, groups: ``model_profile``); None: ``profile``, or the first writer's.
+            dtype, groups: ``model_profile``); None: ``profile``, or the writers'.
         block_size: tokens per block (must match the nodes'), with ``model_config``.
-        capacity_bytes: host memory for blocks, across all groups and layers.
+        capacity_bytes: host memory for blocks, across all shelves, groups and layers.
         engine_id: the store's node id in the index and at handshake.
         model_name, model_revision, hash_fn_name: the nodes' (its ``BlockIdentity``: a put
             of another identity is refused; such a node never finds or pulls its blocks).
         index_url: ``redis://...`` or ``"memory"``; None: publish nothing (tests of the cache).
-        host, port: where the transport serves pulls (port 0: any free one); a hostname or an
-            IP address, IPv6 bare (``"::1"``).
+        host, port: where the shelves serve pulls: shelf ``i`` on ``port + i`` (port 0: any
+            free one); a hostname or an IP address, IPv6 bare (``"::1"``).
         write_host, write_port: where the write server listens (port 0: any free one).
         transport: ``"ucxx"`` or ``"loopback"`` (needs ``loopback_network``).
         read_guard_s: a block validated for a pull this recently is never overwritten.
@@ -83,9 +86,12 @@ class StoreNode:
         profile: the writers' ``StoreProfile`` (their block identity, KV geometry and index
             namespace), in place of ``model_config``, ``block_size`` and the names: the store
             of another engine's KV (vLLM's), fixed up front.
+        max_shelves: how many geometries the store keeps at most (>= 1); 1: the store keeps
+            the first geometry only, with all of ``capacity_bytes``.
 
     Raises:
-        ValueError: the capacity holds no block of the geometry fixed up front.
+        ValueError: ``max_shelves`` < 1, or the capacity holds no block of the geometry fixed
+            up front.
     """
 
     def __init__(
@@ -110,27 +116,20 @@ class StoreNode:
         max_put_bytes: int = 256 << 20,
         auth_key: bytes | None = None,
         profile: StoreProfile | None = None,
+        max_shelves: int = 1,
     ) -> None:
         if transport == "loopback" and loopback_network is None:
             raise ValueError("transport 'loopback' needs a loopback_network")
+        if max_shelves < 1:
+            raise ValueError(f"max_shelves must be >= 1, got {max_shelves}")
         check_host(host, what="host")
         check_host(write_host, what="write_host")
         self.engine_id = engine_id
         self.incarnation = new_incarnation()
         self.capacity_bytes, self.read_guard_s = capacity_bytes, read_guard_s
+        self.max_shelves = max_shelves
         self.stats = StoreStats()
-        self.profile: StoreProfile | None = None
-        self.block_size: int | None = None
-        self.kv_caches_by_group: list[list[torch.Tensor]] | None = None
-        self.cache: StoreCache | None = None
-        self.metadata: NodeMetadata | None = None
-        self.namespace: IndexNamespace | None = None
-        if profile is None and model_config is not None:  # kvbridge's own nodes of a model
-            profile = model_profile(model_config, block_size=block_size, model_name=model_name,
-                                    model_revision=model_revision, hash_fn_name=hash_fn_name)
-        if profile is not None:
-            self._shelve(profile, *profile.kv_caches(capacity_bytes))
-        self._shelf_lock = asyncio.Lock()  # hellos that may open the shelf, one at a time
+        self.shelves: list[StoreShelf] = []
         self.index_url = index_url
         self.index_ttl_s = index_ttl_s
         self.max_put_bytes = max_put_bytes
@@ -139,33 +138,70 @@ class StoreNode:
         self._host, self._port = host, port
         self._auth_key = auth_key
         self._write_host, self._write_port = write_host, write_port
-        self.transport: Transport | None = None
-        self.index_client: IndexClient | None = None
         self._server: StoreWriteServer | None = None
-        self._index_tick: asyncio.Task[None] | None = None
-        # One thread: index publishes are applied in the order the cache produced them.
+        # One thread: index publishes are applied in the order the caches produced them.
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-{engine_id}-index")
+        self._shelf_lock = asyncio.Lock()  # hellos that may open a shelf, one at a time
+        if profile is None and model_config is not None:  # kvbridge's own nodes of a model
+            profile = model_profile(model_config, block_size=block_size, model_name=model_name,
+                                    model_revision=model_revision, hash_fn_name=hash_fn_name)
+        if profile is not None:
+            self.shelves.append(
+                self._new_shelf(profile, *profile.kv_caches(self.shelf_capacity_bytes)))
 
-    def _shelve(self, profile: StoreProfile, kv_caches_by_group: list[list[torch.Tensor]],
-                num_store_blocks: int) -> None:
-        """Take ``profile``'s geometry over ``kv_caches_by_group`` (``profile.kv_caches``)."""
-        self.profile, self.block_size = profile, profile.identity.block_size
-        self.kv_caches_by_group = kv_caches_by_group
-        self.cache = StoreCache(kv_caches_by_group, read_guard_s=self.read_guard_s)
-        self.stats.capacity_blocks = num_store_blocks
-        self.metadata = replace(profile.metadata(self.engine_id, kv_caches_by_group),
-                                incarnation=str(self.incarnation))
-        self.namespace = profile.namespace
+    @property
+    def shelf_capacity_bytes(self) -> int:
+        """Host memory each shelf gets: ``capacity_bytes // max_shelves``."""
+        return self.capacity_bytes // self.max_shelves
 
-    def _unshelve(self) -> None:
-        self.profile = self.block_size = self.kv_caches_by_group = None
-        self.cache = self.metadata = self.namespace = None
-        self.stats.capacity_blocks = 0
+    def _new_shelf(self, profile: StoreProfile, kv_caches_by_group: list[list[torch.Tensor]],
+                   num_store_blocks: int) -> StoreShelf:
+        return StoreShelf(profile, kv_caches_by_group, num_store_blocks,
+                          engine_id=self.engine_id, incarnation=self.incarnation,
+                          read_guard_s=self.read_guard_s, node_stats=self.stats,
+                          publisher=self._publisher)
+
+    # ------------------------------------------------------------------ the first shelf
+    @property
+    def _first(self) -> StoreShelf | None:
+        return self.shelves[0] if self.shelves else None
+
+    @property
+    def profile(self) -> StoreProfile | None:
+        return None if self._first is None else self._first.profile
+
+    @property
+    def block_size(self) -> int | None:
+        return None if self._first is None else self._first.block_size
+
+    @property
+    def kv_caches_by_group(self) -> list[list[torch.Tensor]] | None:
+        return None if self._first is None else self._first.kv_caches_by_group
+
+    @property
+    def cache(self) -> StoreCache | None:
+        return None if self._first is None else self._first.cache
+
+    @property
+    def metadata(self) -> NodeMetadata | None:
+        return None if self._first is None else self._first.metadata
+
+    @property
+    def namespace(self) -> IndexNamespace | None:
+        return None if self._first is None else self._first.namespace
+
+    @property
+    def transport(self) -> Transport | None:
+        return None if self._first is None else self._first.transport
+
+    @property
+    def index_client(self) -> IndexClient | None:
+        return None if self._first is None else self._first.index_client
 
     # ------------------------------------------------------------------ life
     @property
     def address(self) -> PeerAddress:
-        """Where the store serves pulls (valid once it has a geometry and started)."""
+        """Where the first shelf serves pulls (valid once it has a geometry and started)."""
         if self.transport is None:
             raise RuntimeError("StoreNode.address read before start() or before its geometry")
         return self.transport.address
@@ -192,123 +228,119 @@ class StoreNode:
             raise
 
     async def _start(self) -> None:
-        if self.profile is not None:
-            await self._open_shelf()
+        if self.shelves:  # the geometry fixed up front
+            await self._open(self.shelves[0], 0)
         elif self.index_url and self.index_url.startswith("redis-cluster://"):
-            # the shelf (and its index client) waits for a writer: refuse a dead cluster now
+            # the shelves (and their index clients) wait for writers: refuse a dead cluster now
             cluster_client(self.index_url, socket_timeout_s=1.0, connect_timeout_s=1.0).close()
         self._server = StoreWriteServer(self, host=self._write_host, port=self._write_port)
         await self._server.start()
-        if self.transport is None:
-            logger.info("store %s: writes on %s; its block geometry comes with the first "
-                        "writer", self.engine_id, self.store_url)
+        if not self.shelves:
+            logger.info("store %s: writes on %s; block geometries come with the writers "
+                        "(at most %d, %d bytes each)", self.engine_id, self.store_url,
+                        self.max_shelves, self.shelf_capacity_bytes)
 
-    async def _open_shelf(self) -> None:
-        """Serve pulls of the geometry's blocks and register in the index."""
-        assert self.metadata is not None and self.cache is not None
-        where: dict[str, Any] = {"host": self._host, "port": self._port,
-                                 "auth_key": self._auth_key}
-        if self._transport_kind == "loopback":
-            from kvbridge.transport import LoopbackTransport
-
-            where["network"] = self._loopback_network
-            self.transport = LoopbackTransport(self.metadata, self.kv_caches_by_group, **where)
-        else:
-            from kvbridge.transport import UcxxTransport
-
-            self.transport = UcxxTransport(self.metadata, self.kv_caches_by_group, **where)
-        # The transport re-checks served blocks after copying them; the re-check must not count
-        # requests and hits a second time.
-        self.transport.set_callbacks(
-            block_validator=self._validate_blocks,
-            block_rechecker=self.cache.validate,
-            serve_unchecked_reads=False,  # the store serves by hash only
-        )
-        await self.transport.start()
-        if self.index_url:
-            index, directory = open_index(self.index_url, self.namespace)
-            self.index_client = IndexClient(
-                index,
-                directory,
-                node_id=self.engine_id,
-                incarnation=self.incarnation,
-                group_ids=range(len(self.kv_caches_by_group)),
-                ttl_s=self.index_ttl_s,
-                tier="store",
-            )
-            loop = asyncio.get_running_loop()
-            self.index_client.set_resync_events(lambda: self._resync_events(loop))
-            client, address = self.index_client, self.transport.address
-            await loop.run_in_executor(self._publisher, client.start, address.host, address.port)
-            self._index_tick = asyncio.create_task(self._tick_index(client))
-        logger.info("store %s: %d blocks, pulls on %s, profile %s", self.engine_id,
-                    self.cache.num_store_blocks, format_host_port(*self.transport.address),
-                    self.profile.to_json() if self.profile is not None else None)
+    async def _open(self, shelf: StoreShelf, number: int) -> None:
+        """Open ``shelf``, the store's shelf ``number`` (its pulls on ``port + number``)."""
+        port = self._port + number if self._port else 0
+        await shelf.open(transport=self._transport_kind, host=self._host, port=port,
+                         auth_key=self._auth_key, loopback_network=self._loopback_network,
+                         index_url=self.index_url, index_ttl_s=self.index_ttl_s)
 
     async def close(self) -> None:
-        """Stop the write server and the transport, withdraw from the index. Idempotent."""
+        """Stop the write server and every shelf, withdraw from the index. Idempotent."""
         server, self._server = self._server, None
         if server is not None:
             await server.close()
-        await self._close_shelf()
+        shelves, self.shelves = self.shelves, []
+        for shelf in shelves:
+            await shelf.close()
+            shelf.release()
         self._publisher.shutdown(wait=False)
 
-    async def _close_shelf(self) -> None:
-        tick, self._index_tick = self._index_tick, None
-        if tick is not None:
-            tick.cancel()
-        transport, self.transport = self.transport, None
-        if transport is not None:
-            await transport.close()
-        client, self.index_client = self.index_client, None
-        if client is not None:
-            await asyncio.get_running_loop().run_in_executor(self._publisher, client.close)
-
-    async def hello(self, profile: StoreProfile) -> int:
-        """A writer's hello (``PutHandler``): without a geometry, take ``profile``'s (allocate
-        the blocks, start the transport, register in its index namespace); with one, check that
-        ``profile`` is it. Returns the store's incarnation.
+    async def hello(self, profile: StoreProfile) -> StoreShelf:
+        """A writer's hello (``PutHandler``): the shelf of ``profile``, opened if the store has
+        none yet (allocate its blocks, start its transport, register in its index namespace).
+        The write server sends that connection's puts to it.
 
         Raises:
-            StoreWireError: another profile (``StoreProfile.refusal``: names both, and says to
-                start another kvbridge-store), or a geometry the store could not take (its
-                capacity holds no block of it, its transport did not start); the store then
-                still has no geometry.
+            StoreWireError: the store keeps ``max_shelves`` geometries already
+                (``StoreProfile.refusal``: names the first shelf's and the writer's, and says to
+                start another kvbridge-store), another shelf has the writer's index namespace
+                (its engines could not tell the two apart), or a geometry the store could not
+                take (its share of the capacity holds no block of it, its transport did not
+                start); no shelf is then opened.
         """
         async with self._shelf_lock:
-            if self.profile is None:
-                loop = asyncio.get_running_loop()
-                try:
-                    caches, num_blocks = await loop.run_in_executor(
-                        None, profile.kv_caches, self.capacity_bytes)
-                    self._shelve(profile, caches, num_blocks)
-                    await self._open_shelf()
-                except Exception as exc:
-                    await self._close_shelf()
-                    self._unshelve()
-                    raise StoreWireError(f"this store cannot take the writer's block geometry: "
-                                         f"{exc}") from None
-            elif profile != self.profile:
-                raise StoreWireError(self.profile.refusal(profile))
-        return self.incarnation
+            for shelf in self.shelves:
+                if shelf.profile == profile:
+                    return shelf
+            if len(self.shelves) >= self.max_shelves:
+                raise StoreWireError(self.shelves[0].profile.refusal(
+                    profile, max_shelves=self.max_shelves))
+            for shelf in self.shelves:
+                if shelf.namespace == profile.namespace:
+                    raise StoreWireError(
+                        "this store keeps blocks of another geometry in the writer's index "
+                        f"namespace ({shelf.profile.first_difference(profile)}); engines could "
+                        "not tell the two apart: give the models distinct names or revisions, "
+                        "or start another kvbridge-store for it")
+            loop = asyncio.get_running_loop()
+            try:
+                caches, num_blocks = await loop.run_in_executor(
+                    None, profile.kv_caches, self.shelf_capacity_bytes)
+            except Exception as exc:
+                raise StoreWireError(f"this store cannot take the writer's block geometry: "
+                                     f"{exc}") from None
+            shelf = self._new_shelf(profile, caches, num_blocks)
+            try:
+                await self._open(shelf, len(self.shelves))
+            except Exception as exc:
+                await shelf.close()
+                shelf.release()
+                raise StoreWireError(f"this store cannot take the writer's block geometry: "
+                                     f"{exc}") from None
+            self.shelves.append(shelf)
+            return shelf
 
     # ------------------------------------------------------------------ writes (PutHandler)
     def count_put_error(self) -> None:
         """One malformed or refused put frame (``StoreStats.num_put_errors``)."""
         self.stats.add(num_put_errors=1)
 
-    def check_put(self, put: PutRequest) -> None:
-        """Raise StoreWireError if ``put`` does not fit this store (``put_checks.check_put``:
-        identity, groups, sizes, KV heads)."""
-        check_put(put, self.metadata, self.cache)
+    def shelf_for(self, put: PutRequest, shelf: StoreShelf | None = None) -> StoreShelf:
+        """The shelf ``put`` goes to: ``shelf`` (its connection's hello's), or, for a
+        connection without a hello, the one shelf whose ``compat_hash`` is the put's.
 
-    async def put(self, put: PutRequest, payload: torch.Tensor) -> PutReply:
-        """Store a checked put (``check_put``); publish the index events before replying, so a
-        writer that got ``put_ok`` finds the blocks indexed.
+        Raises:
+            StoreWireError: no shelf yet, or none (or more than one) of the put's
+                ``compat_hash`` (``put_checks.check_put`` names the difference).
+        """
+        if shelf is not None:
+            return shelf
+        matching = [s for s in self.shelves if s.metadata.compat_hash == put.compat_hash]
+        if len(matching) == 1:
+            return matching[0]
+        if len(matching) > 1:
+            raise StoreWireError("this store keeps blocks of this compat_hash for several "
+                                 "tensor-parallel layouts: a writer names its own in a hello "
+                                 "on its connection")
+        check_put(put, self.metadata, self.cache)  # raises naming what differs
+        raise StoreWireError(f"compat_hash {put.compat_hash[:16]}... is not this store's")
+
+    def check_put(self, put: PutRequest, shelf: StoreShelf | None = None) -> None:
+        """Raise StoreWireError if ``put`` does not fit its shelf (``shelf_for``;
+        ``put_checks.check_put``: identity, groups, sizes, KV heads)."""
+        self.shelf_for(put, shelf).check_put(put)
+
+    async def put(self, put: PutRequest, payload: torch.Tensor,
+                  shelf: StoreShelf | None = None) -> PutReply:
+        """Store a checked put (``check_put``) on its shelf (``shelf_for``); publish the index
+        events before replying, so a writer that got ``put_ok`` finds the blocks indexed.
 
         Args:
             payload: uint8 ``[put.payload_nbytes]`` on CPU, the groups' staging bytes back to
-                back (read only; copied once into the store's tensors, so the caller may reuse
+                back (read only; copied once into the shelf's tensors, so the caller may reuse
                 it as soon as this returns).
 
         Raises:
@@ -319,101 +351,7 @@ class StoreNode:
                 f"payload must be uint8 [{put.payload_nbytes}], got {payload.dtype} "
                 f"{tuple(payload.shape)}"
             )
-        events: list[Any] = []
-        refused: list[tuple[int, bytes]] = []
-        missing: list[tuple[int, bytes]] = []
-        num_stored = num_present = num_incomplete = 0
-        offset = 0
-        heads = put_heads(put, self.metadata)
-        for group in put.groups:
-            caches = self.cache.groups[group.group_id].kv_caches
-            n = len(group.block_hashes)
-            staging = payload[offset : offset + group.nbytes]
-            offset += group.nbytes
-            if not n:
-                continue
-            if heads is None or heads.whole:
-                staging = staging.view(caches[0].dtype).view(len(caches), n, *caches[0].shape[1:])
-            else:  # each row's bytes of these heads
-                staging = staging.view(len(caches), n, -1)
-            result = self.cache.put(
-                group.group_id, group.block_hashes, group.parent_hashes, staging, heads
-            )
-            block_nbytes = group.nbytes // n  # the bytes a block of this put carries
-            num_incomplete += result.num_incomplete
-            num_stored += result.num_stored
-            num_present += result.num_present
-            refused.extend((group.group_id, h) for h in result.refused)
-            missing.extend((group.group_id, h) for h in result.missing_ancestors)
-            events.extend(result.events)
-            self.stats.add(
-                num_blocks_stored=result.num_stored,
-                bytes_stored=result.num_stored * block_nbytes,
-                num_blocks_present=result.num_present,
-                num_blocks_refused=len(result.refused),
-                num_blocks_dropped=result.num_dropped,
-                bytes_dropped=result.num_dropped * self.cache.groups[group.group_id].block_nbytes,
-            )
-        if any(group.block_hashes for group in put.groups):  # not a writer's empty probe
-            self.stats.add(num_puts=1)
-        client = self.index_client
-        if events and client is not None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._publisher, self._publish_and_wait, client, events)
-        return PutReply(num_stored, num_present, len(refused), tuple(refused), tuple(missing),
-                        self.incarnation, num_incomplete)
-
-    async def _tick_index(self, client: IndexClient) -> None:
-        """Offer the index client a step every third of the TTL, so that a resync it asks for
-        (Redis restarted empty, a lost batch) is read while no put comes: the store's held
-        blocks are listed again without being written again. Survives a failed step."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.index_ttl_s / 3)
-            try:
-                await loop.run_in_executor(self._publisher, client.publish, [])
-            except Exception:
-                logger.exception("store %s: index step failed", self.engine_id)
-
-    def _resync_events(self, loop: asyncio.AbstractEventLoop) -> list[Any]:
-        """The index client's resync, called on the publisher thread: ``cache.resync_events``,
-        read on the loop thread that owns the cache. A put's events queued behind the read
-        repeat stores it saw, with the same parents (the index applies them to the same end),
-        and removals of blocks it no longer held."""
-
-        async def read() -> list[Any]:
-            return self.cache.resync_events()
-
-        return asyncio.run_coroutine_threadsafe(read(), loop).result(_START_TIMEOUT_S)
-
-    def _publish_and_wait(self, client: IndexClient, events: list[Any]) -> None:
-        """On the publisher thread: queue ``events`` and wait (at most ``_PUBLISH_WAIT_S``)
-        until the index client has applied them, so that a ``put_ok`` means "indexed"."""
-        client.publish(events)
-        if not client.flush(timeout_s=_PUBLISH_WAIT_S):
-            logger.warning("store %s: index events of a put not applied within %.1f s; "
-                           "replying anyway", self.engine_id, _PUBLISH_WAIT_S)
-
-    # ------------------------------------------------------------------ reads
-    def _validate_blocks(
-        self,
-        group_id: int,
-        block_ids: list[int],
-        expected_hashes: list[bytes],
-        lease: LeaseRef | None = None,
-    ) -> list[int]:
-        """The store's ``block_validator``: ``cache.validate`` (the ``lease`` is ignored), counted
-        once per read in the store's stats."""
-        bad = self.cache.validate(group_id, block_ids, expected_hashes, lease)
-        num_hit = len(block_ids) - len(bad)
-        groups = self.cache.groups
-        block_nbytes = groups[group_id].block_nbytes if group_id < len(groups) else 0
-        self.stats.add(
-            num_blocks_requested=len(block_ids),
-            num_blocks_hit=num_hit,
-            bytes_served=num_hit * block_nbytes,
-        )
-        return bad
+        return await self.shelf_for(put, shelf).put(put, payload)
 
 
 def start_store_node(node: StoreNode) -> StoreNode:

@@ -9,9 +9,9 @@ writer's handshake identity and namespace: ``metadata`` gives the store's handsh
 writer's identity and geometry, ``namespace`` the writer's index namespace.
 
 A writer sends its profile in a hello on each write connection (``wire.encode_hello``); a store
-started without one takes its geometry from the first writer (docs/operations.md, "One block
-geometry per store"). ``kvbridge-store --profile '<json>'`` (``to_json``, the JSON a writer logs
-when it binds its KV tensors) fixes it up front.
+keeps one shelf per profile, opened by the first writer of it (docs/operations.md, "Several
+block geometries in one store"). ``kvbridge-store --profile '<json>'`` (``to_json``, the JSON a
+writer logs when it binds its KV tensors) fixes the first up front.
 
 Standard library, torch and msgspec; no vLLM import.
 """
@@ -144,11 +144,14 @@ class StoreProfile:
                 return f"{name}: local {mine!r}, remote {theirs!r}"
         return None
 
-    def refusal(self, writer: StoreProfile) -> str:
-        """Why a store of this profile refuses ``writer``'s: the difference, the one-geometry
-        rule and its remedy first, then both profiles as JSON."""
+    def refusal(self, writer: StoreProfile, *, max_shelves: int = 1) -> str:
+        """Why a store whose first shelf has this profile, full at ``max_shelves`` geometries,
+        refuses ``writer``'s: the difference, the rule and its remedies first, then both
+        profiles as JSON."""
         return (f"this store keeps blocks of another geometry ({self.first_difference(writer)});"
-                " one kvbridge-store keeps one geometry: start another kvbridge-store for it. "
+                f" this kvbridge-store keeps at most {max_shelves} geometr"
+                f"{'y' if max_shelves == 1 else 'ies'} (--max-shelves) and has them all: start "
+                "another kvbridge-store for it, or raise --max-shelves. "
                 f"The store's profile: {self.to_json()}; the writer's: {writer.to_json()}")
 
     # ------------------------------------------------------------------ the store's side

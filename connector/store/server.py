@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,32 +45,38 @@ __all__ = ["PutHandler", "StoreWriteServer"]
 logger = logging.getLogger(__name__)
 
 _LISTEN_BACKLOG = 128
+_REFUSED = object()  # a connection's shelf after its hello was refused
 
 
 class PutHandler(Protocol):
     """What the write server needs of a store (``StoreNode`` is one). Called on the server's
     event loop only.
 
-    ``engine_id``: names the store in logs. ``max_put_bytes``: the largest payload accepted.
-    ``hello``: takes a writer's profile (the store's geometry if it has none yet) and returns
-    the store's incarnation, or raises ``StoreWireError`` naming why it refuses the writer.
-    ``check_put``: raises ``StoreWireError`` naming the field when a decoded put does not fit
-    the store (its payload is then read and dropped; the connection stays open). ``put``: stores
-    a checked put from ``payload`` (uint8 ``[put.payload_nbytes]``, reused by the server once it
-    returns) and returns the reply. ``count_put_error``: one malformed or refused frame.
+    ``engine_id``: names the store in logs. ``incarnation``: the store's, in a ``hello_ok``.
+    ``max_put_bytes``: the largest payload accepted. ``hello``: takes a writer's profile and
+    returns the shelf its connection's puts go to (opened for a geometry the store has none
+    for), or raises ``StoreWireError`` naming why it refuses the writer. ``check_put``: raises
+    ``StoreWireError`` naming the field when a decoded put does not fit the connection's shelf
+    (None: no hello on it; the store picks by the put's ``compat_hash``); its payload is then
+    read and dropped and the connection stays open. ``put``: stores a checked put from
+    ``payload`` (uint8 ``[put.payload_nbytes]``, reused by the server once it returns) on that
+    shelf and returns the reply. ``count_put_error``: one malformed or refused frame.
     """
 
     @property
     def engine_id(self) -> str: ...
 
     @property
+    def incarnation(self) -> int: ...
+
+    @property
     def max_put_bytes(self) -> int: ...
 
-    async def hello(self, profile: StoreProfile) -> int: ...
+    async def hello(self, profile: StoreProfile) -> Any: ...
 
-    def check_put(self, put: PutRequest) -> None: ...
+    def check_put(self, put: PutRequest, shelf: Any) -> None: ...
 
-    async def put(self, put: PutRequest, payload: torch.Tensor) -> PutReply: ...
+    async def put(self, put: PutRequest, payload: torch.Tensor, shelf: Any) -> PutReply: ...
 
     def count_put_error(self) -> None: ...
 
@@ -144,6 +150,7 @@ class StoreWriteServer:
         loop = asyncio.get_running_loop()
         prefix = bytearray(FRAME_HEADER.size)
         receive_buffer = torch.empty(0, dtype=torch.uint8)
+        shelf: list[Any] = [None]  # the shelf this connection's hello named
         try:
             while True:
                 try:
@@ -154,7 +161,7 @@ class StoreWriteServer:
                     return  # the writer went away (between frames: a normal close)
                 try:
                     reply, receive_buffer = await self._handle(
-                        FRAME_HEADER.unpack(prefix)[0], sock, receive_buffer
+                        FRAME_HEADER.unpack(prefix)[0], sock, receive_buffer, shelf
                     )
                 except _FramingLost as exc:
                     self.node.count_put_error()
@@ -172,10 +179,12 @@ class StoreWriteServer:
             sock.close()
 
     async def _handle(
-        self, header_nbytes: int, sock: socket.socket, receive_buffer: torch.Tensor
+        self, header_nbytes: int, sock: socket.socket, receive_buffer: torch.Tensor,
+        shelf: list[Any],
     ) -> tuple[bytes, torch.Tensor]:
         """One frame: header, payload, store. Returns the reply and the (possibly grown)
-        receive buffer. Raises ``_FramingLost``, ``StoreWireError``, ``PeerClosedError``."""
+        receive buffer; a hello sets ``shelf[0]``, the shelf of the connection's later puts.
+        Raises ``_FramingLost``, ``StoreWireError``, ``PeerClosedError``."""
         if not 0 < header_nbytes <= MAX_HEADER_BYTES:
             raise _FramingLost(f"header of {header_nbytes} bytes not in [1, {MAX_HEADER_BYTES}]")
         raw = bytearray(header_nbytes)
@@ -185,7 +194,9 @@ class StoreWriteServer:
         except StoreWireError as exc:
             raise _FramingLost(str(exc)) from None
         if header["type"] == "hello":  # no payload: a refused hello leaves the stream whole
-            return encode_hello_ok(await self.node.hello(decode_hello(header))), receive_buffer
+            shelf[0] = _REFUSED  # until the store takes it: puts after a refusal are refused
+            shelf[0] = await self.node.hello(decode_hello(header))
+            return encode_hello_ok(self.node.incarnation), receive_buffer
         try:
             put = decode_put(header, max_payload_nbytes=self.node.max_put_bytes)
         except StoreWireError as exc:
@@ -196,5 +207,7 @@ class StoreWriteServer:
         payload = receive_buffer[:payload_nbytes]
         if payload_nbytes:
             await recv_exactly(sock, memoryview(payload.numpy()))
-        self.node.check_put(put)
-        return encode_reply(await self.node.put(put, payload)), receive_buffer
+        if shelf[0] is _REFUSED:
+            raise StoreWireError("this connection's hello was refused: no put is taken on it")
+        self.node.check_put(put, shelf[0])
+        return encode_reply(await self.node.put(put, payload, shelf[0])), receive_buffer

@@ -8,10 +8,10 @@ Messages (every header carries ``"v": STORE_SCHEMA_VERSION`` and ``"type"``):
 
 - ``hello`` (writer -> store, first on each connection): ``profile`` (bytes, the writer's
   ``StoreProfile`` as msgpack: its block identity, KV geometry and ``kv_heads_layout``), no
-  payload. A store without a geometry takes the first writer's (``StoreNode.hello``); one of
-  another profile answers ``error`` naming both. ``hello_ok`` (store -> writer):
-  ``incarnation``. A writer that sends no hello is held to the store's geometry by each put's
-  ``compat_hash`` only (and refused by a store that has none yet).
+  payload. The store sends the connection's puts to its shelf of that profile, opened for the
+  first writer of it (``StoreNode.hello``); a store that cannot open one more answers ``error``
+  naming both profiles. ``hello_ok`` (store -> writer): ``incarnation``. A writer that sends no
+  hello is held to the shelf of its puts' ``compat_hash`` (refused by a store that has none).
 - ``put`` (writer -> store): ``compat_hash`` (str, the writer's ``NodeMetadata.compat_hash``: the
   store refuses another block identity, e.g. another model revision or KV cache dtype, or KV
   geometry) and ``groups``, a list

@@ -26,7 +26,9 @@ longer matches the index's entry are refused by the store's re-check and the tai
 (A restoring s2, with the store's entries' block ids rotated in Redis); A stopped, C restores
 from the store a prompt that A still held; the store paused while C's restore waits on it, then
 killed:
-C recomputes, the tokens are right, the failure is counted. vLLM's KV-event stream (ZMQ, on
+C recomputes, the tokens are right, the failure is counted. D, an engine of the same model in
+bfloat16, offloads to the same store, which keeps its blocks on a shelf of their own: D finds
+none of A's blocks and restores its own. vLLM's KV-event stream (ZMQ, on
 A) carries a ``BlockStored`` of the medium ``KVBRIDGE_STORE`` for the blocks A wrote. After
 each test the engines still running hold no request and every block is free.
 """
@@ -54,13 +56,14 @@ from _harness import (
     tokens,
 )
 from _store_process import StoreProcess
+from kvbridge.connector.serve.store_server import DEFAULT_MAX_SHELVES
 
 A_KV_BYTES = 6 << 20  # 192 blocks of 32 tokens (32 KiB a block: 2 layers, 2 KV heads, fp32)
 N_NEW = 8
 PROMPT_LEN = 1500  # 46 full blocks cached; 48 blocks in use with the decoded tokens
 PROMPTS = {f"s{i}": tokens(300 + i, PROMPT_LEN) for i in range(1, 7)}
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # what a lookup may restore (never the last token)
-STORE_BYTES = 256 * 32768  # 256 blocks
+STORE_BYTES = 256 * 32768 * DEFAULT_MAX_SHELVES  # 256 blocks a shelf
 
 
 def _logged_profile(log_path, pattern: str, timeout_s: float = 30.0) -> dict:
@@ -271,6 +274,52 @@ def test_after_a_exits_c_restores_from_the_store_what_only_a_held_besides(tier, 
     assert (after["num_restored_blocks"] - before["num_restored_blocks"],
             after["num_failed_loads"] - before["num_failed_loads"]) == (FULL_BLOCKS, 0)
     assert_drained(c)
+
+
+def test_an_engine_of_another_dtype_keeps_its_blocks_on_a_shelf_of_its_own(
+        tier, served, tiny_llama, log_dir, redis_server):
+    """D: the same model in bfloat16 (another KV dtype: another block geometry) offloads to the
+    store A wrote to. The store opens a second shelf for D's profile (docs/operations.md,
+    "Several block geometries in one store"): D finds none of A's float32 blocks, though its
+    prompts' block hashes are A's, and restores its own evicted prompt from its shelf."""
+    _, c, store, _ = tier
+    d = Node("store-d", model=tiny_llama, log_dir=log_dir,
+             llm={"dtype": "bfloat16", "kv_cache_memory_bytes": A_KV_BYTES // 2},  # 192 blocks
+             kv_transfer_config=kvbridge_config(
+                 "both", "store-engine-d", index_url=redis_server.url,
+                 store_url=store.announced["store_url"], offload="evict",
+                 offload_scan_blocks=96, offload_blocks_per_step=16, load_timeout_s=10.0))
+    try:
+        d.wait_ready()
+        d_outs = {}
+        for name, prompt in PROMPTS.items():
+            (out,) = d.generate([request(prompt, N_NEW)])
+            assert out["num_cached_tokens"] == 0, name  # nothing of A's geometry reaches D
+            d_outs[name] = out["token_ids"]
+        deadline = time.monotonic() + 60.0
+        while (d.stats()["num_offloaded_blocks"] < 2 * FULL_BLOCKS
+               and time.monotonic() < deadline):
+            time.sleep(0.5)
+            d.generate([request([5, 6, 7], 1)])
+        d_stats = d.stats()
+        assert d_stats["num_offloaded_blocks"] >= 2 * FULL_BLOCKS, d_stats
+        assert d_stats["num_offload_failures"] == 0, d_stats  # not refused by A's store
+        assert d_stats["num_index_hits"] == 0, d_stats
+        before = d.stats()
+        (out,) = d.generate([request(PROMPTS["s1"], N_NEW)])  # evicted on D: from D's shelf
+        assert out["token_ids"] == d_outs["s1"]
+        after = d.stats()
+        moved = {k: after[k] - before[k] for k in ("num_restored_blocks", "store_hit_tokens",
+                                                   "num_failed_loads")}
+        assert moved == {"num_restored_blocks": FULL_BLOCKS,
+                         "store_hit_tokens": FULL_BLOCKS * BLOCK, "num_failed_loads": 0}, moved
+        # The store logged two shelves: A's float32 geometry and D's bfloat16 one.
+        logged = re.findall(r"pulls on \S+, profile (\{.*\})", store.log_path.read_text())
+        dtypes = [json.loads(p)["identity"]["kv_cache_dtype"] for p in logged]
+        assert dtypes == ["float32", "bfloat16"], dtypes
+        assert_drained(c, d)
+    finally:
+        d.stop()
 
 
 def test_the_store_killed_mid_restore_costs_a_recompute_with_the_right_tokens(tier, served):
