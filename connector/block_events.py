@@ -35,8 +35,8 @@ def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
                 stored.pop(block_id, None)
         elif isinstance(event, BlockStored):
             suffix = make_block_hash_with_group_id(b"", event.group_id)  # once per event
-            for block_id, block_hash in zip(event.block_ids, event.block_hashes, strict=True):
-                stored[block_id] = block_hash + suffix
+            stored.update(zip(event.block_ids, [h + suffix for h in event.block_hashes],
+                              strict=True))
     return BlockHashDelta(
         cleared=cleared,
         removed_block_ids=removed,

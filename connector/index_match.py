@@ -104,6 +104,13 @@ class IndexMatcher:
             load_async=self._load_async,  # the pull is planned as the engine is told
         ))
 
+    def pending(self, client: IndexClient | None, request_id: str) -> bool:
+        """True while ``request_id``'s lookup is out (``match`` would answer pending): a set
+        and a dict read, nothing allocated, hashed or logged. False when its answer is in,
+        which the next ``match`` hands out."""
+        return request_id in self._lookups and client is not None and \
+            client.lookup_pending(request_id)
+
     def note_pull(self, request_id: str) -> None:
         """``request_id``'s index hit is being pulled: it is never looked up again."""
         self._pulled.add(request_id)

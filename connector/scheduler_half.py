@@ -245,6 +245,12 @@ class KVBridgeScheduler:
         self._matches[request.request_id] = match
         return MatchedTokens(match.num_remote_tokens - num_computed_tokens, match.load_async)
 
+    def index_lookup_pending(self, request_id: str) -> bool:
+        """True while ``request_id``'s index lookup is out, so ``get_num_new_matched_tokens``
+        would answer None again (``IndexMatcher.pending``: O(1), nothing allocated). vLLM asks
+        about every waiting request at every step; the adapter answers these without a view."""
+        return self._index_matcher.pending(self.index_client, request_id)
+
     def match_tier(self, request_id: str) -> str | None:
         """The matched holder's tier (``HolderRef.tier``) until the allocation; None: none."""
         match = self._matches.get(request_id)

@@ -65,6 +65,9 @@ from test_index_hit_rule import (  # noqa: F401
     test_a_sliding_window_prompt_is_found_through_the_index_as_its_node_restores_it,
     test_when_the_window_blocks_are_gone_the_index_finds_what_the_node_restores,
 )
+from test_index_lookup_batch import (  # noqa: F401
+    test_many_prompts_at_once_are_answered_as_each_alone,
+)
 
 NAMESPACE = IndexNamespace(identity=BlockIdentity(
     model_name="test-model", kv_cache_dtype="float32", block_size=16, hash_fn_name="sha256"

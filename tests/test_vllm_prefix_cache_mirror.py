@@ -264,3 +264,45 @@ def test_keys_that_only_gained_blocks_are_not_looked_up_in_the_map(pool):
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError, match="block_size"):
         PrefixCacheMirror(block_size=0)
+
+
+def _a_step_of_new_chains(pool: _Map) -> None:
+    """What a burst's step caches: requests' new blocks, chains cut where a request starts
+    (a prompt sharing a cached prefix, one from block 0, one continuing its own chain), a
+    parent noted for a block never inserted, a block inserted without a noted parent."""
+    _cache_request(pool, [1, 2, 3], [11, 12, 13])
+    _cache_request(pool, [1, 2, 3, 4, 5], [11, 12, 13, 14, 15], start=3)  # extends 1-2-3
+    _cache_request(pool, [20, 21], [30, 31])
+    _cache_request(pool, [40, 41, 42], [50, 51, 52], start=1)  # 40 cached earlier elsewhere
+    pool.mirror.record_parents([_hash(60), _hash(61)], 0, 2, 0)  # never inserted
+
+
+@pytest.mark.parametrize("take_fast_path", [True, False])
+def test_a_step_that_only_caches_new_chains_gives_the_events_of_the_general_path(
+    take_fast_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The usual step (nothing popped, only new keys, one group) is taken with list operations
+    # (``_take_new_chains``) instead of the loop over keys; both must give the same events, in
+    # the same chains, and leave the same state behind (the next step's events, the snapshot).
+    if not take_fast_path:
+        monkeypatch.setattr(PrefixCacheMirror, "_only_new_chains", lambda self: False)
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _a_step_of_new_chains(pool)
+    events = pool.take_events()
+    assert [(len(e.block_hashes), e.parent_block_hash) for e in events] == [
+        (5, None), (2, None), (2, _hash(40))]  # one BlockStored per chain
+    assert _per_block(events) == [
+        _stored(1, 11, None), _stored(2, 12, 1), _stored(3, 13, 2), _stored(4, 14, 3),
+        _stored(5, 15, 4), _stored(20, 30, None), _stored(21, 31, 20), _stored(41, 51, 40),
+        _stored(42, 52, 41)]
+    # what was reported, and the parents kept for it, as the general path keeps them
+    assert sorted(pool.mirror.snapshot_cached_blocks()) == sorted(
+        CachedBlock(_hash(h), 0, b) for h, b in
+        [(1, 11), (2, 12), (3, 13), (4, 14), (5, 15), (20, 30), (21, 31), (41, 51), (42, 52)])
+    pool.pop(_key(5), 15)
+    pool.insert(_key(61), 70)  # its parent noted last step is forgotten: none
+    assert pool.take() == [_removed(5, 15), _stored(61, 70, None)]
+    assert pool.mirror._parent_of_key == {
+        _key(h): None if p is None else _hash(p) for h, p in
+        [(1, None), (2, 1), (3, 2), (4, 3), (20, None), (21, 20), (41, 40), (42, 41),
+         (61, None)]}

@@ -346,6 +346,14 @@ class IndexClient:
         del self._key_to_lookup[key]
         return result
 
+    def lookup_pending(self, key: str) -> bool:
+        """True while the lookup of ``key`` is neither answered nor past ``lookup_timeout_s``
+        (``poll_lookup`` would answer ``"pending"``); False for any other key. One dict read and
+        a clock read, nothing allocated, nothing changed: for an engine that asks about every
+        waiting request each step."""
+        job = self._key_to_lookup.get(key)
+        return job is not None and job.result is None and self._clock() < job.deadline_s
+
     def cancel_lookup(self, key: str) -> None:
         """Forget the lookup of ``key`` (request aborted or finished); unknown keys are fine.
         A queued lookup leaves the queue; a running one finishes and its answer is ignored."""

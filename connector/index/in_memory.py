@@ -135,6 +135,14 @@ class InMemoryBlockIndex:
         self.stats.publish_ops += len(ops)
         return PublishResult("ok", len(ops))
 
+    def longest_prefixes(
+        self, prompts: Sequence[Sequence[bytes]], group_ids: Sequence[int] = (0,), *,
+        exclude_node_ids: Iterable[str] = (), hit_rule: PrefixHitRule | None = None,
+    ) -> list[PrefixHit]:
+        excluded = tuple(exclude_node_ids)
+        return [self.longest_prefix(hashes, group_ids, exclude_node_ids=excluded,
+                                    hit_rule=hit_rule) for hashes in prompts]
+
     def longest_prefix(
         self,
         block_hashes: Sequence[bytes],

@@ -345,6 +345,8 @@ class BlockIndex(Protocol):
       Never raises for backend trouble (answers ``NO_HIT`` and counts it); raises ValueError
       for bad arguments.
       Does not change live entries (stale ones it meets may be deleted).
+    - ``longest_prefixes``: ``longest_prefix`` (deepest runs) of each of ``prompts``, in their
+      order; the Redis backends ask for them all in one call per server (one round trip).
     - ``node_entries``: ``{(group, key, block id)}`` of the node's live entries (keys cut to
       ``key_hash_bytes``), or None if the node is unknown or the backend unavailable. O(entries):
       for tests and tools.
@@ -393,6 +395,11 @@ class BlockIndex(Protocol):
         all_holders: bool = False,
         hit_rule: PrefixHitRule | None = None,
     ) -> PrefixHit: ...
+
+    def longest_prefixes(
+        self, prompts: Sequence[Sequence[bytes]], group_ids: Sequence[int] = (0,), *,
+        exclude_node_ids: Iterable[str] = (), hit_rule: PrefixHitRule | None = None,
+    ) -> list[PrefixHit]: ...
 
     def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None: ...
 

@@ -11,12 +11,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .hit_rule import hit_of_holder
-from .protocol import CODE_TO_TIER, TIER_RANK, Holder
+from .protocol import CODE_TO_TIER, TIER_RANK, Holder, PrefixHit, sort_holders
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
 
-__all__ = ["GET_BLOCK_IDS_LUA", "LOOKUP_HELD_LUA", "held_lookup_args", "holders_of_held_reply"]
+__all__ = [
+    "GET_BLOCK_IDS_LUA",
+    "LOOKUP_HELD_LUA",
+    "held_lookup_args",
+    "hit_of_holders",
+    "holders_of_held_reply",
+]
 
 # ARGV: P, node, inc, key_len, keys (concatenated), group ids...
 # -> per group the block ids (4 bytes each, concatenated), or nil if any is not held.
@@ -176,3 +182,12 @@ def holders_of_held_reply(
                 Holder(node_id, incarnation, found.num_blocks, found.tier, found.block_ids)
             )
     return reply[0], holders
+
+
+def hit_of_holders(holders: list[Holder], all_holders: bool) -> PrefixHit:
+    """The ``PrefixHit`` of ``holders_of_held_reply``'s holders: every one with ``all_holders``,
+    else those of the deepest hit."""
+    if holders and not all_holders:
+        best = max(holder.num_blocks for holder in holders)
+        holders = [holder for holder in holders if holder.num_blocks == best]
+    return sort_holders(holders)

@@ -3,7 +3,8 @@
 Contract: ``BlockIndex`` in ``protocol.py`` (docs/architecture.md, "The block index"). Every
 call is one ``EVALSHA`` of a server-side Lua script; a server that does not know the script
 (restarted, flushed) gets the call again as ``EVAL`` with the source, which also caches it
-there. A longest-prefix lookup of any number of hashes costs one round trip. Writes go through
+there. A longest-prefix lookup of any number of hashes costs one round trip, and so do the lookups
+of many prompts at once (``longest_prefixes``: ``redis_lookup_many.py``). Writes go through
 the client's ``execute_command``; the lookups (``longest_prefix``, ``get_block_ids``) are packed
 here and sent on a connection of the client's pool that the calling thread keeps
 (``redis_direct.py``: redis-py's generic command path and the pool's hand-out cost a lookup
@@ -37,13 +38,12 @@ from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from . import redis_held_lookup as held
+from . import redis_lookup_many as many
 from . import redis_scripts as scripts
 from .protocol import (
-    CODE_TO_TIER,
     INCARNATION_DIGITS,
     NO_HIT,
     TIER_TO_CODE,
-    Holder,
     IndexNamespace,
     IndexOp,
     IndexStats,
@@ -58,7 +58,6 @@ from .protocol import (
     check_ttl,
     events_to_ops,
     join_keys,
-    sort_holders,
 )
 from .reachability import Reachability
 from .redis_direct import LEFT_TO_GENERIC_PATH, HeldConnections, ScriptHead
@@ -98,6 +97,7 @@ _PUBLISH = _script(scripts.PUBLISH_LUA)
 _LOOKUP = _script(scripts.LOOKUP_LUA)
 _GET_BLOCK_IDS = _script(held.GET_BLOCK_IDS_LUA)
 _LOOKUP_HELD = _script(held.LOOKUP_HELD_LUA)
+_LOOKUP_MANY = _script(many.LOOKUP_MANY_LUA)
 _PUBLISH_REPLY_TO_STATUS: dict[Any, str] = {1: "ok", 0: "fenced", 2: "gap", 3: "replayed"}
 
 
@@ -337,34 +337,38 @@ class RedisBlockIndex:
             )
         reply = self._call_direct(
             "lookup", _LOOKUP, self._prompt_prefix(keys[:key_len]), key_len, keys,
-            b"1" if all_holders else b"0",
-            len(group_ids), *group_ids, *exclude_node_ids,
+            b"1" if all_holders else b"0", len(group_ids), *group_ids, *exclude_node_ids,
         )
         if reply is None:
             self.stats.lookups_failed += 1
             return NO_HIT
-        # reply: garbage count, then 4 per holder: node id, incarnation (20 digits), run, tier.
-        self.stats.count_garbage(reply[0], self._clock())
-        if len(reply) == 1:
-            return NO_HIT
-        self.stats.lookup_hits += 1
-        if len(reply) == 5:
-            holder = Holder(reply[1].decode(), int(reply[2]), reply[3], CODE_TO_TIER[reply[4]])
-            return PrefixHit(holder.num_blocks, (holder,))
-        return sort_holders([
-            Holder(reply[i].decode(), int(reply[i + 1]), reply[i + 2], CODE_TO_TIER[reply[i + 3]])
-            for i in range(1, len(reply), 4)
-        ])
+        return many.hit_of_reply(reply, self.stats, self._clock())
+
+    def longest_prefixes(
+        self, prompts: Sequence[Sequence[bytes]], group_ids: Sequence[int] = (0,), *,
+        exclude_node_ids: Iterable[str] = (), hit_rule: PrefixHitRule | None = None,
+    ) -> list[PrefixHit]:
+        # One EVALSHA per server (a cluster: per bucket) for them all (redis_lookup_many.py).
+        excluded = tuple(exclude_node_ids)
+        if not group_ids or (hit_rule is not None and not hit_rule.only_full_attention):
+            return [self.longest_prefix(hashes, group_ids, exclude_node_ids=excluded,
+                                        hit_rule=hit_rule) for hashes in prompts]
+        hits = [NO_HIT] * len(prompts)
+        self.stats.lookups += len(prompts)
+        for prefix, call in many.calls_of(prompts, self._key_hash_bytes, self._prompt_prefix):
+            reply = self._call_direct(
+                "lookup", _LOOKUP_MANY, *many.lookup_many_args(prefix, call, group_ids, excluded))
+            if reply is None:
+                self.stats.lookups_failed += len(call)
+                continue
+            now_s = self._clock()
+            for i, one in many.replies_of(call, reply):
+                hits[i] = many.hit_of_reply(one, self.stats, now_s)
+        return hits
 
     def _lookup_held(
-        self,
-        block_hashes: Sequence[bytes],
-        keys: bytes,
-        key_len: int,
-        group_ids: Sequence[int],
-        hit_rule: PrefixHitRule,
-        exclude_node_ids: Sequence[str],
-        all_holders: bool,
+        self, block_hashes: Sequence[bytes], keys: bytes, key_len: int, group_ids: Sequence[int],
+        hit_rule: PrefixHitRule, exclude_node_ids: Sequence[str], all_holders: bool,
     ) -> PrefixHit:
         """``longest_prefix`` under a hit rule with a group that is not full attention."""
         prefix = self._prompt_prefix(keys[:key_len])
@@ -381,10 +385,7 @@ class RedisBlockIndex:
             self.stats.lookups_failed += 1
             return NO_HIT
         self.stats.count_garbage(garbage, self._clock())
-        if holders and not all_holders:
-            best = max(holder.num_blocks for holder in holders)
-            holders = [holder for holder in holders if holder.num_blocks == best]
-        hit = sort_holders(holders)
+        hit = held.hit_of_holders(holders, all_holders)
         if hit.num_blocks:
             self.stats.lookup_hits += 1
         return hit

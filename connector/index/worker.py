@@ -3,13 +3,15 @@
 docs/architecture.md, "The two connector halves": a scheduling step never waits on the network. The
 engine thread hands ``IndexWorker`` work through two bounded queues and never waits on it; the
 worker thread makes every backend call after ``start``: heartbeats (and registering again when
-fenced), the node's publish batches in the order they were accepted, and remote-prefix lookups
-(``lookup.resolve_remote_prefix``). One thread for all three keeps publishes ordered behind the
-registration they need and gives each backend counter one writer.
+fenced), the node's publish batches in the order they were accepted, and remote-prefix lookups.
+One thread for all three keeps publishes ordered behind the registration they need and gives
+each backend counter one writer.
 
-Each loop turn: a heartbeat if one is due, then one lookup (latency first), then every queued
-publish batch (up to ``_MAX_OPS_PER_SEND`` ops) in one backend call. Queue sizes count ops (one
-per block hash of an event, ``protocol.events_to_ops``), which bound memory and send cost.
+Each loop turn: a heartbeat if one is due, then every queued lookup (latency first) in one
+index call (``lookup.resolve_remote_prefixes``: the lookups an engine step started cost one round
+trip), then every queued publish batch (up to ``_MAX_OPS_PER_SEND`` ops) in one backend call.
+Queue sizes count ops (one per block hash of an event, ``protocol.events_to_ops``), which bound
+memory and send cost.
 
 Batches are numbered ``1, 2, ...`` as accepted (``protocol.py``). A batch that may be lost (full
 queue, a call that failed or timed out, ``"gap"``, a lapsed registration) starts resync mode: no
@@ -29,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .jobs import Batch, LookupJob, PublishQueue, count_ops
-from .lookup import LookupResult, resolve_remote_prefix
+from .lookup import LookupQuery, LookupResult, resolve_remote_prefixes
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
 
@@ -58,7 +60,7 @@ class IndexWorker:
     Thread model (each piece of mutable state and its owner):
 
     - under ``_lock`` (held only for queue operations, never across a backend call): the lookup
-      queue ``_lookups``, the running job ``_running``, the publish queue ``_queue``, the
+      queue ``_lookups``, the running jobs ``_running``, the publish queue ``_queue``, the
       accepted/done batch counts, ``_needs_resync``, the loss counts,
       ``_resync_wanted``, ``_stopping`` and ``_abandoned``;
     - the worker thread alone: ``_next_heartbeat_s``, ``num_reregistrations`` (others read it),
@@ -107,7 +109,7 @@ class IndexWorker:
         self._work = threading.Condition(self._lock)  # the worker waits for work on it
         self._done = threading.Condition(self._lock)  # flush waits for sent batches on it
         self._lookups: deque[LookupJob] = deque()
-        self._running: LookupJob | None = None
+        self._running: list[LookupJob] = []
         self._queue = PublishQueue()
         self._whole_set_in_call = False  # the worker is sending a batch of a resync's set
         self._num_batches_accepted = 0
@@ -171,7 +173,7 @@ class IndexWorker:
     def num_lookups_in_flight(self) -> int:
         """Lookups queued or running (a running one counts even once its caller gave up)."""
         with self._lock:
-            return len(self._lookups) + (self._running is not None)
+            return len(self._lookups) + len(self._running)
 
     def submit_lookup(self, job: LookupJob) -> bool:
         """Queue ``job``; False (nothing queued) when ``max_lookups_in_flight`` are in flight."""
@@ -179,7 +181,7 @@ class IndexWorker:
             if self._stopping:
                 job.result = _UNAVAILABLE
                 return True
-            if len(self._lookups) + (self._running is not None) >= self.max_lookups_in_flight:
+            if len(self._lookups) + len(self._running) >= self.max_lookups_in_flight:
                 return False
             self._lookups.append(job)
             self._work.notify()
@@ -275,18 +277,18 @@ class IndexWorker:
                     self._work.wait(wait_s)
                 if self._stopping:
                     break
-                job = self._running = self._lookups.popleft() if self._lookups else None
+                jobs = self._running = list(self._lookups)
+                self._lookups.clear()
                 batches = self._take_batches()
             try:
                 if self._clock() >= self._next_heartbeat_s:
                     self._heartbeat()
             except Exception:
                 logger.exception("index: heartbeat of %s failed", self.node_id)
-            if job is not None:
-                result = self._resolve(job)
+            if jobs:
+                self._resolve(jobs)
                 with self._lock:
-                    job.result = result
-                    self._running = None
+                    self._running = []
             if batches:
                 self._send(batches)
                 with self._lock:
@@ -324,23 +326,30 @@ class IndexWorker:
             self._done.notify_all()
         return batches
 
-    def _resolve(self, job: LookupJob) -> LookupResult:
-        if self._clock() >= job.deadline_s:
-            return _TIMED_OUT  # its caller has given up (or will at its next poll)
+    def _resolve(self, jobs: list[LookupJob]) -> None:
+        """Answer ``jobs`` together, each ``result`` once, under the lock, once known."""
+        now_s = self._clock()
+        live = [job for job in jobs if now_s < job.deadline_s]
+        queries = [LookupQuery(job.block_hashes, job.num_local_blocks, job.min_gain_blocks)
+                   for job in live]
+
+        def answer(i: int, result: LookupResult) -> None:
+            with self._lock:
+                live[i].result = result
+
+        with self._lock:
+            for job in jobs:  # past its deadline: not asked (its caller has given up)
+                if job.deadline_s <= now_s:
+                    job.result = _TIMED_OUT
         try:
-            return resolve_remote_prefix(
-                self.index,
-                self.directory,
-                node_id=self.node_id,
-                group_ids=self.group_ids,
-                block_hashes=job.block_hashes,
-                num_local_blocks=job.num_local_blocks,
-                min_gain_blocks=job.min_gain_blocks,
-                hit_rule=self.hit_rule,
-            )
+            resolve_remote_prefixes(self.index, self.directory, node_id=self.node_id,
+                                    group_ids=self.group_ids, queries=queries, answer=answer,
+                                    hit_rule=self.hit_rule)
         except Exception:
-            logger.exception("index: lookup %r of %s failed", job.key, self.node_id)
-            return _UNAVAILABLE
+            logger.exception("index: %d lookup(s) of %s failed", len(live), self.node_id)
+            with self._lock:
+                for job in live:
+                    job.result = job.result or _UNAVAILABLE
 
     def _send(self, batches: list[Batch]) -> None:
         """Publish the batches as one call numbered ``(first seq, last seq)``; if one holds a

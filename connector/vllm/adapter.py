@@ -93,6 +93,9 @@ PARAMS_ERROR_KEY = "kvbridge_error"
 its own params were malformed: ``"kv_transfer_params.<field>: <problem>; computed locally"``."""
 
 
+_ASK_AGAIN = (None, False)  # get_num_new_matched_tokens: no answer yet
+
+
 class _StepOrders(KVConnectorMetadata):
     """One step's ``KVBridgeConnectorMetadata`` as msgpack bytes."""
 
@@ -261,27 +264,26 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(params, dict):
                 params["do_remote_prefill"] = False  # never parsed (or counted) again
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        matched = self._sched().get_num_new_matched_tokens(
-            RequestView.of(request), num_computed_tokens
-        )
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``(None, False)`` ("ask again") while the request's index lookup is out, in O(1)
+        (vLLM asks at every step: ``index_lookup_pending``); else the scheduler half's answer."""
+        sched = self._sched()
+        if sched.index_lookup_pending(request.request_id):
+            return _ASK_AGAIN
+        matched = sched.get_num_new_matched_tokens(RequestView.of(request), num_computed_tokens)
         return matched.num_external_tokens, matched.load_kv_async
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         tier = self._sched().match_tier(request.request_id)
         if tier is not None and num_external_tokens > 0:
             self._hit_tiers[request.request_id] = tier
-        self._sched().update_state_after_alloc(
-            RequestView.of(request), blocks, num_external_tokens
-        )
+        self._sched().update_state_after_alloc(RequestView.of(request), blocks,
+                                               num_external_tokens)
 
-    def get_external_cache_hit_sources(
-        self, request: Request, num_external_tokens: int
-    ) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Where ``num_external_tokens`` came from (vLLM calls it right after
         ``update_state_after_alloc``): another node's blocks are ``P2P``, the store tier's
         ``EXTERNAL_UNSPECIFIED``."""
@@ -307,9 +309,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             for meta in metas:
                 self._tap.observe_load_s(meta.stats.transfer_s)
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A single-group engine's ``request_finished_all_groups`` (vLLM calls this one only
         for a connector that is not ``SupportsHMA``; kept for callers that still do)."""
         return self.request_finished_all_groups(request, (list(block_ids),))

@@ -50,22 +50,24 @@ class _JournaledMap(BlockHashToBlockMap):
 
     def __init__(self, mirror: PrefixCacheMirror, entries: BlockHashToBlockMap) -> None:
         super().__init__()
-        self._mirror = mirror
+        self._record_insert, self._record_pop = mirror.recorders  # one C call per change
         self._cache = entries._cache  # adopt the pool's entries as they are
         for key in self._cache:
             mirror.record_insert(key, self.block_id_of(key))
 
     def insert(self, key: Any, block: Any) -> None:
-        super().insert(key, block)
-        self._mirror.record_insert(key, block.block_id)
+        BlockHashToBlockMap.insert(self, key, block)
+        self._record_insert(key, block.block_id)
 
     def pop(self, key: Any, block_id: int) -> Any:
-        block = super().pop(key, block_id)
+        block = BlockHashToBlockMap.pop(self, key, block_id)
         if block is not None:
-            self._mirror.record_pop(key, block_id)
+            self._record_pop((key, block_id))
         return block
 
     def block_id_of(self, key: Any) -> int | None:
+        if key not in self._cache:  # (a key that lost its last block: the usual ask)
+            return None
         block = self.get_one_block(key)
         return None if block is None else block.block_id
 

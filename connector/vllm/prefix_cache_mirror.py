@@ -41,7 +41,9 @@ Owner: the engine thread (vLLM's scheduler thread); nothing here is shared.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlock
@@ -70,6 +72,8 @@ class PrefixCacheMirror:
         self._block_of_key: dict[bytes, int] = {}  # key -> the block reported as holding it
         self._parent_of_key: dict[bytes, bytes | None] = {}  # reported keys' parent hashes
         self._new_parents: dict[bytes, bytes | None] = {}  # since the last take
+        self._new_hashes: dict[bytes, bytes] = {}  # their keys' block hashes
+        self._new_groups: set[int] = set()  # their groups
         self._inserted: dict[bytes, int] = {}  # key -> first block inserted since the last take
         self._popped: list[tuple[bytes, int]] = []  # (key, block id) popped since, in order
         self._cleared = False
@@ -84,6 +88,14 @@ class PrefixCacheMirror:
 
     def record_pop(self, key: bytes, block_id: int) -> None:
         self._popped.append((key, block_id))
+
+    @property
+    def recorders(self) -> tuple[Callable[[bytes, int], Any], Callable[[tuple[bytes, int]], Any]]:
+        """``record_insert`` and ``record_pop`` as the bound C methods they come down to
+        (``insert(key, block_id)``, ``pop((key, block_id))``), valid for the mirror's life: the
+        map's ``insert`` and ``pop`` run inside vLLM's step once per block, so they call these
+        without a Python frame of their own."""
+        return self._inserted.setdefault, self._popped.append
 
     def record_clear(self) -> None:
         """The map was emptied: every change recorded before is superseded."""
@@ -104,11 +116,12 @@ class PrefixCacheMirror:
         if start >= stop:
             return
         suffix = make_block_hash_with_group_id(b"", group_id)
-        parents = self._new_parents
-        parent = block_hashes[start - 1] if start > 0 else None
-        for block_hash in block_hashes[start:stop]:
-            parents[block_hash + suffix] = parent
-            parent = block_hash
+        hashes = block_hashes[start:stop]
+        parents = [block_hashes[start - 1] if start > 0 else None, *hashes[:-1]]
+        keys = [h + suffix for h in hashes]
+        self._new_parents.update(zip(keys, parents, strict=True))
+        self._new_hashes.update(zip(keys, hashes, strict=True))
+        self._new_groups.add(group_id)
 
     # ------------------------------------------------------------------ the step's batch
     def take_events(
@@ -135,11 +148,98 @@ class PrefixCacheMirror:
             reported.clear()
             self._parent_of_key.clear()
             self._cleared = False
+        inserted, popped_in_order = self._inserted, self._popped
+        if not popped_in_order and self._only_new_chains():
+            self._take_new_chains(events)
+            return events
         removed: list[bytes] = []  # their parents are kept until the stores below are done
-        popped: set[bytes] = set()
+        # (key, first block inserted since the last take or None): the keys that gained a block,
+        # then those that only lost one
+        touched: Iterable[tuple[bytes, int | None]] = inserted.items()
+        popped: dict[bytes, int] = {}  # keys that lost a block (empty: none did)
+        if popped_in_order:
+            popped = self._take_removals(events, removed)
+            touched = itertools.chain(touched, ((key, None) for key in popped
+                                                if key not in inserted))
+        run = _Run(self.block_size, events)
+        new_parents, parent_of_key = self._new_parents, self._parent_of_key
+        for key, first_block_id in touched:
+            block_id = reported.get(key)
+            if block_id is not None:
+                if holds(key, block_id):
+                    continue  # still where it was reported
+                # Lost without a recorded pop: the map changed behind the follower's back.
+                del reported[key]
+                removed.append(key)
+                run.flush()
+                events.append(self._removed(key, block_id))
+                block_id = block_of(key)
+            elif first_block_id is None or key in popped:
+                block_id = block_of(key)
+            else:  # gained a block, lost none, not reported: the first one it gained
+                block_id = first_block_id
+            if block_id is None:
+                continue
+            parent = new_parents[key] if key in new_parents else parent_of_key.get(key)
+            reported[key] = block_id
+            parent_of_key[key] = parent
+            run.add(key, block_id, parent)
+        run.flush()
+        for key in removed:
+            if key not in reported:
+                parent_of_key.pop(key, None)
+        inserted.clear()
+        self._popped.clear()
+        self._forget_parents()
+        return events
+
+    def _only_new_chains(self) -> bool:
+        """True when every key that gained a block since the last take was not reported and
+        had its parent noted by ``record_parents``, in one group (a step that only cached new
+        blocks: the usual one). Set operations on the keys, no Python loop."""
+        inserted = self._inserted
+        return len(self._new_groups) <= 1 and self._block_of_key.keys().isdisjoint(inserted) \
+            and inserted.keys() <= self._new_parents.keys()
+
+    def _take_new_chains(self, events: list[Any]) -> None:
+        """``take_events`` when nothing was popped and ``_only_new_chains``: each key is
+        reported with the first block it gained and the parent ``record_parents`` noted, the
+        stores cut into chains as ``_Run`` cuts them, with C-level list and map operations
+        rather than a loop body per key (this runs inside vLLM's ``schedule()``)."""
+        inserted = self._inserted
+        keys = list(inserted)
+        if keys:
+            (group_id,) = self._new_groups
+            block_ids = list(inserted.values())
+            parents = list(map(self._new_parents.__getitem__, keys))
+            hashes = list(map(self._new_hashes.__getitem__, keys))
+            self._block_of_key.update(inserted)
+            self._parent_of_key.update(zip(keys, parents, strict=True))
+            # a chain goes on while a key's parent is the hash before it
+            cuts = list(itertools.compress(range(1, len(keys)), map(
+                operator.ne, itertools.islice(parents, 1, None), hashes)))
+            for start, stop in zip([0, *cuts], [*cuts, len(keys)], strict=True):
+                events.append(BlockStored(
+                    block_hashes=hashes[start:stop], parent_block_hash=parents[start],
+                    token_ids=[], block_size=self.block_size, lora_name=None, medium=None,
+                    group_id=group_id, block_ids=block_ids[start:stop]))
+        inserted.clear()
+        self._forget_parents()  # (those of blocks never inserted too)
+
+    def _forget_parents(self) -> None:
+        self._new_parents.clear()
+        self._new_hashes.clear()
+        self._new_groups.clear()
+
+    def _take_removals(self, events: list[Any], removed: list[bytes]) -> dict[bytes, int]:
+        """The recorded pops that removed a reported block, as ``BlockRemoved`` events (one per
+        group) appended to ``events``, their keys to ``removed``; returns every popped key (in
+        first-pop order)."""
+        reported = self._block_of_key
+        popped: dict[bytes, int] = {}
         gone: dict[bytes, tuple[list[bytes], list[int]]] = {}  # group suffix -> hashes, ids
         for key, block_id in self._popped:
-            popped.add(key)
+            popped[key] = block_id
             if reported.get(key) == block_id:
                 del reported[key]
                 removed.append(key)
@@ -151,41 +251,7 @@ class PrefixCacheMirror:
                          block_ids=block_ids)
             for suffix, (hashes, block_ids) in gone.items()
         )
-        inserted = self._inserted
-        touched = list(inserted)
-        touched.extend(key for key in dict.fromkeys(key for key, _ in self._popped)
-                       if key not in inserted)
-        run = _Run(self.block_size, events)
-        new_parents, parent_of_key = self._new_parents, self._parent_of_key
-        for key in touched:
-            block_id = reported.get(key)
-            if block_id is not None:
-                if holds(key, block_id):
-                    continue  # still where it was reported
-                # Lost without a recorded pop: the map changed behind the follower's back.
-                del reported[key]
-                removed.append(key)
-                run.flush()
-                events.append(self._removed(key, block_id))
-                block_id = block_of(key)
-            elif key in popped or key not in inserted:
-                block_id = block_of(key)
-            else:  # gained a block, lost none, not reported: the first one it gained
-                block_id = inserted[key]
-            if block_id is None:
-                continue
-            parent = new_parents.get(key, parent_of_key.get(key))
-            reported[key] = block_id
-            parent_of_key[key] = parent
-            run.add(key, block_id, parent)
-        run.flush()
-        for key in removed:
-            if key not in reported:
-                parent_of_key.pop(key, None)
-        inserted.clear()
-        self._popped.clear()
-        new_parents.clear()
-        return events
+        return popped
 
     def snapshot_cached_blocks(self) -> list[CachedBlock]:
         """Every key reported as held and its block: the state the events taken so far describe
@@ -220,13 +286,12 @@ class _Run:
         self._parent: bytes | None = None
 
     def add(self, key: bytes, block_id: int, parent: bytes | None) -> None:
-        block_hash, suffix = key[:-_GROUP_ID_BYTES], key[-_GROUP_ID_BYTES:]
         hashes = self._hashes
-        if not hashes or suffix != self._suffix or parent != hashes[-1]:
+        if not hashes or parent != hashes[-1] or not key.endswith(self._suffix):
             self.flush()
-            self._suffix, self._parent = suffix, parent
+            self._suffix, self._parent = key[-_GROUP_ID_BYTES:], parent
             hashes = self._hashes
-        hashes.append(block_hash)
+        hashes.append(key[:-_GROUP_ID_BYTES])
         self._block_ids.append(block_id)
 
     def flush(self) -> None:

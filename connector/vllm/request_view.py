@@ -9,8 +9,7 @@ Owner: the scheduler half's thread (vLLM's engine core), the only caller of ``Re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvbridge.kvmanager.request import RequestStatus
 
@@ -18,10 +17,10 @@ __all__ = ["RequestView"]
 
 
 _STATUS_BY_NAME = {status.name: status for status in RequestStatus}
+_UNKNOWN_STATUS = RequestStatus.FINISHED_ERROR
 
 
-@dataclass(frozen=True, slots=True)
-class RequestView:
+class RequestView(NamedTuple):
     """What kvbridge's scheduler half reads of a vLLM ``Request`` (vllm/v1/request.py).
 
     ``kv_transfer_params`` is vLLM's dict itself (the half marks a used ticket in it, as vLLM's
@@ -29,7 +28,9 @@ class RequestView:
     error: nothing is handed over for it). ``prompt_token_ids``, ``lora_name`` and
     ``cache_salt`` feed a ticket's ``prompt_digest``; ``prompt_token_ids`` is
     None for a prompt whose inputs are not all token ids (prompt embeddings, multimodal
-    features), which then gets no digest.
+    features), which then gets no digest. Immutable; built once per call of the adapter's
+    scheduler methods, so its construction is kept to one tuple (vLLM asks for every waiting
+    request each step).
     """
 
     request_id: str
@@ -45,18 +46,19 @@ class RequestView:
 
     @classmethod
     def of(cls, request: Any) -> RequestView:
-        status = getattr(request.status, "name", str(request.status))
+        status = request.status
+        name = getattr(status, "name", None)
         return cls(
-            request_id=request.request_id,
-            kv_transfer_params=request.kv_transfer_params,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_tokens=request.num_tokens,
-            block_hashes=request.block_hashes,
-            skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
-            status=_STATUS_BY_NAME.get(status, RequestStatus.FINISHED_ERROR),
-            prompt_token_ids=_plain_prompt_token_ids(request),
-            lora_name=getattr(getattr(request, "lora_request", None), "lora_name", None),
-            cache_salt=getattr(request, "cache_salt", None),
+            request.request_id,
+            request.kv_transfer_params,
+            request.num_prompt_tokens,
+            request.num_tokens,
+            request.block_hashes,
+            bool(getattr(request, "skip_reading_prefix_cache", False)),
+            _STATUS_BY_NAME.get(str(status) if name is None else name, _UNKNOWN_STATUS),
+            _plain_prompt_token_ids(request),
+            getattr(getattr(request, "lora_request", None), "lora_name", None),
+            getattr(request, "cache_salt", None),
         )
 
 

@@ -127,20 +127,24 @@ class HeldLookups:
 
     def __init__(self, scheduler) -> None:
         self._index = client_of(scheduler).index
-        self._original = self._index.longest_prefix
         self.arrived = threading.Event()
         self._released = threading.Event()
+        # one lookup, or the lookups queued together (longest_prefixes)
+        for name in ("longest_prefix", "longest_prefixes"):
+            setattr(self._index, name, self._held(getattr(self._index, name)))
 
+    def _held(self, original):
         def held(*args, **kwargs):
             self.arrived.set()
             self._released.wait(10.0)
-            return self._original(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        self._index.longest_prefix = held
+        return held
 
     def release(self) -> None:
         self._released.set()
         del self._index.longest_prefix  # the shared index object answers at once again
+        del self._index.longest_prefixes
 
 
 @pytest.fixture
@@ -271,6 +275,38 @@ def test_a_pending_lookup_waits_without_holding_up_others_and_pulls_a_step_later
     stats = connector_of(b).stats
     # One lookup per new request (the 40-token one's answered at once), one hit.
     assert (stats.num_index_lookups, stats.num_index_hits, stats.remote_hit_tokens) == (2, 1, 320)
+    run(b)
+
+
+def test_a_pending_lookup_is_asked_again_in_o1_without_reading_the_request(pair, monkeypatch):
+    # vLLM asks about every waiting request at every step while the answer is out (a burst of
+    # new requests: each of them, each step); those re-asks must not rebuild the request's view
+    # (a dozen attribute reads and a tuple per request per step inside schedule()).
+    from kvbridge.connector.vllm import adapter
+
+    a, b = pair
+    shared = _prompt(8, 320)
+    _cached_on_a(a, shared)
+    held = HeldLookups(b)
+    request = make_request(shared + _prompt(9, 45), max_tokens=1)
+    b.add_request(request)
+    step(b, **ours())
+    assert held.arrived.wait(5.0)
+    connector = connector_of(b)
+    asked, views = [], []
+    ask = connector.get_num_new_matched_tokens
+    view_of = adapter.RequestView.of
+    monkeypatch.setattr(connector, "get_num_new_matched_tokens",
+                        lambda *args: asked.append(ask(*args)) or asked[-1])
+    monkeypatch.setattr(adapter.RequestView, "of", lambda r: views.append(r) or view_of(r))
+    for _ in range(3):
+        assert step(b, **ours()).scheduled == {}
+    assert asked == [(None, False)] * 3 and views == []
+    held.release()
+    wait_lookups(b)
+    answered = step(b, **ours())  # the answer is read with the request: one view
+    assert len(views) >= 1 and answered.meta.pulls
+    step(b, **ours(finished_recving=[request.request_id]))
     run(b)
 
 
