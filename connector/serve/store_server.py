@@ -38,7 +38,10 @@ from .cli import CommandParser, announce, wait_for_stop
 
 __all__ = ["DEFAULT_MAX_SHELVES", "main"]
 
-DEFAULT_MAX_SHELVES = 4
+DEFAULT_MAX_SHELVES = 1
+"""One geometry with all of ``--capacity-bytes`` unless the operator asks for more shelves:
+shelves take fixed equal shares, so a default of several would leave a one-model fleet a
+fraction of the memory it gave the store."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="host memory for blocks, all shelves together")
     parser.add_argument("--max-shelves", type=int, default=DEFAULT_MAX_SHELVES,
                         help="block geometries kept at most, each in capacity-bytes / "
-                        "max-shelves; 1: one geometry with all of it")
+                        "max-shelves (default 1: one geometry with all of it)")
     parser.add_argument("--index-url", required=True, help="redis://host:port/db")
     parser.add_argument("--engine-id", default="store-0")
     parser.add_argument("--read-guard-s", type=float, default=30.0)

@@ -56,14 +56,14 @@ from _harness import (
     tokens,
 )
 from _store_process import StoreProcess
-from kvbridge.connector.serve.store_server import DEFAULT_MAX_SHELVES
 
 A_KV_BYTES = 6 << 20  # 192 blocks of 32 tokens (32 KiB a block: 2 layers, 2 KV heads, fp32)
 N_NEW = 8
 PROMPT_LEN = 1500  # 46 full blocks cached; 48 blocks in use with the decoded tokens
 PROMPTS = {f"s{i}": tokens(300 + i, PROMPT_LEN) for i in range(1, 7)}
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # what a lookup may restore (never the last token)
-STORE_BYTES = 256 * 32768 * DEFAULT_MAX_SHELVES  # 256 blocks a shelf
+SHELVES = 2  # A's float32 blocks and D's bfloat16 ones
+STORE_BYTES = 256 * 32768 * SHELVES  # 256 blocks a shelf
 
 
 def _logged_profile(log_path, pattern: str, timeout_s: float = 30.0) -> dict:
@@ -132,7 +132,7 @@ def tier(tiny_llama, log_dir, redis_server):
              kv_transfer_config=kvbridge_config("both", "store-engine-c",
                                                 index_url=redis_server.url, load_timeout_s=5.0))
     store = StoreProcess(redis_server.url, write_port, log_dir / "store.log",
-                         capacity_bytes=STORE_BYTES)
+                         capacity_bytes=STORE_BYTES, max_shelves=SHELVES)
     try:
         start_nodes(a, c)
     except BaseException:

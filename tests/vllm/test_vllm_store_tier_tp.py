@@ -29,7 +29,6 @@ import time
 import pytest
 from _harness import BLOCK, Node, assert_drained, free_port, kvbridge_config, request, tokens
 from _store_process import StoreProcess
-from kvbridge.connector.serve.store_server import DEFAULT_MAX_SHELVES
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 RANK_BLOCK_BYTES = 16384  # one rank's block: 32 tokens x 1 KV head x (K, V) x 32 x fp32 x 2 layers
@@ -38,7 +37,7 @@ N_NEW = 8
 PROMPT_LEN = 1500  # 46 full blocks cached; 48 blocks in use with the decoded tokens
 PROMPTS = {f"t{i}": tokens(700 + i, PROMPT_LEN) for i in range(1, 6)}
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # what a lookup may restore (never the last token)
-STORE_BYTES = 256 * 2 * RANK_BLOCK_BYTES * DEFAULT_MAX_SHELVES  # 256 whole blocks a shelf
+STORE_BYTES = 256 * 2 * RANK_BLOCK_BYTES  # 256 whole blocks (one shelf: kvbridge-store's default)
 
 
 @pytest.fixture(scope="module")
