@@ -352,12 +352,17 @@ class LeaseTable:
         """Whether a lease ``request_id`` with ``token`` may yet be granted here, so that a read
         it refused now may be served when asked again: False when such a lease is held (held
         or expired: its blocks are what they will be), ended (one of the last ``_MAX_ENDED``),
-        or was released before its grant; True otherwise, a lease held with another token
-        included (a read without the ticket's token learns nothing of the lease). Any thread.
+        or was released before its grant by every rank of its puller; True otherwise, a lease
+        held with another token included (a read without the ticket's token learns nothing of
+        the lease), and a lease only some puller ranks released early (tensor parallel: a fast
+        decode rank lets go of every prefill rank, and another decode rank may still have to
+        read this one, which has not been handed the lease yet). Any thread.
         """
         with self._lock:
             lease = self._leases.get(request_id)
             early = self._released_early.get(request_id)
+            if early is not None and len(early.released_by) < early.num_pullers:
+                early = None  # other puller ranks may still read under it
             known = (
                 lease.token
                 if lease is not None

@@ -164,6 +164,24 @@ def test_only_a_lease_not_yet_granted_is_pending():
     assert not leases.grant_pending("r3", "tok")
 
 
+def test_a_lease_some_decode_ranks_let_go_of_before_its_grant_is_still_pending():
+    """Tensor parallel: decode rank 0 read its heads from prefill rank 0 and let go of every
+    prefill rank, rank 1 included, before prefill rank 1's worker was handed the lease; decode
+    rank 1 has still to read from it. Its read refused now must be asked again (it was final,
+    and decode rank 1's load failed now and then: tests/vllm/test_pd_tp.py in CI)."""
+    leases = LeaseTable(lease_s=10.0)
+    assert not leases.release("r1", "tok", puller_rank=0, num_pullers=2)
+    assert leases.grant_pending("r1", "tok")  # rank 1 of the puller may still read
+    leases.grant("r1", [[3, 4]], [b"h3"], token="tok")
+    assert leases.is_held("r1")  # one rank's release does not end it
+    assert leases.release("r1", "tok", puller_rank=1, num_pullers=2)
+    assert not leases.is_held("r1")
+    # every rank let go before the grant: the lease is over before it starts
+    assert not leases.release("r2", "tok", puller_rank=1, num_pullers=2)
+    assert not leases.release("r2", "tok", puller_rank=0, num_pullers=2)
+    assert not leases.grant_pending("r2", "tok")
+
+
 def _request(tokens, **kwargs):
     from kvbridge.kvmanager.block_hash import get_request_block_hasher
     from kvbridge.kvmanager.request import Request
