@@ -10,7 +10,6 @@ marker: stores list at once, as before.
 from __future__ import annotations
 
 import torch
-
 from kvbridge.connector.forward_marker import forward_done_marker
 from kvbridge.connector.holder import HeldBlockHashes
 from kvbridge.connector.metadata import BlockHashDelta
