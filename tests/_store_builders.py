@@ -1,9 +1,12 @@
-"""Builders for store-tier tests: a started store node of the tiny model's blocks."""
+"""Builders for store-tier tests: a started store node of the tiny model's blocks, and a store
+that takes its geometry from its first writer."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from _engine_builders import tiny_model
-from kvbridge.connector.store import StoreNode, start_store_node
+from kvbridge.connector.store import StoreNode, close_store_node, start_store_node
 from kvbridge.transport import LoopbackNetwork
 
 BLOCK_SIZE = 16
@@ -26,3 +29,16 @@ def make_store(
         **kw,
     )
     return start_store_node(node)
+
+
+def learning_store(redis_url: str, capacity_bytes: int) -> Iterator[StoreNode]:
+    """A started loopback store with no geometry (its first writer's hello gives it one),
+    publishing to ``redis_url`` with a 5 s index TTL; closed when the generator ends (the body
+    of a pytest fixture: ``yield from learning_store(...)``)."""
+    node = start_store_node(StoreNode(capacity_bytes=capacity_bytes, index_url=redis_url,
+                                      transport="loopback", loopback_network=LoopbackNetwork(),
+                                      index_ttl_s=5.0))
+    try:
+        yield node
+    finally:
+        close_store_node(node)

@@ -13,6 +13,7 @@ import socket
 import msgpack
 import pytest
 import torch
+from _store_builders import learning_store
 from kvbridge.connector.index import IndexNamespace
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.store import (
@@ -23,8 +24,6 @@ from kvbridge.connector.store import (
     PutRequest,
     StoreNode,
     StoreWireError,
-    close_store_node,
-    start_store_node,
 )
 from kvbridge.connector.store.profile import StoreProfile
 from kvbridge.connector.store.wire import (
@@ -33,7 +32,7 @@ from kvbridge.connector.store.wire import (
     decode_header,
     encode_hello,
 )
-from kvbridge.transport import HandshakeError, LoopbackNetwork, NodeMetadata, check_compatible
+from kvbridge.transport import HandshakeError, NodeMetadata, check_compatible
 
 BLOCK_BYTES = 2 * 16 * 2 * 8 * 4  # one layer's block: [2, 16, 2, 8] float32
 
@@ -51,11 +50,7 @@ def _writer(name: str, *, block_size: int = 16) -> tuple[list[torch.Tensor], Nod
 
 @pytest.fixture
 def store(redis_url):
-    node = start_store_node(StoreNode(capacity_bytes=8 * 2 * BLOCK_BYTES, index_url=redis_url,
-                                      transport="loopback", loopback_network=LoopbackNetwork(),
-                                      index_ttl_s=5.0))
-    yield node
-    close_store_node(node)
+    yield from learning_store(redis_url, 8 * 2 * BLOCK_BYTES)
 
 
 def _sender(store: StoreNode, caches, metadata, stats: KVTransferStats) -> OffloadSender:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _store_builders import learning_store
 from kvbridge.connector.errors import KVTransferConfigError
 from kvbridge.connector.index import open_index
 from kvbridge.connector.loop_thread import get_loop_thread
@@ -22,14 +23,12 @@ from kvbridge.connector.store import (
     PutRequest,
     StoreNode,
     StoreWireError,
-    close_store_node,
-    start_store_node,
 )
 from kvbridge.connector.store.cache import StoreCache
 from kvbridge.connector.store.profile import StoreProfile
 from kvbridge.connector.store.slices import HeadSlice
 from kvbridge.connector.store.writer import StoreWriter
-from kvbridge.transport import KVHeads, LoopbackNetwork, NodeMetadata
+from kvbridge.transport import KVHeads, NodeMetadata
 
 HEADS = 2  # the model's KV heads; two ranks hold one each
 BLOCK = (2, 16, HEADS, 8)  # one layer's whole block
@@ -63,11 +62,7 @@ def _rank(caches: list[torch.Tensor], rank: int, *, sliceable: bool = True,
 
 @pytest.fixture
 def store(redis_url):
-    node = start_store_node(StoreNode(capacity_bytes=8 * 2 * BLOCK_BYTES, index_url=redis_url,
-                                      transport="loopback", loopback_network=LoopbackNetwork(),
-                                      index_ttl_s=5.0))
-    yield node
-    close_store_node(node)
+    yield from learning_store(redis_url, 8 * 2 * BLOCK_BYTES)
 
 
 def _sender(store: StoreNode, caches, metadata, *, layout: str = "tp2h2") -> OffloadSender:
