@@ -63,6 +63,11 @@ key                          default   meaning
                                        pull, and the request is promoted a step sooner;
                                        docs/architecture.md, "Design measurements");
                                        0 never waits
+``idle_lookup_wait_s``       0.02      on a step that computes no token while index lookups
+                                       are out, the scheduler half waits up to this long for an
+                                       answer and returns at the first one (the same reason as
+                                       ``idle_pull_wait_s``: an engine thread stepping idly keeps
+                                       the GIL from the index client's thread); 0 never waits
 ``idle_hold_wait_s``         0.01      on a step that computes no token while this node only
                                        holds leases for pullers (nothing of its own in flight),
                                        ``get_finished`` waits: 1 ms, doubled at each further
@@ -173,6 +178,7 @@ class KVTransferConfig:
     index_lookup_timeout_s: float = 0.5
     gil_switch_interval_s: float | None = None
     idle_pull_wait_s: float = 0.02
+    idle_lookup_wait_s: float = 0.02
     idle_hold_wait_s: float = 0.01
     index_ttl_s: float = 10.0
     model_name: str = "kvbridge"
@@ -226,7 +232,7 @@ class KVTransferConfig:
             raise KVTransferConfigError(
                 f"gil_switch_interval_s must be in (0, 1] or null, got {self.gil_switch_interval_s}"
             )
-        for name in ("idle_pull_wait_s", "idle_hold_wait_s"):
+        for name in ("idle_pull_wait_s", "idle_lookup_wait_s", "idle_hold_wait_s"):
             if not 0 <= getattr(self, name) <= 1:
                 raise KVTransferConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.min_remote_hit_blocks < 1:

@@ -6,8 +6,8 @@ network goes to the worker half as that step's ``KVBridgeConnectorMetadata`` (``
 and everything it learns back arrives as the worker's per-step output (docs/architecture.md,
 "The two connector halves"; vLLM: ``KVConnectorBase_V1`` with ``role=SCHEDULER``):
 
-    admission       validate_kv_transfer_params   parse the ticket once; heart-beat it meanwhile;
-                                                  warn of a role mismatch (``role_check``)
+    admission       validate_kv_transfer_params   parse the ticket once; heart-beat it; warn of a
+                                                  role mismatch (``role_check``)
     schedule()      get_num_new_matched_tokens    a ticket: (remote - local hit, load_mode);
                                                   no ticket: the index, asked asynchronously
                                                   (None = "ask again next step")
@@ -19,10 +19,9 @@ and everything it learns back arrives as the worker's per-step output (docs/arch
                                                   step's block events go to the index
                     request_finished              prefill side: grant a lease, return the ticket
 
-A tensor-parallel engine has one worker half per rank and one scheduler half: the scheduler
-half learns every rank's transport (``set_xfer_handshake_metadata``), names them all in its
-tickets, sends each step's orders to every rank alike (each rank pulls its own KV heads), and
-counts the ranks' reports once per request (``rank_reports``).
+Tensor parallel: one worker half per rank, one scheduler half, which learns every rank's
+transport (``set_xfer_handshake_metadata``), names them all in its tickets, sends each step's
+orders to every rank (each pulls its own KV heads) and counts their reports once (``rank_reports``).
 """
 
 from __future__ import annotations
@@ -141,11 +140,8 @@ class KVBridgeScheduler:
     def ticket_for(
         self, request_id: str, params: Mapping[str, Any], num_prompt_tokens: int | None = None
     ) -> RemotePrefillParams:
-        """The parsed handoff ticket of ``request_id`` (parsed on first use, then kept).
-
-        Raises:
-            KVTransferParamsError: naming the bad field (counted in ``num_rejected_params``).
-        """
+        """The parsed handoff ticket of ``request_id`` (parsed on first use, then kept). Raises
+        KVTransferParamsError naming the bad field (counted in ``num_rejected_params``)."""
         ticket = self._tickets.get(request_id)
         if ticket is None:
             try:
@@ -173,8 +169,7 @@ class KVBridgeScheduler:
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: ask its prefill
-        node (every rank) to release the blocks now (best effort,
-        ``release_notices_for_rejected``)."""
+        node (every rank) to release the blocks now (``release_notices_for_rejected``)."""
         self._meta.notices.extend(release_notices_for_rejected(kv_transfer_params, reason))
 
     # ------------------------------------------------------------------ schedule()
@@ -314,7 +309,9 @@ class KVBridgeScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeConnectorMetadata:
         """This step's orders; the step's block events are taken here (their hash changes
-        travel with the orders) and published to the index after the forward."""
+        travel with the orders) and published to the index after the forward. A step that
+        computes nothing while index lookups are out first waits up to
+        ``config.idle_lookup_wait_s`` for one's answer (``IndexClient.wait_for_answer``)."""
         events = list(self._take_pool_events()) if self._take_pool_events is not None else []
         if events:
             self._events.extend(events)
@@ -329,6 +326,8 @@ class KVBridgeScheduler:
         meta, self._meta = self._meta, KVBridgeConnectorMetadata()
         num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta.num_scheduled_tokens = num_tokens if type(num_tokens) is int else None
+        if num_tokens == 0 and self.index_client is not None and self.config.idle_lookup_wait_s:
+            self.index_client.wait_for_answer(self.config.idle_lookup_wait_s)
         return meta
 
     # ------------------------------------------------------------------ update_from_output()

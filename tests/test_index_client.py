@@ -371,3 +371,24 @@ def test_the_node_directory_says_once_that_redis_is_gone_and_once_that_it_is_bac
     assert messages[0].startswith("kvbridge index: cannot reach "), messages
     assert "answers again" in messages[1], messages
     assert directory.lookup("node-a") == address
+
+
+def test_wait_for_answer_returns_at_the_answer_and_not_before(clients, pause_redis):
+    # An idle engine step waits here for its lookups (``idle_lookup_wait_s``): it must return
+    # as soon as one is answered, and no later than its timeout while none is.
+    a, b = clients("node-a"), clients("node-b", lookup_timeout_s=5.0)
+    prompt = _hashes(8)
+    a.publish([_stored(prompt, first_block_id=1)])
+    assert a.flush(timeout_s=5.0)
+    assert not b.wait_for_answer(5.0)  # no lookup out: nothing to wait for, at once
+    pause_ends_s = pause_redis(600)
+    _start(b, "req-0", prompt)
+    started = time.monotonic()
+    assert not b.wait_for_answer(0.05)  # Redis paused: the timeout, not the pause, ends it
+    assert 0.04 <= time.monotonic() - started < 0.4
+    assert b.poll_lookup("req-0").status == "pending"
+    assert b.wait_for_answer(5.0)  # answered once Redis is back, long before the 5 s
+    assert pause_ends_s - 0.05 <= time.monotonic() < pause_ends_s + 2.0
+    assert b.wait_for_answer(5.0)  # not yet handed out: at once
+    assert b.poll_lookup("req-0").status == "hit"
+    assert not b.wait_for_answer(5.0)  # handed out: none left

@@ -354,6 +354,17 @@ class IndexClient:
         job = self._key_to_lookup.get(key)
         return job is not None and job.result is None and self._clock() < job.deadline_s
 
+    def wait_for_answer(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a lookup started here (and not yet handed out by
+        ``poll_lookup``) has its answer; True once one has (at once if one had already), False
+        on timeout or when no lookup is out. For an engine step that computes nothing while
+        lookups are out (``KVBridgeScheduler.build_connector_meta``): the engine thread then
+        leaves the GIL and the core to the index worker instead of stepping idly, and the
+        request is scheduled a step after its answer instead of steps later. The caller thread
+        only."""
+        jobs = list(self._key_to_lookup.values())
+        return bool(jobs) and self._worker.wait_for_answer(jobs, timeout_s)
+
     def cancel_lookup(self, key: str) -> None:
         """Forget the lookup of ``key`` (request aborted or finished); unknown keys are fine.
         A queued lookup leaves the queue; a running one finishes and its answer is ignored."""

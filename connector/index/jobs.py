@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .lookup import LookupResult
+from .lookup import LookupQuery, LookupResult
 
-__all__ = ["Batch", "LookupJob", "PublishQueue", "count_ops", "resync_batches"]
+__all__ = ["Batch", "LookupJob", "PublishQueue", "answer_lookups", "count_ops", "resync_batches"]
 
 
 def count_ops(events: list[Any]) -> int:
@@ -119,3 +121,43 @@ class LookupJob:
     min_gain_blocks: int
     deadline_s: float
     result: LookupResult | None = None
+
+
+_TIMED_OUT = LookupResult("timed_out")
+_UNAVAILABLE = LookupResult("unavailable")
+
+
+def answer_lookups(
+    jobs: list[LookupJob],
+    now_s: float,
+    answered: threading.Condition,
+    ask: Callable[[list[LookupQuery], Callable[[int, LookupResult], None]], None],
+) -> None:
+    """Answer ``jobs`` together; the index worker's thread only. A job past its deadline
+    answers ``"timed_out"`` unasked (its caller has given up); ``ask(queries, answer)`` makes
+    the backend calls for the others (``lookup.resolve_remote_prefixes``) and calls
+    ``answer(i, result)`` once per query as soon as it is known. Each ``result`` is written
+    once, under ``answered``'s lock, and ``answered`` is notified (``IndexWorker
+    .wait_for_answer``). If ``ask`` raises, the jobs it did not answer answer
+    ``"unavailable"`` and the exception propagates."""
+    live = [job for job in jobs if now_s < job.deadline_s]
+    queries = [LookupQuery(job.block_hashes, job.num_local_blocks, job.min_gain_blocks)
+               for job in live]
+
+    def answer(i: int, result: LookupResult) -> None:
+        with answered:
+            live[i].result = result
+            answered.notify_all()
+
+    with answered:
+        for job in jobs:
+            if job.deadline_s <= now_s:
+                job.result = _TIMED_OUT
+    try:
+        ask(queries, answer)
+    except Exception:
+        with answered:
+            for job in live:
+                job.result = job.result or _UNAVAILABLE
+            answered.notify_all()
+        raise

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .jobs import Batch, LookupJob, PublishQueue, count_ops
+from .jobs import Batch, LookupJob, PublishQueue, answer_lookups, count_ops
 from .lookup import LookupQuery, LookupResult, resolve_remote_prefixes
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
@@ -50,7 +50,6 @@ _MAX_OPS_PER_SEND = 4096
 _MAX_OPS_PER_RESYNC_CALL = 1024
 _GRACE_S = 0.25  # close: how long the worker may finish its call before it is interrupted
 _RESYNC_PROBE_S = 0.05  # resync mode: how often the backend is probed until it answers
-_TIMED_OUT = LookupResult("timed_out")
 _UNAVAILABLE = LookupResult("unavailable")
 
 
@@ -108,6 +107,7 @@ class IndexWorker:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the worker waits for work on it
         self._done = threading.Condition(self._lock)  # flush waits for sent batches on it
+        self._answered = threading.Condition(self._lock)  # wait_for_answer waits on it
         self._lookups: deque[LookupJob] = deque()
         self._running: list[LookupJob] = []
         self._queue = PublishQueue()
@@ -186,6 +186,13 @@ class IndexWorker:
             self._lookups.append(job)
             self._work.notify()
         return True
+
+    def wait_for_answer(self, jobs: Sequence[LookupJob], timeout_s: float) -> bool:
+        """Block the caller up to ``timeout_s`` until one of ``jobs`` has a ``result``; True
+        once one has (at once if one already had), False on timeout."""
+        with self._lock:
+            return self._answered.wait_for(
+                lambda: any(job.result is not None for job in jobs), timeout_s)
 
     def withdraw_lookup(self, job: LookupJob) -> None:
         """Forget ``job``: out of the queue if it has not started (its slot is free at once);
@@ -327,29 +334,16 @@ class IndexWorker:
         return batches
 
     def _resolve(self, jobs: list[LookupJob]) -> None:
-        """Answer ``jobs`` together, each ``result`` once, under the lock, once known."""
-        now_s = self._clock()
-        live = [job for job in jobs if now_s < job.deadline_s]
-        queries = [LookupQuery(job.block_hashes, job.num_local_blocks, job.min_gain_blocks)
-                   for job in live]
-
-        def answer(i: int, result: LookupResult) -> None:
-            with self._lock:
-                live[i].result = result
-
-        with self._lock:
-            for job in jobs:  # past its deadline: not asked (its caller has given up)
-                if job.deadline_s <= now_s:
-                    job.result = _TIMED_OUT
-        try:
+        """Answer ``jobs`` together, in one backend call (``jobs.answer_lookups``)."""
+        def ask(queries: list[LookupQuery], answer: Callable[[int, LookupResult], None]) -> None:
             resolve_remote_prefixes(self.index, self.directory, node_id=self.node_id,
                                     group_ids=self.group_ids, queries=queries, answer=answer,
                                     hit_rule=self.hit_rule)
+
+        try:
+            answer_lookups(jobs, self._clock(), self._answered, ask)
         except Exception:
-            logger.exception("index: %d lookup(s) of %s failed", len(live), self.node_id)
-            with self._lock:
-                for job in live:
-                    job.result = job.result or _UNAVAILABLE
+            logger.exception("index: %d lookup(s) of %s failed", len(jobs), self.node_id)
 
     def _send(self, batches: list[Batch]) -> None:
         """Publish the batches as one call numbered ``(first seq, last seq)``; if one holds a
@@ -443,6 +437,7 @@ class IndexWorker:
             for job in self._lookups:
                 job.result = _UNAVAILABLE
             self._lookups.clear()
+            self._answered.notify_all()
             abandoned = self._abandoned
         if num_ops:
             logger.info("index: %s closed with %d unpublished ops", self.node_id, num_ops)

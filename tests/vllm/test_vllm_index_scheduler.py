@@ -310,6 +310,44 @@ def test_a_pending_lookup_is_asked_again_in_o1_without_reading_the_request(pair,
     run(b)
 
 
+def test_an_idle_step_waits_for_the_lookup_and_pulls_in_the_next_step():
+    # A step that computes nothing while a lookup is out waits for its answer (up to
+    # idle_lookup_wait_s), so the request is pulled in the very next step instead of after
+    # however many idle steps the index thread needs behind an engine thread that keeps
+    # the GIL; a step that computes something never waits.
+    namespace = _namespace()
+    a = index_node("a", namespace)
+    b = index_node("b", namespace, extra={"idle_lookup_wait_s": 1.0, "index_lookup_timeout_s": 5.0})
+    try:
+        shared = _prompt(40, 320)
+        _cached_on_a(a, shared)
+        running = make_request(_prompt(41, 40), max_tokens=4)
+        b.add_request(running)
+        step(b, **ours())  # too short to look up; it keeps B computing in the next steps
+        held = HeldLookups(b)
+        request = make_request(shared + _prompt(42, 45), max_tokens=1)
+        b.add_request(request)
+        started = time.monotonic()
+        busy = step(b, **ours())
+        assert busy.scheduled == {running.request_id: 1}  # B computed: no wait
+        assert held.arrived.wait(5.0) and time.monotonic() - started < 0.5
+        run_out = [step(b, **ours()) for _ in range(3)]  # `running` finishes
+        assert not any(s.meta.pulls for s in run_out) and running.request_id not in b.requests
+        threading.Timer(0.1, held.release).start()
+        started = time.monotonic()
+        idle = step(b, **ours())  # nothing to compute: waits for the answer, not 1 s
+        waited = time.monotonic() - started
+        assert idle.scheduled == {} and 0.05 <= waited < 0.9, waited
+        answered = step(b, **ours())
+        assert [p.request_id for p in answered.meta.pulls] == [request.request_id]
+        step(b, **ours(finished_recving=[request.request_id]))
+        run(b)
+    finally:
+        for scheduler in (a, b):
+            assert_scheduler_empty(scheduler)
+            connector_of(scheduler).shutdown()
+
+
 @pytest.mark.parametrize(("num_shared_blocks", "pulled"), [
     (7, False),  # 224 tokens: under vLLM's default min_remote_hit_tokens (256), recomputed
     (8, True),   # 256 tokens: pulled
