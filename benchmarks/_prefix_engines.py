@@ -2,8 +2,10 @@
 from ``tests/vllm/_harness.py``), a Redis server (``tests/_redis_fixture.py``), a kvbridge store
 node and LMCache's multiprocess server, each started the way the suite and issue 31 start them.
 
-Every engine runs in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its scheduler-side
-connector's ``stats`` are readable), with ``PYTHONHASHSEED=0``, 32-token blocks and float32.
+Every engine gets ``PYTHONHASHSEED=0``, 32-token blocks and float32, and the benchmark's
+environment (``PYTHONPATH`` included: ``Node`` passes ``os.environ`` on). ``engine`` starts it in
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its scheduler-side connector's ``stats`` are
+readable); ``spawned_engine`` in vLLM's multiprocess mode, as LMCache's engines must start.
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ def engine(name: str, model_path: str, log_dir: Path, *, extra: dict[str, Any] |
                 llm=llm, env=LONG_ENV, python=python)
 
 
-def spawned_engine(name: str, model_path: str, log_dir: Path, *, connector: dict[str, Any],
+def spawned_engine(name: str, model_path: str, log_dir: Path, *,
+                   connector: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
                    llm: dict[str, Any] | None = None, python: str | None = None) -> Node:
-    """A started (not yet ready) engine with ``connector`` (a ``kv_transfer_config``) in vLLM's
-    multiprocess mode with the in-process executor: an EngineCore subprocess, spawned (vLLM's
-    CPU platform forces ``spawn``), holds the scheduler and the worker.
+    """A started (not yet ready) engine with ``connector`` (a ``kv_transfer_config``), or
+    kvbridge's connector as ``engine`` configures it from ``extra``, in vLLM's multiprocess
+    mode with the in-process executor: an EngineCore subprocess, spawned (vLLM's CPU platform
+    forces ``spawn``), holds the scheduler and the worker. Raises ValueError unless exactly
+    one of ``connector`` and ``extra`` is given.
 
     For a connector whose module imports ``numba`` (LMCache 0.5.6's ``LMCacheMPConnector``:
     its ``token_hasher``), which ``engine`` cannot start (measured with vLLM 0.32.0). vLLM
@@ -68,8 +73,12 @@ def spawned_engine(name: str, model_path: str, log_dir: Path, *, connector: dict
     no attribute 'get'``). Spawned, EngineCore registers its overrides before it imports the
     connector. The frontend's ``first_token_latency`` also counts the hand-offs between the
     two processes, which an in-process engine has not. No connector ``stats`` (in process
-    only).
+    only). kvbridge's engines start this way too where they are compared with LMCache's.
     """
+    if (connector is None) == (extra is None):
+        raise ValueError("spawned_engine needs exactly one of connector and extra")
+    if extra is not None:
+        connector = kvbridge_config("both", name, **extra)
     return Node(name, model=model_path, log_dir=log_dir, kv_transfer_config=connector,
                 mode="mp", llm={**(llm or {}), "distributed_executor_backend": "uni"},
                 env=LONG_ENV, python=python)

@@ -18,10 +18,20 @@ tiny Llama). Rows:
   prompts (one warm-up prompt first), ``cross_over_recompute`` and ``cross_over_local``. B's
   greedy tokens must equal R's, prompt for prompt: a mismatch is printed loudly and the run
   exits 1. ``--rounds N``: N sets of fresh prompts on the same engines, medians over all.
-- ``lmcache``: the same prompts through LMCache 0.5.6's multiprocess connector (its server and
-  two engines in the venv that ``--lmcache-python`` / ``KVBRIDGE_LMCACHE_PYTHON`` names; the
-  engines in vLLM's multiprocess mode, ``_prefix_engines.spawned_engine`` says why);
-  skipped, saying why, when no such venv imports ``lmcache`` (it is never installed here).
+- ``lmcache``: the same prompts (the first round's) through LMCache 0.5.6's multiprocess
+  connector (its server and two engines in the venv that ``--lmcache-python`` /
+  ``KVBRIDGE_LMCACHE_PYTHON`` names; the engines in vLLM's multiprocess mode,
+  ``_prefix_engines.spawned_engine`` says why), and before it ``cross_spawned``, so that
+  ``cross_over_lmcache`` compares engines started alike (spawned kvbridge / spawned LMCache;
+  ``cross_inproc_over_lmcache``: the ``cross`` row's in-process engines / LMCache's). Skipped,
+  ``cross_spawned`` included, saying why, when no such venv imports ``lmcache`` (it is never
+  installed here). Both need the ``cross`` row (its reference tokens).
+- ``cross_spawned`` (never by default: run within ``lmcache``, or named alone): the ``cross``
+  hit on two engines started as LMCache's are (``spawned_engine``, kvbridge's connector with
+  ``index_url``, the vLLM venv's python): A serves the first round's prefixes, B gets each
+  with its first suffix. A spawned engine has no connector ``stats``; B's pulls are counted
+  from ``num_cached_tokens`` (a fresh B covers a prefix only with blocks pulled from A) and
+  vLLM's ``prompt_tokens_cached_by_source`` counter (source ``p2p``, read in B's frontend).
 - ``restore``: an engine with ``store_url`` and ``offload: "evict"`` serves the prompts, then
   others until they are evicted (copied to the store on their way out); B gets them with a
   suffix and restores from the store. Run only when the connector accepts ``store_url`` (an
@@ -39,16 +49,15 @@ Prints a table per row and, last, one JSON object with the ratios and their targ
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from _prefix_cases import Prompts, Tally, flush_index, request, serve, start_all, tokens
 from _prefix_engines import (
-    Node,
+    BLOCK,
     NodeError,
     engine,
     free_port,
@@ -65,68 +74,12 @@ from _prefix_sched import run_sched_row, sched_child
 from _report import add_markdown_option, finish
 from bench_vllm_pd import _model
 
-ROWS = ("cross", "lmcache", "restore", "sched")
+ROWS = ("cross", "lmcache", "restore", "sched")  # the default rows
+SPAWNED = "cross_spawned"  # runs within lmcache, or when named (a test without LMCache)
+P2P = "vllm:prompt_tokens_cached_by_source:p2p"  # tokens vLLM took from another engine
 TARGETS = {"cross_over_recompute": 0.25, "cross_over_local": 2.0, "cross_over_lmcache": 0.5,
            "restore_over_recompute": 0.3, "sched_index_over_off": 1.05,
            "replay_hit_over_unbounded": 0.85}
-
-
-def _tokens(seed: str, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 512) for _ in range(n)]
-
-
-def _request(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"prompt_token_ids": prompt, "max_tokens": max_tokens, "kv_transfer_params": None}
-
-
-class Prompts:
-    """Prefixes of ``tokens`` tokens and two distinct suffixes each; index 0 warms up."""
-
-    def __init__(self, tag: str, num: int, tokens: int, suffix: int) -> None:
-        self.prefixes = [_tokens(f"{tag}-p{i}", tokens) for i in range(num + 1)]
-        self.first = [p + _tokens(f"{tag}-s{i}", suffix) for i, p in enumerate(self.prefixes)]
-        self.second = [p + _tokens(f"{tag}-t{i}", suffix) for i, p in enumerate(self.prefixes)]
-
-
-class Tally:
-    """TTFTs by case (warm-up prompts left out) and token mismatches, said loudly."""
-
-    def __init__(self) -> None:
-        self.ttft: dict[str, list[float]] = {}
-        self.cached: dict[str, list[int]] = {}
-        self.mismatches: list[str] = []
-
-    def add(self, case: str, i: int, out: dict[str, Any], reference: list[int] | None) -> None:
-        if reference is not None and out["token_ids"] != reference:
-            self.mismatches.append(f"{case} prompt {i}")
-            print(f"!!! TOKEN MISMATCH: {case}, prompt {i}: {out['token_ids']} != plain vLLM's "
-                  f"{reference}", flush=True)
-        print(f"  {case:18s} prompt {i}: first token {out['first_token_latency'] * 1e3:7.1f} ms, "
-              f"{out['num_cached_tokens']} tokens cached", flush=True)
-        if i > 0:
-            self.ttft.setdefault(case, []).append(out["first_token_latency"])
-            self.cached.setdefault(case, []).append(out["num_cached_tokens"])
-
-    def median(self, case: str) -> float | None:
-        values = self.ttft.get(case)
-        return statistics.median(values) if values else None
-
-
-def _start(*nodes: Node) -> None:
-    try:
-        for node in nodes:
-            node.wait_ready()
-    except BaseException:
-        for node in nodes:
-            node.kill()
-        raise
-
-
-def _serve(node: Node, prompts: list[list[int]]) -> None:
-    """``node`` computes ``prompts`` (one token each), then its blocks reach the index."""
-    node.generate([_request(p, 1) for p in prompts])
-    time.sleep(0.5)
 
 
 def cross_rows(args, model: str, redis_url: str, logs: Path, tally: Tally,
@@ -140,14 +93,14 @@ def cross_rows(args, model: str, redis_url: str, logs: Path, tally: Tally,
     r = engine("prefix-r", model, logs, llm={**llm, "enable_prefix_caching": False})
     reference: dict[tuple[int, int, int], list[int]] = {}
     try:
-        _start(a, b, r)
+        start_all(a, b, r)
         for k, prompts in enumerate(rounds):
-            _serve(a, prompts.prefixes)
+            serve(a, prompts.prefixes)
             for i in range(len(prompts.prefixes)):
                 for which, batch in ((1, prompts.first), (2, prompts.second)):
-                    (ref,) = r.generate([_request(batch[i], args.max_tokens)])
+                    (ref,) = r.generate([request(batch[i], args.max_tokens)])
                     reference[k, i, which] = ref["token_ids"]
-                    (out,) = b.generate([_request(batch[i], args.max_tokens)])
+                    (out,) = b.generate([request(batch[i], args.max_tokens)])
                     tally.add("cross" if which == 1 else "local", i, out, ref["token_ids"])
                     if which == 1:
                         tally.add("recompute", i, ref, None)
@@ -158,14 +111,44 @@ def cross_rows(args, model: str, redis_url: str, logs: Path, tally: Tally,
     return {"reference": reference, "b_stats": stats}
 
 
-def lmcache_row(args, model: str, logs: Path, tally: Tally, prompts: Prompts,
-                reference: dict) -> str:
-    """The cross-instance hit through LMCache's multiprocess server; "" or why not run."""
+def spawned_cross(args, model: str, redis_url: str, logs: Path, tally: Tally,
+                  prompts: Prompts, reference: dict) -> dict[str, int]:
+    """``cross_spawned`` (module docstring) into ``tally``; how many of B's prompts covered
+    their prefix with pulled blocks, and the ``p2p`` tokens vLLM counted on B."""
+    flush_index(redis_url)  # the cross row's stopped engines published these same prefixes
+    llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
+    index = {"index_url": redis_url, "load_timeout_s": 10.0}
+    a = spawned_engine("spawned-a", model, logs, extra=index, llm=llm)
+    b = spawned_engine("spawned-b", model, logs, extra=index, llm=llm)
+    pulled = 0
+    try:
+        start_all(a, b)
+        serve(a, prompts.prefixes)
+        p2p = -b.metrics().get(P2P, 0.0)
+        for i, prompt in enumerate(prompts.first):
+            (out,) = b.generate([request(prompt, args.max_tokens)])
+            tally.add(SPAWNED, i, out, reference[0, i, 1])
+            pulled += out["num_cached_tokens"] >= len(prompts.prefixes[i]) // BLOCK * BLOCK
+        p2p += b.metrics().get(P2P, 0.0)
+    finally:
+        for node in (a, b):
+            node.stop()
+    if pulled < len(prompts.first):
+        print(f"!!! spawned B covered {pulled} of {len(prompts.first)} prefixes: the "
+              f"{SPAWNED} figure is not a cross-instance hit", flush=True)
+    return {"b_spawned_pulled_prompts": pulled, "b_spawned_p2p_tokens": int(p2p)}
+
+
+def lmcache_row(args, model: str, redis_url: str, logs: Path, tally: Tally, prompts: Prompts,
+                reference: dict | None) -> tuple[str, dict[str, int] | None]:
+    """``cross_spawned``, then the cross-instance hit through LMCache's multiprocess server;
+    ("", ``spawned_cross``'s counts) or (why not run, None)."""
     python, why = lmcache_python(args.lmcache_python)
     if python is None:
-        return why
+        return why, None
     if reference is None:
-        return "not run: needs the cross row (its reference tokens)"
+        return "not run: needs the cross row (its reference tokens)", None
+    spawned = spawned_cross(args, model, redis_url, logs, tally, prompts, reference)
     port = free_port()
     server = start_lmcache_server(python, port, logs)
     llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
@@ -174,16 +157,16 @@ def lmcache_row(args, model: str, logs: Path, tally: Tally, prompts: Prompts,
     b = spawned_engine("lmcache-b", model, logs, connector=lmcache_connector(port), llm=llm,
                        python=python)
     try:
-        _start(a, b)
-        _serve(a, prompts.prefixes)
+        start_all(a, b)
+        serve(a, prompts.prefixes)
         for i, prompt in enumerate(prompts.first):
-            (out,) = b.generate([_request(prompt, args.max_tokens)])
+            (out,) = b.generate([request(prompt, args.max_tokens)])
             tally.add("lmcache", i, out, reference[0, i, 1])
     finally:
         for node in (a, b):
             node.stop()
         server.stop()
-    return ""
+    return "", spawned
 
 
 def restore_row(args, model: str, redis_url: str, logs: Path, tally: Tally,
@@ -208,14 +191,14 @@ def restore_row(args, model: str, redis_url: str, logs: Path, tally: Tally,
     r = engine("store-r", model, logs, llm={**llm, "enable_prefix_caching": False})
     try:
         store = start_store(redis_url, write_port, args.store_bytes, logs)
-        _start(b, r)
+        start_all(b, r)
         for prefix in prompts.prefixes:  # one at a time: the earlier ones go cold
-            _serve(s, [prefix])
+            serve(s, [prefix])
         for i in range(4):  # fillers: every prefix evicted (offloaded first)
-            _serve(s, [_tokens(f"filler-{i}", args.max_model_len - 64)])
+            serve(s, [tokens(f"filler-{i}", args.max_model_len - 64)])
         for i, prompt in enumerate(prompts.first):
-            (ref,) = r.generate([_request(prompt, args.max_tokens)])
-            (out,) = b.generate([_request(prompt, args.max_tokens)])
+            (ref,) = r.generate([request(prompt, args.max_tokens)])
+            (out,) = b.generate([request(prompt, args.max_tokens)])
             tally.add("restore", i, out, ref["token_ids"])
             tally.add("restore_recompute", i, ref, None)
         offloaded = {k: v for k, v in s.stats().items() if "offload" in k}
@@ -229,20 +212,22 @@ def restore_row(args, model: str, redis_url: str, logs: Path, tally: Tally,
             store.stop()
 
 
-def _flush(redis_url: str) -> None:
-    """Drop every entry and registration the rows before left in the index (their engines
-    are stopped)."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        client.flushall()
-    finally:
-        client.close()
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a / b, 3)
+
+
+def ratios(ttft: dict[str, float]) -> dict[str, float | None]:
+    """The report's first-token ratios from the medians ``ttft`` (case -> seconds), None where
+    a case did not run. ``cross_over_lmcache`` is like for like: kvbridge's and LMCache's
+    engines both spawned (module docstring, ``lmcache``)."""
+    return {
+        "cross_over_recompute": _ratio(ttft.get("cross"), ttft.get("recompute")),
+        "cross_over_local": _ratio(ttft.get("cross"), ttft.get("local")),
+        "cross_over_lmcache": _ratio(ttft.get(SPAWNED), ttft.get("lmcache")),
+        "cross_inproc_over_lmcache": _ratio(ttft.get("cross"), ttft.get("lmcache")),
+        "lmcache_over_recompute": _ratio(ttft.get("lmcache"), ttft.get("recompute")),
+        "restore_over_recompute": _ratio(ttft.get("restore"), ttft.get("restore_recompute")),
+    }
 
 
 def _print_ttft(tally: Tally) -> None:
@@ -281,8 +266,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replay-min-remote-hit-tokens", type=int, default=32)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, 2 prompts of 512 tokens, bursts of 8: a minute")
-    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS,
-                        help="rows to run (lmcache needs cross; replay needs --replay N)")
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=(*ROWS, SPAWNED),
+                        help=f"rows to run (lmcache and {SPAWNED} need cross; replay needs "
+                             "--replay N)")
     parser.add_argument("--case-timeout-s", type=float, default=600.0)
     parser.add_argument("--child", choices=("sched",), help=argparse.SUPPRESS)
     for name in ("--side", "--model-path", "--redis-url", "--out"):
@@ -345,8 +331,19 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
         if hits < args.rounds * (args.prompts + 1):
             print(f"!!! B pulled {hits} of {args.rounds * (args.prompts + 1)} prefixes: the "
                   "cross figure is not a cross-instance hit", flush=True)
-    report["lmcache"] = "not run: --rows" if "lmcache" not in args.rows else (
-        lmcache_row(args, model, work, tally, rounds[0], reference) or "run")
+    why, spawned = "not run: --rows", None
+    if "lmcache" in args.rows:
+        why, spawned = lmcache_row(args, model, redis_url, work, tally, rounds[0], reference)
+    report["lmcache"] = why or "run"
+    if spawned is None and SPAWNED in args.rows:
+        if reference is None:
+            report[SPAWNED] = "not run: needs the cross row (its reference tokens)"
+        else:
+            spawned = spawned_cross(args, model, redis_url, work, tally, rounds[0], reference)
+    if spawned is not None:
+        report[SPAWNED] = "run"
+        report.update(spawned)
+    report.setdefault(SPAWNED, f"not run: runs within the lmcache row ({report['lmcache']})")
     args.store_available, args.store_note = False, "not run: --rows"
     if "restore" in args.rows:
         why, stats = restore_row(args, model, redis_url, work, tally,
@@ -357,18 +354,14 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
                                        if "restore" in k or "store_hit" in k or "offload" in k}
     report["restore"] = args.store_note or "run"
     _print_ttft(tally)
-    for row in ("lmcache", "restore"):
+    for row in ("lmcache", SPAWNED, "restore"):
         if report[row] != "run":
             print(f"{row}: {report[row]}")
     ttft = {case: tally.median(case) for case in tally.ttft}
     report["ttft_p50_s"] = ttft
-    report["cross_over_recompute"] = _ratio(ttft.get("cross"), ttft.get("recompute"))
-    report["cross_over_local"] = _ratio(ttft.get("cross"), ttft.get("local"))
-    report["cross_over_lmcache"] = _ratio(ttft.get("cross"), ttft.get("lmcache"))
-    report["lmcache_over_recompute"] = _ratio(ttft.get("lmcache"), ttft.get("recompute"))
-    report["restore_over_recompute"] = _ratio(ttft.get("restore"), ttft.get("restore_recompute"))
+    report.update(ratios(ttft))
     if "sched" in args.rows:
-        _flush(redis_url)  # the index holds no entries: every lookup misses
+        flush_index(redis_url)  # the index holds no entries: every lookup misses
         sched = run_sched_row(args, model, redis_url, work, __file__)
         print(f"\nsched, bursts of {args.sched_requests} (medians over bursts):\n"
               f"{'side':6s} {'working step ms':>15s} {'steps':>6s} {'first step ms':>14s} "
@@ -383,7 +376,7 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
                     "first_step_index_over_off", "wall_index_over_off"):
             report[key] = sched[key]
     if args.replay:
-        _flush(redis_url)
+        flush_index(redis_url)
     replay = run_replay(args, model, redis_url, work) if args.replay else None
     report["replay"] = replay if replay is not None else "not run: --replay 0"
     if replay is not None:
