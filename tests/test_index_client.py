@@ -381,12 +381,12 @@ def test_wait_for_answer_returns_at_the_answer_and_not_before(clients, pause_red
     a.publish([_stored(prompt, first_block_id=1)])
     assert a.flush(timeout_s=5.0)
     assert not b.wait_for_answer(5.0)  # no lookup out: nothing to wait for, at once
-    pause_ends_s = pause_redis(600)
+    pause_ends_s = pause_redis(1500)
     _start(b, "req-0", prompt)
     started = time.monotonic()
     assert not b.wait_for_answer(0.05)  # Redis paused: the timeout, not the pause, ends it
-    assert 0.04 <= time.monotonic() - started < 0.4
-    assert b.poll_lookup("req-0").status == "pending"
+    assert time.monotonic() - started >= 0.04
+    assert time.monotonic() < pause_ends_s and b.poll_lookup("req-0").status == "pending"
     assert b.wait_for_answer(5.0)  # answered once Redis is back, long before the 5 s
     assert pause_ends_s - 0.05 <= time.monotonic() < pause_ends_s + 2.0
     assert b.wait_for_answer(5.0)  # not yet handed out: at once
