@@ -230,7 +230,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._follower = VllmPoolFollower(gpu_block_pool, block_size=block_size)
         # With offload "evict" the planner reads the cold end of vLLM's free queue through it.
         pool = VllmOffloadPool(gpu_block_pool, self._follower.snapshot_cached_blocks)
-        self._scheduler.bind_block_pool(pool, self._follower.take_events)  # type: ignore[arg-type]
+        self._scheduler.bind_block_pool(pool, self._follower.take_changes,  # type: ignore[arg-type]
+                                        self._follower.settle)
         planner = self._scheduler.offload_planner
         if planner is not None:
             self._store_events = StoreTierEvents(block_size=block_size,
