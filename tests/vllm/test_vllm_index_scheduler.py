@@ -36,6 +36,7 @@ from _vllm_sched_builders import (
     worker_report,
 )
 from kvbridge.connector.errors import KVTransferConfigError
+from kvbridge.connector.vllm.request_view import RequestView
 from kvbridge.kvmanager import BlockStored as KVBridgeBlockStored
 from kvbridge.kvmanager.block_hash import get_block_hash, get_group_id
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
@@ -216,6 +217,21 @@ def test_the_block_events_are_built_after_the_step_not_inside_schedule(pair, mon
     assert built and not any(built)
     assert sum(len(s.meta.block_hashes.stored_block_ids) for s in steps) == 9
     assert index_entries(a) == pool_entries(a)
+
+
+def test_requests_without_params_are_read_as_they_are(pair, monkeypatch):
+    # vLLM asks about every waiting request at every step: one without kv_transfer_params is
+    # looked up, allocated and finished on vLLM's own Request (no RequestView built per call)
+    # when the index has nothing for it; a hit still gets its view (the pull tests below).
+    a, _ = pair
+    viewed: list[str] = []
+    view_of = RequestView.of
+    monkeypatch.setattr(RequestView, "of",
+                        staticmethod(lambda request: viewed.append(request.request_id)
+                                     or view_of(request)))
+    run(a, *(make_request(_prompt(20 + i, 100), max_tokens=2) for i in range(3)))
+    assert connector_of(a).stats.snapshot()["num_index_lookups"] == 3
+    assert viewed == []
 
 
 def test_vllm_s_own_kv_events_still_reach_its_publisher():
