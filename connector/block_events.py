@@ -1,13 +1,20 @@
-"""A step's block-pool events as the holder's ``BlockHashDelta`` (scheduler half -> worker half).
+"""A step's block-pool events as the holder's ``BlockHashDelta`` (scheduler half -> worker half),
+and the scheduler half's record of the batches it took (``PoolBatches``).
 
 The worker half cannot read the scheduler half's block pool; it mirrors the prefix-cache identity
 of its blocks from these deltas (``holder.HeldBlockHashes``), so a pull found through the block
 index is served only while the block still holds the hash the requester expects.
+
+A step's batch is taken inside the step (``build_connector_meta``), where only its delta is
+needed; its events are read after the forward (the index's publish) or by ``take_events``. A pool
+gives its batch as a list of events (kvbridge's own ``BlockPool``: ``EventBatch``) or as an object
+with the same two methods whose events are built when first asked (the vLLM pool follower's
+``vllm.pool_changes.PoolChanges``), so that work stays out of the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
@@ -15,7 +22,7 @@ from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockSt
 
 from .metadata import BlockHashDelta
 
-__all__ = ["hash_delta_of"]
+__all__ = ["EventBatch", "PoolBatches", "hash_delta_of"]
 
 
 def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
@@ -43,3 +50,68 @@ def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
         stored_block_ids=list(stored),
         stored_hashes=list(stored.values()),
     )
+
+
+class EventBatch:
+    """One step's block events, given as a list: ``hash_delta()`` (``hash_delta_of``) and
+    ``events()`` (the list itself)."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def __bool__(self) -> bool:
+        return bool(self._events)
+
+    def hash_delta(self) -> BlockHashDelta:
+        return hash_delta_of(self._events)
+
+    def events(self) -> list[Any]:
+        return self._events
+
+
+class PoolBatches:
+    """The batches a scheduler half took from its block pool, until published and taken.
+
+    Args:
+        take: returns the pool's batch since the last call: a list of events, or an object
+            with ``hash_delta()`` and ``events()`` (and a truth value: anything in it).
+        settle: called after each step's publish, off the step (the pool's bookkeeping), or None.
+
+    Owner: the engine thread (the scheduler half's); nothing here is shared.
+    """
+
+    def __init__(self, take: Callable[[], Any], settle: Callable[[], None] | None = None) -> None:
+        self._take = take
+        self._settle = settle
+        self._unpublished: list[Any] = []
+        self._untaken: list[Any] = []
+
+    def take(self, *, publish: bool) -> Any:
+        """The step's batch (inside the step: nothing built but what the caller reads), kept
+        for ``take_events`` and, with ``publish``, for ``unpublished_events``; None if empty."""
+        batch = self._take()
+        if not hasattr(batch, "hash_delta"):
+            batch = EventBatch(list(batch))
+        if not batch:
+            return None
+        self._untaken.append(batch)
+        if publish:
+            self._unpublished.append(batch)
+        return batch
+
+    def unpublished_events(self) -> list[Any]:
+        """The events of the batches taken for publishing since the last call, in order (after
+        the forward); then the pool's ``settle``."""
+        batches, self._unpublished = self._unpublished, []
+        events = batches[0].events() if len(batches) == 1 else \
+            [event for batch in batches for event in batch.events()]
+        if self._settle is not None:
+            self._settle()
+        return events
+
+    def take_events(self) -> list[Any]:
+        """The events of every batch taken since the last call."""
+        batches, self._untaken = self._untaken, []
+        return [event for batch in batches for event in batch.events()]

@@ -35,7 +35,7 @@ from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishe
 from kvbridge.kvmanager.coordinator import PrefixHitRule
 from kvbridge.kvmanager.request import RequestStatus
 
-from .block_events import hash_delta_of
+from .block_events import PoolBatches
 from .config import KVTransferConfig
 from .engine_ranks import EngineRanks, match_leases, rank_holders
 from .errors import KVTransferParamsError
@@ -111,13 +111,11 @@ class KVBridgeScheduler:
         self.ranks = EngineRanks((), None)  # every rank's handshake and the heads' layout
         self.index_client: IndexClient | None = None
         self._block_pool: BlockPool | None = None
-        self._take_pool_events: Any = None
+        self._pool_batches: PoolBatches | None = None
         self._tickets: dict[str, RemotePrefillParams] = {}  # parsed once, at admission
         self._waiting: dict[str, list[Ticket]] = {}  # admitted, pull not planned: every P rank's
         self._matches: dict[str, RemoteMatch] = {}
         self._meta = KVBridgeConnectorMetadata()
-        self._unpublished: list[Any] = []  # this step's block events, published after forward
-        self._events: list[Any] = []  # for take_events
         self._store_engine_ids: set[str] = set()
         self._hit_rule = kv_cache_config and PrefixHitRule(kv_cache_config)
         self._sliding_windows = sliding_windows_of(kv_cache_config, num_groups)
@@ -128,11 +126,14 @@ class KVBridgeScheduler:
                            max_offloaded=config.offload_remember_blocks)
 
     # ------------------------------------------------------------------ wiring
-    def bind_block_pool(self, block_pool: BlockPool, take_events: Any) -> None:
+    def bind_block_pool(self, block_pool: BlockPool, take_events: Any,
+                        settle: Any = None) -> None:
         """Give the half the node's block pool (offload's cold-block picks, the index's resyncs:
-        ``BlockPool``'s public API, this thread) and the manager's ``take_events``."""
+        ``BlockPool``'s public API, this thread), the manager's ``take_events`` (a list of
+        events, or a batch whose events are built after the step: ``block_events.PoolBatches``)
+        and what to call after each step's publish (``settle``, or None)."""
         self._block_pool = block_pool
-        self._take_pool_events = take_events
+        self._pool_batches = PoolBatches(take_events, settle)
         if self.index_client is not None:
             self.index_client.set_resync_source(block_pool.snapshot_cached_blocks)
 
@@ -312,14 +313,12 @@ class KVBridgeScheduler:
         travel with the orders) and published to the index after the forward. A step that
         computes nothing while index lookups are out first waits up to
         ``config.idle_lookup_wait_s`` for one's answer (``IndexClient.wait_for_answer``)."""
-        events = list(self._take_pool_events()) if self._take_pool_events is not None else []
-        if events:
-            self._events.extend(events)
-            if self.config.index_url:
-                self._unpublished.extend(events)
-                self._meta.block_hashes = hash_delta_of(events)
+        batches = self._pool_batches
+        batch = None if batches is None else batches.take(publish=bool(self.config.index_url))
+        if batch is not None and self.config.index_url:
+            self._meta.block_hashes = batch.hash_delta()
         if self.offload_planner is not None:
-            self.offload_planner.observe(events)
+            self.offload_planner.observe(() if batch is None else batch.events())
             if self._block_pool is not None:  # this step's schedule may have reused a pick
                 items = self._meta.offload_items
                 self._meta.offload_items = self.offload_planner.drop_reused(items, self._block_pool)
@@ -349,8 +348,8 @@ class KVBridgeScheduler:
         for meta in metas:
             self._load_policy.observe(meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
-            events, self._unpublished = self._unpublished, []
-            self.index_client.publish(events)
+            batches = self._pool_batches
+            self.index_client.publish(() if batches is None else batches.unpublished_events())
         if self.offload_planner is not None and self._block_pool is not None:
             # After this step's frees and before the next schedule can reuse a cold block: the
             # worker snapshots the picks at the next step's start, before its forward writes.
@@ -402,8 +401,7 @@ class KVBridgeScheduler:
 
     def take_events(self) -> Iterable[Any]:
         """The block pool's events this half drained since the last call."""
-        events, self._events = self._events, []
-        return events
+        return [] if self._pool_batches is None else self._pool_batches.take_events()
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -490,6 +490,31 @@ def test_lookups_survive_forgotten_scripts_dropped_connections_and_pinned_client
     admin.close()
 
 
+def test_a_publish_goes_pre_packed_and_survives_a_forgotten_script(redis_url: str) -> None:
+    """A step's publish (five arguments per block) goes as one pre-packed EVALSHA on the calling
+    thread's held connection, as the lookups do, not through redis-py's generic packer (its
+    per-argument encoding held the GIL on the index worker's thread, which the engine thread
+    then waited behind); a server that forgot the script gets it as EVAL, once."""
+    index = RedisBlockIndex(_NS, redis_url, retry_interval_s=0.0)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    prompt = _hashes(64)
+    assert index.publish("A", 1, [_stored(prompt[:1])]).status == "ok"  # the script is known
+    generic: list[str] = []
+    execute = index._execute
+    index._execute = lambda *command: generic.append(command[0]) or execute(*command)
+    assert index.publish("A", 1, [_stored(prompt[1:], first_block_id=2,
+                                          parent_block_hash=prompt[0])]).status == "ok"
+    assert generic == []
+    admin = redis.Redis.from_url(redis_url)
+    admin.script_flush()
+    assert index.publish("A", 1, [_removed(prompt[32:])]).status == "ok"
+    assert generic == ["EVAL"]
+    assert index.longest_prefix(prompt).num_blocks == 32
+    assert index.stats.errors_by_kind == {} and index.available
+    index.close()
+    admin.close()
+
+
 def _connections_received(admin: redis.Redis) -> int:
     return int(admin.info("stats")["total_connections_received"])
 

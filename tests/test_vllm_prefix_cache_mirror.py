@@ -281,11 +281,11 @@ def _a_step_of_new_chains(pool: _Map) -> None:
 def test_a_step_that_only_caches_new_chains_gives_the_events_of_the_general_path(
     take_fast_path: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The usual step (nothing popped, only new keys, one group) is taken with list operations
-    # (``_take_new_chains``) instead of the loop over keys; both must give the same events, in
+    # The usual step (nothing popped, only new keys) is taken with list operations
+    # (``_take_new_keys``) instead of the loop over keys; both must give the same events, in
     # the same chains, and leave the same state behind (the next step's events, the snapshot).
     if not take_fast_path:
-        monkeypatch.setattr(PrefixCacheMirror, "_only_new_chains", lambda self: False)
+        monkeypatch.setattr(PrefixCacheMirror, "_only_new_keys", lambda self, popped: False)
     pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
     _a_step_of_new_chains(pool)
     events = pool.take_events()
@@ -306,3 +306,66 @@ def test_a_step_that_only_caches_new_chains_gives_the_events_of_the_general_path
         _key(h): None if p is None else _hash(p) for h, p in
         [(1, None), (2, 1), (3, 2), (4, 3), (20, None), (21, 20), (41, 40), (42, 41),
          (61, None)]}
+
+
+def _a_step_of_evictions(pool: _Map) -> None:
+    """A full cache's step: reported blocks evicted for reuse (one key held by a second block
+    too, one evicted and cached again in the step), new chains in two groups cached into the
+    freed blocks, an unreported second holder popped."""
+    _cache_request(pool, [1, 2, 3], [11, 12, 13])
+    _cache_request(pool, [1], [19])  # a second block holds hash 1 (vLLM does not de-duplicate)
+    _cache_request(pool, [7, 8], [17, 18], group_id=1)
+    pool.take()
+    pool.pop(_key(1), 11)  # block 19 still holds it: reported there now, under no parent
+    pool.pop(_key(2), 12)
+    pool.pop(_key(8, 1), 18)
+    pool.pop(_key(3), 13)
+    _cache_request(pool, [3], [12], start=0)  # hash 3 back, in block 12 (noted parent: none)
+    _cache_request(pool, [20, 21], [11, 13])
+    _cache_request(pool, [30, 31], [18, 40], group_id=1)
+
+
+@pytest.mark.parametrize("take_fast_path", [True, False])
+def test_a_step_of_evictions_gives_the_events_of_the_general_path(
+    take_fast_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full cache's step evicts a block for each it caches: the removals and the new keys are
+    # taken with list operations unless a new key was popped too (here: hash 3, re-cached), then
+    # key by key; both give the same events and leave the same state.
+    if not take_fast_path:
+        monkeypatch.setattr(PrefixCacheMirror, "_only_new_keys", lambda self, popped: False)
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _a_step_of_evictions(pool)
+    assert pool.take() == [
+        _removed(1, 11), _removed(2, 12), _removed(3, 13), _removed(8, 18, 1),
+        _stored(3, 12, None), _stored(20, 11, None), _stored(21, 13, 20),
+        _stored(30, 18, None, 1), _stored(31, 40, 30, 1), _stored(1, 19, None)]
+    assert sorted(pool.mirror.snapshot_cached_blocks()) == sorted(
+        [CachedBlock(_hash(1), 0, 19), CachedBlock(_hash(7), 1, 17), CachedBlock(_hash(3), 0, 12),
+         CachedBlock(_hash(20), 0, 11), CachedBlock(_hash(21), 0, 13),
+         CachedBlock(_hash(30), 1, 18), CachedBlock(_hash(31), 1, 40)])
+    # Without the re-cached key the new keys take the list path; same events either way.
+    pool.pop(_key(20), 11)
+    pool.pop(_key(31, 1), 40)
+    _cache_request(pool, [50, 51], [11, 40])
+    assert pool.take() == [_removed(20, 11), _removed(31, 40, 1), _stored(50, 11, None),
+                           _stored(51, 40, 50)]
+    pool.pop(_key(1), 19)
+    pool.insert(_key(1), 23)  # a move: the parent reported before (none) is kept
+    pool.pop(_key(21), 13)
+    pool.insert(_key(21), 24)
+    assert pool.take() == [_removed(1, 19), _removed(21, 13), _stored(1, 23, None),
+                           _stored(21, 24, 20)]
+
+
+def test_the_hash_delta_is_the_changes_as_taken():
+    # The holder's delta goes with the step's orders as the lists were taken: every removed
+    # block before the forward, every stored block's key after it.
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _cache_request(pool, [10, 11], [5, 6])
+    pool.take()
+    pool.pop(_key(11), 6)
+    _cache_request(pool, [20], [6], group_id=1)
+    delta = pool.mirror.take_changes(pool.holds, pool.block_of).hash_delta()
+    assert (delta.cleared, delta.removed_block_ids, delta.stored_block_ids,
+            delta.stored_hashes) == (False, [6], [6], [_key(20, 1)])

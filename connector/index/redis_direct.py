@@ -1,4 +1,5 @@
-"""The lookups' short path to Redis: one pre-packed ``EVALSHA`` on a connection the thread holds.
+"""The lookups' and publishes' short path to Redis: one pre-packed ``EVALSHA`` on a connection
+the thread holds.
 
 A lookup is one script call with a handful of small arguments and one large one (the prompt's
 lookup keys, 5 KB for 625 blocks). redis-py's generic ``execute_command`` adds per call its

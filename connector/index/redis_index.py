@@ -196,7 +196,8 @@ class RedisBlockIndex:
         return reply
 
     def _call_direct(self, what: str, script: _Script, *args: Any) -> Any:
-        """``_call`` for the lookups (a few small arguments and the keys' blob) through
+        """``_call`` for the lookups (a few small arguments and the keys' blob) and the publishes
+        (five arguments per block, packed here once rather than one by one by redis-py) through
         ``redis_direct``: one pre-packed ``EVALSHA`` on the calling thread's held connection to
         the server that owns the key prefix ``args[0]`` (``_pool_of``). What that path leaves to
         the generic one (``LEFT_TO_GENERIC_PATH``) goes through ``_call``, as does every call for
@@ -293,7 +294,7 @@ class RedisBlockIndex:
             else:
                 data = code if op.block_id < 0 else code + op.block_id.to_bytes(4, "big")
             args += (op.kind, op.group_id, op.block_hash[:key_len], op.parent_hash[:key_len], data)
-        return self._call("publish", _PUBLISH, *args)
+        return self._call_direct("publish", _PUBLISH, *args)
 
     def _count_publish(self, reply: Any, num_ops: int, resync: bool) -> PublishResult:
         if reply is None:

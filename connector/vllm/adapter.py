@@ -9,8 +9,8 @@ KV cache manager does the block management and vLLM's ``kv_load_failure_policy``
 the blocks the worker reports in ``get_block_ids_with_load_errors``.
 
 Everything the halves say to each other travels as msgpack bytes inside vLLM's metadata types
-(``_StepOrders``, ``_WorkerReport``, ``_Handshake``): vLLM pickles those between processes,
-and bytes pickle as themselves.
+(``_StepOrders``, ``_WorkerReport``, ``_Handshake``: ``wire.py``): vLLM pickles those between
+processes, and bytes pickle as themselves.
 
 Tensor parallelism (issue 30): vLLM builds one worker half per rank and sends each step's
 orders to all of them. Each rank registers the KV heads its cache holds (``TPLayout``: vLLM's
@@ -68,6 +68,7 @@ from .translate import (
     kv_cache_config_from_vllm,
     refuse_unsupported_layout,
 )
+from .wire import _Handshake, _StepOrders, _WorkerReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -94,31 +95,6 @@ its own params were malformed: ``"kv_transfer_params.<field>: <problem>; compute
 
 
 _ASK_AGAIN = (None, False)  # get_num_new_matched_tokens: no answer yet
-
-
-class _StepOrders(KVConnectorMetadata):
-    """One step's ``KVBridgeConnectorMetadata`` as msgpack bytes."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
-
-
-class _WorkerReport(KVConnectorWorkerMetadata):
-    """The workers' ``KVBridgeWorkerMeta`` reports of one step, as msgpack bytes."""
-
-    def __init__(self, payloads: list[bytes]) -> None:
-        self.payloads = payloads
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, _WorkerReport)
-        return _WorkerReport(self.payloads + other.payloads)
-
-
-class _Handshake(KVConnectorHandshakeMetadata):
-    """The worker half's ``WorkerHandshake`` as msgpack bytes."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -230,7 +206,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._follower = VllmPoolFollower(gpu_block_pool, block_size=block_size)
         # With offload "evict" the planner reads the cold end of vLLM's free queue through it.
         pool = VllmOffloadPool(gpu_block_pool, self._follower.snapshot_cached_blocks)
-        self._scheduler.bind_block_pool(pool, self._follower.take_events)  # type: ignore[arg-type]
+        self._scheduler.bind_block_pool(pool, self._follower.take_changes,  # type: ignore[arg-type]
+                                        self._follower.settle)
         planner = self._scheduler.offload_planner
         if planner is not None:
             self._store_events = StoreTierEvents(block_size=block_size,
@@ -267,20 +244,28 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """``(None, False)`` ("ask again") while the request's index lookup is out, in O(1)
-        (vLLM asks at every step: ``index_lookup_pending``); else the scheduler half's answer."""
+        (vLLM asks at every step: ``index_lookup_pending``); else the scheduler half's answer.
+        A request without ``kv_transfer_params`` goes to the index as it is (the index reads
+        ``request_id``, ``block_hashes``, ``num_tokens`` and ``skip_reading_prefix_cache``,
+        which vLLM's ``Request`` has): no ``RequestView`` is built for it."""
         sched = self._sched()
         if sched.index_lookup_pending(request.request_id):
             return _ASK_AGAIN
-        matched = sched.get_num_new_matched_tokens(RequestView.of(request), num_computed_tokens)
+        view = RequestView.of(request) if request.kv_transfer_params else request
+        matched = sched.get_num_new_matched_tokens(view, num_computed_tokens)  # type: ignore[arg-type]
         return matched.num_external_tokens, matched.load_kv_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        tier = self._sched().match_tier(request.request_id)
-        if tier is not None and num_external_tokens > 0:
+        """Plan the request's pull (or release its ticket) when it matched; a request that
+        matched nothing (most) costs one dict read."""
+        sched = self._sched()
+        tier = sched.match_tier(request.request_id)
+        if tier is None:
+            return  # nothing matched: nothing to plan
+        if num_external_tokens > 0:
             self._hit_tiers[request.request_id] = tier
-        self._sched().update_state_after_alloc(RequestView.of(request), blocks,
-                                               num_external_tokens)
+        sched.update_state_after_alloc(RequestView.of(request), blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -326,9 +311,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         params were refused at admission also returns ``{PARAMS_ERROR_KEY: message}`` (beside
         P's ticket, if it is one)."""
         self._hit_tiers.pop(request.request_id, None)  # vLLM skips the sources when not logging
-        result = self._sched().request_finished(
-            RequestView.of(request), tuple(list(ids) for ids in block_ids)
-        )
+        if request.kv_transfer_params:
+            result = self._sched().request_finished(
+                RequestView.of(request), tuple(list(ids) for ids in block_ids))
+        else:  # no ticket to issue: the half reads only the id and the (absent) params
+            result = self._sched().request_finished(request, block_ids)  # type: ignore[arg-type]
         params = result.kv_transfer_params
         error = self._params_errors.pop(request.request_id, None)
         if error is not None:

@@ -19,11 +19,12 @@ What the follower does instead, once, at ``bind_gpu_block_pool``:
   which replaces the map, to journal the new one and report ``AllBlocksCleared``.
 
 vLLM's own event queue, its ``enable_kv_cache_events`` setting and its publisher are untouched.
-``take_events`` runs in ``build_connector_meta`` (the end of vLLM's ``schedule()``), so a step's
+``take_changes`` runs in ``build_connector_meta`` (the end of vLLM's ``schedule()``), so a step's
 removals reach the worker half before that step's forward may overwrite the blocks
-(``block_events.hash_delta_of``, ``holder.HeldBlockHashes``) and its stores are published after the
-forward. Needs the hashes of every group at the block size (``hash_block_size == block_size``):
-a finer hash granularity (vLLM's partial-block entries) is refused at bind time.
+(``PoolChanges.hash_delta``, ``holder.HeldBlockHashes``); its events are built and published after
+the forward (``update_connector_output``), where ``settle`` also runs. Needs the hashes of every
+group at the block size (``hash_block_size == block_size``): a finer hash granularity (vLLM's
+partial-block entries) is refused at bind time.
 
 Owner: the engine thread (vLLM's scheduler); nothing here is shared.
 """
@@ -38,6 +39,7 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockHashToBlockMap
 
 from ..errors import KVTransferConfigError
+from .pool_changes import PoolChanges
 from .prefix_cache_mirror import PrefixCacheMirror
 
 __all__ = ["VllmPoolFollower"]
@@ -64,6 +66,11 @@ class _JournaledMap(BlockHashToBlockMap):
         if block is not None:
             self._record_pop((key, block_id))
         return block
+
+    @property
+    def has_key(self) -> Callable[[Any], bool]:
+        """``has_key(key)``: the map maps ``key`` to some block (its dict's C method)."""
+        return self._cache.__contains__
 
     def block_id_of(self, key: Any) -> int | None:
         if key not in self._cache:  # (a key that lost its last block: the usual ask)
@@ -130,16 +137,31 @@ class VllmPoolFollower:
 
         self._pool.reset_prefix_cache = reset_prefix_cache
 
-    def take_events(self) -> list[Any]:
-        """kvbridge block events (``BlockStored`` / ``BlockRemoved`` with block ids,
-        ``AllBlocksCleared``) of the pool's prefix-cache changes since the last call
-        (``PrefixCacheMirror.take_events``). Engine thread, once per step."""
+    def take_changes(self) -> PoolChanges:
+        """The pool's prefix-cache changes since the last call (``PrefixCacheMirror.
+        take_changes``): its ``hash_delta`` now, its kvbridge block events (``BlockStored`` /
+        ``BlockRemoved`` with block ids, ``AllBlocksCleared``) when asked, off the step.
+        Engine thread, once per step."""
         if self._pool.cached_block_hash_to_block is not self._map:
             logger.warning("vLLM replaced its prefix-cache map outside reset_prefix_cache; "
                            "the block index is told every entry again")
             self.mirror.record_clear()
             self._map = self._journal()
-        return self.mirror.take_events(self._map.contain, self._map.block_id_of)
+        journaled = self._map
+        return self.mirror.take_changes(journaled.contain, journaled.block_id_of,
+                                        journaled.has_key)
+
+    def take_events(self) -> list[Any]:
+        """``take_changes().events()``, then ``settle()``: the changes as kvbridge block events
+        at once (for callers outside vLLM's step: tests, tools). Engine thread."""
+        events = self.take_changes().events()
+        self.settle()
+        return events
+
+    def settle(self) -> None:
+        """Off the step (after the forward): the mirror's bookkeeping the step left
+        (``PrefixCacheMirror.settle``). Engine thread."""
+        self.mirror.settle()
 
     def snapshot_cached_blocks(self) -> list[Any]:
         """The cached set the events taken so far describe (``kvmanager.CachedBlock`` list;

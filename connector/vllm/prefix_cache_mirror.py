@@ -1,4 +1,4 @@
-"""What one engine's prefix cache holds, as kvbridge's block-pool events (pure; no vLLM import).
+"""What one engine's prefix cache holds, and how it changed (pure; no vLLM import).
 
 vLLM's ``BlockPool`` keeps its prefix cache in one map, ``BlockHashWithGroupId`` (the block hash
 plus 4 big-endian bytes of the KV cache group id) -> the block(s) holding it. The pool follower
@@ -10,31 +10,27 @@ step, at the cost of one append:
     record_clear()                   the map was emptied (``reset_prefix_cache``)
     record_parents(hashes, ...)      the parents of the hashes a request is about to cache
 
-``take_events(holds, block_of)`` turns what changed since the last call into the events kvbridge's
-own ``BlockPool.take_events`` would have given, ``BlockStored`` / ``BlockRemoved`` with block ids
-and ``AllBlocksCleared``, so that the scheduler half's hash deltas (``block_events.py``), the index
-client's publishes and its resyncs work on vLLM's pool unchanged. The result is exact at the moment
-of the call: it compares what was last reported (``_block_of_key``) with the map itself, only for
-the keys that lost a block since (``record_pop``), so a key stored and evicted within one step costs
-nothing and a key that moved to another block (vLLM's copy-on-write ``move_block_hashes``) is
-reported as moved. A key that gained a block and lost none is not looked up in the map: every
-change of the map passes through the two recorded methods, so a key not reported at the last call
-and popped from no block since was absent then, and the map names it with the first block it was
-inserted with (vLLM keeps a key's blocks in insertion order). The work of a call is proportional to
-the keys that changed, never to the size of the cache.
+``take_changes(holds, block_of, has_key)``, once a step, settles what changed since the last call
+into a ``PoolChanges`` (``pool_changes.py``): its ``hash_delta`` goes with the step's orders, its
+``events`` (the ``BlockStored`` / ``BlockRemoved`` with block ids and ``AllBlocksCleared`` that
+kvbridge's own ``BlockPool.take_events`` would give, for the index client's publishes and resyncs)
+are built off the step. The result is exact at the moment of the call: it compares what was last
+reported (``_block_of_key``) with the map itself, only for the keys that lost a block since
+(``record_pop``), so a key stored and evicted within one step costs nothing and a key that moved
+to another block (vLLM's copy-on-write ``move_block_hashes``) is reported as moved. A key that
+gained a block and lost none is not looked up in the map: every change of the map passes through
+the two recorded methods, so a key not reported at the last call and popped from no block since
+was absent then, and the map names it with the first block it was inserted with (vLLM keeps a
+key's blocks in insertion order). The work of a call is proportional to the keys that changed,
+never to the size of the cache; the usual step (new keys, each with its parent noted, and
+evictions of keys no other block holds) is taken with list and map operations, without a loop
+body per key.
 
 One block per key is published (the first the map names): the index needs one holder block per
 hash and node; a second block holding the same key (vLLM does not de-duplicate) is published only
-when the first loses it.
-
-Order of a batch (the worker half applies removals before the step's forward and stores after it,
-``holder.HeldBlockHashes``): ``AllBlocksCleared`` if the map was emptied, then every removal (one
-``BlockRemoved`` per KV cache group), then
-the stores in the order their keys were first inserted (a request caches its blocks in position
-order, so a parent comes before its child, which the Redis index needs to extend a run). Stores
-that follow one another in that order form one ``BlockStored`` while each key's parent is the hash
-before it in the same group (one event per run of a request's blocks, as vLLM's own events; a
-``BlockStored``'s hashes are one chain: ``kvmanager.kv_events``).
+when the first loses it. Removals come before stores; stores come in the order their keys were
+first inserted (a request caches its blocks in position order, so a parent comes before its
+child, which the Redis index needs to extend a run).
 
 Owner: the engine thread (vLLM's scheduler thread); nothing here is shared.
 """
@@ -43,19 +39,23 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlock
+from kvbridge.kvmanager import CachedBlock
 from kvbridge.kvmanager.block_hash import (
     get_block_hash,
     get_group_id,
     make_block_hash_with_group_id,
 )
 
-_GROUP_ID_BYTES = len(make_block_hash_with_group_id(b"", 0))  # the key's group id suffix
+from .pool_changes import PoolChanges
 
 __all__ = ["PrefixCacheMirror"]
+
+_MAX_UNSETTLED = 64  # batches whose parents wait for ``settle`` before a take files them itself
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class PrefixCacheMirror:
@@ -71,9 +71,9 @@ class PrefixCacheMirror:
         self.block_size = block_size
         self._block_of_key: dict[bytes, int] = {}  # key -> the block reported as holding it
         self._parent_of_key: dict[bytes, bytes | None] = {}  # reported keys' parent hashes
-        self._new_parents: dict[bytes, bytes | None] = {}  # since the last take
-        self._new_hashes: dict[bytes, bytes] = {}  # their keys' block hashes
-        self._new_groups: set[int] = set()  # their groups
+        # (keys, their parents) taken by list operations, not yet in _parent_of_key (``settle``)
+        self._unsettled: list[tuple[list[bytes], list[bytes | None]]] = []
+        self._new_parents: dict[bytes, bytes | None] = {}  # noted since the last take
         self._inserted: dict[bytes, int] = {}  # key -> first block inserted since the last take
         self._popped: list[tuple[bytes, int]] = []  # (key, block id) popped since, in order
         self._cleared = False
@@ -110,59 +110,121 @@ class PrefixCacheMirror:
         block, from block 0) are about to be cached in ``group_id``: the parent of block ``i``
         is ``block_hashes[i - 1]`` (none for block 0). A hash names its whole prefix, so its
         parent never changes; a recorded key that is not then inserted is forgotten at the
-        next ``take_events``."""
+        next take."""
         stop = min(stop, len(block_hashes))
         start = max(start, 0)
         if start >= stop:
             return
-        suffix = make_block_hash_with_group_id(b"", group_id)
         hashes = block_hashes[start:stop]
-        parents = [block_hashes[start - 1] if start > 0 else None, *hashes[:-1]]
-        keys = [h + suffix for h in hashes]
+        parents = itertools.chain((block_hashes[start - 1] if start > 0 else None,),
+                                  itertools.islice(hashes, len(hashes) - 1))
+        keys = map(bytes.__add__, hashes, itertools.repeat(
+            make_block_hash_with_group_id(b"", group_id)))
         self._new_parents.update(zip(keys, parents, strict=True))
-        self._new_hashes.update(zip(keys, hashes, strict=True))
-        self._new_groups.add(group_id)
 
     # ------------------------------------------------------------------ the step's batch
+    def take_changes(
+        self,
+        holds: Callable[[bytes, int], bool],
+        block_of: Callable[[bytes], int | None],
+        has_key: Callable[[bytes], bool] | None = None,
+    ) -> PoolChanges:
+        """What brings the last report up to the map as it is now (that is then the report),
+        and forget the recorded changes. Engine thread, once a step, inside it.
+
+        Args:
+            holds: ``holds(key, block_id)``: the map maps ``key`` to ``block_id`` now.
+            block_of: ``block_of(key)``: a block the map maps ``key`` to now, or None.
+            has_key: ``has_key(key)``: the map maps ``key`` to some block now (a C method,
+                e.g. a dict's ``__contains__``; None: ``block_of`` is asked).
+        """
+        changes = PoolChanges(self.block_size)
+        reported = self._block_of_key
+        if self._cleared:
+            changes.cleared = True
+            reported.clear()
+            self._parent_of_key.clear()
+            self._unsettled.clear()
+            self._cleared = False
+        inserted, popped_in_order = self._inserted, self._popped
+        popped: dict[bytes, int] = {}  # keys that lost a block (empty: none did)
+        if popped_in_order:
+            self.settle()  # the removals forget their keys' parents
+            popped = self._take_removals(changes)
+        if self._only_new_keys(popped):
+            self._take_new_keys(changes)  # the usual step
+            touched: Iterable[tuple[bytes, int | None]] = ()
+        else:
+            touched = inserted.items()
+        if popped:
+            if has_key is None:
+                def has_key(key: bytes) -> bool:
+                    return block_of(key) is not None
+            # The popped keys that gained no block: only those still reported or still in the
+            # map need a look (an evicted key no other block holds is done with).
+            others = [key for key in popped if key not in inserted]
+            looks = map(operator.or_, map(reported.__contains__, others), map(has_key, others))
+            touched = itertools.chain(touched, zip(itertools.compress(others, looks),
+                                                   itertools.repeat(None)))
+        self._take_touched(changes, touched, popped, holds, block_of)
+        if changes.removed_keys and self._unsettled:
+            self.settle()
+        for key in changes.removed_keys:  # (their parents were kept for the stores above)
+            if key not in reported:
+                self._parent_of_key.pop(key, None)
+        inserted.clear()
+        popped_in_order.clear()
+        self._new_parents.clear()  # (those of blocks never inserted too)
+        if len(self._unsettled) > _MAX_UNSETTLED:
+            self.settle()
+        return changes
+
     def take_events(
         self,
         holds: Callable[[bytes, int], bool],
         block_of: Callable[[bytes], int | None],
     ) -> list[Any]:
-        """The events that bring the last report up to the map as it is now, and forget the
-        recorded changes.
+        """``take_changes(holds, block_of).events()`` and ``settle()``: the changes as
+        kvbridge KV events at once (``PoolChanges.events``)."""
+        events = self.take_changes(holds, block_of).events()
+        self.settle()
+        return events
 
-        Args:
-            holds: ``holds(key, block_id)``: the map maps ``key`` to ``block_id`` now.
-            block_of: ``block_of(key)``: a block the map maps ``key`` to now, or None.
+    def settle(self) -> None:
+        """File the parents of the keys taken by list operations (off the step: the next
+        ``take_changes`` that needs them, or every ``_MAX_UNSETTLED`` takes, does it itself)."""
+        for keys, parents in self._unsettled:
+            self._parent_of_key.update(zip(keys, parents, strict=True))
+        self._unsettled.clear()
 
-        Returns:
-            kvbridge KV events (``kvbridge.kvmanager.kv_events``): a ``BlockRemoved`` per group,
-            a ``BlockStored`` per run of stores that make one chain (see the module docstring),
-            ``medium`` None (the engine's device tier).
-        """
-        events: list[Any] = []
-        reported = self._block_of_key
-        if self._cleared:
-            events.append(AllBlocksCleared(medium=None))
-            reported.clear()
-            self._parent_of_key.clear()
-            self._cleared = False
-        inserted, popped_in_order = self._inserted, self._popped
-        if not popped_in_order and self._only_new_chains():
-            self._take_new_chains(events)
-            return events
-        removed: list[bytes] = []  # their parents are kept until the stores below are done
-        # (key, first block inserted since the last take or None): the keys that gained a block,
-        # then those that only lost one
-        touched: Iterable[tuple[bytes, int | None]] = inserted.items()
-        popped: dict[bytes, int] = {}  # keys that lost a block (empty: none did)
-        if popped_in_order:
-            popped = self._take_removals(events, removed)
-            touched = itertools.chain(touched, ((key, None) for key in popped
-                                                if key not in inserted))
-        run = _Run(self.block_size, events)
-        new_parents, parent_of_key = self._new_parents, self._parent_of_key
+    def _only_new_keys(self, popped: dict[bytes, int]) -> bool:
+        """True when every key that gained a block is neither reported (after this take's
+        removals) nor popped, and had its parent noted: set operations, no Python loop."""
+        inserted = self._inserted
+        return self._block_of_key.keys().isdisjoint(inserted) and \
+            popped.keys().isdisjoint(inserted) and inserted.keys() <= self._new_parents.keys()
+
+    def _take_new_keys(self, changes: PoolChanges) -> None:
+        """Every key that gained a block is new (neither reported nor popped) and had its
+        parent noted: each is reported with the first block it gained, by list operations."""
+        inserted = self._inserted
+        if not inserted:
+            return
+        keys = list(inserted)
+        parents = list(map(self._new_parents.__getitem__, keys))
+        self._block_of_key.update(inserted)
+        self._unsettled.append((keys, parents))
+        changes.stored_keys += keys
+        changes.stored_block_ids += inserted.values()
+        changes.stored_parents += parents
+
+    def _take_touched(self, changes: PoolChanges, touched: Iterable[tuple[bytes, int | None]],
+                      popped: dict[bytes, int], holds: Callable[[bytes, int], bool],
+                      block_of: Callable[[bytes], int | None]) -> None:
+        """The general case, key by key: ``(key, first block inserted since the last take, or
+        None)`` of the keys that gained a block, then of those that only lost one."""
+        reported, new_parents, parent_of_key = \
+            self._block_of_key, self._new_parents, self._parent_of_key
         for key, first_block_id in touched:
             block_id = reported.get(key)
             if block_id is not None:
@@ -170,9 +232,8 @@ class PrefixCacheMirror:
                     continue  # still where it was reported
                 # Lost without a recorded pop: the map changed behind the follower's back.
                 del reported[key]
-                removed.append(key)
-                run.flush()
-                events.append(self._removed(key, block_id))
+                changes.removed_keys.append(key)
+                changes.removed_block_ids.append(block_id)
                 block_id = block_of(key)
             elif first_block_id is None or key in popped:
                 block_id = block_of(key)
@@ -180,132 +241,35 @@ class PrefixCacheMirror:
                 block_id = first_block_id
             if block_id is None:
                 continue
-            parent = new_parents[key] if key in new_parents else parent_of_key.get(key)
+            if key in new_parents:
+                parent = new_parents[key]
+            else:  # a key reported before (moved, or held by a second block): its parent
+                if self._unsettled:
+                    self.settle()
+                parent = parent_of_key.get(key)
             reported[key] = block_id
             parent_of_key[key] = parent
-            run.add(key, block_id, parent)
-        run.flush()
-        for key in removed:
-            if key not in reported:
-                parent_of_key.pop(key, None)
-        inserted.clear()
-        self._popped.clear()
-        self._forget_parents()
-        return events
+            changes.stored_keys.append(key)
+            changes.stored_block_ids.append(block_id)
+            changes.stored_parents.append(parent)
 
-    def _only_new_chains(self) -> bool:
-        """True when every key that gained a block since the last take was not reported and
-        had its parent noted by ``record_parents``, in one group (a step that only cached new
-        blocks: the usual one). Set operations on the keys, no Python loop."""
-        inserted = self._inserted
-        return len(self._new_groups) <= 1 and self._block_of_key.keys().isdisjoint(inserted) \
-            and inserted.keys() <= self._new_parents.keys()
-
-    def _take_new_chains(self, events: list[Any]) -> None:
-        """``take_events`` when nothing was popped and ``_only_new_chains``: each key is
-        reported with the first block it gained and the parent ``record_parents`` noted, the
-        stores cut into chains as ``_Run`` cuts them, with C-level list and map operations
-        rather than a loop body per key (this runs inside vLLM's ``schedule()``)."""
-        inserted = self._inserted
-        keys = list(inserted)
-        if keys:
-            (group_id,) = self._new_groups
-            block_ids = list(inserted.values())
-            parents = list(map(self._new_parents.__getitem__, keys))
-            hashes = list(map(self._new_hashes.__getitem__, keys))
-            self._block_of_key.update(inserted)
-            self._parent_of_key.update(zip(keys, parents, strict=True))
-            # a chain goes on while a key's parent is the hash before it
-            cuts = list(itertools.compress(range(1, len(keys)), map(
-                operator.ne, itertools.islice(parents, 1, None), hashes)))
-            for start, stop in zip([0, *cuts], [*cuts, len(keys)], strict=True):
-                events.append(BlockStored(
-                    block_hashes=hashes[start:stop], parent_block_hash=parents[start],
-                    token_ids=[], block_size=self.block_size, lora_name=None, medium=None,
-                    group_id=group_id, block_ids=block_ids[start:stop]))
-        inserted.clear()
-        self._forget_parents()  # (those of blocks never inserted too)
-
-    def _forget_parents(self) -> None:
-        self._new_parents.clear()
-        self._new_hashes.clear()
-        self._new_groups.clear()
-
-    def _take_removals(self, events: list[Any], removed: list[bytes]) -> dict[bytes, int]:
-        """The recorded pops that removed a reported block, as ``BlockRemoved`` events (one per
-        group) appended to ``events``, their keys to ``removed``; returns every popped key (in
-        first-pop order)."""
+    def _take_removals(self, changes: PoolChanges) -> dict[bytes, int]:
+        """The recorded pops that removed a reported block go to ``changes`` (in first-pop
+        order); returns every popped key (in first-pop order) and its last popped block."""
         reported = self._block_of_key
-        popped: dict[bytes, int] = {}
-        gone: dict[bytes, tuple[list[bytes], list[int]]] = {}  # group suffix -> hashes, ids
-        for key, block_id in self._popped:
-            popped[key] = block_id
-            if reported.get(key) == block_id:
-                del reported[key]
-                removed.append(key)
-                hashes, block_ids = gone.setdefault(key[-_GROUP_ID_BYTES:], ([], []))
-                hashes.append(key[:-_GROUP_ID_BYTES])
-                block_ids.append(block_id)
-        events.extend(
-            BlockRemoved(block_hashes=hashes, medium=None, group_id=get_group_id(suffix),
-                         block_ids=block_ids)
-            for suffix, (hashes, block_ids) in gone.items()
-        )
-        return popped
+        pops = self._popped
+        # a (key, block) pair removes when the key is reported at that block (once per key)
+        matches = map(operator.eq, map(reported.get, map(_first, pops)), map(_second, pops))
+        removals = dict(itertools.compress(pops, matches))
+        deque(map(reported.__delitem__, removals), maxlen=0)
+        changes.removed_keys += removals
+        changes.removed_block_ids += removals.values()
+        return dict(pops)
 
     def snapshot_cached_blocks(self) -> list[CachedBlock]:
-        """Every key reported as held and its block: the state the events taken so far describe
-        (the index client's resync source, read on this thread after a step)."""
+        """Every key reported as held and its block: the state the changes taken so far
+        describe (the index client's resync source, read on this thread after a step)."""
         return [
             CachedBlock(get_block_hash(key), get_group_id(key), block_id)
             for key, block_id in self._block_of_key.items()
         ]
-
-    @staticmethod
-    def _removed(key: bytes, block_id: int) -> BlockRemoved:
-        return BlockRemoved(
-            block_hashes=[get_block_hash(key)],
-            medium=None,
-            group_id=get_group_id(key),
-            block_ids=[block_id],
-        )
-
-
-class _Run:
-    """The stores of one ``take_events``, gathered into ``BlockStored`` events of one chain each
-    (a key joins the run when its parent is the run's last hash in the same group)."""
-
-    __slots__ = ("_block_ids", "_block_size", "_events", "_hashes", "_parent", "_suffix")
-
-    def __init__(self, block_size: int, events: list[Any]) -> None:
-        self._block_size = block_size
-        self._events = events
-        self._suffix = b""
-        self._hashes: list[bytes] = []
-        self._block_ids: list[int] = []
-        self._parent: bytes | None = None
-
-    def add(self, key: bytes, block_id: int, parent: bytes | None) -> None:
-        hashes = self._hashes
-        if not hashes or parent != hashes[-1] or not key.endswith(self._suffix):
-            self.flush()
-            self._suffix, self._parent = key[-_GROUP_ID_BYTES:], parent
-            hashes = self._hashes
-        hashes.append(key[:-_GROUP_ID_BYTES])
-        self._block_ids.append(block_id)
-
-    def flush(self) -> None:
-        """End the run: its ``BlockStored`` (if it holds a block) goes to the events."""
-        if not self._hashes:
-            return
-        self._events.append(BlockStored(
-            block_hashes=self._hashes,
-            parent_block_hash=self._parent,
-            token_ids=[],
-            block_size=self._block_size,
-            lora_name=None,
-            medium=None,
-            group_id=get_group_id(self._suffix),
-            block_ids=self._block_ids,
-        ))
-        self._hashes, self._block_ids = [], []

@@ -36,6 +36,8 @@ from _vllm_sched_builders import (
     worker_report,
 )
 from kvbridge.connector.errors import KVTransferConfigError
+from kvbridge.connector.vllm.request_view import RequestView
+from kvbridge.kvmanager import BlockStored as KVBridgeBlockStored
 from kvbridge.kvmanager.block_hash import get_block_hash, get_group_id
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -185,6 +187,51 @@ def test_the_index_lists_exactly_what_vllm_caches_through_eviction_and_reset(pai
     assert reset.meta.block_hashes.cleared
     assert client_of(a).flush()
     assert index_entries(a) == pool_entries(a) == set()
+
+
+def test_the_block_events_are_built_after_the_step_not_inside_schedule(pair, monkeypatch):
+    # Inside vLLM's schedule() the connector only takes the pool's changes and the holder's
+    # hash delta; the BlockStored events the index reads are built after the forward (in
+    # update_from_output), where they are published.
+    a, _ = pair
+    built: list[bool] = []  # for each BlockStored built: was it inside schedule()?
+    inside = [False]
+    init = KVBridgeBlockStored.__init__
+
+    def counted_init(self, *args, **kwargs):
+        built.append(inside[0])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVBridgeBlockStored, "__init__", counted_init)
+    schedule = a.schedule
+
+    def marked_schedule(*args, **kwargs):
+        inside[0] = True
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    a.schedule = marked_schedule
+    steps = run(a, make_request(_prompt(5, 300), max_tokens=2))
+    assert built and not any(built)
+    assert sum(len(s.meta.block_hashes.stored_block_ids) for s in steps) == 9
+    assert index_entries(a) == pool_entries(a)
+
+
+def test_requests_without_params_are_read_as_they_are(pair, monkeypatch):
+    # vLLM asks about every waiting request at every step: one without kv_transfer_params is
+    # looked up, allocated and finished on vLLM's own Request (no RequestView built per call)
+    # when the index has nothing for it; a hit still gets its view (the pull tests below).
+    a, _ = pair
+    viewed: list[str] = []
+    view_of = RequestView.of
+    monkeypatch.setattr(RequestView, "of",
+                        staticmethod(lambda request: viewed.append(request.request_id)
+                                     or view_of(request)))
+    run(a, *(make_request(_prompt(20 + i, 100), max_tokens=2) for i in range(3)))
+    assert connector_of(a).stats.snapshot()["num_index_lookups"] == 3
+    assert viewed == []
 
 
 def test_vllm_s_own_kv_events_still_reach_its_publisher():

@@ -1,0 +1,111 @@
+"""One step's prefix-cache changes of vLLM's pool as the mirror took them (``PoolChanges``).
+
+``PrefixCacheMirror.take_changes`` runs inside vLLM's ``schedule()`` and only settles what
+changed, as flat lists (keys are vLLM's ``BlockHashWithGroupId``: the block hash plus 4 bytes of
+group id). What the step needs at once is the holder's ``BlockHashDelta`` (``hash_delta``: the
+lists as they are, no per-block work); the kvbridge events the index and the store tier read
+(``events``) are built later, off the step (in ``update_from_output``), and once.
+
+Order of the events: ``AllBlocksCleared`` if the map was emptied, then every removal (one
+``BlockRemoved`` per KV cache group, in the order the removals were taken), then the stores in
+the order taken, cut into one ``BlockStored`` per chain: a store joins the one before it while
+its parent is that store's hash in the same group (a request caches its blocks in position
+order, so one event per run of a request's blocks, as vLLM's own events; a ``BlockStored``'s
+hashes are one chain: ``kvmanager.kv_events``).
+
+Owner: the engine thread (vLLM's scheduler thread); nothing here is shared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any
+
+from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.kvmanager.block_hash import get_group_id, make_block_hash_with_group_id
+
+from ..metadata import BlockHashDelta
+
+__all__ = ["GROUP_ID_BYTES", "PoolChanges"]
+
+GROUP_ID_BYTES = len(make_block_hash_with_group_id(b"", 0))  # the key's group id suffix
+
+
+class PoolChanges:
+    """What one ``take_changes`` found (read-only once taken).
+
+    Attributes:
+        block_size: tokens per block (the events' ``block_size``).
+        cleared: the map was emptied (``reset_prefix_cache``) before the rest.
+        removed_keys / removed_block_ids: keys that no longer map to the block reported for
+            them, and that block (same length).
+        stored_keys / stored_block_ids / stored_parents: keys now reported at a block (a key
+            removed above and held by another block is here again), that block, and the key's
+            parent block hash (None: the first block of a request, or not known).
+    """
+
+    __slots__ = ("_events", "block_size", "cleared", "removed_block_ids", "removed_keys",
+                 "stored_block_ids", "stored_keys", "stored_parents")
+
+    def __init__(self, block_size: int, *, cleared: bool = False,
+                 removed_keys: list[bytes] | None = None,
+                 removed_block_ids: list[int] | None = None,
+                 stored_keys: list[bytes] | None = None,
+                 stored_block_ids: list[int] | None = None,
+                 stored_parents: list[bytes | None] | None = None) -> None:
+        self.block_size = block_size
+        self.cleared = cleared
+        self.removed_keys = removed_keys or []
+        self.removed_block_ids = removed_block_ids or []
+        self.stored_keys = stored_keys or []
+        self.stored_block_ids = stored_block_ids or []
+        self.stored_parents = stored_parents or []
+        self._events: list[Any] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.cleared or self.removed_keys or self.stored_keys)
+
+    def hash_delta(self) -> BlockHashDelta:
+        """The holder's delta (``holder.HeldBlockHashes``): removals before the forward, stores
+        after it; a block stored twice keeps its last key, as the holder applies them."""
+        return BlockHashDelta(cleared=self.cleared, removed_block_ids=self.removed_block_ids,
+                              stored_block_ids=self.stored_block_ids,
+                              stored_hashes=self.stored_keys)
+
+    def events(self) -> list[Any]:
+        """kvbridge KV events (``kvbridge.kvmanager.kv_events``, ``medium`` None: the engine's
+        device tier) in the order of the module docstring; built on the first call, the same
+        list after (do not change it)."""
+        if self._events is None:
+            events: list[Any] = [AllBlocksCleared(medium=None)] if self.cleared else []
+            if self.removed_keys:
+                events += self._removed_events()
+            if self.stored_keys:
+                events += self._stored_events()
+            self._events = events
+        return self._events
+
+    def _removed_events(self) -> list[BlockRemoved]:
+        gone: dict[bytes, tuple[list[bytes], list[int]]] = {}  # group suffix -> hashes, ids
+        for key, block_id in zip(self.removed_keys, self.removed_block_ids, strict=True):
+            hashes, block_ids = gone.setdefault(key[-GROUP_ID_BYTES:], ([], []))
+            hashes.append(key[:-GROUP_ID_BYTES])
+            block_ids.append(block_id)
+        return [BlockRemoved(block_hashes=hashes, medium=None, group_id=get_group_id(suffix),
+                             block_ids=block_ids)
+                for suffix, (hashes, block_ids) in gone.items()]
+
+    def _stored_events(self) -> list[BlockStored]:
+        keys, block_ids, parents = self.stored_keys, self.stored_block_ids, self.stored_parents
+        hashes = [key[:-GROUP_ID_BYTES] for key in keys]
+        suffixes = [key[-GROUP_ID_BYTES:] for key in keys]
+        # a chain goes on while a key's parent is the hash before it, in the same group
+        breaks = map(operator.or_, map(operator.ne, itertools.islice(parents, 1, None), hashes),
+                     map(operator.ne, itertools.islice(suffixes, 1, None), suffixes))
+        cuts = list(itertools.compress(range(1, len(keys)), breaks))
+        return [BlockStored(block_hashes=hashes[start:stop], parent_block_hash=parents[start],
+                            token_ids=[], block_size=self.block_size, lora_name=None,
+                            medium=None, group_id=get_group_id(suffixes[start]),
+                            block_ids=block_ids[start:stop])
+                for start, stop in zip([0, *cuts], [*cuts, len(keys)], strict=True)]
