@@ -61,9 +61,13 @@ def spawned_engine(name: str, model_path: str, log_dir: Path, *,
                    llm: dict[str, Any] | None = None, python: str | None = None) -> Node:
     """A started (not yet ready) engine with ``connector`` (a ``kv_transfer_config``), or
     kvbridge's connector as ``engine`` configures it from ``extra``, in vLLM's multiprocess
-    mode with the in-process executor: an EngineCore subprocess, spawned (vLLM's CPU platform
-    forces ``spawn``), holds the scheduler and the worker. Raises ValueError unless exactly
-    one of ``connector`` and ``extra`` is given.
+    mode, as ``vllm serve`` runs: an EngineCore subprocess (spawned: vLLM's CPU platform forces
+    ``spawn``) holds the scheduler, and a worker process of its own the model (the
+    ``distributed_executor_backend: "uni"`` asked for here is turned into ``"mp"`` by vLLM
+    0.32's CPU platform whenever V1 multiprocessing is on). The three processes hand each step
+    over through vLLM's spinning shared-memory queues, so on a host of few cores these engines'
+    timings vary far more than in-process ones. Raises ValueError unless exactly one of
+    ``connector`` and ``extra`` is given.
 
     For a connector whose module imports ``numba`` (LMCache 0.5.6's ``LMCacheMPConnector``:
     its ``token_hasher``), which ``engine`` cannot start (measured with vLLM 0.32.0). vLLM
@@ -72,7 +76,7 @@ def spawned_engine(name: str, model_path: str, log_dir: Path, *,
     llvmlite's ``llvmlite.binding.ffi.lib`` (``AttributeError: '_lib_fn_wrapper' object has
     no attribute 'get'``). Spawned, EngineCore registers its overrides before it imports the
     connector. The frontend's ``first_token_latency`` also counts the hand-offs between the
-    two processes, which an in-process engine has not. No connector ``stats`` (in process
+    processes, which an in-process engine has not. No connector ``stats`` (in process
     only). kvbridge's engines start this way too where they are compared with LMCache's.
     """
     if (connector is None) == (extra is None):
