@@ -149,6 +149,20 @@ class HeldLookups:
         del self._index.longest_prefixes
 
 
+def held_lookup(a, b, seed: int, tail: int):
+    """A caches a 10-block prefix; B gets it with ``tail`` more tokens (one output token) and
+    steps once: B's lookup is out and held (``HeldLookups``). Returns (held, request, the
+    step)."""
+    shared = _prompt(seed, 320)
+    _cached_on_a(a, shared)
+    held = HeldLookups(b)
+    request = make_request(shared + _prompt(seed + 1, tail), max_tokens=1)
+    b.add_request(request)
+    first = step(b, **ours())
+    assert held.arrived.wait(5.0)
+    return held, request, first
+
+
 @pytest.fixture
 def pair():
     namespace = _namespace()
@@ -332,13 +346,7 @@ def test_a_pending_lookup_is_asked_again_in_o1_without_reading_the_request(pair,
     from kvbridge.connector.vllm import adapter
 
     a, b = pair
-    shared = _prompt(8, 320)
-    _cached_on_a(a, shared)
-    held = HeldLookups(b)
-    request = make_request(shared + _prompt(9, 45), max_tokens=1)
-    b.add_request(request)
-    step(b, **ours())
-    assert held.arrived.wait(5.0)
+    held, request, _ = held_lookup(a, b, 8, 45)
     connector = connector_of(b)
     asked, views = [], []
     ask = connector.get_num_new_matched_tokens
@@ -422,13 +430,8 @@ def test_a_lookup_past_its_deadline_goes_on_with_the_local_hit_and_is_counted():
     a = index_node("a", namespace)
     b = index_node("b", namespace, extra={"index_lookup_timeout_s": 0.05})
     try:
-        shared = _prompt(31, 320)
-        _cached_on_a(a, shared)
-        held = HeldLookups(b)
-        request = make_request(shared + _prompt(32, 10), max_tokens=1)
-        b.add_request(request)
-        assert not step(b, **ours()).scheduled
-        assert held.arrived.wait(5.0)
+        held, request, first = held_lookup(a, b, 31, 10)
+        assert not first.scheduled
         time.sleep(0.06)  # the index (held) has not answered within index_lookup_timeout_s
         late = step(b, **ours())
         assert late.scheduled == {request.request_id: 330} and not late.meta.pulls
@@ -517,13 +520,7 @@ def test_a_pull_that_fails_whole_is_recomputed_and_never_looked_up_again(pair):
 
 def test_an_abort_while_the_lookup_is_pending_leaves_nothing_behind(pair):
     a, b = pair
-    shared = _prompt(10, 320)
-    _cached_on_a(a, shared)
-    held = HeldLookups(b)
-    request = make_request(shared + _prompt(11, 10), max_tokens=1)
-    b.add_request(request)
-    step(b, **ours())
-    assert held.arrived.wait(5.0)
+    held, request, _ = held_lookup(a, b, 10, 10)
     b.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
     held.release()
     wait_lookups(b)
