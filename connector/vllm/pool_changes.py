@@ -3,8 +3,9 @@
 ``PrefixCacheMirror.take_changes`` runs inside vLLM's ``schedule()`` and only settles what
 changed, as flat lists (keys are vLLM's ``BlockHashWithGroupId``: the block hash plus 4 bytes of
 group id). What the step needs at once is the holder's ``BlockHashDelta`` (``hash_delta``: the
-lists as they are, no per-block work); the kvbridge events the index and the store tier read
-(``events``) are built later, off the step (in ``update_from_output``), and once.
+lists as they are, no per-block work); the stored keys' parents (``parents``, worked out by the
+mirror from what ``record_parents`` noted) and the kvbridge events the index and the store tier
+read (``events``) come later, off the step (in ``update_from_output``), and once.
 
 Order of the events: ``AllBlocksCleared`` if the map was emptied, then every removal (one
 ``BlockRemoved`` per KV cache group, in the order the removals were taken), then the stores in
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored
@@ -40,31 +42,53 @@ class PoolChanges:
         cleared: the map was emptied (``reset_prefix_cache``) before the rest.
         removed_keys / removed_block_ids: keys that no longer map to the block reported for
             them, and that block (same length).
-        stored_keys / stored_block_ids / stored_parents: keys now reported at a block (a key
-            removed above and held by another block is here again), that block, and the key's
-            parent block hash (None: the first block of a request, or not known).
+        stored_keys / stored_block_ids: keys now reported at a block (a key removed above and
+            held by another block is here again), and that block (same length).
+        noted: what ``PrefixCacheMirror.record_parents`` noted before the take (the source of
+            the parents; the mirror's to read).
+
+    Args:
+        parents_of: ``parents_of(changes)`` sets ``changes``' parents (``set_parents``) when
+            first asked for (``parents``); None: the parents are given with ``set_parents``.
     """
 
-    __slots__ = ("_events", "block_size", "cleared", "removed_block_ids", "removed_keys",
-                 "stored_block_ids", "stored_keys", "stored_parents")
+    __slots__ = ("_events", "_parents", "_parents_of", "block_size", "cleared", "noted",
+                 "removed_block_ids", "removed_keys", "stored_block_ids", "stored_keys")
 
-    def __init__(self, block_size: int, *, cleared: bool = False,
-                 removed_keys: list[bytes] | None = None,
-                 removed_block_ids: list[int] | None = None,
-                 stored_keys: list[bytes] | None = None,
-                 stored_block_ids: list[int] | None = None,
-                 stored_parents: list[bytes | None] | None = None) -> None:
+    def __init__(self, block_size: int, *,
+                 parents_of: Callable[[PoolChanges], None] | None = None) -> None:
         self.block_size = block_size
-        self.cleared = cleared
-        self.removed_keys = removed_keys or []
-        self.removed_block_ids = removed_block_ids or []
-        self.stored_keys = stored_keys or []
-        self.stored_block_ids = stored_block_ids or []
-        self.stored_parents = stored_parents or []
+        self.cleared = False
+        self.removed_keys: list[bytes] = []
+        self.removed_block_ids: list[int] = []
+        self.stored_keys: list[bytes] = []
+        self.stored_block_ids: list[int] = []
+        self.noted: list[Any] = []
+        self._parents_of = parents_of
+        self._parents: list[bytes | None] | None = None
         self._events: list[Any] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.cleared or self.removed_keys or self.stored_keys)
+
+    def parents(self) -> list[bytes | None]:
+        """Each stored key's parent block hash, in ``stored_keys`` order (None: the first
+        block of a request, or not known); worked out on the first call (off the step)."""
+        if self._parents is None:
+            if self._parents_of is None:
+                raise RuntimeError("these changes' parents were never set")
+            self._parents_of(self)
+        assert self._parents is not None
+        return self._parents
+
+    def has_parents(self) -> bool:
+        return self._parents is not None
+
+    def set_parents(self, parents: list[bytes | None]) -> None:
+        """Give the parents (one per stored key; the mirror's ``parents_of`` calls this)."""
+        if len(parents) != len(self.stored_keys):
+            raise ValueError(f"{len(parents)} parents for {len(self.stored_keys)} stored keys")
+        self._parents = parents
 
     def hash_delta(self) -> BlockHashDelta:
         """The holder's delta (``holder.HeldBlockHashes``): removals before the forward, stores
@@ -97,7 +121,7 @@ class PoolChanges:
                 for suffix, (hashes, block_ids) in gone.items()]
 
     def _stored_events(self) -> list[BlockStored]:
-        keys, block_ids, parents = self.stored_keys, self.stored_block_ids, self.stored_parents
+        keys, block_ids, parents = self.stored_keys, self.stored_block_ids, self.parents()
         hashes = [key[:-GROUP_ID_BYTES] for key in keys]
         suffixes = [key[-GROUP_ID_BYTES:] for key in keys]
         # a chain goes on while a key's parent is the hash before it, in the same group

@@ -58,7 +58,10 @@ class _JournaledMap(BlockHashToBlockMap):
             mirror.record_insert(key, self.block_id_of(key))
 
     def insert(self, key: Any, block: Any) -> None:
-        BlockHashToBlockMap.insert(self, key, block)
+        # A key new to the map (the usual insert) gets ``block`` alone, as vLLM's ``insert``
+        # gives it, in one C call; a key held already goes through vLLM's own merge.
+        if self._cache.setdefault(key, block) is not block:
+            BlockHashToBlockMap.insert(self, key, block)
         self._record_insert(key, block.block_id)
 
     def pop(self, key: Any, block_id: int) -> Any:

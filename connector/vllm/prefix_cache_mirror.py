@@ -8,22 +8,27 @@ step, at the cost of one append:
     record_insert(key, block_id)     the map now maps ``key`` to ``block_id`` (maybe another too)
     record_pop(key, block_id)        the map no longer maps ``key`` to ``block_id``
     record_clear()                   the map was emptied (``reset_prefix_cache``)
-    record_parents(hashes, ...)      the parents of the hashes a request is about to cache
+    record_parents(hashes, ...)      a request is about to cache these hashes (noted as a slice)
 
 ``take_changes(holds, block_of, has_key)``, once a step, settles what changed since the last call
 into a ``PoolChanges`` (``pool_changes.py``): its ``hash_delta`` goes with the step's orders, its
 ``events`` (the ``BlockStored`` / ``BlockRemoved`` with block ids and ``AllBlocksCleared`` that
 kvbridge's own ``BlockPool.take_events`` would give, for the index client's publishes and resyncs)
-are built off the step. The result is exact at the moment of the call: it compares what was last
-reported (``_block_of_key``) with the map itself, only for the keys that lost a block since
+are built off the step. So are the stored keys' parent hashes: the step keeps only the slices of
+hashes ``record_parents`` was given, and a batch's parents are worked out when its events are
+built, or by ``settle``, always before a later take can forget a parent (a hash names its whole
+prefix, so a key's parent is the same whenever it is looked up).
+
+The result is exact at the moment of the call: it compares what was last reported
+(``_block_of_key``) with the map itself, only for the keys that lost a block since
 (``record_pop``), so a key stored and evicted within one step costs nothing and a key that moved
 to another block (vLLM's copy-on-write ``move_block_hashes``) is reported as moved. A key that
 gained a block and lost none is not looked up in the map: every change of the map passes through
 the two recorded methods, so a key not reported at the last call and popped from no block since
 was absent then, and the map names it with the first block it was inserted with (vLLM keeps a
 key's blocks in insertion order). The work of a call is proportional to the keys that changed,
-never to the size of the cache; the usual step (new keys, each with its parent noted, and
-evictions of keys no other block holds) is taken with list and map operations, without a loop
+never to the size of the cache; the usual step (new keys, and evictions of keys no other block
+holds) is taken with list and map operations, without a loop
 body per key.
 
 One block per key is published (the first the map names): the index needs one holder block per
@@ -71,9 +76,10 @@ class PrefixCacheMirror:
         self.block_size = block_size
         self._block_of_key: dict[bytes, int] = {}  # key -> the block reported as holding it
         self._parent_of_key: dict[bytes, bytes | None] = {}  # reported keys' parent hashes
-        # (keys, their parents) taken by list operations, not yet in _parent_of_key (``settle``)
-        self._unsettled: list[tuple[list[bytes], list[bytes | None]]] = []
-        self._new_parents: dict[bytes, bytes | None] = {}  # noted since the last take
+        # batches taken whose stored keys' parents are not yet in _parent_of_key (``settle``)
+        self._unsettled: deque[PoolChanges] = deque()
+        # since the last take, per ``record_parents``: (hashes, the first one's parent, group id)
+        self._noted: list[tuple[Sequence[bytes], bytes | None, int]] = []
         self._inserted: dict[bytes, int] = {}  # key -> first block inserted since the last take
         self._popped: list[tuple[bytes, int]] = []  # (key, block id) popped since, in order
         self._cleared = False
@@ -108,19 +114,13 @@ class PrefixCacheMirror:
     ) -> None:
         """Blocks ``start .. stop - 1`` of a request whose hashes are ``block_hashes`` (one per
         block, from block 0) are about to be cached in ``group_id``: the parent of block ``i``
-        is ``block_hashes[i - 1]`` (none for block 0). A hash names its whole prefix, so its
-        parent never changes; a recorded key that is not then inserted is forgotten at the
-        next take."""
-        stop = min(stop, len(block_hashes))
+        is ``block_hashes[i - 1]`` (none for block 0). Inside the step this only keeps the
+        slice (the parents are worked out off it: ``PoolChanges.parents``); a noted key that is
+        not then inserted is forgotten at the next take."""
         start = max(start, 0)
-        if start >= stop:
-            return
         hashes = block_hashes[start:stop]
-        parents = itertools.chain((block_hashes[start - 1] if start > 0 else None,),
-                                  itertools.islice(hashes, len(hashes) - 1))
-        keys = map(bytes.__add__, hashes, itertools.repeat(
-            make_block_hash_with_group_id(b"", group_id)))
-        self._new_parents.update(zip(keys, parents, strict=True))
+        if hashes:
+            self._noted.append((hashes, block_hashes[start - 1] if start else None, group_id))
 
     # ------------------------------------------------------------------ the step's batch
     def take_changes(
@@ -138,13 +138,14 @@ class PrefixCacheMirror:
             has_key: ``has_key(key)``: the map maps ``key`` to some block now (a C method,
                 e.g. a dict's ``__contains__``; None: ``block_of`` is asked).
         """
-        changes = PoolChanges(self.block_size)
+        changes = PoolChanges(self.block_size, parents_of=self._settle_through)
+        changes.noted, self._noted = self._noted, []
         reported = self._block_of_key
         if self._cleared:
+            self.settle()  # the batches before the clear keep their parents
             changes.cleared = True
             reported.clear()
             self._parent_of_key.clear()
-            self._unsettled.clear()
             self._cleared = False
         inserted, popped_in_order = self._inserted, self._popped
         popped: dict[bytes, int] = {}  # keys that lost a block (empty: none did)
@@ -174,9 +175,10 @@ class PrefixCacheMirror:
                 self._parent_of_key.pop(key, None)
         inserted.clear()
         popped_in_order.clear()
-        self._new_parents.clear()  # (those of blocks never inserted too)
-        if len(self._unsettled) > _MAX_UNSETTLED:
-            self.settle()
+        if changes.stored_keys:
+            self._unsettled.append(changes)
+            if len(self._unsettled) > _MAX_UNSETTLED:
+                self.settle()
         return changes
 
     def take_events(
@@ -191,40 +193,65 @@ class PrefixCacheMirror:
         return events
 
     def settle(self) -> None:
-        """File the parents of the keys taken by list operations (off the step: the next
-        ``take_changes`` that needs them, or every ``_MAX_UNSETTLED`` takes, does it itself)."""
-        for keys, parents in self._unsettled:
-            self._parent_of_key.update(zip(keys, parents, strict=True))
-        self._unsettled.clear()
+        """Work out and file the parents of every batch taken so far (off the step: after the
+        publish; the next ``take_changes`` that needs them, or every ``_MAX_UNSETTLED`` takes,
+        does it itself)."""
+        while self._unsettled:
+            self._settle_next()
+
+    def _settle_through(self, changes: PoolChanges) -> None:
+        """``changes.parents()``: settle the batches taken up to ``changes``, in order (its
+        parents may be a moved key's, filed by an earlier batch)."""
+        if changes not in self._unsettled:  # (settled already, or of an emptied mirror)
+            self._settle_one(changes)
+            return
+        while self._settle_next() is not changes:
+            pass
+
+    def _settle_next(self) -> PoolChanges:
+        changes = self._unsettled.popleft()
+        self._settle_one(changes)
+        self._parent_of_key.update(zip(changes.stored_keys, changes.parents(), strict=True))
+        return changes
+
+    def _settle_one(self, changes: PoolChanges) -> None:
+        """Set ``changes``' parents: a key noted in its take has the parent noted (the hash
+        before it in its request); any other (a moved key, a second block) keeps the parent
+        filed for it, or none."""
+        if changes.has_parents():
+            return
+        noted: dict[bytes, bytes | None] = {}
+        for hashes, first_parent, group_id in changes.noted:
+            keys = map(bytes.__add__, hashes, itertools.repeat(
+                make_block_hash_with_group_id(b"", group_id)))
+            parents = itertools.chain((first_parent,), itertools.islice(hashes, len(hashes) - 1))
+            noted.update(zip(keys, parents, strict=True))
+        keys = changes.stored_keys
+        changes.set_parents(list(map(noted.get, keys, map(self._parent_of_key.get, keys))))
 
     def _only_new_keys(self, popped: dict[bytes, int]) -> bool:
         """True when every key that gained a block is neither reported (after this take's
-        removals) nor popped, and had its parent noted: set operations, no Python loop."""
+        removals) nor popped: set operations, no Python loop."""
         inserted = self._inserted
         return self._block_of_key.keys().isdisjoint(inserted) and \
-            popped.keys().isdisjoint(inserted) and inserted.keys() <= self._new_parents.keys()
+            (not popped or popped.keys().isdisjoint(inserted))
 
     def _take_new_keys(self, changes: PoolChanges) -> None:
-        """Every key that gained a block is new (neither reported nor popped) and had its
-        parent noted: each is reported with the first block it gained, by list operations."""
+        """Every key that gained a block is new (neither reported nor popped): each is
+        reported with the first block it gained, by list operations."""
         inserted = self._inserted
         if not inserted:
             return
-        keys = list(inserted)
-        parents = list(map(self._new_parents.__getitem__, keys))
         self._block_of_key.update(inserted)
-        self._unsettled.append((keys, parents))
-        changes.stored_keys += keys
+        changes.stored_keys += inserted
         changes.stored_block_ids += inserted.values()
-        changes.stored_parents += parents
 
     def _take_touched(self, changes: PoolChanges, touched: Iterable[tuple[bytes, int | None]],
                       popped: dict[bytes, int], holds: Callable[[bytes, int], bool],
                       block_of: Callable[[bytes], int | None]) -> None:
         """The general case, key by key: ``(key, first block inserted since the last take, or
         None)`` of the keys that gained a block, then of those that only lost one."""
-        reported, new_parents, parent_of_key = \
-            self._block_of_key, self._new_parents, self._parent_of_key
+        reported = self._block_of_key
         for key, first_block_id in touched:
             block_id = reported.get(key)
             if block_id is not None:
@@ -241,17 +268,9 @@ class PrefixCacheMirror:
                 block_id = first_block_id
             if block_id is None:
                 continue
-            if key in new_parents:
-                parent = new_parents[key]
-            else:  # a key reported before (moved, or held by a second block): its parent
-                if self._unsettled:
-                    self.settle()
-                parent = parent_of_key.get(key)
             reported[key] = block_id
-            parent_of_key[key] = parent
             changes.stored_keys.append(key)
             changes.stored_block_ids.append(block_id)
-            changes.stored_parents.append(parent)
 
     def _take_removals(self, changes: PoolChanges) -> dict[bytes, int]:
         """The recorded pops that removed a reported block go to ``changes`` (in first-pop
