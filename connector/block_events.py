@@ -9,7 +9,7 @@ A step's batch is taken inside the step (``build_connector_meta``), where only i
 needed; its events are read after the forward (the index's publish) or by ``take_events``. A pool
 gives its batch as a list of events (kvbridge's own ``BlockPool``: ``EventBatch``) or as an object
 with the same two methods whose events are built when first asked (the vLLM pool follower's
-``vllm.pool_changes.PoolChanges``), so that work stays out of the step.
+``vllm.pool_changes.StepBatch``), so that work stays out of the step.
 """
 
 from __future__ import annotations

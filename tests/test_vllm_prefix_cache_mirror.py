@@ -285,7 +285,7 @@ def test_a_step_that_only_caches_new_chains_gives_the_events_of_the_general_path
     # (``_take_new_keys``) instead of the loop over keys; both must give the same events, in
     # the same chains, and leave the same state behind (the next step's events, the snapshot).
     if not take_fast_path:
-        monkeypatch.setattr(PrefixCacheMirror, "_only_new_keys", lambda self, popped: False)
+        monkeypatch.setattr(PrefixCacheMirror, "_only_new_keys", lambda *args: False)
     pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
     _a_step_of_new_chains(pool)
     events = pool.take_events()
@@ -333,7 +333,7 @@ def test_a_step_of_evictions_gives_the_events_of_the_general_path(
     # taken with list operations unless a new key was popped too (here: hash 3, re-cached), then
     # key by key; both give the same events and leave the same state.
     if not take_fast_path:
-        monkeypatch.setattr(PrefixCacheMirror, "_only_new_keys", lambda self, popped: False)
+        monkeypatch.setattr(PrefixCacheMirror, "_only_new_keys", lambda *args: False)
     pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
     _a_step_of_evictions(pool)
     assert pool.take() == [
@@ -358,14 +358,93 @@ def test_a_step_of_evictions_gives_the_events_of_the_general_path(
                            _stored(21, 24, 20)]
 
 
-def test_the_hash_delta_is_the_changes_as_taken():
-    # The holder's delta goes with the step's orders as the lists were taken: every removed
-    # block before the forward, every stored block's key after it.
+def _step_delta(pool: _Map):
+    """The holder's delta of the step so far, taken as the step takes it: the map is not
+    looked up until the delta is out."""
+    in_step = [True]
+
+    def looked_up(read):
+        def read_after_the_step(*args):
+            assert not in_step[0], "the step's delta looked up the map"
+            return read(*args)
+        return read_after_the_step
+
+    batch = pool.mirror.take_step(looked_up(pool.holds), looked_up(pool.block_of),
+                                  looked_up(lambda key: pool.block_of(key) is not None))
+    delta = batch.hash_delta()
+    in_step[0] = False
+    return batch, (delta.cleared, delta.removed_block_ids,
+                   dict(zip(delta.stored_block_ids, delta.stored_hashes, strict=True)))
+
+
+def test_the_step_s_delta_is_its_records_and_its_changes_come_after():
+    # The holder's delta goes with the step's orders: every popped block removed before the
+    # forward, every new key's block stored after it; the exact changes are taken later.
     pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
     _cache_request(pool, [10, 11], [5, 6])
-    pool.take()
+    _, delta = _step_delta(pool)
+    assert delta == (False, [], {5: _key(10), 6: _key(11)})
     pool.pop(_key(11), 6)
     _cache_request(pool, [20], [6], group_id=1)
-    delta = pool.mirror.take_changes(pool.holds, pool.block_of).hash_delta()
-    assert (delta.cleared, delta.removed_block_ids, delta.stored_block_ids,
-            delta.stored_hashes) == (False, [6], [6], [_key(20, 1)])
+    batch, delta = _step_delta(pool)
+    assert delta == (False, [6], {6: _key(20, 1)})
+    # the exact changes, taken after the forward (the step before's first), against the map
+    assert _per_block(batch.events()) == [_removed(11, 6), _stored(20, 6, None, 1)]
+    assert pool.mirror.snapshot_cached_blocks() == [CachedBlock(_hash(10), 0, 5),
+                                                    CachedBlock(_hash(20), 1, 6)]
+
+
+def test_a_block_cached_and_taken_back_in_one_step_is_never_stored_for_the_holder():
+    # Cached, freed by a preemption and reused within one schedule(): the block's forward writes
+    # another request's KV, so the holder must not list it for the key it lost.
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _cache_request(pool, [10, 11], [5, 6])
+    pool.pop(_key(11), 6)
+    pool.pop(_key(10), 5)
+    _cache_request(pool, [10], [7])  # re-cached elsewhere after the pop: left out (safe side)
+    _cache_request(pool, [30], [5])
+    batch, delta = _step_delta(pool)
+    assert delta == (False, [6, 5], {5: _key(30)})
+    assert _per_block(batch.events()) == [_stored(10, 7, None), _stored(30, 5, None)]
+
+
+def test_a_key_lost_behind_the_follower_s_back_is_removed_with_the_next_delta():
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _cache_request(pool, [10], [5])
+    pool.take()
+    pool.blocks[_key(10)] = [8]  # changed behind the mirror's back, then touched
+    pool.mirror.record_insert(_key(10), 8)
+    assert pool.take() == [_removed(10, 5), _stored(10, 8, None)]
+    assert _step_delta(pool)[1] == (False, [5], {})
+    pool.mirror.record_clear()
+    assert _step_delta(pool)[1] == (True, [], {})
+
+
+def test_a_step_leaves_the_parents_to_be_worked_out_off_it():
+    # Inside the step a take lists keys and blocks only; the parents (what the index needs to
+    # extend a run) are worked out when the events are built, after the forward.
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _cache_request(pool, [10, 11, 12], [5, 6, 7])
+    changes = pool.mirror.take_changes(pool.holds, pool.block_of)
+    assert changes.stored_keys == [_key(10), _key(11), _key(12)]
+    assert not changes.has_parents()
+    assert changes.parents() == [None, _hash(10), _hash(11)]
+    assert pool.mirror._parent_of_key == {_key(10): None, _key(11): _hash(10),
+                                          _key(12): _hash(11)}
+
+
+def test_asking_a_later_batch_for_its_parents_settles_the_earlier_ones_first():
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _cache_request(pool, [10, 11], [5, 6])
+    first = pool.mirror.take_changes(pool.holds, pool.block_of)
+    _cache_request(pool, [10, 11, 12], [5, 6, 7], start=2)
+    second = pool.mirror.take_changes(pool.holds, pool.block_of)
+    assert _per_block(second.events()) == [_stored(12, 7, 11)]
+    assert first.has_parents() and first.parents() == [None, _hash(10)]
+    assert pool.mirror._parent_of_key == {_key(10): None, _key(11): _hash(10),
+                                          _key(12): _hash(11)}
+    # After a reset the mirror knows no parents: a key cached again without a noted one has none.
+    pool.mirror.record_clear()
+    pool.blocks.clear()
+    pool.insert(_key(11), 9)
+    assert pool.take() == [("C",), _stored(11, 9, None)]

@@ -1,11 +1,13 @@
-"""One step's prefix-cache changes of vLLM's pool as the mirror took them (``PoolChanges``).
+"""One step's prefix-cache changes of vLLM's pool: as the step takes them (``StepBatch``), and
+as the mirror settles them (``PoolChanges``).
 
-``PrefixCacheMirror.take_changes`` runs inside vLLM's ``schedule()`` and only settles what
-changed, as flat lists (keys are vLLM's ``BlockHashWithGroupId``: the block hash plus 4 bytes of
-group id). What the step needs at once is the holder's ``BlockHashDelta`` (``hash_delta``: the
-lists as they are, no per-block work); the stored keys' parents (``parents``, worked out by the
-mirror from what ``record_parents`` noted) and the kvbridge events the index and the store tier
-read (``events``) come later, off the step (in ``update_from_output``), and once.
+``PrefixCacheMirror.take_step`` runs inside vLLM's ``schedule()`` and only copies the step's
+records (keys are vLLM's ``BlockHashWithGroupId``: the block hash plus 4 bytes of group id). What
+the step needs at once is the holder's ``BlockHashDelta`` (``StepBatch.hash_delta``, read from the
+records alone); the exact changes (``PoolChanges``: what was last reported against the map), the
+stored keys' parents (``parents``, worked out from what ``record_parents`` noted) and the kvbridge
+events the index and the store tier read (``events``) come later, off the step (in
+``update_from_output``), and once.
 
 Order of the events: ``AllBlocksCleared`` if the map was emptied, then every removal (one
 ``BlockRemoved`` per KV cache group, in the order the removals were taken), then the stores in
@@ -22,14 +24,14 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored
 from kvbridge.kvmanager.block_hash import get_group_id, make_block_hash_with_group_id
 
 from ..metadata import BlockHashDelta
 
-__all__ = ["GROUP_ID_BYTES", "PoolChanges"]
+__all__ = ["GROUP_ID_BYTES", "PoolChanges", "StepBatch", "StepJournal"]
 
 GROUP_ID_BYTES = len(make_block_hash_with_group_id(b"", 0))  # the key's group id suffix
 
@@ -90,13 +92,6 @@ class PoolChanges:
             raise ValueError(f"{len(parents)} parents for {len(self.stored_keys)} stored keys")
         self._parents = parents
 
-    def hash_delta(self) -> BlockHashDelta:
-        """The holder's delta (``holder.HeldBlockHashes``): removals before the forward, stores
-        after it; a block stored twice keeps its last key, as the holder applies them."""
-        return BlockHashDelta(cleared=self.cleared, removed_block_ids=self.removed_block_ids,
-                              stored_block_ids=self.stored_block_ids,
-                              stored_hashes=self.stored_keys)
-
     def events(self) -> list[Any]:
         """kvbridge KV events (``kvbridge.kvmanager.kv_events``, ``medium`` None: the engine's
         device tier) in the order of the module docstring; built on the first call, the same
@@ -133,3 +128,79 @@ class PoolChanges:
                             medium=None, group_id=get_group_id(suffixes[start]),
                             block_ids=block_ids[start:stop])
                 for start, stop in zip([0, *cuts], [*cuts, len(keys)], strict=True)]
+
+
+class StepJournal(NamedTuple):
+    """What the pool follower recorded in one step (``PrefixCacheMirror``'s, read-only), and the
+    map's readers its changes are taken with."""
+
+    cleared: bool
+    inserted: dict[bytes, int]  # key -> first block it was inserted with, in insertion order
+    popped: list[tuple[bytes, int]]  # (key, block id) the map stopped naming, in order
+    noted: list[Any]  # ``record_parents``' slices
+    holds: Callable[[bytes, int], bool]
+    block_of: Callable[[bytes], int | None]
+    has_key: Callable[[bytes], bool] | None
+
+
+class StepBatch:
+    """One step's prefix-cache changes as the step takes them: the holder's delta at once, the
+    exact changes (``PoolChanges``) on first use, off the step.
+
+    The delta is read from the step's records alone, with no look-up in the map or in what was
+    reported: every popped block is removed (the holder forgets ids it does not list), and every
+    key the map gained is stored with the first block it gained, unless that very block lost it
+    again in the step (cached, freed and reused by a preemption in one ``schedule()``). So the
+    holder lists a block only for a key vLLM's map named it with and did not take back; it may
+    list a key vLLM holds in two blocks under both, and it may miss a key re-cached after such a
+    pop (that block is then not served: a pull of it recomputes).
+
+    Args:
+        journal: the step's records.
+        take: ``take(batch)`` sets this batch's changes (``set_changes``), taking the batches
+            before it first (the mirror's).
+        late_removed_block_ids: blocks found to have lost their key behind the follower's back
+            when an earlier batch was taken: removed with this delta.
+    """
+
+    __slots__ = ("_changes", "_late", "_take", "journal")
+
+    def __init__(self, journal: StepJournal, take: Callable[[StepBatch], None],
+                 late_removed_block_ids: list[int]) -> None:
+        self.journal = journal
+        self._take = take
+        self._late = late_removed_block_ids
+        self._changes: PoolChanges | None = None
+
+    def __bool__(self) -> bool:
+        journal = self.journal
+        return bool(journal.cleared or journal.inserted or journal.popped or self._late)
+
+    def hash_delta(self) -> BlockHashDelta:
+        """The holder's delta (``holder.HeldBlockHashes``): removals before the forward, stores
+        after it."""
+        journal = self.journal
+        stores = journal.inserted
+        removed = self._late
+        if journal.popped:
+            removed = [*removed, *map(operator.itemgetter(1), journal.popped)]
+            stores = stores.copy()
+            for key, block_id in journal.popped:
+                if stores.get(key) == block_id:
+                    del stores[key]
+        return BlockHashDelta(cleared=journal.cleared, removed_block_ids=removed,
+                              stored_block_ids=list(stores.values()), stored_hashes=list(stores))
+
+    def changes(self) -> PoolChanges:
+        """The exact changes (the mirror's ``take_changes`` answer for this step)."""
+        if self._changes is None:
+            self._take(self)
+        assert self._changes is not None
+        return self._changes
+
+    def set_changes(self, changes: PoolChanges) -> None:
+        self._changes = changes
+
+    def events(self) -> list[Any]:
+        """``changes().events()``."""
+        return self.changes().events()

@@ -19,12 +19,14 @@ What the follower does instead, once, at ``bind_gpu_block_pool``:
   which replaces the map, to journal the new one and report ``AllBlocksCleared``.
 
 vLLM's own event queue, its ``enable_kv_cache_events`` setting and its publisher are untouched.
-``take_changes`` runs in ``build_connector_meta`` (the end of vLLM's ``schedule()``), so a step's
-removals reach the worker half before that step's forward may overwrite the blocks
-(``PoolChanges.hash_delta``, ``holder.HeldBlockHashes``); its events are built and published after
-the forward (``update_connector_output``), where ``settle`` also runs. Needs the hashes of every
-group at the block size (``hash_block_size == block_size``): a finer hash granularity (vLLM's
-partial-block entries) is refused at bind time.
+``take_changes`` runs in ``build_connector_meta`` (the end of vLLM's ``schedule()``) and only
+copies the step's records: its holder delta (``StepBatch.hash_delta``) goes with the step's orders,
+so its removals reach the worker half before that step's forward may overwrite the blocks
+(``holder.HeldBlockHashes``); the exact changes and their events are taken, built and published
+after the forward (``update_connector_output``), where ``settle`` also runs.
+
+Needs the hashes of every group at the block size (``hash_block_size == block_size``): a finer
+hash granularity (vLLM's partial-block entries) is refused at bind time.
 
 Owner: the engine thread (vLLM's scheduler); nothing here is shared.
 """
@@ -39,7 +41,7 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockHashToBlockMap
 
 from ..errors import KVTransferConfigError
-from .pool_changes import PoolChanges
+from .pool_changes import StepBatch
 from .prefix_cache_mirror import PrefixCacheMirror
 
 __all__ = ["VllmPoolFollower"]
@@ -140,19 +142,19 @@ class VllmPoolFollower:
 
         self._pool.reset_prefix_cache = reset_prefix_cache
 
-    def take_changes(self) -> PoolChanges:
+    def take_changes(self) -> StepBatch:
         """The pool's prefix-cache changes since the last call (``PrefixCacheMirror.
-        take_changes``): its ``hash_delta`` now, its kvbridge block events (``BlockStored`` /
-        ``BlockRemoved`` with block ids, ``AllBlocksCleared``) when asked, off the step.
-        Engine thread, once per step."""
+        take_step``): its ``hash_delta`` now, its exact changes and their kvbridge block events
+        (``BlockStored`` / ``BlockRemoved`` with block ids, ``AllBlocksCleared``) when asked,
+        off the step. Engine thread, once per step."""
         if self._pool.cached_block_hash_to_block is not self._map:
             logger.warning("vLLM replaced its prefix-cache map outside reset_prefix_cache; "
                            "the block index is told every entry again")
             self.mirror.record_clear()
             self._map = self._journal()
         journaled = self._map
-        return self.mirror.take_changes(journaled.contain, journaled.block_id_of,
-                                        journaled.has_key)
+        return self.mirror.take_step(journaled.contain, journaled.block_id_of,
+                                     journaled.has_key)
 
     def take_events(self) -> list[Any]:
         """``take_changes().events()``, then ``settle()``: the changes as kvbridge block events

@@ -55,7 +55,7 @@ from kvbridge.kvmanager.block_hash import (
     make_block_hash_with_group_id,
 )
 
-from .pool_changes import PoolChanges
+from .pool_changes import PoolChanges, StepBatch, StepJournal
 
 __all__ = ["PrefixCacheMirror"]
 
@@ -80,6 +80,8 @@ class PrefixCacheMirror:
         self._unsettled: deque[PoolChanges] = deque()
         # since the last take, per ``record_parents``: (hashes, the first one's parent, group id)
         self._noted: list[tuple[Sequence[bytes], bytes | None, int]] = []
+        self._untaken: deque[StepBatch] = deque()  # batches whose changes are not taken yet
+        self._late_removed_block_ids: list[int] = []  # for the next step's holder delta
         self._inserted: dict[bytes, int] = {}  # key -> first block inserted since the last take
         self._popped: list[tuple[bytes, int]] = []  # (key, block id) popped since, in order
         self._cleared = False
@@ -123,14 +125,16 @@ class PrefixCacheMirror:
             self._noted.append((hashes, block_hashes[start - 1] if start else None, group_id))
 
     # ------------------------------------------------------------------ the step's batch
-    def take_changes(
+    def take_step(
         self,
         holds: Callable[[bytes, int], bool],
         block_of: Callable[[bytes], int | None],
         has_key: Callable[[bytes], bool] | None = None,
-    ) -> PoolChanges:
-        """What brings the last report up to the map as it is now (that is then the report),
-        and forget the recorded changes. Engine thread, once a step, inside it.
+    ) -> StepBatch:
+        """The changes recorded since the last call, as one step's batch: its holder delta at
+        once (``StepBatch.hash_delta``: list copies, nothing looked up), its exact changes
+        (``StepBatch.changes``, ``take_changes``'s answer) when first asked for, off the step,
+        batches in the order taken. Engine thread, once a step, inside it.
 
         Args:
             holds: ``holds(key, block_id)``: the map maps ``key`` to ``block_id`` now.
@@ -138,22 +142,54 @@ class PrefixCacheMirror:
             has_key: ``has_key(key)``: the map maps ``key`` to some block now (a C method,
                 e.g. a dict's ``__contains__``; None: ``block_of`` is asked).
         """
+        journal = StepJournal(self._cleared, self._inserted.copy(), self._popped.copy(),
+                              self._noted, holds, block_of, has_key)
+        self._cleared = False
+        self._inserted.clear()
+        self._popped.clear()
+        self._noted = []
+        late, self._late_removed_block_ids = self._late_removed_block_ids, []
+        batch = StepBatch(journal, self._take_through, late)
+        self._untaken.append(batch)
+        if len(self._untaken) > _MAX_UNSETTLED:
+            self._take_through(batch)
+        return batch
+
+    def take_changes(
+        self,
+        holds: Callable[[bytes, int], bool],
+        block_of: Callable[[bytes], int | None],
+        has_key: Callable[[bytes], bool] | None = None,
+    ) -> PoolChanges:
+        """``take_step(...).changes()``: what brings the last report up to the map as it is
+        now (that is then the report), at once."""
+        return self.take_step(holds, block_of, has_key).changes()
+
+    def _take_through(self, batch: StepBatch) -> None:
+        """Take the batches up to ``batch``, in order (each against the map as it is now)."""
+        while self._untaken:
+            taken = self._untaken.popleft()
+            taken.set_changes(self._take(taken.journal))
+            if taken is batch:
+                return
+
+    def _take(self, journal: StepJournal) -> PoolChanges:
         changes = PoolChanges(self.block_size, parents_of=self._settle_through)
-        changes.noted, self._noted = self._noted, []
+        changes.noted = journal.noted
+        holds, block_of, has_key = journal.holds, journal.block_of, journal.has_key
         reported = self._block_of_key
-        if self._cleared:
-            self.settle()  # the batches before the clear keep their parents
+        if journal.cleared:
+            self._settle_parents()  # the batches before the clear keep their parents
             changes.cleared = True
             reported.clear()
             self._parent_of_key.clear()
-            self._cleared = False
-        inserted, popped_in_order = self._inserted, self._popped
+        inserted, popped_in_order = journal.inserted, journal.popped
         popped: dict[bytes, int] = {}  # keys that lost a block (empty: none did)
         if popped_in_order:
-            self.settle()  # the removals forget their keys' parents
-            popped = self._take_removals(changes)
-        if self._only_new_keys(popped):
-            self._take_new_keys(changes)  # the usual step
+            self._settle_parents()  # the removals forget their keys' parents
+            popped = self._take_removals(changes, popped_in_order)
+        if self._only_new_keys(inserted, popped):
+            self._take_new_keys(changes, inserted)  # the usual step
             touched: Iterable[tuple[bytes, int | None]] = ()
         else:
             touched = inserted.items()
@@ -169,16 +205,14 @@ class PrefixCacheMirror:
                                                    itertools.repeat(None)))
         self._take_touched(changes, touched, popped, holds, block_of)
         if changes.removed_keys and self._unsettled:
-            self.settle()
+            self._settle_parents()
         for key in changes.removed_keys:  # (their parents were kept for the stores above)
             if key not in reported:
                 self._parent_of_key.pop(key, None)
-        inserted.clear()
-        popped_in_order.clear()
         if changes.stored_keys:
             self._unsettled.append(changes)
             if len(self._unsettled) > _MAX_UNSETTLED:
-                self.settle()
+                self._settle_parents()
         return changes
 
     def take_events(
@@ -193,9 +227,14 @@ class PrefixCacheMirror:
         return events
 
     def settle(self) -> None:
-        """Work out and file the parents of every batch taken so far (off the step: after the
-        publish; the next ``take_changes`` that needs them, or every ``_MAX_UNSETTLED`` takes,
-        does it itself)."""
+        """Take every batch still untaken, then work out and file their parents (off the step:
+        after the publish; the next take that needs it, or every ``_MAX_UNSETTLED`` steps, does
+        it itself)."""
+        if self._untaken:
+            self._take_through(self._untaken[-1])
+        self._settle_parents()
+
+    def _settle_parents(self) -> None:
         while self._unsettled:
             self._settle_next()
 
@@ -229,17 +268,15 @@ class PrefixCacheMirror:
         keys = changes.stored_keys
         changes.set_parents(list(map(noted.get, keys, map(self._parent_of_key.get, keys))))
 
-    def _only_new_keys(self, popped: dict[bytes, int]) -> bool:
+    def _only_new_keys(self, inserted: dict[bytes, int], popped: dict[bytes, int]) -> bool:
         """True when every key that gained a block is neither reported (after this take's
         removals) nor popped: set operations, no Python loop."""
-        inserted = self._inserted
         return self._block_of_key.keys().isdisjoint(inserted) and \
             (not popped or popped.keys().isdisjoint(inserted))
 
-    def _take_new_keys(self, changes: PoolChanges) -> None:
+    def _take_new_keys(self, changes: PoolChanges, inserted: dict[bytes, int]) -> None:
         """Every key that gained a block is new (neither reported nor popped): each is
         reported with the first block it gained, by list operations."""
-        inserted = self._inserted
         if not inserted:
             return
         self._block_of_key.update(inserted)
@@ -257,10 +294,12 @@ class PrefixCacheMirror:
             if block_id is not None:
                 if holds(key, block_id):
                     continue  # still where it was reported
-                # Lost without a recorded pop: the map changed behind the follower's back.
+                # Lost without a recorded pop: the map changed behind the follower's back (the
+                # holder hears of it with the next step's delta).
                 del reported[key]
                 changes.removed_keys.append(key)
                 changes.removed_block_ids.append(block_id)
+                self._late_removed_block_ids.append(block_id)
                 block_id = block_of(key)
             elif first_block_id is None or key in popped:
                 block_id = block_of(key)
@@ -272,11 +311,11 @@ class PrefixCacheMirror:
             changes.stored_keys.append(key)
             changes.stored_block_ids.append(block_id)
 
-    def _take_removals(self, changes: PoolChanges) -> dict[bytes, int]:
+    def _take_removals(self, changes: PoolChanges, pops: list[tuple[bytes, int]]
+                       ) -> dict[bytes, int]:
         """The recorded pops that removed a reported block go to ``changes`` (in first-pop
         order); returns every popped key (in first-pop order) and its last popped block."""
         reported = self._block_of_key
-        pops = self._popped
         # a (key, block) pair removes when the key is reported at that block (once per key)
         matches = map(operator.eq, map(reported.get, map(_first, pops)), map(_second, pops))
         removals = dict(itertools.compress(pops, matches))
@@ -286,8 +325,10 @@ class PrefixCacheMirror:
         return dict(pops)
 
     def snapshot_cached_blocks(self) -> list[CachedBlock]:
-        """Every key reported as held and its block: the state the changes taken so far
+        """Every key reported as held and its block: the state the batches taken so far
         describe (the index client's resync source, read on this thread after a step)."""
+        if self._untaken:
+            self._take_through(self._untaken[-1])
         return [
             CachedBlock(get_block_hash(key), get_group_id(key), block_id)
             for key, block_id in self._block_of_key.items()
