@@ -77,6 +77,7 @@ __all__ = ["KVBridgeScheduler"]
 logger = logging.getLogger(__name__)
 
 _PRODUCER_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+_ASK_AGAIN, _NO_MATCH = MatchedTokens(None, False), MatchedTokens(0, False)
 
 
 class KVBridgeScheduler:
@@ -179,7 +180,7 @@ class KVBridgeScheduler:
     ) -> MatchedTokens:
         params = request.kv_transfer_params
         if not (self.kv_role.is_consumer and wants_remote_prefill(params)):
-            return self._match_from_index(request, num_computed_tokens)
+            return self.match_from_index(request, num_computed_tokens)
         try:
             ticket = self.ticket_for(request.request_id, params)  # type: ignore[arg-type]
         except KVTransferParamsError as exc:
@@ -228,16 +229,17 @@ class KVBridgeScheduler:
             self.stats.record_failed_load(num_failed_blocks=refusal.num_blocks)
         return MatchedTokens(0, False)
 
-    def _match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
+    def match_from_index(self, request: Request, num_computed_tokens: int) -> MatchedTokens:
         """No ticket, so the index is asked for the request's longest prefix held elsewhere
         (docs/architecture.md, "Life of an index hit"; ``index_match.IndexMatcher``); None
-        ("ask again") until it has answered."""
+        ("ask again") until it has answered. What ``get_num_new_matched_tokens`` answers for a
+        request without ``kv_transfer_params``, which may come here directly."""
         answer = self._index_matcher.match(self.index_client, request, num_computed_tokens)
         if answer.pending:
-            return MatchedTokens(None, False)
+            return _ASK_AGAIN
         match = answer.match
         if match is None:
-            return MatchedTokens(0, False)
+            return _NO_MATCH
         self._matches[request.request_id] = match
         return MatchedTokens(match.num_remote_tokens - num_computed_tokens, match.load_async)
 

@@ -244,15 +244,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """``(None, False)`` ("ask again") while the request's index lookup is out, in O(1)
-        (vLLM asks at every step: ``index_lookup_pending``); else the scheduler half's answer.
-        A request without ``kv_transfer_params`` goes to the index as it is (the index reads
-        ``request_id``, ``block_hashes``, ``num_tokens`` and ``skip_reading_prefix_cache``,
-        which vLLM's ``Request`` has): no ``RequestView`` is built for it."""
+        (vLLM asks at every step); else the scheduler half's answer. A request without
+        ``kv_transfer_params`` goes straight to the index as it is (``match_from_index``: the
+        index reads ``request_id``, ``block_hashes``, ``num_tokens`` and
+        ``skip_reading_prefix_cache``, which vLLM's ``Request`` has): no ``RequestView``."""
         sched = self._sched()
+        if not request.kv_transfer_params:
+            return sched.match_from_index(request, num_computed_tokens)  # type: ignore[arg-type,return-value]
         if sched.index_lookup_pending(request.request_id):
             return _ASK_AGAIN
-        view = RequestView.of(request) if request.kv_transfer_params else request
-        matched = sched.get_num_new_matched_tokens(view, num_computed_tokens)  # type: ignore[arg-type]
+        matched = sched.get_num_new_matched_tokens(RequestView.of(request), num_computed_tokens)
         return matched.num_external_tokens, matched.load_kv_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
