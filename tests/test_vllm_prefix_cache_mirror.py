@@ -9,7 +9,12 @@ first, one block per key. Most tests compare the events block by block (``_per_b
 
 from __future__ import annotations
 
+import random
+from collections import deque
+from typing import Any
+
 import pytest
+from kvbridge.connector.holder import HeldBlockHashes
 from kvbridge.connector.vllm.prefix_cache_mirror import PrefixCacheMirror
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlock
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
@@ -448,3 +453,129 @@ def test_asking_a_later_batch_for_its_parents_settles_the_earlier_ones_first():
     pool.blocks.clear()
     pool.insert(_key(11), 9)
     assert pool.take() == [("C",), _stored(11, 9, None)]
+
+
+def _take_step(pool: _Map):
+    return pool.mirror.take_step(pool.holds, pool.block_of,
+                                 lambda key: pool.block_of(key) is not None)
+
+
+@pytest.mark.parametrize("step_n2_taken", [False, True])
+def test_a_key_cached_again_after_a_late_batch_s_records_keeps_its_parent(step_n2_taken):
+    # vLLM's async scheduling: step N+1 is scheduled (its batch taken) before step N's output
+    # is processed, so a batch's exact changes are taken against a map that later steps have
+    # changed already. Hash 11 (parent 10) is reported at block 6 and also held by block 7.
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _cache_request(pool, [10, 11], [5, 6])
+    _cache_request(pool, [10, 11], [5, 7], start=1)
+    pool.take()
+    pool.pop(_key(11), 7)  # step N: the second holder is evicted
+    step_n = _take_step(pool)
+    pool.pop(_key(11), 6)  # step N+1 (scheduled before step N's output): the first goes too
+    step_n1 = _take_step(pool)
+    # step N's output: hash 11 is gone from the map (its removal is reported there)
+    assert _per_block(step_n.events()) == [_removed(11, 6)]
+    _cache_request(pool, [10, 11], [5, 8], start=1)  # step N+2: a request caches 11 again
+    step_n2 = _take_step(pool) if step_n2_taken else None
+    # step N+1's output: the map holds 11 in block 8, so it is reported there (a batch's
+    # changes bring the report up to the map as it is); its parent is still 10, noted by the
+    # step that cached it, not by step N+1.
+    assert _per_block(step_n1.events()) == [_stored(11, 8, 10)]
+    assert (step_n2.events() if step_n2 else pool.take_events()) == []
+    pool.mirror.settle()
+    assert pool.mirror._parent_of_key[_key(11)] == _hash(10)
+
+
+def _true_parent(block_hash: bytes) -> bytes | None:
+    """In the interleavings below, hash ``100 * chain + position``'s parent is the one before."""
+    value = int.from_bytes(block_hash, "big")
+    return None if value % 100 == 0 else _hash(value - 1)
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_random_interleavings_keep_the_index_exact_and_the_holder_safe(seed):
+    # Steps of caching (evicting the block reused), evict_blocks, copy-on-write moves and
+    # resets; each step's batch taken at once (its delta to a real HeldBlockHashes) and its
+    # exact changes taken any number of steps later, after more changes (async scheduling,
+    # evict_blocks before the publish). The holder must never list a block for a key whose KV
+    # its bytes do not hold; the events, applied in order, must remove only what they stored,
+    # never store a key twice, name every parent, and end at the map.
+    rng = random.Random(seed)
+    mirror = PrefixCacheMirror(block_size=BLOCK_SIZE)
+    pool = _Map(mirror)
+    holder, untaken = HeldBlockHashes(), deque()
+    index: dict[bytes, int] = {}  # what the events told the index
+    key_of_block: dict[int, bytes] = {}  # vLLM's block -> its hash (one per block)
+    kv_of_block: dict[int, bytes | None] = {}  # whose KV the block's bytes hold
+    writes: dict[int, Any] = {}  # what this step's forward writes (None: another request's)
+
+    def evict(block_id: int) -> None:  # get_new_blocks: the block's hash popped, bytes reused
+        old = key_of_block.pop(block_id, None)
+        if old is not None:
+            pool.pop(old, block_id)
+        writes[block_id] = None
+
+    def publish() -> None:
+        for fact in _per_block(untaken.popleft().events()):
+            if fact[0] == "C":
+                index.clear()
+            elif fact[0] == "R":
+                assert index.pop(make_block_hash_with_group_id(fact[1], fact[3])) == fact[2]
+            else:
+                key = make_block_hash_with_group_id(fact[1], fact[4])
+                assert key not in index and fact[3] == _true_parent(fact[1])
+                index[key] = fact[2]
+
+    for _ in range(rng.randrange(5, 30)):
+        writes.clear()
+        for _ in range(rng.randrange(6)):
+            kind, olds = rng.random(), sorted(set(key_of_block) - set(writes))
+            if kind < 0.55:  # a request caches blocks start..stop-1 of chain c
+                chain, group, start = rng.randrange(4), rng.randrange(2), rng.randrange(3)
+                hashes = [_hash(100 * chain + p) for p in range(start + rng.randrange(1, 4))]
+                mirror.record_parents(hashes, start, len(hashes), group)
+                for block_hash in hashes[start:]:
+                    key, block_id = make_block_hash_with_group_id(block_hash, group), \
+                        rng.randrange(12)
+                    evict(block_id)
+                    pool.insert(key, block_id)
+                    key_of_block[block_id] = writes[block_id] = key
+            elif kind < 0.75 and key_of_block:  # evict_blocks: popped, bytes left as they are
+                block_id = rng.choice(sorted(key_of_block))
+                pool.pop(key_of_block.pop(block_id), block_id)
+            elif kind < 0.93 and olds:  # move_block_hashes: copied before src is written
+                src, dst = rng.choice(olds), rng.randrange(12)
+                if dst != src:
+                    evict(dst)
+                    key = key_of_block.pop(src)
+                    pool.pop(key, src)
+                    pool.insert(key, dst)
+                    key_of_block[dst], writes[dst], writes[src] = key, ("copy", src), None
+            elif kind >= 0.93:  # reset_prefix_cache: a new map; the old one stays as it was
+                pool = _Map(mirror)
+                mirror.record_clear()
+                key_of_block.clear()
+        untaken.append(_take_step(pool))
+        delta = untaken[-1].hash_delta()
+        holder.apply_removals(delta)
+        for block_id, key in holder._block_to_hash.items():
+            assert kv_of_block.get(block_id) == key and block_id not in writes
+        before = dict(kv_of_block)
+        kv_of_block.update((b, before.get(w[1]) if isinstance(w, tuple) else w)
+                           for b, w in writes.items())
+        holder.apply_stores(delta)
+        for block_id, key in holder._block_to_hash.items():
+            assert kv_of_block.get(block_id) == key
+        for _ in range(rng.randrange(3)):  # evict_blocks before this step's publish
+            if key_of_block and rng.random() < 0.5:
+                block_id = rng.choice(sorted(key_of_block))
+                pool.pop(key_of_block.pop(block_id), block_id)
+        while untaken and rng.random() < 0.6:
+            publish()
+        if rng.random() < 0.2:
+            mirror.settle()
+    untaken.append(_take_step(pool))
+    while untaken:
+        publish()
+    assert index.keys() == pool.blocks.keys()  # one block per key the map holds, held
+    assert all(pool.holds(key, block_id) for key, block_id in index.items())

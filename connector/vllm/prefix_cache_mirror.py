@@ -203,7 +203,11 @@ class PrefixCacheMirror:
             looks = map(operator.or_, map(reported.__contains__, others), map(has_key, others))
             touched = itertools.chain(touched, zip(itertools.compress(others, looks),
                                                    itertools.repeat(None)))
-        self._take_touched(changes, touched, popped, holds, block_of)
+        if self._take_touched(changes, touched, popped, holds, block_of):
+            # a key found in the map again was cached after this batch's records (they are
+            # taken late): its parent was noted by a later step's records, alive until taken
+            changes.noted = [*changes.noted, *(note for later in self._untaken
+                                               for note in later.journal.noted), *self._noted]
         if changes.removed_keys and self._unsettled:
             self._settle_parents()
         for key in changes.removed_keys:  # (their parents were kept for the stores above)
@@ -285,10 +289,13 @@ class PrefixCacheMirror:
 
     def _take_touched(self, changes: PoolChanges, touched: Iterable[tuple[bytes, int | None]],
                       popped: dict[bytes, int], holds: Callable[[bytes, int], bool],
-                      block_of: Callable[[bytes], int | None]) -> None:
+                      block_of: Callable[[bytes], int | None]) -> bool:
         """The general case, key by key: ``(key, first block inserted since the last take, or
-        None)`` of the keys that gained a block, then of those that only lost one."""
-        reported = self._block_of_key
+        None)`` of the keys that gained a block, then of those that only lost one. Returns
+        True when a key that lost a block and has no parent filed is found in the map: it may
+        have been cached again after the records (by a step whose batch is taken later)."""
+        reported, parent_of_key = self._block_of_key, self._parent_of_key
+        cached_later = False
         for key, first_block_id in touched:
             block_id = reported.get(key)
             if block_id is not None:
@@ -303,6 +310,7 @@ class PrefixCacheMirror:
                 block_id = block_of(key)
             elif first_block_id is None or key in popped:
                 block_id = block_of(key)
+                cached_later |= block_id is not None and key not in parent_of_key
             else:  # gained a block, lost none, not reported: the first one it gained
                 block_id = first_block_id
             if block_id is None:
@@ -310,6 +318,7 @@ class PrefixCacheMirror:
             reported[key] = block_id
             changes.stored_keys.append(key)
             changes.stored_block_ids.append(block_id)
+        return cached_later
 
     def _take_removals(self, changes: PoolChanges, pops: list[tuple[bytes, int]]
                        ) -> dict[bytes, int]:
