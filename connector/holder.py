@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.transport import LeaseRef, TransferDoneNotice
@@ -68,17 +68,29 @@ class HeldBlockHashes:
                 for _, stores in self._pending:
                     stores.pop(block_id, None)
 
-    def apply_stores(self, delta: BlockHashDelta, done: Callable[[], bool] | None = None
-                     ) -> None:
+    def apply_stores(self, delta: BlockHashDelta, done: Callable[[], bool] | None = None,
+                     unlisted: Iterable[int] = ()) -> None:
         """List ``delta``'s stores now (``done`` None: the forward has finished) or once
-        ``done()`` is true, after every store given before them (one stream: in order)."""
+        ``done()`` is true, after every store given before them (one stream: in order); the
+        blocks in ``unlisted`` (a failed sync pull's: vLLM cached them before the load) never."""
         stores = dict(zip(delta.stored_block_ids, delta.stored_hashes, strict=True))
+        for block_id in unlisted:
+            stores.pop(block_id, None)
         with self._lock:
             if done is None and not self._pending:
                 self._block_to_hash.update(stores)
                 return
             self._pending.append((done or _always, stores))
             self._list_computed()
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """Stop listing ``block_ids`` (blocks a pull did not fill: their bytes are not the hash
+        vLLM cached them under) until a later delta stores them again."""
+        with self._lock:
+            for block_id in block_ids:
+                self._block_to_hash.pop(block_id, None)
+                for _, stores in self._pending:
+                    stores.pop(block_id, None)
 
     def holds(self, block_id: int, block_hash_with_group: bytes) -> bool:
         with self._lock:

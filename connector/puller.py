@@ -211,11 +211,11 @@ class Puller:
         """The release notices not yet handed to the loop (for a worker shutting down)."""
         return self._deferred_notices.take_all()
 
-    def wait_settled(self, request_ids: list[str]) -> None:
+    def wait_settled(self, request_ids: list[str]) -> set[int]:
         """Block the calling (worker) thread until the pulls of ``request_ids`` settled (landed
-        or failed by their deadline, ``sync_load_timeout_s`` for a sync pull); their failed
-        blocks are then reported by the next ``pop_settled``. The wait leaves the GIL to the
-        connector loop.
+        or failed by their deadline, ``sync_load_timeout_s`` for a sync pull); returns their
+        local blocks that did not land, which the next ``pop_settled`` reports too. The wait
+        leaves the GIL to the connector loop.
 
         Raises:
             RuntimeError: a pull still unsettled ``SYNC_SETTLE_GRACE_S`` past its deadline
@@ -223,7 +223,7 @@ class Puller:
         """
         futures = [self._inflight[r] for r in request_ids if r in self._inflight]
         if not futures:
-            return
+            return set()
         timeout_s = max(self.sync_load_timeout_s, self.load_timeout_s) + SYNC_SETTLE_GRACE_S
         _, pending = concurrent.futures.wait(futures, timeout=timeout_s)
         if pending:
@@ -231,6 +231,8 @@ class Puller:
                 f"{len(pending)} pull(s) of {request_ids} unsettled {timeout_s:.1f} s after "
                 "they started: the transport missed a deadline"
             )
+        return {block_id for future in futures
+                for block_id in future.result().failed_local_block_ids}
 
     def cancel_aborted(self, transport: Transport, finished_req_ids: set[str]) -> None:
         """Cancel the pulls of requests that finished (aborted) while their load was in flight;

@@ -136,6 +136,7 @@ class KVBridgeWorker:
         self._meta: KVBridgeConnectorMetadata | None = None
         self._idle_hold_wait_s = min(IDLE_HOLD_FIRST_WAIT_S, config.idle_hold_wait_s)
         self._stores_after_forward: BlockHashDelta | None = None
+        self._unlisted: set[int] = set()  # blocks this step's sync pulls did not fill
         self._kv_device = torch.device("cpu")  # the KV tensors' (register_kv_caches)
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
@@ -308,14 +309,15 @@ class KVBridgeWorker:
         sync_pulls = [plan.request_id for plan in meta.pulls if plan.sync]
         if sync_pulls:  # this step's forward reads their blocks (``load_mode`` "sync")
             self.stats.add("num_sync_loads", len(sync_pulls))
-            self.puller.wait_settled(sync_pulls)
+        self._unlisted = self.puller.wait_settled(sync_pulls)  # (none: at once)
 
     def wait_for_save(self) -> None:
         """End of the forward (issued; on a GPU maybe still running): the blocks this step
-        cached are vouched for once the device has computed them (``forward_done_marker``)."""
+        cached are vouched for once computed (``forward_done_marker``), but those it pulled
+        and did not fill (vLLM caches a sync load's blocks before the load)."""
         delta, self._stores_after_forward = self._stores_after_forward, None
-        if delta is not None:
-            self.hashes.apply_stores(delta, forward_done_marker(self._kv_device))
+        if delta is not None:  # (``_unlisted``: set by this step's ``start_load_kv``)
+            self.hashes.apply_stores(delta, forward_done_marker(self._kv_device), self._unlisted)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(finished_sending, finished_recving)`` since the last call. Pulls of requests in
@@ -352,6 +354,7 @@ class KVBridgeWorker:
         settled = self.puller.pop_settled()
         finished_recving = settled.request_ids
         self._load_errors.update(settled.failed_block_ids)
+        self.hashes.forget(settled.failed_block_ids)  # (not the hash vLLM cached them under)
         if self.report_failed_recving:
             self._failed_recving.update(settled.failed_request_ids)
         finished_sending, num_expired = self.leases.pop_finished()
@@ -401,13 +404,12 @@ class KVBridgeWorker:
         counts = getattr(self.transport, "board_counts", None)
         if counts is None:
             return
-        one_sided, fallbacks = counts.one_sided, counts.fallbacks
-        seen_one_sided, seen_fallbacks = self._board_counts_seen
-        if one_sided > seen_one_sided:
-            self.stats.add("num_one_sided_loads", one_sided - seen_one_sided)
-        if fallbacks > seen_fallbacks:
-            self.stats.add("num_board_fallbacks", fallbacks - seen_fallbacks)
-        self._board_counts_seen = (one_sided, fallbacks)
+        now = (counts.one_sided, counts.fallbacks)
+        for name, count, seen in zip(("num_one_sided_loads", "num_board_fallbacks"), now,
+                                     self._board_counts_seen, strict=True):
+            if count > seen:
+                self.stats.add(name, count - seen)
+        self._board_counts_seen = now
 
     def get_handshake_metadata(self) -> WorkerHandshake | None:
         """The transport's incarnation, address and block identity once ``register_kv_caches``
@@ -430,8 +432,7 @@ class KVBridgeWorker:
         transport, self.transport = self.transport, None
         if transport is None:
             return
-        # the last steps' one-sided loads' holders
-        self._close(transport, notices=self.puller.take_deferred_notices())
+        self._close(transport, notices=self.puller.take_deferred_notices())  # one-sided holders
 
     def _close(self, transport: Transport, *, notices: list[ReleaseNotice]) -> None:
         """Send ``notices``, stop the heartbeats and close ``transport``, on the connector

@@ -16,7 +16,14 @@ import torch
 from kvbridge.connector.config import KVTransferConfig
 from kvbridge.connector.holder import HeldBlockHashes, HolderChecks
 from kvbridge.connector.lease import LeaseTable
-from kvbridge.connector.metadata import BlockHashDelta, KVBridgeConnectorMetadata
+from kvbridge.connector.metadata import (
+    BlockHashDelta,
+    GroupRead,
+    HolderRef,
+    KVBridgeConnectorMetadata,
+    PullPlan,
+)
+from kvbridge.connector.puller import Settled
 from kvbridge.connector.stats import KVTransferStats
 from kvbridge.connector.worker_half import KVBridgeWorker
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
@@ -65,6 +72,36 @@ def test_a_removal_is_applied_when_the_orders_arrive_before_any_forward():
     assert not _holds(worker, 5, H5) and not _holds(worker, 5, H6)
     worker.wait_for_save()
     assert _holds(worker, 5, H6) and not _holds(worker, 5, H5)
+
+
+def test_a_sync_pull_s_blocks_that_did_not_land_are_not_vouched_for(monkeypatch):
+    # vLLM caches a sync load's blocks when it allocates them (before the load), so the step's
+    # stores name block 5 with H5 although the pull into it failed: under kv_load_failure_policy
+    # "recompute" vLLM keeps that entry until the block is recomputed, and a peer reading block
+    # 5 for H5 meanwhile would get bytes that are not H5's KV.
+    worker = _worker()
+    worker.transport = object()  # start_load_kv's guard; the pull itself is stubbed below
+    plan = PullPlan(request_id="r", holder=HolderRef(engine_id="p", incarnation="1",
+                                                    host="127.0.0.1", port=9),
+                    lease=None, groups=[GroupRead(group_id=0, remote_block_ids=[3, 4],
+                                      local_block_ids=[5, 6])],
+                    unloadable_block_ids=[], num_external_tokens=32, created_at=0.0, sync=True)
+    monkeypatch.setattr(worker.puller, "submit", lambda transport, plan: None)
+    monkeypatch.setattr(worker.puller, "wait_settled", lambda request_ids: {5})
+    worker.bind_connector_metadata(KVBridgeConnectorMetadata(
+        pulls=[plan], block_hashes=_delta(stored={5: H5, 6: H6})))
+    worker.start_load_kv()
+    worker.wait_for_save()
+    assert not _holds(worker, 5, H5) and _holds(worker, 6, H6)
+    # an async pull's failure, reported by get_finished, unlists blocks already listed
+    monkeypatch.setattr(worker.puller, "pop_settled",
+                        lambda: Settled(request_ids={"r2"}, failed_block_ids={6},
+                                        failed_request_ids={"r2"}))
+    monkeypatch.setattr(worker.puller, "cancel_aborted", lambda transport, ids: None)
+    monkeypatch.setattr(worker.puller, "send_deferred_notices", lambda transport: None)
+    worker.get_finished(set())
+    assert not _holds(worker, 6, H6)
+    assert worker.get_block_ids_with_load_errors() == {6}
 
 
 def _checks() -> tuple[HolderChecks, KVTransferStats]:

@@ -94,3 +94,17 @@ def test_a_reset_drops_pending_stores_too():
 
 def test_the_cpu_marker_is_none_the_forward_ran_on_the_calling_thread():
     assert forward_done_marker(torch.device("cpu")) is None
+
+
+def test_blocks_a_pull_did_not_fill_are_never_listed_and_listed_ones_are_forgotten():
+    # vLLM caches a sync load's blocks when it allocates them, before the load: a block the
+    # pull did not fill holds no KV of its hash, so the step's stores leave it out ...
+    held = HeldBlockHashes()
+    held.apply_stores(stores([1, 2], [H1, H2]), unlisted={2})
+    assert held.holds(1, H1) and not held.holds(2, H2)
+    # ... and a failed pull reported later unlists its blocks, listed or still pending.
+    forward = Marker()
+    held.apply_stores(stores([3], [H3]), forward)
+    held.forget([1, 3])
+    forward.finished = True
+    assert not held.holds(1, H1) and not held.holds(3, H3) and len(held) == 0
