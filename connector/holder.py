@@ -63,10 +63,7 @@ class HeldBlockHashes:
             if delta.cleared:
                 self._block_to_hash.clear()
                 self._pending.clear()
-            for block_id in delta.removed_block_ids:
-                self._block_to_hash.pop(block_id, None)
-                for _, stores in self._pending:
-                    stores.pop(block_id, None)
+            self._drop(delta.removed_block_ids)
 
     def apply_stores(self, delta: BlockHashDelta, done: Callable[[], bool] | None = None,
                      unlisted: Iterable[int] = ()) -> None:
@@ -87,15 +84,19 @@ class HeldBlockHashes:
         """Stop listing ``block_ids`` (blocks a pull did not fill: their bytes are not the hash
         vLLM cached them under) until a later delta stores them again."""
         with self._lock:
-            for block_id in block_ids:
-                self._block_to_hash.pop(block_id, None)
-                for _, stores in self._pending:
-                    stores.pop(block_id, None)
+            self._drop(block_ids)
 
     def holds(self, block_id: int, block_hash_with_group: bytes) -> bool:
         with self._lock:
             self._list_computed()
             return self._block_to_hash.get(block_id) == block_hash_with_group
+
+    def _drop(self, block_ids: Iterable[int]) -> None:
+        """Unlist ``block_ids``, listed or pending (lock held)."""
+        for block_id in block_ids:
+            self._block_to_hash.pop(block_id, None)
+            for _, stores in self._pending:
+                stores.pop(block_id, None)
 
     def _list_computed(self) -> None:
         """Move the pending stores whose forward is done into the map (lock held)."""

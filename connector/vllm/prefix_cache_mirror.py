@@ -10,14 +10,15 @@ step, at the cost of one append:
     record_clear()                   the map was emptied (``reset_prefix_cache``)
     record_parents(hashes, ...)      a request is about to cache these hashes (noted as a slice)
 
-``take_changes(holds, block_of, has_key)``, once a step, settles what changed since the last call
-into a ``PoolChanges`` (``pool_changes.py``): its ``hash_delta`` goes with the step's orders, its
-``events`` (the ``BlockStored`` / ``BlockRemoved`` with block ids and ``AllBlocksCleared`` that
-kvbridge's own ``BlockPool.take_events`` would give, for the index client's publishes and resyncs)
-are built off the step. So are the stored keys' parent hashes: the step keeps only the slices of
-hashes ``record_parents`` was given, and a batch's parents are worked out when its events are
-built, or by ``settle``, always before a later take can forget a parent (a hash names its whole
-prefix, so a key's parent is the same whenever it is looked up).
+``take_step(holds, block_of, has_key)``, once a step, inside it, copies the records into a
+``StepBatch`` (``pool_changes.py``) whose holder delta goes with the step's orders. Off the step,
+the batches are taken in order (``take_changes`` does both at once): each settles what changed
+into a ``PoolChanges``, whose ``events`` (the ``BlockStored`` / ``BlockRemoved`` with block ids
+and ``AllBlocksCleared`` that kvbridge's own ``BlockPool.take_events`` would give, for the index
+client's publishes and resyncs) are built then. So are the stored keys' parent hashes: the
+step keeps only the slices of hashes ``record_parents`` was given, and a batch's parents are
+worked out when its events are built, or by ``settle``, always before a later take can forget a
+parent (a hash names its whole prefix, so a key's parent is the same whenever it is looked up).
 
 The result is exact at the moment of the call: it compares what was last reported
 (``_block_of_key``) with the map itself, only for the keys that lost a block since
@@ -28,8 +29,7 @@ the two recorded methods, so a key not reported at the last call and popped from
 was absent then, and the map names it with the first block it was inserted with (vLLM keeps a
 key's blocks in insertion order). The work of a call is proportional to the keys that changed,
 never to the size of the cache; the usual step (new keys, and evictions of keys no other block
-holds) is taken with list and map operations, without a loop
-body per key.
+holds) is taken with list and map operations, without a loop body per key.
 
 One block per key is published (the first the map names): the index needs one holder block per
 hash and node; a second block holding the same key (vLLM does not de-duplicate) is published only
