@@ -7,12 +7,20 @@ nodes in one process must share a loop (their events and futures are loop-bound)
 The loop thread gathers, scatters and sends KV blocks, so it is bound to the KV tensors' device
 (``LoopThread.bind``, from ``register_kv_caches``; ``kvbridge.kernels.device_binding``): one
 CUDA device per process, as in vLLM (one worker process per GPU).
+
+Nothing on the loop may block it: a watchdog thread pings the loop every ``WATCH_S`` and, when a
+ping has waited ``BLOCKED_S``, logs once where the loop thread is (its Python stack), and once
+more when it runs again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -23,6 +31,13 @@ from kvbridge.kernels.device_binding import bound, resolve_device
 __all__ = ["LoopThread", "get_loop_thread"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+WATCH_S = 0.5
+"""How often the watchdog pings the loop (seconds)."""
+BLOCKED_S = 2.0
+"""A ping waiting this long means the loop thread is blocked: its stack is logged."""
 
 
 class LoopThread:
@@ -38,6 +53,8 @@ class LoopThread:
         self._bind_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._pinged_at = 0.0  # monotonic time of the ping the loop has not run yet (0: none)
+        threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
 
     def bind(self, device: torch.device | str) -> None:
         """Bind the loop thread to ``device`` (the KV tensors' device of a connector starting in
@@ -62,6 +79,32 @@ class LoopThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+
+    def _watch(self) -> None:
+        """The watchdog (module docstring); ends with the loop."""
+        blocked_since = 0.0
+        while not self.loop.is_closed():
+            pinged_at = self._pinged_at
+            now = time.monotonic()
+            if not pinged_at:
+                if blocked_since:
+                    logger.warning("connector loop ran again after %.1f s", now - blocked_since)
+                    blocked_since = 0.0
+                self._pinged_at = now
+                try:
+                    self.loop.call_soon_threadsafe(self._pong)
+                except RuntimeError:  # closed
+                    return
+            elif not blocked_since and now - pinged_at >= BLOCKED_S:
+                blocked_since = pinged_at
+                frame = sys._current_frames().get(self._thread.ident or 0)
+                stack = "".join(traceback.format_stack(frame, limit=12)) if frame else "?"
+                logger.warning("connector loop blocked for %.1f s, at:\n%s", now - pinged_at,
+                               stack)
+            time.sleep(WATCH_S)
+
+    def _pong(self) -> None:
+        self._pinged_at = 0.0
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the loop; returns a thread-safe future."""

@@ -364,7 +364,11 @@ class Puller:
         num_bytes = 0
         error: str | None = None
         try:
-            peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
+            try:
+                peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
+            except TimeoutError:
+                raise TimeoutError(f"no handshake with {holder.engine_id} at "
+                                   f"{format_host_port(*peer)} before the deadline") from None
             if (peer_meta.engine_id, peer_meta.incarnation) != (
                 holder.engine_id,
                 holder.incarnation,

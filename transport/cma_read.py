@@ -133,6 +133,7 @@ class CmaReadPath(ReadPath):
         if not self.read.copy_first:
             return await super()._exchange(reply_future, done_future)
         if self._peer.offer.board_address is not None:
+            self.state.phase = "copying after the holder's board"
             try:
                 landed = await self._one_sided()
             except TransferError:
@@ -144,17 +145,20 @@ class CmaReadPath(ReadPath):
             self._board_counts.add(fallbacks=1)
         read, state = self.read, self.state
         try:
+            state.phase = "sending Read"
             await self.conn.send(read)
         except TransportError as exc:
             raise state.error(TransferError, str(exc)) from None
         self._plan = self._make_plan(None)
         try:
+            state.phase = "copying before ReadOk"
             await self._land([list(range(len(group.block_ids))) for group in read.groups])
             if time.monotonic() >= self._copy_deadline_at:
                 raise state.error(
                     TransferError, "the copy ended past the read's deadline (the holder's pin)"
                 )
             await self._before_read_done()  # ReadCopied: the holder unpins the lease
+            state.phase = "waiting for ReadOk"
             refused = self._check_reply(await reply_future)
             state.refuse_landed(refused, block_nbytes_by_entry(self._metadata, read))
             state.confirmed = True

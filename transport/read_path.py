@@ -110,8 +110,10 @@ class ReadPath(abc.ABC):
     ) -> ReadResult:
         read, state = self.read, self.state
         try:
+            state.phase = "sending Read"
             await self.conn.send(read)
             self._before_reply()
+            state.phase = "waiting for ReadOk"
             reply = await reply_future
         except TransportError as exc:
             raise state.error(TransferError, str(exc)) from None
@@ -120,8 +122,10 @@ class ReadPath(abc.ABC):
             good_positions(len(g.block_ids), reply.mismatched[i]) for i, g in enumerate(read.groups)
         ]
         try:
+            state.phase = "moving the bytes"
             await self._land(good)
             if done_future is not None:
+                state.phase = "waiting for ReadDone"
                 await self._before_read_done()
                 await self._apply_read_done(done_future)
             return state.result()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from .heads import heads_error
 from .metadata import NodeMetadata
 from .plan import build_group_msgs
 from .wire import GroupReadMsg, LeaseRef, Read
+
+logger = logging.getLogger(__name__)
 
 _TRANSFER_IDS = itertools.count(1)
 _TAG_PREFIX = int.from_bytes(os.urandom(2), "big") << 46
@@ -56,6 +59,7 @@ class ReadState:
     num_bytes_landed: int = 0
     lease_pending: bool = False  # the holder's ``ReadOk.lease_pending``
     confirmed: bool = False
+    phase: str = "connected"  # what the read waits for now (a deadline's error names it)
     cancel_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -161,8 +165,26 @@ async def drive_read(
     if cancel_task in done:
         await _stop(core_task, cancel_task, abort, "cancelled")
         raise state.error(TransferCancelledError, "read cancelled")
+    logger.warning("read %d of %r missed its %.3f s deadline (%s), waiting at %s",
+                   state.transfer_id, state.request_id, deadline_s, state.phase,
+                   _awaiting(core_task.get_coro()))
     await _stop(core_task, cancel_task, abort, "deadline passed")
-    raise state.error(TransferTimeoutError, f"no completion within the {deadline_s:.3f} s deadline")
+    raise state.error(TransferTimeoutError, f"no completion within the {deadline_s:.3f} s deadline "
+                      f"({state.phase})")
+
+
+def _awaiting(coro: object) -> str:
+    """Where a suspended coroutine waits: its chain of awaits, outermost first."""
+    where = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None)
+        if frame is None:  # a future, a task, or a generator-based awaitable: the chain ends
+            where.append(type(coro).__name__)
+            break
+        where.append(f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:"
+                     f"{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None)
+    return " > ".join(where)
 
 
 async def _stop(

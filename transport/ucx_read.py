@@ -20,6 +20,7 @@ down (its endpoint aborted, which ends every receive still posted on it).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ from .read_path import CANCEL_REPLY_TIMEOUT_S, DropConnection, ReadPath
 from .staging import StagingPool, chunk_view, copy_in, run_copy, run_start, wire_buffer
 from .transfer import ReadState
 from .wire import Read
+
+logger = logging.getLogger(__name__)
+
+STALL_CHECK_S = 1.0
+"""A chunk's receive pending this long is looked at (``_on_stall``)."""
 
 
 @dataclass(slots=True)
@@ -96,7 +102,10 @@ class UcxReadPath(ReadPath):
                 word = self._holder_word
                 if word is not None and not word.done():
                     waits.add(word)  # an early ReadDone is fine; an ErrorMsg is not
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                self.state.phase = f"receiving chunk {chunk_idx} of {len(chunks)}"
+                while not (await asyncio.wait(waits, timeout=STALL_CHECK_S,
+                                              return_when=asyncio.FIRST_COMPLETED))[0]:
+                    _on_stall(self.read.transfer_id, chunk_idx, posted.recv)
             failure = self._holder_failure()
             if failure is not None:
                 raise state.error(TransferError, f"holder failed the read: {failure}")
@@ -210,3 +219,19 @@ class UcxReadPath(ReadPath):
                 self._staging.release(buffer)
             else:
                 self._staging.forget(buffer)
+
+
+def _on_stall(transfer_id: int, chunk_idx: int, recv: asyncio.Future[object]) -> None:
+    """A receive still pending after ``STALL_CHECK_S``: say whether UCX has completed it (then
+    its Python future was never told, and ucxx's request notifier is run here, on the loop
+    thread, as ucxx's notifier thread itself has it run) or not (the holder has not sent it)."""
+    coro = recv.get_coro() if isinstance(recv, asyncio.Task) else None
+    frame = getattr(coro, "cr_frame", None)
+    request = None if frame is None else frame.f_locals.get("req")
+    completed = getattr(request, "completed", None)
+    logger.warning("transfer %d: the receive of chunk %d is pending after %.1f s; UCX request "
+                   "completed: %s", transfer_id, chunk_idx, STALL_CHECK_S, completed)
+    if completed:
+        import ucxx  # (imported by the transport already)
+
+        ucxx.core._get_ctx().worker.run_request_notifier()
