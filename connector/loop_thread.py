@@ -54,7 +54,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._pinged_at = 0.0  # monotonic time of the ping the loop has not run yet (0: none)
-        threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
+        threading.Thread(target=self._watch, name=f"kvbridge-watchdog-{name}", daemon=True).start()
 
     def bind(self, device: torch.device | str) -> None:
         """Bind the loop thread to ``device`` (the KV tensors' device of a connector starting in
@@ -81,9 +81,11 @@ class LoopThread:
         self.loop.run_forever()
 
     def _watch(self) -> None:
-        """The watchdog (module docstring); ends with the loop."""
+        """The watchdog (module docstring); ends when the loop stops."""
         blocked_since = 0.0
-        while not self.loop.is_closed():
+        while not self.loop.is_running():  # (the loop thread is starting)
+            time.sleep(0.01)
+        while self.loop.is_running():
             pinged_at = self._pinged_at
             now = time.monotonic()
             if not pinged_at:

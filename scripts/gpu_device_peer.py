@@ -23,8 +23,8 @@ HOLDER_LAYERS = 4
 KVBRIDGE_THREADS = ("kvbridge-", "engine-loop")
 """Name prefixes of the threads kvbridge starts (``connector/loop_thread.py``,
 ``transport/staging.py``, ``connector/serve/node/loop.py``, the index workers)."""
-NOT_KV_THREADS = ("kvbridge-index",)
-"""Those of them that never touch KV tensors (index calls): not bound."""
+NOT_KV_THREADS = ("kvbridge-index", "kvbridge-watchdog")
+"""Those of them that never touch KV tensors (index calls, the loop's watchdog): not bound."""
 
 BOUND: dict[int, tuple[str, torch.device, int | None]] = {}  # thread ident -> binding seen
 _real_bind = device_binding.bind_device

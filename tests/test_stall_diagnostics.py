@@ -34,6 +34,7 @@ def test_the_watchdog_names_where_a_blocked_loop_is_and_when_it_runs_again(monke
             time.sleep(0.02)
     finally:
         thread.loop.call_soon_threadsafe(thread.loop.stop)
+    time.sleep(0.4)  # past BLOCKED_S: a stopped loop is not reported as blocked
     blocked, ran_again = (r.getMessage() for r in caplog.records[:2])
     assert blocked.startswith("connector loop blocked for ")
     assert "_blocking_call_on_the_loop" in blocked  # the loop thread's stack, innermost last
