@@ -10,13 +10,21 @@ CUDA device per process, as in vLLM (one worker process per GPU).
 
 Nothing on the loop may block it: a watchdog thread pings the loop every ``WATCH_S`` and, when a
 ping has waited ``BLOCKED_S``, logs once where the loop thread is (its Python stack), and once
-more when it runs again.
+more when it runs again. That watchdog needs the GIL, so it cannot see a loop starved by a
+thread that holds the GIL in a long C call (or a process left off the CPU): with
+``KVBRIDGE_STALL_DUMP_S`` set (seconds), the loop also keeps re-arming ``faulthandler``'s
+C-level timer, which dumps every thread's Python stack to stderr when the loop has not re-armed
+it for that long (one timer per process: leave it unset where something else uses
+``faulthandler.dump_traceback_later``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import faulthandler
 import logging
+import os
 import sys
 import threading
 import time
@@ -38,6 +46,9 @@ WATCH_S = 0.5
 """How often the watchdog pings the loop (seconds)."""
 BLOCKED_S = 2.0
 """A ping waiting this long means the loop thread is blocked: its stack is logged."""
+STALL_DUMP_ENV = "KVBRIDGE_STALL_DUMP_S"
+"""Environment variable: seconds without the loop running before every thread's stack is
+dumped (``faulthandler``; module docstring). Unset, empty or 0: off."""
 
 
 class LoopThread:
@@ -55,6 +66,10 @@ class LoopThread:
         self._thread.start()
         self._pinged_at = 0.0  # monotonic time of the ping the loop has not run yet (0: none)
         threading.Thread(target=self._watch, name=f"kvbridge-watchdog-{name}", daemon=True).start()
+        dump_after_s = float(os.environ.get(STALL_DUMP_ENV) or 0)
+        if dump_after_s > 0:
+            atexit.register(faulthandler.cancel_dump_traceback_later)  # an exit is no stall
+            self.loop.call_soon_threadsafe(self._arm_stall_dump, dump_after_s)
 
     def bind(self, device: torch.device | str) -> None:
         """Bind the loop thread to ``device`` (the KV tensors' device of a connector starting in
@@ -78,7 +93,11 @@ class LoopThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            if os.environ.get(STALL_DUMP_ENV):
+                faulthandler.cancel_dump_traceback_later()  # a stopped loop is not stalled
 
     def _watch(self) -> None:
         """The watchdog (module docstring); ends when the loop stops."""
@@ -107,6 +126,12 @@ class LoopThread:
 
     def _pong(self) -> None:
         self._pinged_at = 0.0
+
+    def _arm_stall_dump(self, after_s: float) -> None:
+        """On the loop: push ``faulthandler``'s dump ``after_s`` into the future, again every
+        ``WATCH_S`` (the C timer fires only if the loop stops doing this)."""
+        faulthandler.dump_traceback_later(after_s, exit=False)
+        self.loop.call_later(min(WATCH_S, after_s / 4), self._arm_stall_dump, after_s)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the loop; returns a thread-safe future."""

@@ -1,11 +1,15 @@
 """What a stalled transfer tells the operator: the connector loop's watchdog names where a blocked
 loop thread is; a read that misses its deadline names what it was waiting for; a UCX receive
-pending past ``STALL_CHECK_S`` says whether UCX had completed it."""
+pending past ``STALL_CHECK_S`` says whether UCX had completed it; with ``KVBRIDGE_STALL_DUMP_S``, a
+loop starved of the GIL gets every thread's stack dumped."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -85,3 +89,36 @@ async def test_a_stalled_receive_says_whether_ucx_completed_it(caplog):
     (record,) = caplog.records
     assert record.getMessage() == ("transfer 3: the receive of chunk 1 is pending after 1.0 s; "
                                    "UCX request completed: False")
+
+
+_STARVED_LOOP = """
+import asyncio, time
+from kvbridge.connector.loop_thread import LoopThread
+thread = LoopThread(name="dumped-loop")
+thread.run(asyncio.sleep(0.6))  # a loop that runs past the dump time: no dump
+print("hogging", flush=True)
+def hold_the_gil():
+    sum(range({n}))  # one C call that never lets the GIL go
+hold_the_gil()
+thread.loop.call_soon_threadsafe(thread.loop.stop)
+time.sleep(0.8)  # a stopped loop is not stalled: no second dump
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("hog", [False, True])
+def test_the_stall_dump_shows_the_thread_that_holds_the_gil(hog):
+    """``KVBRIDGE_STALL_DUMP_S``: a loop starved by another thread's long C call (the Python
+    watchdog needs the GIL too, so it says nothing) gets every thread's stack on stderr, the
+    starving call's included; a loop that runs, or has stopped, gets none."""
+    script = _STARVED_LOOP.replace("{n}", str(150_000_000 if hog else 1))
+    env = {**os.environ, loop_thread.STALL_DUMP_ENV: "0.3"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["hogging", "done"]
+    if not hog:
+        assert "Timeout (" not in out.stderr, out.stderr
+        return
+    assert out.stderr.count("Timeout (0:00:00.300000)!") == 1, out.stderr
+    assert "in hold_the_gil" in out.stderr  # the thread that held the GIL
+    assert "in _run" in out.stderr  # the loop thread, waiting for it

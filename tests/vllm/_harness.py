@@ -4,10 +4,12 @@ Imports nothing of vLLM: the tests drive ``_node.py`` subprocesses, each running
 ``vllm.LLM`` with the venv's python (``sys.executable`` here, since ``make test-vllm`` runs
 pytest with it). vLLM's worker-side connector is a process-wide global, so P and D are separate
 processes by construction. Every node gets ``PYTHONHASHSEED=0`` (vLLM's block hashes, which
-kvbridge's pull check compares, must be equal on P and D), ``VLLM_CPU_OMP_THREADS_BIND=nobind``
-and its executor mode's environment. Each node runs in its own session (process group), so
-``kill()`` and ``pause()`` reach vLLM's EngineCore and Worker children too; its log (everything
-vLLM prints) is a file whose tail goes into every failure message.
+kvbridge's pull check compares, must be equal on P and D), ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
+its executor mode's environment and ``KVBRIDGE_STALL_DUMP_S`` (``loop_thread``: a connector
+loop starved for ``STALL_DUMP_S`` dumps every thread's stack into the log). Each node runs in its
+own session (process group), so ``kill()`` and ``pause()`` reach vLLM's EngineCore and Worker
+children too; its log (everything vLLM prints) is a file whose tail goes into every failure
+message.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 NODE = HERE / "_node.py"
+from kvbridge.connector.loop_thread import STALL_DUMP_ENV  # noqa: E402
+
 # A port below the ephemeral range, for a node that must listen on a known port: a P restarted
 # on it finds it free (connector/serve/demo/processes.py).
 from kvbridge.connector.serve.demo.processes import free_port  # noqa: E402, F401 (re-exported to the tests)
@@ -35,6 +39,7 @@ BLOCK = 32  # the suite's vLLM block_size (the CPU attention backend needs a mul
 # vLLM's KV cache groups of the hybrid model (tiny_checkpoint.HYBRID), in its order
 HYBRID_GROUP_KINDS = ["SlidingWindowSpec", "FullAttentionSpec"]
 START_TIMEOUT_S = 240.0  # engines start in 10-60 s on 2 cores; two at once, slower
+STALL_DUMP_S = 3.0  # a connector loop that cannot run this long dumps every thread's stack
 
 
 class NodeError(RuntimeError):
@@ -70,7 +75,8 @@ class Node:
         settings = {"model": str(model), "kv_transfer_config": kv_transfer_config,
                     "mode": mode, "llm": llm or {}}
         full_env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
+                    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                    STALL_DUMP_ENV: str(STALL_DUMP_S), **(env or {})}
         if mode == "inproc":
             full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:

@@ -5,7 +5,10 @@
   ``$KVBRIDGE_CACHE/models`` and reused by later runs.
 - ``tiny_hybrid_llama``: its sliding-window / full-attention variant (``tiny_checkpoint.HYBRID``, no
   tokenizer), for the hybrid allocator's tests.
-- ``log_dir``: where every node's log goes (a pytest temporary folder, printed on failure).
+- ``log_dir``: where every node's log goes (a pytest temporary folder, printed on failure). A
+  failed test's report gets a section "kvbridge lines of the node logs": from each log written
+  during the test, kvbridge's warnings and errors and any stall dump (``loop_thread``), so a CI
+  failure says where a transfer stalled without the logs at hand.
 - ``reference``: each prompt of ``_prompts.PROMPTS`` -> the greedy tokens of a single plain vLLM
   instance (no connector), decoded once per session by a node that is stopped before anything
   else starts, so at most two engines (a P and a D) are alive at any time.
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -72,9 +77,54 @@ def tiny_hybrid_llama(cache_dir: Path) -> Path:
     return _model.tiny_llama(cache_dir / "models", hybrid=True)
 
 
+_LOG_DIRS: list[Path] = []
+EXCERPT_LINES = 60  # per node log
+# vLLM's log prefix names the source file; these are kvbridge's (kvbridge.connector.vllm.logs
+# passes its records to vLLM's handler)
+_OURS = re.compile(r"(WARNING|ERROR) .*\[(?:" + "|".join(sorted({
+    re.escape(f.stem) for f in Path(__file__).resolve().parents[2].rglob("*.py")
+    if "tests" not in f.parts and "benchmarks" not in f.parts
+} - {"__init__", "base", "metrics", "utils", "scheduler", "config"})) + r")\.py:\d+\]")
+_DUMP = re.compile(r"^(Timeout \(|Thread 0x|Current thread 0x|  File )")
+
+
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("vllm-nodes")
+    path = tmp_path_factory.mktemp("vllm-nodes")
+    _LOG_DIRS.append(path)
+    return path
+
+
+def pytest_runtest_setup(item):
+    item.stash[_STARTED] = time.time()
+
+
+_STARTED = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when == "call":
+        excerpt = _node_log_excerpt(item.stash.get(_STARTED, 0.0))
+        if excerpt:
+            report.sections.append(("kvbridge lines of the node logs", excerpt))
+
+
+def _node_log_excerpt(since: float) -> str:
+    """kvbridge's warning and error lines and stall dumps of every node log written since
+    ``since`` (the last ``EXCERPT_LINES`` of each)."""
+    parts = []
+    for directory in _LOG_DIRS:
+        for log in sorted(directory.glob("*.log")):
+            if log.stat().st_mtime < since:
+                continue
+            lines = [line for line in log.read_text(errors="replace").splitlines()
+                     if _OURS.search(line) or _DUMP.match(line)]
+            if lines:
+                parts.append(f"--- {log}\n" + "\n".join(lines[-EXCERPT_LINES:]))
+    return "\n".join(parts)
 
 
 @pytest.fixture(scope="session")
