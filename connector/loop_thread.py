@@ -10,12 +10,14 @@ CUDA device per process, as in vLLM (one worker process per GPU).
 
 Nothing on the loop may block it: a watchdog thread pings the loop every ``WATCH_S`` and, when a
 ping has waited ``BLOCKED_S``, logs once where the loop thread is (its Python stack), and once
-more when it runs again. That watchdog needs the GIL, so it cannot see a loop starved by a
-thread that holds the GIL in a long C call (or a process left off the CPU): with
-``KVBRIDGE_STALL_DUMP_S`` set (seconds), the loop also keeps re-arming ``faulthandler``'s
-C-level timer, which dumps every thread's Python stack to stderr when the loop has not re-armed
-it for that long (one timer per process: leave it unset where something else uses
-``faulthandler.dump_traceback_later``).
+more when it runs again; a loop that runs, but answers pings later than ``SLOW_S``, is logged
+at most once per ``SLOW_LOG_EVERY_S`` (how many pings were late, the latest delay).
+
+That watchdog needs the GIL, so it cannot see a loop starved by a thread that holds the GIL in a
+long C call (or a process left off the CPU): with ``KVBRIDGE_STALL_DUMP_S`` set (seconds), the
+loop also keeps re-arming ``faulthandler``'s C-level timer, which dumps every thread's Python
+stack to stderr when the loop has not re-armed it for that long (one timer per process: leave it
+unset where something else uses ``faulthandler.dump_traceback_later``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ WATCH_S = 0.5
 """How often the watchdog pings the loop (seconds)."""
 BLOCKED_S = 2.0
 """A ping waiting this long means the loop thread is blocked: its stack is logged."""
+SLOW_S = 0.5
+"""A ping answered this late (seconds) counts as a slow loop."""
+SLOW_LOG_EVERY_S = 10.0
+"""At most one "connector loop slow" line per this many seconds."""
 STALL_DUMP_ENV = "KVBRIDGE_STALL_DUMP_S"
 """Environment variable: seconds without the loop running before every thread's stack is
 dumped (``faulthandler``; module docstring). Unset, empty or 0: off."""
@@ -65,6 +71,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._pinged_at = 0.0  # monotonic time of the ping the loop has not run yet (0: none)
+        self._ping_delay_s = 0.0  # how long the last answered ping waited for the loop
         threading.Thread(target=self._watch, name=f"kvbridge-watchdog-{name}", daemon=True).start()
         dump_after_s = float(os.environ.get(STALL_DUMP_ENV) or 0)
         if dump_after_s > 0:
@@ -102,6 +109,7 @@ class LoopThread:
     def _watch(self) -> None:
         """The watchdog (module docstring); ends when the loop stops."""
         blocked_since = 0.0
+        num_slow, slow_logged_at = 0, 0.0
         while not self.loop.is_running():  # (the loop thread is starting)
             time.sleep(0.01)
         while self.loop.is_running():
@@ -111,6 +119,14 @@ class LoopThread:
                 if blocked_since:
                     logger.warning("connector loop ran again after %.1f s", now - blocked_since)
                     blocked_since = 0.0
+                elif self._ping_delay_s > SLOW_S:
+                    num_slow += 1
+                    if now - slow_logged_at >= SLOW_LOG_EVERY_S:
+                        logger.warning("connector loop slow: %d ping(s) answered later than "
+                                       "%.1f s, the latest after %.2f s", num_slow, SLOW_S,
+                                       self._ping_delay_s)
+                        num_slow, slow_logged_at = 0, now
+                self._ping_delay_s = 0.0
                 self._pinged_at = now
                 try:
                     self.loop.call_soon_threadsafe(self._pong)
@@ -125,6 +141,7 @@ class LoopThread:
             time.sleep(WATCH_S)
 
     def _pong(self) -> None:
+        self._ping_delay_s = time.monotonic() - self._pinged_at
         self._pinged_at = 0.0
 
     def _arm_stall_dump(self, after_s: float) -> None:

@@ -304,7 +304,7 @@ class Puller:
         try:
             parts = await asyncio.gather(
                 *(
-                    self._pull_part(transport, plan, holder, heads, started, deadline_at)
+                    self._pull_part(transport, plan, holder, heads, deadline_at)
                     for holder, heads in self.sources(plan)
                 )
             )
@@ -353,7 +353,6 @@ class Puller:
         plan: PullPlan,
         holder: HolderRef,
         heads: tuple[int, int] | None,
-        started: float,
         deadline_at: float,
     ) -> _Part:
         """Read the KV ``heads`` of ``plan``'s blocks from one rank of the holder. Never
@@ -365,7 +364,8 @@ class Puller:
         error: str | None = None
         try:
             try:
-                peer_meta = await asyncio.wait_for(transport.connect(peer), deadline_at - started)
+                peer_meta = await asyncio.wait_for(transport.connect(peer),
+                                                   deadline_at - time.monotonic())
             except TimeoutError:
                 raise TimeoutError(f"no handshake with {holder.engine_id} at "
                                    f"{format_host_port(*peer)} before the deadline") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ async def _blocking_call_on_the_loop(seconds: float) -> None:
 def test_the_watchdog_names_where_a_blocked_loop_is_and_when_it_runs_again(monkeypatch, caplog):
     monkeypatch.setattr(loop_thread, "WATCH_S", 0.02)
     monkeypatch.setattr(loop_thread, "BLOCKED_S", 0.2)
+    monkeypatch.setattr(loop_thread, "SLOW_S", 60.0)  # (the next test's line)
     caplog.set_level(logging.WARNING, logger=loop_thread.__name__)
     thread = LoopThread(name="watched-loop")
     try:
@@ -46,6 +48,25 @@ def test_the_watchdog_names_where_a_blocked_loop_is_and_when_it_runs_again(monke
     assert len(caplog.records) == 2  # once per episode
 
 
+def test_a_slow_loop_is_logged_once_per_period_with_its_latest_delay(monkeypatch, caplog):
+    monkeypatch.setattr(loop_thread, "WATCH_S", 0.02)
+    monkeypatch.setattr(loop_thread, "BLOCKED_S", 60.0)
+    monkeypatch.setattr(loop_thread, "SLOW_S", 0.1)
+    caplog.set_level(logging.WARNING, logger=loop_thread.__name__)
+    thread = LoopThread(name="slow-loop")
+    try:
+        thread.run(asyncio.sleep(0.1))
+        assert not caplog.records
+        for _ in range(3):  # three late pings within one SLOW_LOG_EVERY_S: one line
+            thread.run(_blocking_call_on_the_loop(0.3))
+            time.sleep(0.1)
+    finally:
+        thread.loop.call_soon_threadsafe(thread.loop.stop)
+    (slow,) = (r.getMessage() for r in caplog.records)
+    assert re.fullmatch(r"connector loop slow: 1 ping\(s\) answered later than 0\.1 s, the "
+                        r"latest after 0\.[23]\d s", slow), slow
+
+
 async def test_a_missed_deadline_names_the_phase_and_the_await_it_was_stuck_in(caplog):
     caplog.set_level(logging.WARNING)
     state = ReadState(request_id="req-7", transfer_id=7, groups=[], local_block_ids=[])
@@ -63,6 +84,8 @@ async def test_a_missed_deadline_names_the_phase_and_the_await_it_was_stuck_in(c
     with pytest.raises(TransferTimeoutError, match=r"deadline \(waiting for ReadOk\)"):
         await drive_read(state, core(), abort, 0.05)
     (record,) = [r for r in caplog.records if "missed its" in r.getMessage()]
+    assert re.search(r"\(waiting for ReadOk; the loop woke 0\.\d{3} s after it\)",
+                     record.getMessage())
     assert "core (" in record.getMessage()
     assert "waiting_for_the_holder (" in record.getMessage()
 

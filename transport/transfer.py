@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -152,6 +153,7 @@ async def drive_read(
     """
     core_task = asyncio.ensure_future(core)
     cancel_task = asyncio.ensure_future(state.cancel_event.wait())
+    deadline_at = time.monotonic() + deadline_s
     try:
         done, _ = await asyncio.wait(
             {core_task, cancel_task}, timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED
@@ -165,9 +167,9 @@ async def drive_read(
     if cancel_task in done:
         await _stop(core_task, cancel_task, abort, "cancelled")
         raise state.error(TransferCancelledError, "read cancelled")
-    logger.warning("read %d of %r missed its %.3f s deadline (%s), waiting at %s",
-                   state.transfer_id, state.request_id, deadline_s, state.phase,
-                   _awaiting(core_task.get_coro()))
+    logger.warning("read %d of %r missed its %.3f s deadline (%s; the loop woke %.3f s after it), "
+                   "waiting at %s", state.transfer_id, state.request_id, deadline_s, state.phase,
+                   time.monotonic() - deadline_at, _awaiting(core_task.get_coro()))
     await _stop(core_task, cancel_task, abort, "deadline passed")
     raise state.error(TransferTimeoutError, f"no completion within the {deadline_s:.3f} s deadline "
                       f"({state.phase})")
