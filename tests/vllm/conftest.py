@@ -78,14 +78,26 @@ def tiny_hybrid_llama(cache_dir: Path) -> Path:
 
 
 _LOG_DIRS: list[Path] = []
+_STARTED = pytest.StashKey[float]()
 EXCERPT_LINES = 60  # per node log
-# vLLM's log prefix names the source file; these are kvbridge's (kvbridge.connector.vllm.logs
-# passes its records to vLLM's handler)
-_OURS = re.compile(r"(WARNING|ERROR) .*\[(?:" + "|".join(sorted({
-    re.escape(f.stem) for f in Path(__file__).resolve().parents[2].rglob("*.py")
-    if "tests" not in f.parts and "benchmarks" not in f.parts
-} - {"__init__", "base", "metrics", "utils", "scheduler", "config"})) + r")\.py:\d+\]")
-_DUMP = re.compile(r"^(Timeout \(|Thread 0x|Current thread 0x|  File )")
+
+
+def _our_module_names() -> set[str]:
+    """The file names of kvbridge's modules, less those vLLM has too."""
+    root = Path(__file__).resolve().parents[2]
+    return {
+        f.stem for f in root.rglob("*.py")
+        if not {"tests", "benchmarks"} & set(f.relative_to(root).parts)
+        and not any(part.startswith(".") for part in f.relative_to(root).parts)
+    } - {"__init__", "base", "metrics", "utils", "scheduler", "config"}
+
+
+# vLLM's log prefix names the source file; kvbridge's records go to vLLM's handler
+# (kvbridge.connector.vllm.logs)
+_OURS = re.compile(r"(WARNING|ERROR) .*\[(?:"
+                   + "|".join(map(re.escape, sorted(_our_module_names()))) + r")\.py:\d+\]")
+# faulthandler's dump ("  File ..., line N in f"; a traceback has "line N, in f")
+_DUMP = re.compile(r'^(Timeout \(|Thread 0x|Current thread 0x|  File ".*", line \d+ in )')
 
 
 @pytest.fixture(scope="session")
@@ -97,9 +109,6 @@ def log_dir(tmp_path_factory) -> Path:
 
 def pytest_runtest_setup(item):
     item.stash[_STARTED] = time.time()
-
-
-_STARTED = pytest.StashKey[float]()
 
 
 @pytest.hookimpl(hookwrapper=True)
