@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import re
 import socket
@@ -48,6 +49,7 @@ from kvbridge.transport import (
     TransferError,
     TransferTimeoutError,
     UcxxTransport,
+    ucx_hello,
 )
 from kvbridge.transport.wire import WIRE_VERSION
 
@@ -459,6 +461,34 @@ async def test_holder_side_cancel_cleanup_in_process(requester):
         _assert_requester_clean(requester)
     finally:
         await holder.close()
+
+
+async def test_a_slow_handshake_is_logged_step_by_step_on_both_sides(
+        requester, monkeypatch, caplog):
+    """Every handshake counts as slow here (``SLOW_HANDSHAKE_S`` 0): each side names the
+    steps it went through and how long each took."""
+    monkeypatch.setattr(ucx_hello, "SLOW_HANDSHAKE_S", 0.0)
+    caplog.set_level(logging.WARNING, logger=ucx_hello.__name__)
+    caches = make_kv_caches(seed=5)
+    holder = UcxxTransport(make_metadata("timed-holder", caches), caches)
+    await holder.start()
+    try:
+        await requester.connect(holder.address)
+        for _ in range(100):  # the holder logs once its HelloOk is written
+            if len(caplog.records) == 2:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await holder.close()
+    lines = sorted(r.getMessage() for r in caplog.records)
+    step = r"\d+\.\d{3} s"
+    assert len(lines) == 2, lines
+    assert re.fullmatch(rf"holder handshake with \('127\.0\.0\.1', \d+\) took \d+\.\d\d s "
+                        rf"\(Hello {step}, UCX endpoint {step}, HelloOk {step}; then {step} to "
+                        r"the end\)", lines[0]), lines[0]
+    assert re.fullmatch(rf"requester handshake with 127\.0\.0\.1:{holder.address.port} took "
+                        rf"\d+\.\d\d s \(TCP connect {step}, Hello to HelloOk {step}, UCX "
+                        rf"endpoint {step}; then {step} to the end\)", lines[1]), lines[1]
 
 
 async def test_holder_killed_mid_transfer_fails_naming_blocks(slow_holder, requester):

@@ -3,11 +3,16 @@ cluster key when this node holds one (``auth``: the holder proves it first), and
 holder's ``HelloOk``. Anything else (a refusal, a holder that cannot prove the key, silence) is a
 ``HandshakeError`` naming the peer. The holder's half is ``ucxx_holder``; what the requester
 then checks of ``HelloOk`` (compatibility, worker address) stays with ``UcxxTransport``.
+
+Both halves time their steps (``HandshakeClock``) and log a handshake slower than
+``SLOW_HANDSHAKE_S`` step by step, so a slow first contact says where its time went.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 from .auth import NONCE_BYTES, holder_proof, proof_matches, requester_proof
 from .base import PeerAddress
@@ -15,8 +20,36 @@ from .control import read_frame, write_message
 from .errors import HandshakeError, WireError
 from .wire import AuthChallenge, AuthProof, ErrorMsg, Hello, HelloOk, decode_message, encode_message
 
+logger = logging.getLogger(__name__)
+
 HANDSHAKE_TIMEOUT_S = 10.0
 """How long the requester waits for each handshake answer (and for the TCP connection)."""
+SLOW_HANDSHAKE_S = 1.0
+"""A handshake that took this long (seconds; one side's view) is logged step by step."""
+
+
+class HandshakeClock:
+    """The steps of one side's handshake with ``peer`` and how long each took (``mark`` after
+    each); ``report`` logs them when the whole took ``SLOW_HANDSHAKE_S`` or more. Loop thread.
+    """
+
+    def __init__(self, side: str, peer: object) -> None:
+        self.side, self.peer = side, peer
+        self.started_at = self._last = time.monotonic()
+        self.steps: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps.append((step, now - self._last))
+        self._last = now
+
+    def report(self) -> None:
+        total = time.monotonic() - self.started_at
+        if total >= SLOW_HANDSHAKE_S:
+            done = ", ".join(f"{step} {seconds:.3f} s" for step, seconds in self.steps)
+            logger.warning("%s handshake with %s took %.2f s (%s; then %.3f s to the end)",
+                           self.side, self.peer, total, done or "no step done",
+                           time.monotonic() - self._last)
 
 
 async def exchange_hello(

@@ -51,6 +51,7 @@ from .serve import (
     send_error,
 )
 from .staging import StagingPool
+from .ucx_hello import HandshakeClock
 from .ucx_progress import ProgressBooster
 from .ucx_serve import UcxServe
 from .wire import (
@@ -201,9 +202,11 @@ class UcxxHolder:
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> RequesterConnection | None:
+        clock = HandshakeClock("holder", writer.get_extra_info("peername"))
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):  # a silent stranger holds nothing
                 payload = await read_frame(reader)
+                clock.mark("Hello")
                 message = decode_message(payload)
                 if not isinstance(message, Hello):
                     raise WireError(f"expected Hello first, got {type(message).__name__}")
@@ -214,7 +217,9 @@ class UcxxHolder:
                 check_compatible(self.metadata, message.metadata)
                 check_worker_address(message.worker_address, self.worker_address)
                 endpoint = await endpoint_from_worker_address(message.worker_address)
+                clock.mark("UCX endpoint")
         except (WireError, HandshakeError, TimeoutError) as exc:
+            clock.report()
             if isinstance(exc, _Unauthenticated):
                 self.num_refused_peers += 1
                 code = "unauthenticated"
@@ -231,6 +236,8 @@ class UcxxHolder:
             cma=None if message.notices_only else offer,
         )
         await write_message(writer, hello_ok)
+        clock.mark("HelloOk")
+        clock.report()
         return RequesterConnection(
             peer_engine_id=message.metadata.engine_id,
             endpoint=endpoint,

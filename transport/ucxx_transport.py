@@ -60,7 +60,7 @@ from .plan import build_group_msgs
 from .read_path import ReadPath
 from .staging import StagingPool
 from .transfer import ReadState, begin_read, drive_read
-from .ucx_hello import HANDSHAKE_TIMEOUT_S, exchange_hello
+from .ucx_hello import HANDSHAKE_TIMEOUT_S, HandshakeClock, exchange_hello
 from .ucx_init import current_progress_mode, init_ucx
 from .ucx_memory import WireMemory, check_device_memory, choose_wire_memory, wire_device
 from .ucx_progress import ProgressBooster, booster_for_running_loop
@@ -241,6 +241,15 @@ class UcxxTransport(Transport):
         Raises:
             TransportError: unreachable. HandshakeError: refused, or no valid answer.
         """
+        clock = HandshakeClock("requester", format_host_port(*peer))
+        try:
+            return await self._open_timed(peer, clock, notices_only)
+        finally:
+            clock.report()
+
+    async def _open_timed(
+        self, peer: PeerAddress, clock: HandshakeClock, notices_only: bool
+    ) -> HolderConnection:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(peer.host, peer.port), HANDSHAKE_TIMEOUT_S
@@ -248,6 +257,7 @@ class UcxxTransport(Transport):
         except (TimeoutError, OSError) as exc:
             raise PeerUnreachableError(
                 f"peer {format_host_port(*peer)} unreachable: {exc}") from None
+        clock.mark("TCP connect")
         try:
             nonce = new_nonce() if self.auth_key is not None else b""
             hello = Hello(
@@ -258,6 +268,7 @@ class UcxxTransport(Transport):
                 notices_only=notices_only,
             )
             reply = await exchange_hello(reader, writer, peer, hello, self.auth_key)
+            clock.mark("Hello to HelloOk")
             if notices_only:
                 return HolderConnection(reader, writer, reply.metadata, reply.worker_address)
             check_compatible(self.metadata, reply.metadata)
@@ -266,6 +277,7 @@ class UcxxTransport(Transport):
                 endpoint = await endpoint_from_worker_address(reply.worker_address)
             except WireError as exc:
                 raise HandshakeError(f"bad handshake answer from {tuple(peer)}: {exc}") from None
+            clock.mark("UCX endpoint")
         except BaseException:
             writer.close()
             raise
@@ -418,28 +430,13 @@ class UcxxTransport(Transport):
     def _read_path(self, conn: HolderConnection, read: Read, state: ReadState) -> ReadPath:
         """The data path of one read from ``conn``: a same-host copy when the holder's offer
         was accepted at handshake, else UCX tag messages."""
+        common = {"metadata": self.metadata, "drop_connection": self._drop_connection,
+                  "kv_caches_by_group": self.kv_caches_by_group}
         if conn.cma is not None:
-            return CmaReadPath(
-                conn,
-                read,
-                state,
-                metadata=self.metadata,
-                drop_connection=self._drop_connection,
-                kv_caches_by_group=self.kv_caches_by_group,
-                unreadable_incarnations=self._cma_failed,
-                on_batch=self._cma_on_batch,
-                board_counts=self.board_counts,
-            )
-        return UcxReadPath(
-            conn,
-            read,
-            state,
-            metadata=self.metadata,
-            drop_connection=self._drop_connection,
-            kv_caches_by_group=self.kv_caches_by_group,
-            staging=self.staging,
-            window=self.window,
-        )
+            return CmaReadPath(conn, read, state, **common,
+                               unreadable_incarnations=self._cma_failed,
+                               on_batch=self._cma_on_batch, board_counts=self.board_counts)
+        return UcxReadPath(conn, read, state, **common, staging=self.staging, window=self.window)
 
     async def _drop_connection(self, conn: HolderConnection) -> None:
         """Forget ``conn`` (the next read from its peer reconnects) and close it, which aborts
