@@ -222,9 +222,11 @@ class UcxReadPath(ReadPath):
 
 
 def _on_stall(transfer_id: int, chunk_idx: int, recv: asyncio.Future[object]) -> None:
-    """A receive still pending after ``STALL_CHECK_S``: say whether UCX has completed it (then
-    its Python future was never told, and ucxx's request notifier is run here, on the loop
-    thread, as ucxx's notifier thread itself has it run) or not (the holder has not sent it)."""
+    """A receive still pending after ``STALL_CHECK_S``: say whether UCX has completed it or not
+    (the holder has not sent it, or UCX has not moved it). Completed, the coroutine awaiting it
+    has not run since: in the ``"blocking"`` mode it polls the request on its turns of the
+    loop (a late loop), in the thread modes ucxx's notifier sets its future, and that notifier
+    is run once more here, on the loop thread, as ucxx's notifier thread has it run."""
     coro = recv.get_coro() if isinstance(recv, asyncio.Task) else None
     frame = getattr(coro, "cr_frame", None)
     request = None if frame is None else frame.f_locals.get("req")

@@ -34,18 +34,22 @@ from _harness import (
     prefill_requests,
     request,
     start_nodes,
+    tokens,
 )
 from _prompts import N_NEW, PROMPTS
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-# The deadline bounds a hang; it is not what these tests measure. As in test_pd_handover and
-# test_pd_hybrid, 30 s: with seven engine processes on two cores, a first pull between freshly
-# started TP engines was seen to take the whole of a 10 s deadline on CI (twice), the pull
-# still going (its last reads were sent only at the deadline). The cause is not known; the
-# node logs of such a run (a failed test's report quotes kvbridge's lines) show how late the
-# connector loop ran and, with the harness's KVBRIDGE_STALL_DUMP_S, every thread's stack if it
-# could not run at all.
+# What these tests check is which heads move, not how fast: the deadline bounds a hang. On this
+# host it is 30 s, as in test_pd_handover and test_pd_hybrid, because the connector's loop
+# thread shares the GIL with vLLM's worker, and two things of vLLM's were seen to starve it
+# for seconds (the stall dumps of KVBRIDGE_STALL_DUMP_S): a TP worker's first forward, which
+# compiles vocab_parallel_embedding's get_masked_input_and_mask (torch.compile: seconds of
+# Python, and a C++ compiler taking the cores), and a worker spinning in os.sched_yield
+# (shm_broadcast) while its engine steps, on a host with fewer cores than busy processes. A
+# new engine here is warmed up with one plain request first (``WARMUP``), so the compile is
+# behind it before any test counts; the spinning stays, as in a busy deployment.
 LOAD_TIMEOUT_S = 30.0
+WARMUP = tokens(95, 40)  # a plain prompt no test uses
 KV_HEAD_BYTES_PER_TOKEN = 2 * 32 * 4 * 2  # K and V, head size 32, float32, 2 layers
 GROUPS = {"a": ("tp_a31", "tp_a64", "tp_a1000"), "b": ("tp_b31", "tp_b64", "tp_b1000"),
           "c": ("tp_c31", "tp_c64", "tp_c1000")}
@@ -69,6 +73,7 @@ class Fleet:
         new = [self._node(n) for n in names if n not in self.nodes]
         start_nodes(*new)
         for node in new:
+            node.generate([request(WARMUP, 2)])  # its first forward compiles (see WARMUP)
             self.nodes[node.name.removeprefix("tp-")] = node
         return [self.nodes[n] for n in names]
 
