@@ -68,15 +68,15 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         self.device: torch.device | None = None
         self._bind_lock = threading.Lock()
+        self._dump_after_s = float(os.environ.get(STALL_DUMP_ENV) or 0)  # 0: no stall dump
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._pinged_at = 0.0  # monotonic time of the ping the loop has not run yet (0: none)
         self._ping_delay_s = 0.0  # how long the last answered ping waited for the loop
         threading.Thread(target=self._watch, name=f"kvbridge-watchdog-{name}", daemon=True).start()
-        dump_after_s = float(os.environ.get(STALL_DUMP_ENV) or 0)
-        if dump_after_s > 0:
+        if self._dump_after_s > 0:
             atexit.register(faulthandler.cancel_dump_traceback_later)  # an exit is no stall
-            self.loop.call_soon_threadsafe(self._arm_stall_dump, dump_after_s)
+            self.loop.call_soon_threadsafe(self._arm_stall_dump, self._dump_after_s)
 
     def bind(self, device: torch.device | str) -> None:
         """Bind the loop thread to ``device`` (the KV tensors' device of a connector starting in
@@ -103,7 +103,7 @@ class LoopThread:
         try:
             self.loop.run_forever()
         finally:
-            if os.environ.get(STALL_DUMP_ENV):
+            if self._dump_after_s > 0:
                 faulthandler.cancel_dump_traceback_later()  # a stopped loop is not stalled
 
     def _watch(self) -> None:

@@ -236,4 +236,6 @@ def _on_stall(transfer_id: int, chunk_idx: int, recv: asyncio.Future[object]) ->
     if completed:
         import ucxx  # (imported by the transport already)
 
-        ucxx.core._get_ctx().worker.run_request_notifier()
+        context = ucxx.core._get_ctx()
+        if context.enable_python_future:  # else nothing waits on a notifier
+            context.worker.run_request_notifier()
