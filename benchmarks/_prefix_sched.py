@@ -14,6 +14,9 @@ the steps, one output token each). Per burst:
   a forward): what the index adds to a working step (``sched_index_over_off``, the target);
 - ``first_step_s``: the step the burst arrived in; with the index on, the one that starts every
   request's lookup inside ``get_num_new_matched_tokens`` (answered on the index client's thread);
+  ``first_step_meta_s`` is the part of it in the connector's ``build_connector_meta``, where a
+  step that schedules nothing while lookups are out waits for the first answer on purpose
+  (``idle_lookup_wait_s``: the engine has nothing else to do);
 - ``wait_steps`` / ``wait_s``: steps that scheduled nothing while lookups were out (vLLM's idle
   engine loop asks again at once: no forward runs, so they cost only this loop's time);
 - ``wall_s``: the burst's ``generate`` call, from submission to the last output.
@@ -53,16 +56,31 @@ def sched_child(args: argparse.Namespace) -> None:
               max_model_len=args.sched_tokens + 32, max_num_seqs=args.sched_requests,
               seed=0, kv_transfer_config=transfer)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    times: list[tuple[float, int]] = []  # (seconds, tokens scheduled) per schedule()
+    # (seconds, tokens scheduled, seconds in the connector's build_connector_meta) per schedule()
+    times: list[tuple[float, int, float]] = []
     schedule = scheduler.schedule
+    meta_s = [0.0]  # build_connector_meta's time in the current schedule()
 
     def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+        meta_s[0] = 0.0
         start = time.perf_counter()
         out = schedule(*args, **kwargs)
-        times.append((time.perf_counter() - start, out.total_num_scheduled_tokens))
+        times.append((time.perf_counter() - start, out.total_num_scheduled_tokens, meta_s[0]))
         return out
 
     scheduler.schedule = timed_schedule
+    connector = scheduler.connector
+    if connector is not None:  # vLLM calls it once per schedule(), at its end
+        build = connector.build_connector_meta
+
+        def timed_build(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return build(*args, **kwargs)
+            finally:
+                meta_s[0] += time.perf_counter() - start
+
+        connector.build_connector_meta = timed_build
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     bursts = []
     for burst in range(args.sched_bursts + 1):  # burst 0 warms the engine up
@@ -73,11 +91,11 @@ def sched_child(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - started
-        working = [t for t, n in times if n > 0]
-        waiting = [t for t, n in times[1:] if n == 0]
+        working = [t for t, n, _ in times if n > 0]
+        waiting = [t for t, n, _ in times[1:] if n == 0]
         bursts.append({"step_s": statistics.mean(working), "steps": len(working),
-                       "first_step_s": times[0][0], "wait_steps": len(waiting),
-                       "wait_s": sum(waiting), "wall_s": wall})
+                       "first_step_s": times[0][0], "first_step_meta_s": times[0][2],
+                       "wait_steps": len(waiting), "wait_s": sum(waiting), "wall_s": wall})
     stats = None
     if transfer is not None:
         stats = scheduler.connector.stats.snapshot()

@@ -365,13 +365,15 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
         flush_index(redis_url)  # the index holds no entries: every lookup misses
         sched = run_sched_row(args, model, redis_url, work, __file__)
         print(f"\nsched, bursts of {args.sched_requests} (medians over bursts):\n"
-              f"{'side':6s} {'working step ms':>15s} {'steps':>6s} {'first step ms':>14s} "
-              f"{'wait steps':>10s} {'wait ms':>8s} {'burst wall ms':>14s}")
+              f"{'side':9s} {'working step ms':>15s} {'steps':>6s} {'first step ms':>14s} "
+              f"{'of it meta ms':>13s} {'wait steps':>10s} {'wait ms':>8s} "
+              f"{'burst wall ms':>14s}")
         for side in ("index", "connector", "off"):
             row = sched[side]
-            print(f"{side:6s} {row['step_s'] * 1e3:15.3f} {row['steps']:6.0f} "
-                  f"{row['first_step_s'] * 1e3:14.3f} {row['wait_steps']:10.0f} "
-                  f"{row['wait_s'] * 1e3:8.2f} {row['wall_s'] * 1e3:14.1f}", flush=True)
+            print(f"{side:9s} {row['step_s'] * 1e3:15.3f} {row['steps']:6.0f} "
+                  f"{row['first_step_s'] * 1e3:14.3f} {row['first_step_meta_s'] * 1e3:13.3f} "
+                  f"{row['wait_steps']:10.0f} {row['wait_s'] * 1e3:8.2f} "
+                  f"{row['wall_s'] * 1e3:14.1f}", flush=True)
         report["sched"] = {side: sched[side] for side in ("index", "connector", "off")}
         for key in ("sched_index_over_off", "sched_index_over_connector",
                     "first_step_index_over_off", "wall_index_over_off"):

@@ -56,6 +56,10 @@ def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports
     assert report["sched"]["index"]["index_lookups"] > 0  # the index was asked, nobody held
     assert report["sched"]["index"]["index_hits"] == 0
     assert report["sched_index_over_off"] > 0
+    # the first step's connector part is inside that step; no connector, no such part
+    index, off = report["sched"]["index"], report["sched"]["off"]
+    assert 0 < index["first_step_meta_s"] < index["first_step_s"]
+    assert off["first_step_meta_s"] == 0
     assert report["replay"] == "not run: --replay 0"
 
 

@@ -38,6 +38,10 @@ PROMPT_LEN = 1500  # 46 full blocks cached; 48 blocks in use with the decoded to
 PROMPTS = {f"t{i}": tokens(700 + i, PROMPT_LEN) for i in range(1, 6)}
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # what a lookup may restore (never the last token)
 STORE_BYTES = 256 * 2 * RANK_BLOCK_BYTES  # 256 whole blocks (one shelf: kvbridge-store's default)
+# The deadline bounds a hang; these tests check which bytes move, not how fast. 30 s, as in
+# test_pd_tp, whose module says why: the connector's loop shares each TP worker's GIL with
+# vLLM, which can starve it for seconds on a host with fewer cores than busy processes.
+LOAD_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def tp_tier(tiny_llama, log_dir, redis_server):
              kv_transfer_config=kvbridge_config(
                  "both", "store-tp-engine-a", index_url=redis_server.url,
                  store_url=f"127.0.0.1:{write_port}", offload="evict", offload_scan_blocks=96,
-                 offload_blocks_per_step=16, load_timeout_s=10.0))
+                 offload_blocks_per_step=16, load_timeout_s=LOAD_TIMEOUT_S))
     store = StoreProcess(redis_server.url, write_port, log_dir / "store-tp.log",
                          capacity_bytes=STORE_BYTES)
     try:
@@ -121,7 +125,8 @@ def test_another_tp2_engine_restores_an_evicted_prompt_each_rank_its_head(
     a.stop()  # A's own cache is gone: C can restore only from the store
     c = Node("store-tp-c", model=tiny_llama, log_dir=log_dir, llm=TP2,
              kv_transfer_config=kvbridge_config("both", "store-tp-engine-c",
-                                                index_url=redis_server.url, load_timeout_s=10.0))
+                                                index_url=redis_server.url,
+                                                load_timeout_s=LOAD_TIMEOUT_S))
     try:
         c.wait_ready()
         before, ranks_before = c.stats(), c.rank_stats()
