@@ -3,8 +3,8 @@
 Each function has the same signature and effect as its Triton twin; ``cache_ops`` validates the
 arguments and picks one of the two. These functions assume validated input (see ``cache_ops``
 for the contracts) and run on any device; on CPU they are the production path, so the bulk
-movers use ``index_select`` / ``index_copy_`` (one vectorised memcpy per block) rather than
-Python loops.
+movers copy one block per memcpy inside one C call (numpy's ``take`` and fancy assignment on
+CPU, ``index_select`` / ``index_copy_`` elsewhere) rather than in Python loops.
 """
 
 from __future__ import annotations
@@ -67,7 +67,23 @@ def copy_blocks_torch(kv_caches: Sequence[torch.Tensor], block_mapping: torch.Te
 def gather_blocks_torch(
     kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, staging: torch.Tensor
 ) -> torch.Tensor:
-    """``staging[l, i] = kv_caches[l][block_ids[i]]`` for every layer ``l``; returns ``staging``."""
+    """``staging[l, i] = kv_caches[l][block_ids[i]]`` for every layer ``l``; returns ``staging``.
+
+    On CPU numpy's ``take`` (ids range-checked upstream, so ``mode="clip"``, which writes
+    ``out`` directly) copies each block with one memcpy on the calling thread. Not
+    ``index_select``: it splits even a few blocks over torch's intra-op threads, and where a
+    host has fewer free cores than busy threads the copy then waits for a descheduled one.
+    Inside a vLLM worker on the 2-core host, offload snapshots of at most 32 blocks took up to
+    171 ms that way (2.6 s over a 200-request trace replay, ``bench_vllm_prefix.py --replay``),
+    0.19 s in all this way; on a quiet core both run at about a memcpy's speed
+    (``benchmarks/bench_kernels.py``). Elsewhere ``index_select``.
+    """
+    if block_ids.device.type == "cpu" and staging.device.type == "cpu":
+        ids = block_ids.numpy()
+        for layer_idx, kv_cache in enumerate(kv_caches):
+            np.take(_as_byte_rows(kv_cache), ids, out=_as_byte_rows(staging[layer_idx]),
+                    mode="clip")
+        return staging
     for layer_idx, kv_cache in enumerate(kv_caches):
         torch.index_select(kv_cache, 0, block_ids, out=staging[layer_idx])
     return staging

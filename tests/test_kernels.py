@@ -86,6 +86,21 @@ def test_scatter_inverts_gather_and_leaves_other_blocks_alone():
             assert torch.equal(target[layer_idx][block_id], expected[layer_idx][block_id])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_gather_moves_every_bit_of_any_dtype_from_layers_sharing_one_buffer(dtype):
+    # vLLM allocates a group's layers out of one buffer: each layer a view at its own offset.
+    shape = (5, 2, 3, 2, 4)  # blocks, K/V, block size, heads, head size
+    per_layer = torch.Size(shape).numel()
+    buffer = torch.randn(3 * per_layer + 7).to(dtype)
+    kv_caches = [buffer[7 + i * per_layer: 7 + (i + 1) * per_layer].view(shape)
+                 for i in range(3)]
+    block_ids = torch.tensor([4, 0, 4, 2], dtype=torch.int32)
+    staging = gather_blocks(kv_caches, block_ids)
+    for layer_idx, kv_cache in enumerate(kv_caches):
+        expected = kv_cache[block_ids.long()]
+        assert torch.equal(staging[layer_idx].view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_gather_into_given_staging_and_empty_ids():
     kv_caches = _make_kv_caches(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1,
                                 head_size=4)
