@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
+
+from .host_copy import put_rows, take_rows
 
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -69,32 +70,13 @@ def gather_blocks_torch(
 ) -> torch.Tensor:
     """``staging[l, i] = kv_caches[l][block_ids[i]]`` for every layer ``l``; returns ``staging``.
 
-    On CPU numpy's ``take`` (ids range-checked upstream, so ``mode="clip"``, which writes
-    ``out`` directly) copies each block with one memcpy on the calling thread. Not
-    ``index_select``: it splits even a few blocks over torch's intra-op threads, and where a
-    host has fewer free cores than busy threads the copy then waits for a descheduled one.
-    Inside a vLLM worker on the 2-core host, offload snapshots of at most 32 blocks took up to
-    171 ms that way (2.6 s over a 200-request trace replay, ``bench_vllm_prefix.py --replay``),
-    0.19 s in all this way; on a quiet core both run at about a memcpy's speed
-    (``benchmarks/bench_kernels.py``). Elsewhere ``index_select``.
+    ``host_copy.take_rows``: on CPU one memcpy per block on the calling thread, not over
+    torch's intra-op threads (docs/architecture.md, "Design measurements": "row copies on the
+    calling thread"); elsewhere ``index_select``.
     """
-    if block_ids.device.type == "cpu" and staging.device.type == "cpu":
-        ids = block_ids.numpy()
-        for layer_idx, kv_cache in enumerate(kv_caches):
-            np.take(_as_byte_rows(kv_cache), ids, out=_as_byte_rows(staging[layer_idx]),
-                    mode="clip")
-        return staging
     for layer_idx, kv_cache in enumerate(kv_caches):
-        torch.index_select(kv_cache, 0, block_ids, out=staging[layer_idx])
+        take_rows(staging[layer_idx], kv_cache, block_ids)
     return staging
-
-
-def _as_byte_rows(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU ``[rows, ...]`` tensor as a numpy array of ``rows`` opaque elements, one
-    per row (a ``void`` dtype the size of a row), sharing the tensor's memory; any torch dtype,
-    bfloat16 included, since only bytes are seen."""
-    rows = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
-    return rows.view(np.dtype((np.void, rows.shape[1]))).reshape(rows.shape[0])
 
 
 def scatter_blocks_torch(
@@ -103,14 +85,13 @@ def scatter_blocks_torch(
     """``kv_caches[l][block_ids[i]] = staging[l, i]`` for every layer ``l`` (ids are distinct,
     checked upstream).
 
-    On CPU numpy's fancy assignment moves each block with one memcpy (about a contiguous copy's
-    speed, well above ``index_copy_`` even on 16-byte elements; docs/architecture.md, "Design
-    measurements"); elsewhere ``index_copy_``.
+    On CPU ``host_copy.put_rows``: numpy's fancy assignment moves each block with one memcpy on
+    the calling thread (about a contiguous copy's speed, well above ``index_copy_`` even on
+    16-byte elements; docs/architecture.md, "Design measurements"); elsewhere ``index_copy_``.
     """
     if block_ids.device.type == "cpu" and staging.device.type == "cpu":
-        ids = block_ids.numpy()
         for layer_idx, kv_cache in enumerate(kv_caches):
-            _as_byte_rows(kv_cache)[ids] = _as_byte_rows(staging[layer_idx])
+            put_rows(kv_cache, block_ids, staging[layer_idx])
         return
     for layer_idx, kv_cache in enumerate(kv_caches):
         _as_wide_rows(kv_cache).index_copy_(0, block_ids, _as_wide_rows(staging[layer_idx]))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from kvbridge.kernels import gather_blocks, scatter_blocks
 from kvbridge.kernels.device_binding import bound
+from kvbridge.kernels.host_copy import copy_rows, put_rows, take_rows
 from kvbridge.kernels.host_memory import host_buffer
 
 from .heads import RowSlice
@@ -147,8 +148,10 @@ def copy_in(
     """Requester side: ``kv_caches[l][block_ids[i]] = staging[l, i]``; with a partial ``row``
     only those bytes of each block (``staging`` then ``[L, n, row.nbytes]`` uint8). A run of ids
     is one slice copy per layer; other ids go through ``kvbridge.kernels.scatter_blocks`` (a
-    partial row: ``index_copy_``). ``staging`` in host memory for caches on a GPU (pinned
-    staging, ``ucx_memory``) is copied to the GPU first. Mutates the caches.
+    partial row: ``host_copy.put_rows``). On CPU every copy runs on the calling thread
+    (``kvbridge.kernels.host_copy``: torch's copies wait for descheduled intra-op threads on a
+    busy host). ``staging`` in host memory for caches on a GPU (pinned staging, ``ucx_memory``)
+    is copied to the GPU first. Mutates the caches.
     """
     if staging.device != kv_caches[0].device:
         staging = staging.to(kv_caches[0].device)
@@ -158,15 +161,15 @@ def copy_in(
         for layer, kv_cache in enumerate(kv_caches):
             rows = row_bytes_view(kv_cache, row)
             if ids is None:
-                rows[start : start + len(block_ids)].copy_(staging[layer])
+                copy_rows(rows[start : start + len(block_ids)], staging[layer])
             else:
-                rows.index_copy_(0, ids, staging[layer])
+                put_rows(rows, ids, staging[layer])
         synchronize(staging)
         return
     start = run_start(block_ids)
     if start is not None:
         for layer, kv_cache in enumerate(kv_caches):
-            kv_cache[start : start + len(block_ids)].copy_(staging[layer])
+            copy_rows(kv_cache[start : start + len(block_ids)], staging[layer])
     else:
         ids = torch.tensor(list(block_ids), dtype=torch.int64).to(kv_caches[0].device)
         scatter_blocks(staging, kv_caches, ids)
@@ -181,7 +184,8 @@ def copy_out(
 ) -> None:
     """Holder side: ``staging[l, i] = kv_caches[l][block_ids[i]]`` (slice copies for a run,
     else ``kvbridge.kernels.gather_blocks``); with a partial ``row`` only those bytes of each
-    block (``staging`` ``[L, n, row.nbytes]`` uint8). ``staging`` in host memory for caches on
+    block (``staging`` ``[L, n, row.nbytes]`` uint8). On CPU on the calling thread, as
+    ``copy_in``. ``staging`` in host memory for caches on
     a GPU (pinned staging, ``ucx_memory``): gathered on the GPU, then copied to host (returns
     once the bytes are there). Mutates ``staging`` only."""
     if staging.device != kv_caches[0].device:
@@ -195,15 +199,15 @@ def copy_out(
         for layer, kv_cache in enumerate(kv_caches):
             rows = row_bytes_view(kv_cache, row)
             if ids is None:
-                staging[layer].copy_(rows[start : start + len(block_ids)])
+                copy_rows(staging[layer], rows[start : start + len(block_ids)])
             else:
-                torch.index_select(rows, 0, ids, out=staging[layer])
+                take_rows(staging[layer], rows, ids)
         synchronize(staging)
         return
     start = run_start(block_ids)
     if start is not None:
         for layer, kv_cache in enumerate(kv_caches):
-            staging[layer].copy_(kv_cache[start : start + len(block_ids)])
+            copy_rows(staging[layer], kv_cache[start : start + len(block_ids)])
     else:
         ids = torch.tensor(list(block_ids), dtype=torch.int64).to(kv_caches[0].device)
         gather_blocks(kv_caches, ids, staging)
