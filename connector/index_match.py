@@ -92,7 +92,10 @@ class IndexMatcher:
         if result.status in _LOOKUP_FAILURES:
             self._stats.add("num_index_lookup_failures")
         found: RemotePrefix | None = result.prefix
-        if found is None or found.num_blocks * self._block_size <= num_computed_tokens:
+        # The local hit may have grown while the lookup was out (another request cached the
+        # same blocks): the gain is judged again against what is local now.
+        if found is None or (found.num_blocks - num_computed_tokens // self._block_size
+                             < max(self._min_gain_blocks, 1)):
             return _NONE
         holder = HolderRef(engine_id=found.holder.node_id,
                            incarnation=str(found.holder.incarnation), host=found.address.host,

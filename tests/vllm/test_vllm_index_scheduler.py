@@ -425,6 +425,26 @@ def test_a_hit_is_pulled_only_from_min_remote_hit_tokens_on(pair, num_shared_blo
     run(b)
 
 
+def test_a_hit_is_judged_again_against_the_local_hit_when_the_answer_comes(pair):
+    # B's lookup starts with nothing local; while it is out, B computes 9 of the 10 blocks for
+    # another request. The answer (10 blocks on A) then adds one block (32 tokens) to the local
+    # hit, under min_remote_hit_tokens (256): computed here, never pulled.
+    a, b = pair
+    held, request, _ = held_lookup(a, b, seed=40, tail=40)
+    shared = list(request.prompt_token_ids[:320])
+    other = make_request(shared[:288] + _prompt(43, 40), max_tokens=1)
+    other.skip_reading_prefix_cache = True  # computed at once, no lookup
+    b.add_request(other)
+    assert step(b, **ours()).scheduled == {other.request_id: 328}
+    held.release()
+    wait_lookups(b)
+    answered = step(b, **ours())
+    assert not answered.meta.pulls
+    assert answered.scheduled[request.request_id] == 360 - 288  # after the 9 local blocks
+    assert connector_of(b)._sched().stats.snapshot()["num_index_hits"] == 0
+    run(b)
+
+
 def test_a_lookup_past_its_deadline_goes_on_with_the_local_hit_and_is_counted():
     namespace = _namespace()
     a = index_node("a", namespace)
