@@ -16,6 +16,7 @@ Owner: the engine thread (the scheduler half's); nothing here is shared.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .metadata import HolderRef
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from .stats import KVTransferStats
 
 __all__ = ["IndexAnswer", "IndexMatcher"]
+
+logger = logging.getLogger(__name__)
 
 _LOOKUP_FAILURES = frozenset({"unavailable", "timed_out", "overloaded"})
 """Lookup statuses that went on without the index's answer (``num_index_lookup_failures``)."""
@@ -52,12 +55,15 @@ class IndexMatcher:
         block_size: tokens per block.
         min_gain_blocks: a remote hit must beat the local hit by this many blocks.
         load_async: a hit's pull runs over later engine steps (False: inside the step).
+        num_groups: the engine's KV cache groups (an answer names block ids for each).
     """
 
     def __init__(self, *, stats: KVTransferStats, block_size: int, min_gain_blocks: int,
-                 load_async: bool) -> None:
+                 load_async: bool, num_groups: int = 1) -> None:
         self._stats = stats
         self._block_size = block_size
+        self._num_groups = num_groups
+        self._malformed_from: set[str] = set()  # holders whose malformed answers were logged
         self._min_gain_blocks = min_gain_blocks
         self._load_async = load_async
         self._lookups: set[str] = set()  # requests with a lookup started, not answered yet
@@ -77,9 +83,10 @@ class IndexMatcher:
         request_id = request.request_id
         if client is None or request.skip_reading_prefix_cache or request_id in self._pulled:
             return _NONE
+        # Never plan the last token's block: it is recomputed for its logits anyway.
+        num_asked = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
         if request_id not in self._lookups:
-            # Never plan the last token's block: it is recomputed for its logits anyway.
-            hashes = request.block_hashes[: (request.num_tokens - 1) // self._block_size]
+            hashes = request.block_hashes[:num_asked]
             self._stats.add("num_index_lookups")
             client.start_lookup(request_id, hashes,
                                 num_local_blocks=num_computed_tokens // self._block_size,
@@ -92,6 +99,9 @@ class IndexMatcher:
         if result.status in _LOOKUP_FAILURES:
             self._stats.add("num_index_lookup_failures")
         found: RemotePrefix | None = result.prefix
+        if found is not None and not self._well_formed(found, num_asked):
+            self._stats.add("num_index_lookup_failures")
+            return _NONE
         # The local hit may have grown while the lookup was out (another request cached the
         # same blocks): the gain is judged again against what is local now.
         if found is None or (found.num_blocks - num_computed_tokens // self._block_size
@@ -106,6 +116,25 @@ class IndexMatcher:
             num_remote_tokens=found.num_blocks * self._block_size,
             load_async=self._load_async,  # the pull is planned as the engine is told
         ))
+
+    def _well_formed(self, found: RemotePrefix, num_asked: int) -> bool:
+        """False, with a log line (WARNING once per holder, DEBUG after), for an answer that
+        cannot be planned: more blocks than were asked for, or not ``num_blocks`` non-negative
+        block ids for each KV cache group (a corrupt or foreign index entry). Such an answer
+        is a miss: the request is computed here."""
+        ids = found.block_ids
+        if 0 < found.num_blocks <= num_asked and len(ids) == self._num_groups and all(
+                len(group) >= found.num_blocks and min(group[:found.num_blocks]) >= 0
+                for group in ids):
+            return True
+        holder = found.holder.node_id
+        say = logger.debug if holder in self._malformed_from else logger.warning
+        self._malformed_from.add(holder)
+        say("index: an answer naming holder %s cannot be planned (%d blocks of the %d asked "
+            "for, block ids for %d group(s) of %d, lengths %s); computing locally", holder,
+            found.num_blocks, num_asked, len(ids), self._num_groups,
+            [len(group) for group in ids][:4])
+        return False
 
     def pending(self, client: IndexClient | None, request_id: str) -> bool:
         """True while ``request_id``'s lookup is out (``match`` would answer pending): a set

@@ -105,6 +105,7 @@ class KVBridgeScheduler:
         self._load_async = config.load_mode != "sync"
         self._index_matcher = IndexMatcher(
             stats=self.stats, block_size=block_size, load_async=self._load_async,
+            num_groups=num_groups,
             min_gain_blocks=max(config.min_remote_hit_blocks,  # a hit must add this many
                                 cdiv(config.min_remote_hit_tokens, block_size)))
         self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)

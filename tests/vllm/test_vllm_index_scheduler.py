@@ -18,6 +18,7 @@ After every scenario both schedulers are empty and every block is free.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -442,6 +443,48 @@ def test_a_hit_is_judged_again_against_the_local_hit_when_the_answer_comes(pair)
     assert not answered.meta.pulls
     assert answered.scheduled[request.request_id] == 360 - 288  # after the 9 local blocks
     assert connector_of(b)._sched().stats.snapshot()["num_index_hits"] == 0
+    run(b)
+
+
+@pytest.mark.parametrize("answer", ["short", "two_groups", "empty_group", "negative", "too_long"])
+def test_an_answer_that_cannot_be_planned_is_a_miss_counted_and_said(pair, answer, caplog):
+    # A corrupt or foreign index entry: the scheduler computes the request, never crashes.
+    a, b = pair
+    shared = _prompt(45, 320)
+    _cached_on_a(a, shared)
+    index = client_of(b).index
+    real_ids, real_prefix = index.get_block_ids, index.longest_prefix
+
+    def bad_ids(node_id, incarnation, hashes, group_ids=(0,)):
+        ids = real_ids(node_id, incarnation, hashes, group_ids)
+        if ids is None or answer == "too_long":
+            return ids if answer != "too_long" else [list(range(1, len(hashes) + 1))]
+        return {"short": [ids[0][:3]], "two_groups": [ids[0], ids[0]], "empty_group": [[]],
+                "negative": [[-5] * len(ids[0])]}[answer]
+
+    def longer(hashes, group_ids=(0,), **kwargs):  # claims more blocks than were asked for
+        hit = real_prefix(hashes, group_ids, **kwargs)
+        holders = tuple(dataclasses.replace(h, num_blocks=h.num_blocks + 5, block_ids=None)
+                        for h in hit.holders)
+        return hit._replace(num_blocks=hit.num_blocks + 5, holders=holders)
+
+    index.get_block_ids = bad_ids
+    if answer == "too_long":
+        index.longest_prefix = longer
+    try:
+        request = make_request(shared + _prompt(46, 10), max_tokens=1)
+        b.add_request(request)
+        step(b, **ours())
+        wait_lookups(b)
+        answered = step(b, **ours())
+    finally:
+        del index.get_block_ids
+        index.__dict__.pop("longest_prefix", None)
+    assert not answered.meta.pulls
+    assert answered.scheduled[request.request_id] == 330  # computed here
+    stats = connector_of(b)._sched().stats.snapshot()
+    assert stats["num_index_lookup_failures"] == 1 and stats["num_index_hits"] == 0
+    assert "cannot be planned" in caplog.text
     run(b)
 
 
