@@ -43,9 +43,11 @@ snapshot: a full block's KV is written before it is hashed (a schedule hashes on
 its own forward computes, a sync load lands before that forward, an async load's blocks are
 hashed only once it is confirmed), and a block holding its hash is never written again by a
 forward or a pull (a recompute after a load error rewrites the blocks past the bad one with the
-same KV; the bad ones lose their hash in ``update_from_output`` before this ``plan``). A block in
-use is not in the free queue, so no schedule can pop it; if its request frees it and the next
-schedule pops and reuses it before the snapshot, ``drop_reused`` withdraws it as for a cold one.
+same KV; the bad ones lose their hash in ``update_from_output`` before this ``plan``: under
+``recompute`` vLLM keeps it, and the vLLM adapter's ``update_connector_output`` takes it). A
+block in use is not in the free queue, so no schedule can pop it; if its request frees it and
+the next schedule pops and reuses it before the snapshot, ``drop_reused`` withdraws it as for a
+cold one.
 
 Feedback. A planned item is *in flight* (never planned twice) until the worker reports its
 ``OffloadOutcome``: held -> remembered as offloaded (never planned again while remembered); not

@@ -150,6 +150,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
         self._store_events: StoreTierEvents | None = None
         self._follower: VllmPoolFollower | None = None
+        self._block_pool: BlockPool | None = None  # vLLM's, once bound (scheduler side)
         self._scheduler: KVBridgeScheduler | None = None
         self._worker: KVBridgeWorker | None = None
         self._tap: StatsTap | None = None
@@ -200,6 +201,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         Raises:
             KVTransferConfigError: the pool hashes at another granularity than its blocks.
         """
+        self._block_pool = gpu_block_pool
         if self._scheduler is None or not self.config.index_url:
             return
         block_size = self._ours.kv_cache_groups[0].kv_cache_spec.block_size
@@ -284,6 +286,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return _StepOrders(encode_metadata(self._sched().build_connector_meta(scheduler_output)))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Also takes the blocks whose load failed out of vLLM's prefix cache: vLLM caches a
+        sync load's blocks when it allocates them, and under ``recompute`` leaves them cached
+        for the request to rewrite; a request aborted or preempted first would leave KV never
+        written under their hashes, for a local hit or an offload to find. Uncached, the
+        request still recomputes them (they stay uncached: vLLM counts them as cached)."""
+        pool, invalid = self._block_pool, connector_output.invalid_block_ids
+        if pool is not None and invalid:
+            pool.evict_blocks({b for b in invalid if 0 <= b < len(pool.blocks)})
         report = connector_output.kv_connector_worker_meta
         payloads = report.payloads if isinstance(report, _WorkerReport) else []
         metas = [decode_worker_meta(payload) for payload in payloads]

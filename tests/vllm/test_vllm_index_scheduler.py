@@ -33,10 +33,12 @@ from _vllm_sched_builders import (
     connector_of,
     make_request,
     make_scheduler,
+    model_runner_output,
     step,
     worker_report,
 )
 from kvbridge.connector.errors import KVTransferConfigError
+from kvbridge.connector.metadata import decode_metadata
 from kvbridge.connector.vllm.request_view import RequestView
 from kvbridge.kvmanager import BlockStored as KVBridgeBlockStored
 from kvbridge.kvmanager.block_hash import get_block_hash, get_group_id
@@ -486,6 +488,43 @@ def test_an_answer_that_cannot_be_planned_is_a_miss_counted_and_said(pair, answe
     assert stats["num_index_lookup_failures"] == 1 and stats["num_index_hits"] == 0
     assert "cannot be planned" in caplog.text
     run(b)
+
+
+@pytest.mark.parametrize("aborted", [True, False])
+def test_blocks_a_sync_pull_did_not_write_leave_the_prefix_cache_at_once(aborted):
+    # vLLM caches a sync load's blocks when it allocates them and, under recompute, keeps
+    # them cached for the request to rewrite. Aborted first, they would stay cached unwritten:
+    # the same prompt again would take them as a local hit (and offload would copy them).
+    namespace = _namespace()
+    a, b = index_node("a", namespace), index_node("b", namespace, extra={"load_mode": "sync"})
+    shared, tail = _prompt(47, 320), _prompt(48, 20)
+    _cached_on_a(a, shared)
+    request = make_request(shared + tail, max_tokens=2)
+    b.add_request(request)
+    step(b, **ours())
+    wait_lookups(b)
+    output = b.schedule()  # the pull and the step computing the rest, planned together
+    (pull,) = decode_metadata(output.kv_connector_metadata.payload).pulls
+    assert pull.sync
+    unwritten = list(pull.groups[0].local_block_ids)[6:]
+    blocks = b.kv_cache_manager.block_pool.blocks
+    assert all(blocks[i].block_hash is not None for i in unwritten)  # cached at allocation
+    b.update_from_output(output, model_runner_output(
+        output, invalid_block_ids=unwritten, worker_meta=worker_report()))
+    assert all(blocks[i].block_hash is None for i in unwritten)
+    if aborted:
+        b.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    else:  # recomputed from the first block that did not land, then finished
+        assert step(b, **ours()).scheduled == {request.request_id: 340 - 6 * BLOCK_SIZE}
+    run(b)
+    again = make_request(shared + tail, max_tokens=1)
+    steps = run(b, again)
+    # only the 6 blocks that landed are a local hit (the 4 more on A are under the minimum)
+    assert [s.scheduled[again.request_id] for s in steps
+            if again.request_id in s.scheduled] == [340 - 6 * BLOCK_SIZE]
+    for scheduler in (a, b):
+        assert_scheduler_empty(scheduler)
+        connector_of(scheduler).shutdown()
 
 
 def test_a_lookup_past_its_deadline_goes_on_with_the_local_hit_and_is_counted():
