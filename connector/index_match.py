@@ -17,6 +17,7 @@ Owner: the engine thread (the scheduler half's); nothing here is shared.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .metadata import HolderRef
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
 __all__ = ["IndexAnswer", "IndexMatcher"]
 
 logger = logging.getLogger(__name__)
+
+ANSWER_REUSE_S = 1.0
+"""How long a hit handed out for a request whose blocks vLLM could not allocate yet is handed
+out again when the engine asks again, instead of a new lookup (and a step's wait for it) every
+step while the engine's cache is full; the holder re-checks every block when it is pulled."""
 
 _LOOKUP_FAILURES = frozenset({"unavailable", "timed_out", "overloaded"})
 """Lookup statuses that went on without the index's answer (``num_index_lookup_failures``)."""
@@ -68,6 +74,9 @@ class IndexMatcher:
         self._load_async = load_async
         self._lookups: set[str] = set()  # requests with a lookup started, not answered yet
         self._pulled: set[str] = set()  # requests that had their one index pull
+        # A hit handed out and not pulled yet (vLLM could not allocate the request's blocks):
+        # asked again, it is handed out again for ANSWER_REUSE_S instead of a new lookup.
+        self._answered: dict[str, tuple[float, IndexAnswer]] = {}
 
     @property
     def pending_request_ids(self) -> frozenset[str]:
@@ -83,6 +92,10 @@ class IndexMatcher:
         request_id = request.request_id
         if client is None or request.skip_reading_prefix_cache or request_id in self._pulled:
             return _NONE
+        if self._answered:
+            reused = self._reused(request_id, num_computed_tokens)
+            if reused is not None:
+                return reused
         # Never plan the last token's block: it is recomputed for its logits anyway.
         num_asked = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
         if request_id not in self._lookups:
@@ -110,12 +123,29 @@ class IndexMatcher:
         holder = HolderRef(engine_id=found.holder.node_id,
                            incarnation=str(found.holder.incarnation), host=found.address.host,
                            port=found.address.port, tier=found.holder.tier)
-        return IndexAnswer(False, RemoteMatch(
+        answer = IndexAnswer(False, RemoteMatch(
             holder=holder, remote_block_ids=tuple(tuple(ids) for ids in found.block_ids),
             ticket=None, num_local_tokens=num_computed_tokens,
             num_remote_tokens=found.num_blocks * self._block_size,
             load_async=self._load_async,  # the pull is planned as the engine is told
         ))
+        self._answered[request_id] = (time.monotonic(), answer)
+        return answer
+
+    def _reused(self, request_id: str, num_computed_tokens: int) -> IndexAnswer | None:
+        """The hit handed out for ``request_id`` before, while it is younger than
+        ``ANSWER_REUSE_S`` and was planned against the same local hit; else None (and it is
+        dropped)."""
+        answered = self._answered.get(request_id)
+        if answered is None:
+            return None
+        at, answer = answered
+        assert answer.match is not None
+        if (time.monotonic() - at < ANSWER_REUSE_S
+                and answer.match.num_local_tokens == num_computed_tokens):
+            return answer
+        del self._answered[request_id]
+        return None
 
     def _well_formed(self, found: RemotePrefix, num_asked: int) -> bool:
         """False, with a log line (WARNING once per holder, DEBUG after), for an answer that
@@ -146,6 +176,7 @@ class IndexMatcher:
     def note_pull(self, request_id: str) -> None:
         """``request_id``'s index hit is being pulled: it is never looked up again."""
         self._pulled.add(request_id)
+        self._answered.pop(request_id, None)
 
     def forget(self, client: IndexClient | None, request_id: str) -> None:
         """``request_id`` finished (or was aborted): its lookup is cancelled, its state gone."""
@@ -153,3 +184,4 @@ class IndexMatcher:
             client.cancel_lookup(request_id)
         self._lookups.discard(request_id)
         self._pulled.discard(request_id)
+        self._answered.pop(request_id, None)

@@ -497,11 +497,13 @@ def test_a_remote_hit_is_counted_once_when_the_request_waited_many_steps_for_roo
             for output in c.step():
                 if output.request_id == "req-0" and output.finished:
                     tokens = output.token_ids
-        assert num_waiting_steps >= 20  # it was looked up (and matched) on every one of them
+        assert num_waiting_steps >= 20  # it matched on every one of them
         assert tokens == reference_greedy(prompt, MAX_TOKENS, hybrid=False)
         stats = c.scheduler.connector.stats.snapshot()
         # (2) Counted once, when its blocks were allocated: 16 blocks, not 16 per step waited.
-        assert stats["num_index_lookups"] > 10
+        # Its answer is handed out again while it waits (ANSWER_REUSE_S), not looked up again
+        # each step: the hog's lookup, req-0's, and one more per ANSWER_REUSE_S waited at most.
+        assert 2 <= stats["num_index_lookups"] < num_waiting_steps
         assert (stats["num_index_hits"], stats["num_loads"]) == (1, 1)
         assert stats["remote_hit_tokens"] == 16 * BLOCK_SIZE
         assert_node_empty(b)

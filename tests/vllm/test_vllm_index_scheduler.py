@@ -527,6 +527,40 @@ def test_blocks_a_sync_pull_did_not_write_leave_the_prefix_cache_at_once(aborted
         connector_of(scheduler).shutdown()
 
 
+def test_a_hit_vllm_cannot_allocate_yet_is_handed_out_again_not_looked_up_again(pair):
+    # B's cache is full when the answer comes; vLLM asks again at every step until blocks free
+    # up: the answer is reused (one lookup), and the pull, once allocated, is the whole prefix.
+    a, b = pair
+    shared = _prompt(49, 320)
+    _cached_on_a(a, shared)
+    big = make_request(_prompt(50, 1000), max_tokens=14)
+    big2 = make_request(_prompt(51, 800), max_tokens=14)
+    for request in (big, big2):
+        b.add_request(request)
+    for _ in range(10):
+        step(b, **ours())
+        wait_lookups(b)
+        if big.num_computed_tokens >= 1000 and big2.num_computed_tokens >= 800:
+            break
+    stats = connector_of(b)._sched().stats
+    lookups = stats.snapshot()["num_index_lookups"]
+    request = make_request(shared + _prompt(52, 10), max_tokens=1)
+    b.add_request(request)
+    landed, pulled, waited = [], [], 0
+    for _ in range(40):
+        if not b.requests:
+            break
+        done = step(b, **ours(finished_recving=landed))
+        landed = [pull.request_id for pull in done.meta.pulls]
+        pulled += done.meta.pulls
+        waited += not pulled and request.request_id not in done.scheduled
+        wait_lookups(b)
+    assert not b.requests
+    assert waited > 2  # the cache was full for several steps after the answer
+    assert [pull.num_external_tokens for pull in pulled] == [320]
+    assert stats.snapshot()["num_index_lookups"] - lookups == 1
+
+
 def test_a_lookup_past_its_deadline_goes_on_with_the_local_hit_and_is_counted():
     namespace = _namespace()
     a = index_node("a", namespace)
