@@ -27,7 +27,8 @@ def _rows(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dim() == 1:
         tensor = tensor.unsqueeze(1)
     elif tensor.dim() > 2:
-        tensor = tensor.flatten(1)  # a view: each row is contiguous
+        tensor = tensor.view(tensor.shape[0], -1)  # raises rather than copy (a copy would
+        # take the writes) where a row's bytes are not contiguous
     rows = tensor.view(torch.uint8).numpy()
     return rows.view(np.dtype((np.void, rows.shape[1]))).reshape(rows.shape[0])
 

@@ -97,3 +97,10 @@ def test_on_cpu_none_of_torch_s_copy_ops_runs(monkeypatch):
     monkeypatch.undo()
     assert _same_bits(dst[:2], src[ids])  # (random bits: NaNs too, so bits, not values)
     assert _same_bits(dst[3:5], src[1:3])
+
+
+def test_rows_whose_bytes_are_not_contiguous_raise_instead_of_copying_into_a_temporary():
+    blocks = _blocks(4, torch.float32, seed=9)
+    every_other = blocks[:, :, ::2]  # a row's bytes are not one run: writes would be lost
+    with pytest.raises(RuntimeError):
+        copy_rows(every_other, torch.zeros_like(every_other))
