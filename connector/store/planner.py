@@ -250,7 +250,13 @@ class OffloadPlanner:
             if block_pool.get_block(block_id).block_hash == key:  # not evicted since
                 self._consider(key, block_id, block_pool, picked)
         if picked.room:
+            # Once the store holds most of the cold blocks, this scan meets them again every
+            # step: they are passed over with three dict reads, not a chain walk each.
+            in_flight, written, recent = self._in_flight, self._written_this_stay, \
+                self._recent_writes
             for block_id, key in block_pool.iter_cold_cached_blocks(self.scan_blocks):
+                if key in written or key in recent or key in in_flight:
+                    continue
                 self._consider(key, block_id, block_pool, picked)
                 if not picked.room:
                     break

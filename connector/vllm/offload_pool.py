@@ -71,13 +71,16 @@ class VllmOffloadPool:
         return self._walk(max_scan)
 
     def _walk(self, max_scan: int) -> Iterator[ColdCachedBlock]:
+        # Up to ``offload_scan_blocks`` nodes every step: the tuple is built in C (a NamedTuple's
+        # own ``__new__`` is a Python call per cold block).
         queue = self._pool.free_block_queue
         tail = queue.fake_free_list_tail
         block = queue.fake_free_list_head.next_free_block
+        make = tuple.__new__
         for _ in range(max_scan):
             if block is None or block is tail:
                 return
             key = block.block_hash
             if key is not None and block.ref_cnt == 0 and not block.is_null:
-                yield ColdCachedBlock(block.block_id, key)
+                yield make(ColdCachedBlock, (block.block_id, key))
             block = block.next_free_block
