@@ -137,7 +137,7 @@ class KVBridgeScheduler:
         self._block_pool = block_pool
         self._pool_batches = PoolBatches(take_events, settle)
         if self.index_client is not None:
-            self.index_client.set_resync_source(block_pool.snapshot_cached_blocks)
+            self.index_client.resync_from(block_pool)
 
     # ------------------------------------------------------------------ admission
     def ticket_for(
@@ -398,7 +398,7 @@ class KVBridgeScheduler:
             hit_rule=self._hit_rule,
         )
         if self._block_pool is not None:
-            client.set_resync_source(self._block_pool.snapshot_cached_blocks)
+            client.resync_from(self._block_pool)
         client.start(worker.host, worker.port)
         self.index_client = client
 

@@ -624,6 +624,42 @@ def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
         client.close()
 
 
+def test_a_pool_that_builds_its_own_resync_batch_gives_it_and_the_client_keeps_no_parents():
+    # vLLM's pool follower files every block's parent itself (PrefixCacheMirror.resync_events):
+    # the client resyncs from that batch and keeps no parent table of its own, which every
+    # publish fed before (a Python loop per block on the engine thread, after each step).
+    index = _ScriptedIndex()
+    made: list[int] = []
+
+    class Pool:
+        def resync_events(self) -> list:
+            made.append(1)
+            return [AllBlocksCleared(medium=None), _stored(1, 1), _stored(2, 2, parent=1)]
+
+        def snapshot_cached_blocks(self) -> list:
+            raise AssertionError("a pool that builds its resync batch is not read otherwise")
+
+    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
+                         group_ids=(0,), ttl_s=0.3)
+    client.resync_from(Pool())
+    client.start("127.0.0.1", 1)
+    try:
+        index.fail_next = True  # the first publish is lost: resync mode
+        client.publish([_stored(1, 1), _stored(2, 2, parent=1)])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+            made and not client.resync_pending and client.flush(5)
+        ):
+            client.publish([])  # an engine step: the resync's batch is made here when asked
+            time.sleep(0.01)
+        assert made and not client.resync_pending
+        assert _keys(index, "A") == {(0, _hash(i)[:8], i) for i in (1, 2)}
+        assert index.longest_prefix([_hash(1), _hash(2)]).num_blocks == 2  # parents kept
+        assert len(client._parents) == 0
+    finally:
+        client.close()
+
+
 def test_a_resync_larger_than_the_queue_lands_while_the_engine_keeps_publishing():
     # 16,000 cached blocks against a queue bound of 8,192 ops, and a step every 5 ms caching
     # one more block. The resync's queued batches once counted against the bound, so each

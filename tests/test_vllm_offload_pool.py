@@ -73,7 +73,7 @@ def _stored(hashed: dict[int, int]) -> list[BlockStored]:
 
 
 def _view(pool: _Pool) -> VllmOffloadPool:
-    return VllmOffloadPool(pool, lambda: [])
+    return VllmOffloadPool(pool, lambda: [], lambda: [])
 
 
 def test_only_cached_free_blocks_within_the_scan_of_the_queue_head_are_cold():

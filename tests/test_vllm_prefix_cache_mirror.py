@@ -209,6 +209,24 @@ def test_record_parents_ranges(pool, start, stop, expected):
     assert pool.take() == [_stored(h, h, parent) for h, parent in expected]
 
 
+def test_a_resync_names_every_block_held_with_its_parent_parents_first(pool):
+    # The index client's resync batch comes from the mirror (no parent table of its own): the
+    # clear, then one store per block held, each block after its parent.
+    _cache_request(pool, [10, 11, 12], [5, 6, 7])
+    _cache_request(pool, [10, 11, 12, 13], [5, 6, 7, 9], start=3)
+    _cache_request(pool, [10, 11], [1, 2], group_id=1)
+    pool.take()
+    pool.pop(_key(11), 6)  # a middle block evicted: its child keeps its parent
+    _cache_request(pool, [20, 21], [6, 3])
+    pool.mirror.take_step(pool.holds, pool.block_of)  # the step's batch (build_connector_meta)
+    assert _per_block(pool.mirror.resync_events()) == [
+        ("C",), _stored(10, 5, None), _stored(10, 1, None, 1), _stored(20, 6, None),
+        _stored(11, 2, 10, 1), _stored(21, 3, 20), _stored(12, 7, 11), _stored(13, 9, 12)]
+    # the resync describes the batches taken (as a publish does): later records come after it
+    pool.pop(_key(21), 3)
+    assert pool.take() == [_removed(21, 3)]
+
+
 def test_a_key_lost_without_a_recorded_pop_is_removed(pool):
     _cache_request(pool, [10], [5])
     pool.take()
@@ -572,6 +590,17 @@ def test_random_interleavings_keep_the_index_exact_and_the_holder_safe(seed):
                 pool.pop(key_of_block.pop(block_id), block_id)
         while untaken and rng.random() < 0.6:
             publish()
+        if rng.random() < 0.1:  # the index lost everything: a resync in place of the publishes
+            untaken.clear()
+            index.clear()
+            resync = _per_block(mirror.resync_events())
+            assert resync[0] == ("C",)
+            for fact in resync[1:]:  # every block with its true parent, parents first
+                key = make_block_hash_with_group_id(fact[1], fact[4])
+                assert fact[0] == "S" and key not in index and fact[3] == _true_parent(fact[1])
+                assert fact[3] is None or not any(
+                    later[1] == fact[3] for later in resync[resync.index(fact):])
+                index[key] = fact[2]
         if rng.random() < 0.2:
             mirror.settle()
     untaken.append(_take_step(pool))

@@ -256,6 +256,16 @@ class IndexClient:
         self._make_resync_events = make_events
         self._worker.can_resync = True
 
+    def resync_from(self, pool: Any) -> None:
+        """``set_resync_events(pool.resync_events)`` when the pool builds its own resync batch
+        (vLLM's, whose mirror files every block's parent), else
+        ``set_resync_source(pool.snapshot_cached_blocks)``."""
+        make_events = getattr(pool, "resync_events", None)
+        if make_events is not None:
+            self.set_resync_events(make_events)
+        else:
+            self.set_resync_source(pool.snapshot_cached_blocks)
+
     def publish(self, events: Iterable[Any]) -> None:
         """Queue a batch of ``BlockPool`` events for the index and return at once; the worker
         applies batches in the order they were queued. A batch offered while the queue is full

@@ -6,18 +6,20 @@ the index is wrong about the node until it re-publishes everything it holds. The
 is each hash's parent, which the Redis backend needs to keep its runs from block 0. A block's
 parent hash never changes (a hash names its whole prefix), so ``ParentMirror`` learns it from
 the node's ``BlockStored`` events and forgets it when the last block holding the hash is gone.
+A pool that knows its blocks' parents itself (vLLM's, through ``PrefixCacheMirror``) builds
+the batch with ``resync_events`` and needs no ``ParentMirror``.
 
 Owner: the caller thread of ``IndexClient.publish`` (the engine thread); nothing here is shared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlock
 
-__all__ = ["ParentMirror"]
+__all__ = ["ParentMirror", "resync_events"]
 
 
 class ParentMirror:
@@ -53,43 +55,60 @@ class ParentMirror:
                 table.clear()
 
     def resync_events(self, cached: Sequence[CachedBlock], block_size: int) -> list[Any]:
-        """The events that make an index say exactly ``cached``: ``AllBlocksCleared``, then
-        one ``BlockStored`` per entry, parents before children (the Redis backend extends a
-        run only from a parent it already holds). An entry whose parent is unknown (never seen
-        stored) is published without one; a lookup can then meet it only at block 0, where no
-        other block's hash appears, so it costs a miss, never a wrong hit."""
+        """``resync_events`` (the module function) with the parents and media observed."""
         table = self._hash_to_parent
-        depth: dict[bytes, int] = {}
 
-        def depth_of(block_hash: bytes) -> int:
-            chain: list[bytes] = []
-            node: bytes | None = block_hash
-            while node is not None and node not in depth:
-                chain.append(node)
-                known = table.get(node)
-                node = None if known is None else known[0]
-                if len(chain) > len(table) + 1:
-                    break  # a cycle cannot happen for real hashes; never loop on one
-            base = -1 if node is None or node not in depth else depth[node]
-            for i, h in enumerate(reversed(chain)):
-                depth[h] = base + 1 + i
-            return depth[block_hash]
+        def parent_of(block_hash: bytes) -> bytes | None:
+            known = table.get(block_hash)
+            return None if known is None else known[0]
 
-        ordered = sorted(cached, key=lambda entry: depth_of(entry.block_hash))
-        events: list[Any] = [AllBlocksCleared(medium=None)]
-        for entry in ordered:
-            known = table.get(entry.block_hash)
-            parent, medium = (None, None) if known is None else (known[0], known[1])
-            events.append(
-                BlockStored(
-                    block_hashes=[entry.block_hash],
-                    parent_block_hash=parent,
-                    token_ids=[],
-                    block_size=block_size,
-                    lora_name=None,
-                    medium=medium,
-                    group_id=entry.group_id,
-                    block_ids=[entry.block_id],
-                )
+        def medium_of(block_hash: bytes) -> str | None:
+            known = table.get(block_hash)
+            return None if known is None else known[1]
+
+        return resync_events(cached, parent_of, block_size, medium_of=medium_of,
+                             max_chain=len(table) + 1)
+
+
+def resync_events(cached: Sequence[CachedBlock], parent_of: Callable[[bytes], bytes | None],
+                  block_size: int, *, medium_of: Callable[[bytes], str | None] | None = None,
+                  max_chain: int) -> list[Any]:
+    """The events that make an index say exactly ``cached``: ``AllBlocksCleared``, then one
+    ``BlockStored`` per entry, parents before children (the Redis backend extends a run only
+    from a parent it already holds). ``parent_of(block_hash)`` is the hash's parent, None when
+    unknown (or block 0); an entry whose parent is unknown is published without one: a lookup
+    can then meet it only at block 0, where no other block's hash appears, so it costs a miss,
+    never a wrong hit. ``medium_of`` names an entry's medium (None: the device tier); a chain
+    of parents longer than ``max_chain`` (a cycle, impossible for real hashes) is cut there.
+    Caller's thread; nothing is kept."""
+    depth: dict[bytes, int] = {}
+
+    def depth_of(block_hash: bytes) -> int:
+        chain: list[bytes] = []
+        node: bytes | None = block_hash
+        while node is not None and node not in depth:
+            chain.append(node)
+            node = parent_of(node)
+            if len(chain) > max_chain:
+                break  # never loop on a cycle
+        base = -1 if node is None or node not in depth else depth[node]
+        for i, h in enumerate(reversed(chain)):
+            depth[h] = base + 1 + i
+        return depth[block_hash]
+
+    ordered = sorted(cached, key=lambda entry: depth_of(entry.block_hash))
+    events: list[Any] = [AllBlocksCleared(medium=None)]
+    for entry in ordered:
+        events.append(
+            BlockStored(
+                block_hashes=[entry.block_hash],
+                parent_block_hash=parent_of(entry.block_hash),
+                token_ids=[],
+                block_size=block_size,
+                lora_name=None,
+                medium=None if medium_of is None else medium_of(entry.block_hash),
+                group_id=entry.group_id,
+                block_ids=[entry.block_id],
             )
-        return events
+        )
+    return events

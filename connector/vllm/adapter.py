@@ -207,7 +207,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = self._ours.kv_cache_groups[0].kv_cache_spec.block_size
         self._follower = VllmPoolFollower(gpu_block_pool, block_size=block_size)
         # With offload "evict" the planner reads the cold end of vLLM's free queue through it.
-        pool = VllmOffloadPool(gpu_block_pool, self._follower.snapshot_cached_blocks)
+        pool = VllmOffloadPool(gpu_block_pool, self._follower.snapshot_cached_blocks,
+                               self._follower.resync_events)
         self._scheduler.bind_block_pool(pool, self._follower.take_changes,  # type: ignore[arg-type]
                                         self._follower.settle)
         planner = self._scheduler.offload_planner

@@ -1,8 +1,9 @@
 """The offload planner's view of vLLM's ``BlockPool`` (offload on eviction, issue 31 part 4).
 
 kvbridge's ``OffloadPlanner`` (``connector/store/planner.py``) reads a block pool through five
-names: ``num_gpu_blocks``, ``iter_cold_cached_blocks``, ``get_block``, ``get_cached_block`` and,
-for the index client's resyncs, ``snapshot_cached_blocks``. ``VllmOffloadPool`` gives them over
+names: ``num_gpu_blocks``, ``iter_cold_cached_blocks``, ``get_block``, ``get_cached_block`` and
+``snapshot_cached_blocks``; the scheduler half gives the index client its ``resync_events``.
+``VllmOffloadPool`` gives them over
 vLLM 0.32's pool (vllm/v1/core/block_pool.py) without changing it:
 
 - ``iter_cold_cached_blocks(max_scan)`` walks vLLM's ``free_block_queue`` from its head (the
@@ -16,7 +17,8 @@ vLLM 0.32's pool (vllm/v1/core/block_pool.py) without changing it:
 - ``get_block`` / ``get_cached_block`` / ``num_gpu_blocks`` are the pool's own, so the planner's
   fence (``OffloadPlanner.drop_reused``: a planned block that no longer holds its hash when the
   step's orders are built is withdrawn, never copied) reads what vLLM's scheduler just did;
-- ``snapshot_cached_blocks`` is the pool follower's (``pool_follower.py``).
+- ``snapshot_cached_blocks`` and ``resync_events`` are the pool follower's
+  (``pool_follower.py``).
 
 Owner: the engine thread (vLLM's scheduler); reads only, nothing here is shared. The pool must
 not change while an ``iter_cold_cached_blocks`` iterator is in use (the planner exhausts or
@@ -40,12 +42,15 @@ class VllmOffloadPool:
         pool: vLLM's ``BlockPool`` (``bind_gpu_block_pool``): read through ``blocks``,
             ``free_block_queue`` (``fake_free_list_head`` / ``fake_free_list_tail``,
             ``next_free_block``), ``get_cached_block`` and ``num_gpu_blocks``.
-        snapshot_cached_blocks: the resync source (``VllmPoolFollower.snapshot_cached_blocks``).
+        snapshot_cached_blocks: the cached set (``VllmPoolFollower.snapshot_cached_blocks``).
+        resync_events: the index client's resync batch, parents included
+            (``VllmPoolFollower.resync_events``; ``IndexClient.set_resync_events``).
     """
 
-    def __init__(self, pool: Any, snapshot_cached_blocks: Any) -> None:
+    def __init__(self, pool: Any, snapshot_cached_blocks: Any, resync_events: Any) -> None:
         self._pool = pool
         self.snapshot_cached_blocks = snapshot_cached_blocks
+        self.resync_events = resync_events
 
     @property
     def num_gpu_blocks(self) -> int:

@@ -168,6 +168,11 @@ class VllmPoolFollower:
         (``PrefixCacheMirror.settle``). Engine thread."""
         self.mirror.settle()
 
+    def resync_events(self) -> list[Any]:
+        """The index client's resync batch (``PrefixCacheMirror.resync_events``). Engine
+        thread."""
+        return self.mirror.resync_events()
+
     def snapshot_cached_blocks(self) -> list[Any]:
         """The cached set the events taken so far describe (``kvmanager.CachedBlock`` list;
         the index client's resync source). Engine thread."""

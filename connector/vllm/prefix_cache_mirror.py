@@ -55,6 +55,7 @@ from kvbridge.kvmanager.block_hash import (
     make_block_hash_with_group_id,
 )
 
+from ..index.resync import resync_events
 from .pool_changes import PoolChanges, StepBatch, StepJournal
 
 __all__ = ["PrefixCacheMirror"]
@@ -332,6 +333,16 @@ class PrefixCacheMirror:
         changes.removed_keys += removals
         changes.removed_block_ids += removals.values()
         return dict(pops)
+
+    def resync_events(self) -> list[Any]:
+        """The events that make an index say exactly what ``snapshot_cached_blocks`` says, each
+        block with the parent filed for its key (``index.resync.resync_events``: the index
+        client's resync, ``IndexClient.set_resync_events``; so the client keeps no parent table
+        of its own). Engine thread, after a step."""
+        cached = self.snapshot_cached_blocks()
+        self._settle_parents()
+        parents = {get_block_hash(key): parent for key, parent in self._parent_of_key.items()}
+        return resync_events(cached, parents.get, self.block_size, max_chain=len(parents) + 1)
 
     def snapshot_cached_blocks(self) -> list[CachedBlock]:
         """Every key reported as held and its block: the state the batches taken so far

@@ -46,7 +46,7 @@ def _cache(pool: BlockPool, hashes: list[int]):
 def _setup(num_blocks: int, **planner_kw):
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE)
     follower = VllmPoolFollower(pool, block_size=BLOCK_SIZE)
-    view = VllmOffloadPool(pool, follower.snapshot_cached_blocks)
+    view = VllmOffloadPool(pool, follower.snapshot_cached_blocks, follower.resync_events)
     planner = OffloadPlanner(policy="evict", **planner_kw)
     return pool, follower, view, planner
 
