@@ -1,7 +1,9 @@
 """bench_vllm_prefix's scheduler row: vLLM's own ``Scheduler.schedule()`` time on a burst of
 requests nobody holds, with kvbridge's block index on (``index_url`` to a Redis without
-entries), with no connector at all (``off``), and with kvbridge's connector without an index
-(``connector``: what the connector costs a step before any lookup).
+entries), with no connector at all (``off``), with kvbridge's connector without an index
+(``connector``: what the connector costs a step before any lookup), and with a connector that
+does nothing (``null``, ``_null_connector.py``: what vLLM's own connector calls cost a step,
+the floor of any connector; ``sched_null_over_off``).
 
 Each side is one child process running a ``vllm.LLM`` in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler is reachable at
@@ -35,16 +37,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_sched_row", "sched_child"]
+__all__ = ["SIDES", "run_sched_row", "sched_child"]
+
+SIDES = ("off", "null", "connector", "index")  # run in this order
 
 
 def sched_child(args: argparse.Namespace) -> None:
     """The child: ``args.side`` is ``"index"`` (kvbridge, ``index_url``), ``"connector"``
-    (kvbridge, no index) or ``"off"``."""
+    (kvbridge, no index), ``"null"`` (``_null_connector``) or ``"off"``."""
     from vllm import LLM, SamplingParams
 
     transfer = None
-    if args.side != "off":
+    if args.side == "null":
+        transfer = {"kv_connector": "NullConnector", "kv_connector_module_path":
+                    "_null_connector", "kv_role": "kv_both"}
+    elif args.side != "off":
         extra = {"index_url": args.redis_url} if args.side == "index" else {}
         transfer = {"kv_connector": "KVBridgeConnector",
                     "kv_connector_module_path": "kvbridge.connector.vllm",
@@ -97,7 +104,7 @@ def sched_child(args: argparse.Namespace) -> None:
                        "first_step_s": times[0][0], "first_step_meta_s": times[0][2],
                        "wait_steps": len(waiting), "wait_s": sum(waiting), "wall_s": wall})
     stats = None
-    if transfer is not None:
+    if args.side in ("index", "connector"):
         stats = scheduler.connector.stats.snapshot()
     Path(args.out).write_text(json.dumps({"bursts": bursts[1:], "stats": stats}))
 
@@ -115,34 +122,55 @@ def _spawn(args: argparse.Namespace, side: str, model_path: str, redis_url: str,
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _run_side(args: argparse.Namespace, side: str, model_path: str, redis_url: str,
+              out: Path, script: str) -> dict[str, Any]:
+    """One child's ``{"bursts": [...], "stats": ...}``; raises RuntimeError when it fails."""
+    proc = _spawn(args, side, model_path, redis_url, out, script)
+    try:
+        rc = proc.wait(timeout=args.case_timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise RuntimeError(f"scheduler row ({side}) timed out; log in {out}") from None
+    if rc != 0:
+        raise RuntimeError(f"scheduler row ({side}) failed (rc {rc}); log in "
+                           f"{out / f'sched-{side}.log'}")
+    return json.loads((out / f"sched-{side}.json").read_text())
+
+
 def run_sched_row(args: argparse.Namespace, model_path: str, redis_url: str, out: Path,
                   script: str) -> dict[str, Any]:
-    """The three sides, one after the other (never at once: they would share the cores);
-    returns ``{"index": {...}, "connector": {...}, "off": {...}}`` (each side's medians over
-    its bursts) and the ratios ``sched_index_over_off`` (the target),
-    ``sched_index_over_connector``, ``first_step_index_over_off`` and ``wall_index_over_off``."""
+    """The four sides, one after the other (never at once: they would share the cores), in
+    ``SIDES`` order and then in reverse, ``--sched-repeats`` times in all (each run a fresh
+    child: the order's drift falls on every side alike); returns ``{"index": {...},
+    "connector": {...}, "null": {...}, "off": {...}}`` (each side's medians over all its
+    bursts, ``step_s_by_repeat`` the working step's median in each run) and the ratios
+    ``sched_index_over_off`` (the target), ``sched_index_over_connector``,
+    ``sched_null_over_off``, ``sched_index_over_null``, ``first_step_index_over_off`` and
+    ``wall_index_over_off``."""
+    bursts: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    by_repeat: dict[str, list[float]] = {side: [] for side in SIDES}
+    lookups: dict[str, list[int]] = {side: [0, 0] for side in SIDES}
+    for repeat in range(args.sched_repeats):
+        for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+            result = _run_side(args, side, model_path, redis_url, out, script)
+            bursts[side] += result["bursts"]
+            by_repeat[side].append(statistics.median(b["step_s"] for b in result["bursts"]))
+            if result["stats"] is not None:
+                lookups[side][0] += result["stats"].get("num_index_lookups", 0)
+                lookups[side][1] += result["stats"].get("num_index_hits", 0)
     row: dict[str, Any] = {}
-    for side in ("off", "connector", "index"):
-        proc = _spawn(args, side, model_path, redis_url, out, script)
-        try:
-            rc = proc.wait(timeout=args.case_timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise RuntimeError(f"scheduler row ({side}) timed out; log in {out}") from None
-        if rc != 0:
-            raise RuntimeError(f"scheduler row ({side}) failed (rc {rc}); log in "
-                               f"{out / f'sched-{side}.log'}")
-        result = json.loads((out / f"sched-{side}.json").read_text())
-        bursts = result["bursts"]
-        row[side] = {key: statistics.median(b[key] for b in bursts) for key in bursts[0]}
-        if result["stats"] is not None:
-            stats = result["stats"]
-            row[side]["index_lookups"] = stats.get("num_index_lookups")
-            row[side]["index_hits"] = stats.get("num_index_hits")
+    for side in SIDES:
+        row[side] = {key: statistics.median(b[key] for b in bursts[side])
+                     for key in bursts[side][0]}
+        row[side]["step_s_by_repeat"] = by_repeat[side]
+        if side in ("index", "connector"):
+            row[side]["index_lookups"], row[side]["index_hits"] = lookups[side]
     row["sched_index_over_off"] = round(row["index"]["step_s"] / row["off"]["step_s"], 3)
     row["first_step_index_over_off"] = round(
         row["index"]["first_step_s"] / row["off"]["first_step_s"], 3)
     row["sched_index_over_connector"] = round(
         row["index"]["step_s"] / row["connector"]["step_s"], 3)
+    row["sched_null_over_off"] = round(row["null"]["step_s"] / row["off"]["step_s"], 3)
+    row["sched_index_over_null"] = round(row["index"]["step_s"] / row["null"]["step_s"], 3)
     row["wall_index_over_off"] = round(row["index"]["wall_s"] / row["off"]["wall_s"], 3)
     return row

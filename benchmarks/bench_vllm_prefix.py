@@ -29,16 +29,21 @@ tiny Llama). Rows:
 - ``cross_spawned`` (never by default: run within ``lmcache``, or named alone): the ``cross``
   hit on two engines started as LMCache's are (``spawned_engine``, kvbridge's connector with
   ``index_url``, the vLLM venv's python): A serves the first round's prefixes, B gets each
-  with its first suffix. A spawned engine has no connector ``stats``; B's pulls are counted
-  from ``num_cached_tokens`` (a fresh B covers a prefix only with blocks pulled from A) and
-  vLLM's ``prompt_tokens_cached_by_source`` counter (source ``p2p``, read in B's frontend).
+  with its first suffix, then again with its second (``local_spawned``: B's own prefix
+  cache, the floor no cross-instance hit beats, so ``lmcache_row_floor`` = ``local_spawned`` /
+  ``lmcache`` is the best ``cross_over_lmcache`` any connector can reach on this host; LMCache's
+  B does the same, ``lmcache_local``). A spawned engine has no connector ``stats``; B's pulls
+  are counted from ``num_cached_tokens`` (a fresh B covers a prefix only with blocks pulled
+  from A) and vLLM's ``prompt_tokens_cached_by_source`` counter (source ``p2p``, read in B's
+  frontend).
 - ``restore``: an engine with ``store_url`` and ``offload: "evict"`` serves the prompts, then
   others until they are evicted (copied to the store on their way out); B gets them with a
   suffix and restores from the store. Run only when the connector accepts ``store_url`` (an
   engine is started with it: its refusal is the reason printed otherwise).
 - ``sched``: vLLM's own ``Scheduler.schedule()`` time on bursts of ``--sched-requests`` fresh
   prompts, index on (Redis without entries) / no connector, and / kvbridge's connector
-  without an index (``_prefix_sched.py``).
+  without an index, and / a connector that does nothing (vLLM's own cost of a connector:
+  ``sched_null_over_off``; ``_prefix_sched.py``).
 - ``replay`` (``--replay N``, default off: the costly row): the first N requests of a
   Mooncake trace over three engines, round robin, small KV caches (``_prefix_replay.py``).
 
@@ -70,12 +75,13 @@ from _prefix_engines import (
     store_refusal,
 )
 from _prefix_replay import run_replay
-from _prefix_sched import run_sched_row, sched_child
+from _prefix_sched import SIDES, run_sched_row, sched_child
 from _report import add_markdown_option, finish
 from bench_vllm_pd import _model
 
 ROWS = ("cross", "lmcache", "restore", "sched")  # the default rows
 SPAWNED = "cross_spawned"  # runs within lmcache, or when named (a test without LMCache)
+LOCAL_SPAWNED = "local_spawned"  # B's own prefix cache, after cross_spawned's hits
 P2P = "vllm:prompt_tokens_cached_by_source:p2p"  # tokens vLLM took from another engine
 TARGETS = {"cross_over_recompute": 0.25, "cross_over_local": 2.0, "cross_over_lmcache": 0.5,
            "restore_over_recompute": 0.3, "sched_index_over_off": 1.05,
@@ -130,6 +136,7 @@ def spawned_cross(args, model: str, redis_url: str, logs: Path, tally: Tally,
             tally.add(SPAWNED, i, out, reference[0, i, 1])
             pulled += out["num_cached_tokens"] >= len(prompts.prefixes[i]) // BLOCK * BLOCK
         p2p += b.metrics().get(P2P, 0.0)
+        serve_local_hits(b, LOCAL_SPAWNED, args, tally, prompts, reference)
     finally:
         for node in (a, b):
             node.stop()
@@ -137,6 +144,16 @@ def spawned_cross(args, model: str, redis_url: str, logs: Path, tally: Tally,
         print(f"!!! spawned B covered {pulled} of {len(prompts.first)} prefixes: the "
               f"{SPAWNED} figure is not a cross-instance hit", flush=True)
     return {"b_spawned_pulled_prompts": pulled, "b_spawned_p2p_tokens": int(p2p)}
+
+
+def serve_local_hits(b, case: str, args, tally: Tally, prompts: Prompts,
+                     reference: dict) -> None:
+    """B (spawned, its cross-instance hits served) gets each prefix again with the second
+    suffix: a hit in B's own prefix cache, the floor of a cross-instance hit on engines
+    started alike (no transfer beats it), into ``tally`` as ``case``."""
+    for i, prompt in enumerate(prompts.second):
+        (out,) = b.generate([request(prompt, args.max_tokens)])
+        tally.add(case, i, out, reference[0, i, 2])
 
 
 def lmcache_row(args, model: str, redis_url: str, logs: Path, tally: Tally, prompts: Prompts,
@@ -162,6 +179,7 @@ def lmcache_row(args, model: str, redis_url: str, logs: Path, tally: Tally, prom
         for i, prompt in enumerate(prompts.first):
             (out,) = b.generate([request(prompt, args.max_tokens)])
             tally.add("lmcache", i, out, reference[0, i, 1])
+        serve_local_hits(b, "lmcache_local", args, tally, prompts, reference)
     finally:
         for node in (a, b):
             node.stop()
@@ -224,6 +242,10 @@ def ratios(ttft: dict[str, float]) -> dict[str, float | None]:
         "cross_over_recompute": _ratio(ttft.get("cross"), ttft.get("recompute")),
         "cross_over_local": _ratio(ttft.get("cross"), ttft.get("local")),
         "cross_over_lmcache": _ratio(ttft.get(SPAWNED), ttft.get("lmcache")),
+        # The best cross_over_lmcache any connector reaches here: its engine's own local hit.
+        "lmcache_row_floor": _ratio(ttft.get(LOCAL_SPAWNED), ttft.get("lmcache")),
+        "cross_spawned_over_local_spawned": _ratio(ttft.get(SPAWNED), ttft.get(LOCAL_SPAWNED)),
+        "lmcache_over_lmcache_local": _ratio(ttft.get("lmcache"), ttft.get("lmcache_local")),
         "cross_inproc_over_lmcache": _ratio(ttft.get("cross"), ttft.get("lmcache")),
         "lmcache_over_recompute": _ratio(ttft.get("lmcache"), ttft.get("recompute")),
         "restore_over_recompute": _ratio(ttft.get("restore"), ttft.get("restore_recompute")),
@@ -258,6 +280,8 @@ def parse_args() -> argparse.Namespace:
     # small4: 6 bursts and the warm-up fill 7,616 of the 8,192 blocks 1 GiB holds (no eviction)
     parser.add_argument("--sched-bursts", type=int, default=6)
     parser.add_argument("--sched-kv-bytes", type=int, default=1 << 30)
+    parser.add_argument("--sched-repeats", type=int, default=2,
+                        help="runs of every side, alternating the order (medians over all)")
     parser.add_argument("--replay", type=int, default=0, metavar="N",
                         help="replay the trace's first N requests (0: skip the row)")
     parser.add_argument("--trace", default="/work/shared/traces/conversation_trace.jsonl")
@@ -279,6 +303,7 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.model, args.prompts, args.tokens, args.rounds = "tiny", 2, 512, 1
         args.sched_requests, args.sched_tokens, args.sched_bursts = 8, 320, 1
+        args.sched_repeats = 1
         args.kv_bytes, args.store_bytes = 64 << 20, 64 << 20
         args.replay_store_bytes = 64 << 20
     args.max_model_len = -(-(args.tokens + args.suffix + args.max_tokens) // 32) * 32 + 32
@@ -368,15 +393,16 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
               f"{'side':9s} {'working step ms':>15s} {'steps':>6s} {'first step ms':>14s} "
               f"{'of it meta ms':>13s} {'wait steps':>10s} {'wait ms':>8s} "
               f"{'burst wall ms':>14s}")
-        for side in ("index", "connector", "off"):
+        for side in reversed(SIDES):
             row = sched[side]
             print(f"{side:9s} {row['step_s'] * 1e3:15.3f} {row['steps']:6.0f} "
                   f"{row['first_step_s'] * 1e3:14.3f} {row['first_step_meta_s'] * 1e3:13.3f} "
                   f"{row['wait_steps']:10.0f} {row['wait_s'] * 1e3:8.2f} "
                   f"{row['wall_s'] * 1e3:14.1f}", flush=True)
-        report["sched"] = {side: sched[side] for side in ("index", "connector", "off")}
-        for key in ("sched_index_over_off", "sched_index_over_connector",
-                    "first_step_index_over_off", "wall_index_over_off"):
+        report["sched"] = {side: sched[side] for side in SIDES}
+        for key in ("sched_index_over_off", "sched_index_over_connector", "sched_null_over_off",
+                    "sched_index_over_null", "first_step_index_over_off",
+                    "wall_index_over_off"):
             report[key] = sched[key]
     if args.replay:
         flush_index(redis_url)

@@ -56,6 +56,8 @@ def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports
     assert report["sched"]["index"]["index_lookups"] > 0  # the index was asked, nobody held
     assert report["sched"]["index"]["index_hits"] == 0
     assert report["sched_index_over_off"] > 0
+    assert report["sched_null_over_off"] > 0 and report["sched_index_over_null"] > 0
+    assert report["ttft_p50_s"]["local_spawned"] > 0  # cross_spawned's B, its own cache
     # the first step's connector part is inside that step; no connector, no such part
     index, off = report["sched"]["index"], report["sched"]["off"]
     assert 0 < index["first_step_meta_s"] < index["first_step_s"]
@@ -131,7 +133,7 @@ def test_the_lmcache_row_starts_kvbridge_s_engines_as_lmcache_s_on_the_same_prom
     args = type("Args", (), {"lmcache_python": None, "kv_bytes": 1 << 20, "max_model_len": 256,
                              "max_tokens": 1})()
     prompts = Prompts("t", 2, 64, 8)
-    reference = {(0, i, 1): [7] for i in range(3)}
+    reference = {(0, i, which): [7] for i in range(3) for which in (1, 2)}
     tally = Tally()
     why, spawned = bench.lmcache_row(args, "model", "redis://x", tmp_path, tally, prompts,
                                      reference)
@@ -143,8 +145,10 @@ def test_the_lmcache_row_starts_kvbridge_s_engines_as_lmcache_s_on_the_same_prom
     assert kv_a.started["llm"] == lm_a.started["llm"] == kv_b.started["llm"] == lm_b.started["llm"]
     assert kv_a.started["python"] is None and lm_a.started["python"] == "/lmcache/python"
     assert kv_a.prompts == lm_a.prompts == prompts.prefixes
-    assert kv_b.prompts == lm_b.prompts == prompts.first
-    assert len(tally.ttft["cross_spawned"]) == len(tally.ttft["lmcache"]) == 2  # warm-up out
+    # each B: the pulled prompts, then the same prefixes with the second suffix (a local hit)
+    assert kv_b.prompts == lm_b.prompts == prompts.first + prompts.second
+    for case in ("cross_spawned", "lmcache", "local_spawned", "lmcache_local"):
+        assert len(tally.ttft[case]) == 2, case  # warm-up out
     assert not tally.mismatches
 
 
@@ -156,6 +160,14 @@ def test_cross_over_lmcache_is_spawned_over_spawned_and_the_in_process_ratio_is_
     assert got["cross_inproc_over_lmcache"] == 0.333
     assert got["cross_over_recompute"] == 0.067 and got["cross_over_local"] == 2.0
     assert got["lmcache_over_recompute"] == 0.2
+    # no local_spawned figure, no floor
+    assert got["lmcache_row_floor"] is None and got["cross_spawned_over_local_spawned"] is None
+    floor = bench.ratios({"cross_spawned": 0.03, "local_spawned": 0.025, "lmcache": 0.04,
+                          "lmcache_local": 0.02})
+    # a local hit on engines started alike bounds cross_over_lmcache from below
+    assert floor["lmcache_row_floor"] == 0.625 and floor["cross_over_lmcache"] == 0.75
+    assert floor["cross_spawned_over_local_spawned"] == 1.2
+    assert floor["lmcache_over_lmcache_local"] == 2.0
     # no LMCache figure, no comparison with it (never a ratio against the in-process engines)
     alone = bench.ratios({"cross": 0.02, "cross_spawned": 0.03})
     assert alone["cross_over_lmcache"] is None and alone["cross_inproc_over_lmcache"] is None
