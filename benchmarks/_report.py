@@ -112,9 +112,11 @@ KEY_RATIOS: dict[str, list[tuple[str, str, str]]] = {
     "vllm_prefix": [
         ("cross_over_recompute", "vLLM first token, a prefix from another engine / recompute",
          "<= 0.25"),
+        ("cross_over_lmcache", "the same, kvbridge / LMCache (engines spawned alike)", "<= 0.5"),
         ("restore_over_recompute", "vLLM first token, a prefix restored from the store / recompute",
          "<= 0.3"),
         ("sched_index_over_off", "vLLM schedule() per step, index on / no connector", "<= 1.05"),
+        ("sched_null_over_off", "the same, a connector doing nothing / no connector", "(floor)"),
         ("replay_hit_over_unbounded", "trace replay, 3 engines: cached tokens / unbounded caches",
          ">= 0.85"),
     ],
