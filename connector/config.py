@@ -67,7 +67,10 @@ key                          default   meaning
                                        are out, the scheduler half waits up to this long for an
                                        answer and returns at the first one (the same reason as
                                        ``idle_pull_wait_s``: an engine thread stepping idly keeps
-                                       the GIL from the index client's thread); 0 never waits
+                                       the GIL from the index client's thread); a request alone
+                                       in a vLLM engine (nothing else admitted) waits as long
+                                       for its own answer when its lookup starts, so that a hit
+                                       is planned in its arrival step; 0 never waits
 ``idle_hold_wait_s``         0.01      on a step that computes no token while this node only
                                        holds leases for pullers (nothing of its own in flight),
                                        ``get_finished`` waits: 1 ms, doubled at each further

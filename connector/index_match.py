@@ -62,16 +62,22 @@ class IndexMatcher:
         min_gain_blocks: a remote hit must beat the local hit by this many blocks.
         load_async: a hit's pull runs over later engine steps (False: inside the step).
         num_groups: the engine's KV cache groups (an answer names block ids for each).
+        alone_wait_s: how long ``match`` waits for the answer of a lookup it starts for the
+            only request the engine holds (``admit`` / ``forget``): nothing else could run
+            meanwhile, and the answer then comes in the arrival step instead of a step later
+            (``idle_lookup_wait_s``); 0: never.
     """
 
     def __init__(self, *, stats: KVTransferStats, block_size: int, min_gain_blocks: int,
-                 load_async: bool, num_groups: int = 1) -> None:
+                 load_async: bool, num_groups: int = 1, alone_wait_s: float = 0.0) -> None:
         self._stats = stats
         self._block_size = block_size
         self._num_groups = num_groups
         self._malformed_from: set[str] = set()  # holders whose malformed answers were logged
         self._min_gain_blocks = min_gain_blocks
         self._load_async = load_async
+        self._alone_wait_s = alone_wait_s
+        self._live: set[str] = set()  # requests admitted and not finished
         self._lookups: set[str] = set()  # requests with a lookup started, not answered yet
         self._pulled: set[str] = set()  # requests that had their one index pull
         # A hit handed out and not pulled yet (vLLM could not allocate the request's blocks):
@@ -105,6 +111,8 @@ class IndexMatcher:
                                 num_local_blocks=num_computed_tokens // self._block_size,
                                 min_gain_blocks=self._min_gain_blocks)
             self._lookups.add(request_id)
+            if self._alone_wait_s and self._live == {request_id}:
+                client.wait_for_answer(self._alone_wait_s)  # the engine has nothing else to run
         result = client.poll_lookup(request_id)
         if not result.done:
             return _PENDING
@@ -178,8 +186,14 @@ class IndexMatcher:
         self._pulled.add(request_id)
         self._answered.pop(request_id, None)
 
+    def admit(self, request_id: str) -> None:
+        """``request_id`` entered the engine (it counts against ``alone_wait_s`` until
+        ``forget``)."""
+        self._live.add(request_id)
+
     def forget(self, client: IndexClient | None, request_id: str) -> None:
         """``request_id`` finished (or was aborted): its lookup is cancelled, its state gone."""
+        self._live.discard(request_id)
         if request_id in self._lookups and client is not None:
             client.cancel_lookup(request_id)
         self._lookups.discard(request_id)

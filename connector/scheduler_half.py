@@ -105,7 +105,7 @@ class KVBridgeScheduler:
         self._load_async = config.load_mode != "sync"
         self._index_matcher = IndexMatcher(
             stats=self.stats, block_size=block_size, load_async=self._load_async,
-            num_groups=num_groups,
+            num_groups=num_groups, alone_wait_s=config.idle_lookup_wait_s,
             min_gain_blocks=max(config.min_remote_hit_blocks,  # a hit must add this many
                                 cdiv(config.min_remote_hit_tokens, block_size)))
         self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
@@ -166,6 +166,7 @@ class KVBridgeScheduler:
     ) -> None:
         """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``);
         an admitted ticket's lease is heart-beaten while the request waits in the queue."""
+        self._index_matcher.admit(request_id)  # (until request_finished)
         self._role_check.check(request_id, kv_transfer_params)
         if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
             self.ticket_for(request_id, kv_transfer_params, num_prompt_tokens)
@@ -306,8 +307,7 @@ class KVBridgeScheduler:
                 sync=not match.load_async,
                 remote_ranks=list(match.remote_ranks),
                 refused=match.refused,
-            )
-        )
+            ))
         self.stats.record_pull_planned(match.holder.engine_id, via_index=match.ticket is None,
                                        num_blocks=sum(len(g.local_block_ids) for g in groups))
 

@@ -61,11 +61,14 @@ def _namespace() -> str:
 
 def index_node(engine_id: str, namespace: str, *, extra: dict | None = None, **kwargs):
     """A ``kv_both`` vLLM scheduler with the in-process index under ``namespace`` (``extra``:
-    more ``kv_connector_extra_config``)."""
+    more ``kv_connector_extra_config``). The tests step it by hand and wait for its lookups
+    themselves (``wait_lookups``), so by default it never waits for one on its own
+    (``idle_lookup_wait_s`` 0: an idle step, or a request alone in the engine, is answered a
+    step later); the tests of those waits set it."""
     return make_scheduler(
         "kv_both", engine_id=engine_id, policy="recompute",
         extra={"index_url": "memory", "model_name": namespace, "index_ttl_s": 60.0,
-               **(extra or {})},
+               "idle_lookup_wait_s": 0.0, **(extra or {})},
         incarnation=str(next(_incarnations)), worker_port=next(_ports), **kwargs)
 
 
@@ -400,6 +403,59 @@ def test_an_idle_step_waits_for_the_lookup_and_pulls_in_the_next_step():
         answered = step(b, **ours())
         assert [p.request_id for p in answered.meta.pulls] == [request.request_id]
         step(b, **ours(finished_recving=[request.request_id]))
+        run(b)
+    finally:
+        for scheduler in (a, b):
+            assert_scheduler_empty(scheduler)
+            connector_of(scheduler).shutdown()
+
+
+def test_a_request_alone_in_the_engine_is_answered_in_its_arrival_step():
+    # Alone (nothing else admitted), the arrival step waits for the lookup's answer (up to
+    # idle_lookup_wait_s: the engine has nothing else to run) and plans the pull at once, a
+    # step sooner; with another request in the engine the lookup is only started there; a
+    # late answer is waited for no longer than the bound.
+    namespace = _namespace()
+    a = index_node("a", namespace)
+    b = index_node("b", namespace, extra={"idle_lookup_wait_s": 0.3})
+    try:
+        shared = _prompt(50, 320)
+        _cached_on_a(a, shared)
+        alone = make_request(shared + _prompt(51, 45), max_tokens=1)
+        b.add_request(alone)
+        first = step(b, **ours())
+        assert [p.request_id for p in first.meta.pulls] == [alone.request_id]
+        step(b, **ours(finished_recving=[alone.request_id]))
+        run(b)
+        shared = _prompt(60, 320)  # (B holds the first prefix now)
+        _cached_on_a(a, shared)
+        held = HeldLookups(b)  # two at once: neither is alone
+        pair_of = [make_request(shared + _prompt(62 + i, 45), max_tokens=1) for i in range(2)]
+        for request in pair_of:
+            b.add_request(request)
+        threading.Timer(0.1, held.release).start()
+        first = step(b, **ours())  # (the idle step's own wait ends with the release)
+        assert not first.meta.pulls and first.scheduled == {}
+        wait_lookups(b)
+        answered = step(b, **ours())
+        assert sorted(p.request_id for p in answered.meta.pulls) == sorted(
+            r.request_id for r in pair_of)
+        step(b, **ours(finished_recving=[r.request_id for r in pair_of]))
+        run(b)
+        shared = _prompt(70, 320)
+        _cached_on_a(a, shared)
+        held = HeldLookups(b)  # alone, but the answer is late: the bound holds
+        late = make_request(shared + _prompt(71, 45), max_tokens=1)
+        b.add_request(late)
+        started = time.monotonic()
+        first = step(b, **ours())
+        waited = time.monotonic() - started
+        assert not first.meta.pulls and 0.3 <= waited < 2.0, waited
+        held.release()
+        wait_lookups(b)
+        answered = step(b, **ours())
+        assert [p.request_id for p in answered.meta.pulls] == [late.request_id]
+        step(b, **ours(finished_recving=[late.request_id]))
         run(b)
     finally:
         for scheduler in (a, b):
