@@ -31,9 +31,11 @@ key                          default   meaning
                                        pull, at most ``sync_load_timeout_s``. ``"auto"``: sync
                                        for a handoff the worker half reads one-sided from a
                                        same-host holder's block board (a memory copy of at most
-                                       ``AUTO_SYNC_MAX_BYTES``, no network wait), async for
-                                       every other pull and for several KV cache groups
-``sync_load_timeout_s``      2.0       deadline of one pull under ``load_mode`` ``"sync"``
+                                       ``AUTO_SYNC_MAX_BYTES``, no network wait) and for an
+                                       index hit of a request alone in the engine (nothing
+                                       batched with it to stall), async for every other pull
+                                       and for several KV cache groups
+``sync_load_timeout_s``      2.0       deadline of one pull loaded inside its step
 ``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
                                        a heartbeat
 ``heartbeat_interval_s``     2.0       how often a puller extends the leases it depends on;

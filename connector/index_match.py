@@ -16,6 +16,7 @@ Owner: the engine thread (the scheduler half's); nothing here is shared.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -61,6 +62,10 @@ class IndexMatcher:
         block_size: tokens per block.
         min_gain_blocks: a remote hit must beat the local hit by this many blocks.
         load_async: a hit's pull runs over later engine steps (False: inside the step).
+        alone_loads_in_step: a hit handed out while its request is the only one the engine
+            holds loads inside the step that computes it, whatever ``load_async`` says
+            (``load_mode`` "auto": no other request's forward waits for that load, and the
+            first token comes one engine step sooner; ``load_mode.LoadModePolicy``).
         num_groups: the engine's KV cache groups (an answer names block ids for each).
         alone_wait_s: how long ``match`` waits for the answer of a lookup it starts for the
             only request the engine holds (``admit`` / ``forget``): nothing else could run
@@ -69,7 +74,8 @@ class IndexMatcher:
     """
 
     def __init__(self, *, stats: KVTransferStats, block_size: int, min_gain_blocks: int,
-                 load_async: bool, num_groups: int = 1, alone_wait_s: float = 0.0) -> None:
+                 load_async: bool, num_groups: int = 1, alone_wait_s: float = 0.0,
+                 alone_loads_in_step: bool = False) -> None:
         self._stats = stats
         self._block_size = block_size
         self._num_groups = num_groups
@@ -77,6 +83,7 @@ class IndexMatcher:
         self._min_gain_blocks = min_gain_blocks
         self._load_async = load_async
         self._alone_wait_s = alone_wait_s
+        self._alone_loads_in_step = alone_loads_in_step
         self._live: set[str] = set()  # requests admitted and not finished
         self._lookups: set[str] = set()  # requests with a lookup started, not answered yet
         self._pulled: set[str] = set()  # requests that had their one index pull
@@ -101,7 +108,7 @@ class IndexMatcher:
         if self._answered:
             reused = self._reused(request_id, num_computed_tokens)
             if reused is not None:
-                return reused
+                return self._as_told(request_id, reused)
         # Never plan the last token's block: it is recomputed for its logits anyway.
         num_asked = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
         if request_id not in self._lookups:
@@ -111,7 +118,7 @@ class IndexMatcher:
                                 num_local_blocks=num_computed_tokens // self._block_size,
                                 min_gain_blocks=self._min_gain_blocks)
             self._lookups.add(request_id)
-            if self._alone_wait_s and self._live == {request_id}:
+            if self._alone_wait_s and self._alone(request_id):
                 client.wait_for_answer(self._alone_wait_s)  # the engine has nothing else to run
         result = client.poll_lookup(request_id)
         if not result.done:
@@ -138,6 +145,20 @@ class IndexMatcher:
             load_async=self._load_async,  # the pull is planned as the engine is told
         ))
         self._answered[request_id] = (time.monotonic(), answer)
+        return self._as_told(request_id, answer)
+
+    def _alone(self, request_id: str) -> bool:
+        """Whether ``request_id`` is the only request admitted and not finished."""
+        return len(self._live) == 1 and request_id in self._live
+
+    def _as_told(self, request_id: str, answer: IndexAnswer) -> IndexAnswer:
+        """``answer`` as the engine is told it now: loaded inside the step when the request is
+        alone (``alone_loads_in_step``), judged at each hand-out, since another request may
+        have arrived since the hit was first handed out."""
+        match = answer.match
+        if (match is not None and match.load_async and self._alone_loads_in_step
+                and self._alone(request_id)):
+            return IndexAnswer(False, dataclasses.replace(match, load_async=False))
         return answer
 
     def _reused(self, request_id: str, num_computed_tokens: int) -> IndexAnswer | None:

@@ -159,6 +159,11 @@ class KVBridgeConnector(KVConnectorBase):
             request_id, kv_transfer_params, num_prompt_tokens
         )
 
+    def on_new_request(self, request: Request) -> None:
+        """The engine queued ``request``: it counts as in the engine for the index's
+        lone-request rules until ``request_finished`` (``KVBridgeScheduler.admit``)."""
+        self.scheduler_half.admit(request.request_id)
+
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         self.scheduler_half.on_request_rejected(kv_transfer_params, reason)
 

@@ -13,7 +13,10 @@ with it for as long as it takes.
 a handoff the worker half reads one-sided from a same-host holder's block board
 (``kvbridge.transport.cma_board``: no message, no network wait), of at most
 ``AUTO_SYNC_MAX_BYTES``, for a model with one KV cache group (vLLM takes a failed sync load
-only as block ids, which it refuses with several groups). Every other pull is async.
+only as block ids, which it refuses with several groups); and, with one group, a hit found
+through the block index for a request that is the only one in the engine
+(``IndexMatcher``): nothing is batched with it, so the load stalls no other request's forward,
+and the first token comes one engine step sooner. Every other pull is async.
 
 What it risks: the choice is made at scheduling from the worker's last report, before the read.
 The scheduler half first looks at the holder's board itself (``ticket_board``), and refuses a
@@ -23,7 +26,10 @@ D refuses another prompt's digest (``handoff``). A handoff the board does not vo
 all (a ticket whose lease P's worker has not been handed yet, a stale ticket whose lease ended)
 is then read the usual way inside that step: the step waits for P's answer, and for a lease not
 yet granted for P's retries (``lease_reads.LEASE_GRANT_RETRY_S``, 0.38 s at most), never past
-``sync_load_timeout_s``. ``load_mode`` ``"async"`` never stalls a step that way.
+``sync_load_timeout_s``. A lone request's index hit from a holder that stops answering holds
+its step, and so requests that arrive meanwhile, up to ``sync_load_timeout_s`` (then its blocks
+are recomputed; async, the request itself would wait ``load_timeout_s``). ``load_mode``
+``"async"`` never stalls a step that way.
 """
 
 from __future__ import annotations
@@ -63,6 +69,13 @@ class LoadModePolicy:
             group = kv_cache_config.kv_cache_groups[0]
             self._block_nbytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         self._boards: dict[tuple[str, str], BoardRef] = {}
+
+    @property
+    def alone_loads_in_step(self) -> bool:
+        """Whether a hit found through the block index loads inside the step when its request
+        is the only one the engine holds (``IndexMatcher``: nothing is batched with it, so
+        the load stalls no other request's forward)."""
+        return self._auto
 
     def observe(self, one_sided_holders: Iterable[BoardRef] | None) -> None:
         """The worker half's report (``KVBridgeWorkerMeta.one_sided_holders``; None:

@@ -101,14 +101,14 @@ class KVBridgeScheduler:
         self.hash_fn_name = hash_fn_name
         self.stats = KVTransferStats()
         self.rank_reports = RankReports(self.stats)  # the ranks' reports, each request once
-        # "sync": pulls run inside the step computing the request; "auto": one-sided handoffs
-        self._load_async = config.load_mode != "sync"
+        self._load_async = config.load_mode != "sync"  # "auto": ``LoadModePolicy`` decides
+        self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
         self._index_matcher = IndexMatcher(
             stats=self.stats, block_size=block_size, load_async=self._load_async,
             num_groups=num_groups, alone_wait_s=config.idle_lookup_wait_s,
+            alone_loads_in_step=self._load_policy.alone_loads_in_step,
             min_gain_blocks=max(config.min_remote_hit_blocks,  # a hit must add this many
                                 cdiv(config.min_remote_hit_tokens, block_size)))
-        self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
         self.worker: WorkerHandshake | None = None  # rank 0's
         self.ranks = EngineRanks((), None)  # every rank's handshake and the heads' layout
         self.index_client: IndexClient | None = None
@@ -140,9 +140,8 @@ class KVBridgeScheduler:
             self.index_client.resync_from(block_pool)
 
     # ------------------------------------------------------------------ admission
-    def ticket_for(
-        self, request_id: str, params: Mapping[str, Any], num_prompt_tokens: int | None = None
-    ) -> RemotePrefillParams:
+    def ticket_for(self, request_id: str, params: Mapping[str, Any],
+                   num_prompt_tokens: int | None = None) -> RemotePrefillParams:
         """The parsed handoff ticket of ``request_id`` (parsed on first use, then kept). Raises
         KVTransferParamsError naming the bad field (counted in ``num_rejected_params``)."""
         ticket = self._tickets.get(request_id)
@@ -160,16 +159,17 @@ class KVBridgeScheduler:
             self._meta.tickets_to_watch.extend(rank_tickets(ticket))
         return ticket
 
-    def validate_kv_transfer_params(
-        self, request_id: str, kv_transfer_params: Mapping[str, Any],
-        num_prompt_tokens: int | None = None,
-    ) -> None:
+    def validate_kv_transfer_params(self, request_id: str, kv_transfer_params: Mapping[str, Any],
+                                    num_prompt_tokens: int | None = None) -> None:
         """Refuse malformed remote-prefill params at admission (``KVTransferParamsError``);
         an admitted ticket's lease is heart-beaten while the request waits in the queue."""
-        self._index_matcher.admit(request_id)  # (until request_finished)
         self._role_check.check(request_id, kv_transfer_params)
         if self.kv_role.is_consumer and wants_remote_prefill(kv_transfer_params):
             self.ticket_for(request_id, kv_transfer_params, num_prompt_tokens)
+
+    def admit(self, request_id: str) -> None:
+        """``request_id`` was queued, whatever its params; it is live until request_finished."""
+        self._index_matcher.admit(request_id)
 
     def on_request_rejected(self, kv_transfer_params: Any, reason: str) -> None:
         """A request with remote-prefill params was refused before admission: ask its prefill

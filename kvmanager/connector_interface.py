@@ -217,6 +217,11 @@ class KVConnectorBase(ABC):
                 Default: accept everything.
         """
 
+    def on_new_request(self, request: Request) -> None:  # noqa: B027
+        """Scheduler side, the engine thread: ``request`` was queued (``Scheduler.add_request``,
+        after ``validate_kv_transfer_params`` accepted it; vLLM's hook of the same name).
+        Mutates nothing of the request. Default: nothing."""
+
     def has_pending_orders(self) -> bool:
         """Scheduler side: True when the next ``build_connector_meta`` carries work for the
         worker half (a release notice, a lease grant), so the engine loop must step to deliver

@@ -64,6 +64,8 @@ class SchedulerQueues:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def _remove_from_queues(self, request: Request) -> None:
         """Take ``request`` out of ``running`` or ``waiting`` (ValueError if in neither)."""

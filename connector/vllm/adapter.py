@@ -233,6 +233,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         request's caller in its returned ``kv_transfer_params`` (``PARAMS_ERROR_KEY``, added by
         ``request_finished``)."""
         params = request.kv_transfer_params
+        self._sched().admit(request.request_id)  # in the engine, whatever its params
         try:
             self._sched().validate_kv_transfer_params(
                 request.request_id, params, request.num_prompt_tokens  # type: ignore[arg-type]

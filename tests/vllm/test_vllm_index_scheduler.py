@@ -64,11 +64,13 @@ def index_node(engine_id: str, namespace: str, *, extra: dict | None = None, **k
     more ``kv_connector_extra_config``). The tests step it by hand and wait for its lookups
     themselves (``wait_lookups``), so by default it never waits for one on its own
     (``idle_lookup_wait_s`` 0: an idle step, or a request alone in the engine, is answered a
-    step later); the tests of those waits set it."""
+    step later), and every hit is pulled over later steps (``load_mode`` "async": under
+    "auto" a request alone in the engine loads inside the step computing it); the tests of
+    those waits and loads set them."""
     return make_scheduler(
         "kv_both", engine_id=engine_id, policy="recompute",
         extra={"index_url": "memory", "model_name": namespace, "index_ttl_s": 60.0,
-               "idle_lookup_wait_s": 0.0, **(extra or {})},
+               "idle_lookup_wait_s": 0.0, "load_mode": "async", **(extra or {})},
         incarnation=str(next(_incarnations)), worker_port=next(_ports), **kwargs)
 
 
@@ -410,22 +412,28 @@ def test_an_idle_step_waits_for_the_lookup_and_pulls_in_the_next_step():
             connector_of(scheduler).shutdown()
 
 
-def test_a_request_alone_in_the_engine_is_answered_in_its_arrival_step():
+def test_a_request_alone_in_the_engine_is_answered_and_computed_in_its_arrival_step():
     # Alone (nothing else admitted), the arrival step waits for the lookup's answer (up to
-    # idle_lookup_wait_s: the engine has nothing else to run) and plans the pull at once, a
-    # step sooner; with another request in the engine the lookup is only started there; a
-    # late answer is waited for no longer than the bound.
+    # idle_lookup_wait_s: the engine has nothing else to run) and, under load_mode "auto",
+    # loads the hit inside that step, which computes the rest of the prompt: two engine steps
+    # sooner. With another request in the engine the lookup is only started there and the hits
+    # are pulled over later steps (a load inside the step would stall the other's forward). A
+    # late answer is waited for no longer than the bound, and still loads inside the step it
+    # is handed out in while the request is alone.
     namespace = _namespace()
     a = index_node("a", namespace)
-    b = index_node("b", namespace, extra={"idle_lookup_wait_s": 0.3})
+    b = index_node("b", namespace, extra={"idle_lookup_wait_s": 0.3, "load_mode": "auto"})
     try:
         shared = _prompt(50, 320)
         _cached_on_a(a, shared)
         alone = make_request(shared + _prompt(51, 45), max_tokens=1)
         b.add_request(alone)
         first = step(b, **ours())
-        assert [p.request_id for p in first.meta.pulls] == [alone.request_id]
-        step(b, **ours(finished_recving=[alone.request_id]))
+        (pull,) = first.meta.pulls
+        assert pull.request_id == alone.request_id and pull.sync
+        assert pull.num_external_tokens == 320
+        assert first.scheduled == {alone.request_id: 45}  # computed beyond the hit, same step
+        assert alone.request_id in first.finished()
         run(b)
         shared = _prompt(60, 320)  # (B holds the first prefix now)
         _cached_on_a(a, shared)
@@ -440,6 +448,7 @@ def test_a_request_alone_in_the_engine_is_answered_in_its_arrival_step():
         answered = step(b, **ours())
         assert sorted(p.request_id for p in answered.meta.pulls) == sorted(
             r.request_id for r in pair_of)
+        assert not any(p.sync for p in answered.meta.pulls) and answered.scheduled == {}
         step(b, **ours(finished_recving=[r.request_id for r in pair_of]))
         run(b)
         shared = _prompt(70, 320)
@@ -454,13 +463,40 @@ def test_a_request_alone_in_the_engine_is_answered_in_its_arrival_step():
         held.release()
         wait_lookups(b)
         answered = step(b, **ours())
-        assert [p.request_id for p in answered.meta.pulls] == [late.request_id]
-        step(b, **ours(finished_recving=[late.request_id]))
+        assert [(p.request_id, p.sync) for p in answered.meta.pulls] == [(late.request_id, True)]
+        assert answered.scheduled == {late.request_id: 45}
         run(b)
     finally:
         for scheduler in (a, b):
             assert_scheduler_empty(scheduler)
             connector_of(scheduler).shutdown()
+
+
+def test_every_request_vllm_queues_is_live_until_it_finishes():
+    # What counts as "in the engine" for the lone-request rules above: a request is live from
+    # vLLM's on_new_request to request_finished, aborted before any step, refused for a
+    # malformed ticket (vLLM keeps it and finishes it), or held for a decode node (P side).
+    b = index_node("b", _namespace())
+    live = connector_of(b)._sched()._index_matcher._live
+    try:
+        aborted = make_request(_prompt(1, 100), max_tokens=1)
+        b.add_request(aborted)
+        assert live == {aborted.request_id}
+        b.finish_requests(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+        assert live == set()
+        bad = make_request(_prompt(2, 100), max_tokens=1,
+                           kv_transfer_params={"do_remote_prefill": True})  # malformed ticket
+        run(b, bad)
+        assert live == set()
+        held = make_request(_prompt(3, 100), max_tokens=1,
+                            kv_transfer_params={"do_remote_decode": True})
+        b.add_request(held)
+        assert live == {held.request_id}
+        for _ in range(3):
+            step(b, **ours())
+        assert held.request_id not in live
+    finally:
+        connector_of(b).shutdown()
 
 
 @pytest.mark.parametrize(("num_shared_blocks", "pulled"), [
