@@ -54,8 +54,8 @@ class SchedulerQueues:
     num_preemptions: int
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request`` as waiting. Raises ValueError on a duplicate id or a request that
-        is not ``WAITING``."""
+        """Queue ``request`` as waiting, then tell the connector (``on_new_request``). Raises
+        ValueError on a duplicate id or a request that is not ``WAITING``."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
         if request.status != RequestStatus.WAITING:
