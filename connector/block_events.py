@@ -14,6 +14,7 @@ with the same two methods whose events are built when first asked (the vLLM pool
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,6 +75,13 @@ class EventBatch:
 class PoolBatches:
     """The batches a scheduler half took from its block pool, until published and taken.
 
+    Steps are numbered as they are taken (``num_steps``: the step id of the latest ``take``).
+    A step's batch is published once a worker report names that step (or a later one): vLLM's
+    async scheduling schedules step N + 1, hashing its new blocks, before step N's output
+    comes back, and those blocks hold no KV until N + 1's forward has run. (A resync the index
+    asks for meanwhile reads the pool's whole cached set, which may name them a step early;
+    the holder's re-check turns a pull of one into a recompute of it.)
+
     Args:
         take: returns the pool's batch since the last call: a list of events, or an object
             with ``hash_delta()`` and ``events()`` (and a truth value: anything in it).
@@ -85,12 +93,15 @@ class PoolBatches:
     def __init__(self, take: Callable[[], Any], settle: Callable[[], None] | None = None) -> None:
         self._take = take
         self._settle = settle
-        self._unpublished: list[Any] = []
+        self.num_steps = 0
+        self._unpublished: deque[tuple[int, Any]] = deque()  # (step id, batch), in step order
         self._untaken: list[Any] = []
 
     def take(self, *, publish: bool) -> Any:
         """The step's batch (inside the step: nothing built but what the caller reads), kept
-        for ``take_events`` and, with ``publish``, for ``unpublished_events``; None if empty."""
+        for ``take_events`` and, with ``publish``, for ``unpublished_events``; None if empty.
+        Numbers the step (``num_steps``), empty or not."""
+        self.num_steps += 1
         batch = self._take()
         if not hasattr(batch, "hash_delta"):
             batch = EventBatch(list(batch))
@@ -98,13 +109,17 @@ class PoolBatches:
             return None
         self._untaken.append(batch)
         if publish:
-            self._unpublished.append(batch)
+            self._unpublished.append((self.num_steps, batch))
         return batch
 
-    def unpublished_events(self) -> list[Any]:
-        """The events of the batches taken for publishing since the last call, in order (after
-        the forward); then the pool's ``settle``."""
-        batches, self._unpublished = self._unpublished, []
+    def unpublished_events(self, through: int | None = None) -> list[Any]:
+        """The events of the batches taken for publishing whose step id is at most
+        ``through`` (None: all of them), in step order; then the pool's ``settle``. Call it
+        after a step's forward, with the id the step's worker reports name
+        (``KVBridgeWorkerMeta.step_id``)."""
+        unpublished, batches = self._unpublished, []
+        while unpublished and (through is None or unpublished[0][0] <= through):
+            batches.append(unpublished.popleft()[1])
         events = batches[0].events() if len(batches) == 1 else \
             [event for batch in batches for event in batch.events()]
         if self._settle is not None:

@@ -38,11 +38,12 @@ __all__ = [
     "encode_worker_meta",
 ]
 
-METADATA_SCHEMA_VERSION = 4
+METADATA_SCHEMA_VERSION = 5
 # 2: offload outcomes carry ``missing``
 # 3: WorkerHandshake.identity; tensor parallelism: PullPlan.remote_ranks, WorkerHandshake's
 #    layout, reports by rank
 # 4: KVBridgeWorkerMeta.one_sided_holders carry the holders' boards (``BoardRef``)
+# 5: ``step_id`` in the step's orders and in the worker's report of that step
 
 
 class HolderRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,10 +191,15 @@ class KVBridgeConnectorMetadata(msgspec.Struct, kw_only=True):
         num_scheduled_tokens: tokens this step computes (``SchedulerOutput``'s
             ``total_num_scheduled_tokens``); 0 marks an idle step, in which the worker half may
             wait briefly for pulls in flight (``idle_pull_wait_s``); None: unknown.
+        step_id: which ``build_connector_meta`` made these orders (1, 2, ... per scheduler
+            half; 0: not numbered). The worker half's report of the step names it back, so the
+            scheduler half publishes a step's blocks after that step's forward even when vLLM
+            schedules the next step first (async scheduling).
     """
 
     version: int = METADATA_SCHEMA_VERSION
     num_scheduled_tokens: int | None = None
+    step_id: int = 0
     pulls: list[PullPlan] = msgspec.field(default_factory=list)
     notices: list[ReleaseNotice] = msgspec.field(default_factory=list)
     lease_grants: list[LeaseGrant] = msgspec.field(default_factory=list)
@@ -232,10 +238,12 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
     (``OffloadSender.store_incarnation``; 0: none), and, when they changed, the holders it can
     read handoffs from one-sided, with where their block boards are
     (``Transport.one_sided_holders``; None: unchanged), for ``load_mode`` ``"auto"`` and the
-    scheduler's look at a ticket's blocks (``ticket_board``)."""
+    scheduler's look at a ticket's blocks (``ticket_board``). ``step_id``: the orders' step
+    this report ends (``KVBridgeConnectorMetadata.step_id``; 0: not numbered)."""
 
     version: int = METADATA_SCHEMA_VERSION
     tp_rank: int = 0
+    step_id: int = 0
     stats: StatsDelta = msgspec.field(default_factory=StatsDelta)
     pulls: list[PullReport] = msgspec.field(default_factory=list)
     offload_outcomes: list[tuple[int, bytes, bool, bool]] = msgspec.field(default_factory=list)
@@ -244,10 +252,11 @@ class KVBridgeWorkerMeta(msgspec.Struct, kw_only=True):
 
     def is_empty(self) -> bool:
         """Nothing to tell the scheduler half (an engine may skip sending such a report; a
-        report that only changes ``one_sided_holders`` is not empty)."""
+        report that only changes ``one_sided_holders``, or that ends a numbered step, is not
+        empty)."""
         stats = self.stats
         return not (stats.counters or stats.transfer_s or self.pulls or self.offload_outcomes
-                    or self.one_sided_holders is not None)
+                    or self.one_sided_holders is not None or self.step_id)
 
 
 class WorkerHandshake(msgspec.Struct, frozen=True, kw_only=True):

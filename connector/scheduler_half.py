@@ -271,10 +271,8 @@ class KVBridgeScheduler:
                 request.kv_transfer_params["do_remote_prefill"] = False
             if num_external_tokens == 0:
                 # The local prefix cache covers everything P offered: P (every rank) releases.
-                self._meta.notices.extend(
-                    ReleaseNotice(ticket=t, success=True, reason="local prefix hit")
-                    for t in match_leases(match)
-                )
+                self._meta.notices.extend(ReleaseNotice(
+                    ticket=t, success=True, reason="local prefix hit") for t in match_leases(match))
                 return
         if num_external_tokens == 0:
             return
@@ -318,8 +316,10 @@ class KVBridgeScheduler:
         ``config.idle_lookup_wait_s`` for one's answer (``IndexClient.wait_for_answer``)."""
         batches = self._pool_batches
         batch = None if batches is None else batches.take(publish=bool(self.config.index_url))
-        if batch is not None and self.config.index_url:
-            self._meta.block_hashes = batch.hash_delta()
+        if batches is not None and self.config.index_url:
+            self._meta.step_id = batches.num_steps  # the worker's report of the step names it
+            if batch is not None:
+                self._meta.block_hashes = batch.hash_delta()
         if self.offload_planner is not None:
             self.offload_planner.observe(() if batch is None else batch.events())
             if self._block_pool is not None:  # this step's schedule may have reused a pick
@@ -342,8 +342,9 @@ class KVBridgeScheduler:
         rank reported it).
 
         Publishing waits for the forward: ``allocate_slots`` hashes a step's new full blocks
-        before their KV is computed (vLLM's order, safe inside one engine), but a peer could
-        pull them through the index in between.
+        before their KV is computed (safe inside one engine), so only the steps up to the one
+        these reports end (``step_id``) are published; vLLM's async scheduling hashes the next
+        step's blocks before this step's output comes back.
         """
         metas = [] if worker_meta is None else \
             [worker_meta] if isinstance(worker_meta, KVBridgeWorkerMeta) else list(worker_meta)
@@ -351,8 +352,9 @@ class KVBridgeScheduler:
         for meta in metas:
             self._load_policy.observe(meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
-            batches = self._pool_batches
-            self.index_client.publish(() if batches is None else batches.unpublished_events())
+            batches, ends = self._pool_batches, [meta.step_id for meta in metas if meta.step_id]
+            self.index_client.publish(
+                () if batches is None else batches.unpublished_events(min(ends, default=None)))
         if self.offload_planner is not None and self._block_pool is not None:
             # After this step's frees and before the next schedule can reuse a cold block: the
             # worker snapshots the picks at the next step's start, before its forward writes.
@@ -415,10 +417,8 @@ class KVBridgeScheduler:
         self._tickets.pop(request_id, None)
         waiting = self._forget_waiting(request_id)
         if waiting is not None:  # finished (aborted) before its pull: release P's blocks now
-            self._meta.notices.extend(
-                ReleaseNotice(ticket=t, success=False, reason="finished before its pull")
-                for t in waiting
-            )
+            self._meta.notices.extend(ReleaseNotice(
+                ticket=t, success=False, reason="finished before its pull") for t in waiting)
         params = request.kv_transfer_params
         if not (self.kv_role.is_producer and wants_remote_decode(params)):
             return RequestFinishedResult(False, None)
@@ -440,8 +440,7 @@ class KVBridgeScheduler:
     def has_pending_orders(self) -> bool:
         """True when the next ``build_connector_meta`` carries orders for the worker half."""
         m = self._meta
-        orders = (m.pulls, m.notices, m.lease_grants, m.tickets_to_watch, m.tickets_to_forget)
-        return any(orders)
+        return any((m.pulls, m.notices, m.lease_grants, m.tickets_to_watch, m.tickets_to_forget))
 
     def shutdown(self) -> None:
         client, self.index_client = self.index_client, None

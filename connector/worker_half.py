@@ -15,8 +15,8 @@ and it answers through ``get_finished``, ``get_block_ids_with_load_errors`` and
     wait_for_save      hash stores (the forward has computed those blocks)
     get_finished       pulls settled -> finished_recving; leases ended -> finished_sending
                        (an idle step first waits briefly for a pull in flight)
-    build_connector_worker_meta   the step's statistics; the holders this node reads
-                                  one-sided, when they changed (``load_mode`` "auto")
+    build_connector_worker_meta   the step's statistics and id; the holders this node
+                                  reads one-sided, when they changed (``load_mode`` "auto")
 
 Pulls are whole-request (not layer by layer): ``wait_for_layer_load`` / ``save_kv_layer`` have
 nothing to wait for, since a request only runs after its load settled.
@@ -134,6 +134,7 @@ class KVBridgeWorker:
                 probe_interval_s=config.heartbeat_interval_s,  # a store restart found this soon
             )
         self._meta: KVBridgeConnectorMetadata | None = None
+        self._step_id = 0  # the last orders' KVBridgeConnectorMetadata.step_id
         self._idle_hold_wait_s = min(IDLE_HOLD_FIRST_WAIT_S, config.idle_hold_wait_s)
         self._stores_after_forward: BlockHashDelta | None = None
         self._unlisted: set[int] = set()  # blocks this step's sync pulls did not fill
@@ -275,6 +276,7 @@ class KVBridgeWorker:
         if self._meta is not None:
             self.hashes.apply_removals(self._meta.block_hashes)
             self._stores_after_forward = self._meta.block_hashes
+            self._step_id = self._meta.step_id  # named back by this step's report
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
@@ -384,18 +386,16 @@ class KVBridgeWorker:
             outcomes = self.offload_sender.take_outcomes()
         counters, transfer_s, queue_s = self.stats.take_report()
         holders = None if self.transport is None else self.transport.one_sided_holders()
-        if holders == self._one_sided_reported:
-            holders = None  # unchanged since the last report
-        else:
-            self._one_sided_reported = holders
+        changed, self._one_sided_reported = holders != self._one_sided_reported, holders
         return KVBridgeWorkerMeta(
             tp_rank=0 if self.tp_layout is None else self.tp_layout.tp_rank,
+            step_id=self._step_id,
             stats=StatsDelta(counters=counters, transfer_s=transfer_s, queue_s=queue_s),
             pulls=self.puller.take_reports(),
             offload_outcomes=[tuple(outcome) for outcome in outcomes],
             store_incarnation=0 if self.offload_sender is None
             else self.offload_sender.store_incarnation,
-            one_sided_holders=holders,
+            one_sided_holders=holders if changed else None,  # None: as last reported
         )
 
     def _count_board_reads(self) -> None:

@@ -133,3 +133,17 @@ def test_a_handoff_read_under_a_lease_is_not_counted_as_an_index_read():
     assert checks.recheck_blocks(0, [7], [H7], lease) == []
     # A handoff's bytes are counted when its lease is released (on_transfer_done).
     assert (stats.num_index_blocks_served, stats.bytes_sent) == (0, 0)
+
+
+def test_a_step_s_report_names_the_step_its_orders_came_from():
+    # The scheduler half publishes a step's blocks once a report names that step: the report is
+    # built at the end of the step (after wait_for_save), and numbered steps are never empty.
+    worker = _worker()
+    assert worker.build_connector_worker_meta().is_empty()  # no orders yet: nothing to say
+    for step_id in (1, 2):
+        worker.bind_connector_metadata(KVBridgeConnectorMetadata(
+            step_id=step_id, block_hashes=_delta(stored={4 + step_id: H5})))
+        worker.wait_for_save()
+        report = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        assert report.step_id == step_id and not report.is_empty()

@@ -54,6 +54,7 @@ from vllm.config import (
 )
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -96,7 +97,7 @@ _ids = itertools.count(1)
 
 def _vllm_config(
     role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False,
-    kv_events: bool = False, hash_algo: str = HASH_ALGO,
+    kv_events: bool = False, hash_algo: str = HASH_ALGO, async_scheduling: bool = False,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(_model.tiny_llama(hybrid=hybrid)),
@@ -111,6 +112,7 @@ def _vllm_config(
         max_model_len=1024,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
     )
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo
@@ -146,6 +148,7 @@ def make_scheduler(
     worker_port: int = WORKER_PORT,
     kv_events: bool = False,
     hash_algo: str = HASH_ALGO,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     """A real vLLM ``Scheduler`` whose connector is ``KVBridgeConnector``'s scheduler half.
 
@@ -163,10 +166,13 @@ def make_scheduler(
     ``"<engine_id>-inc-1"``; a node with an ``index_url`` needs a number). ``kv_events``:
     vLLM's own KV events on (``KVEventsConfig``, the "null" publisher). ``hash_algo``: vLLM's
     ``prefix_caching_hash_algo`` (``make_request`` hashes with ``HASH_ALGO``).
+    ``async_scheduling``: vLLM's ``AsyncScheduler`` (the next step may be scheduled before
+    the last one's output is given back), as vLLM runs by default on a GPU.
     """
     assert incarnation is None or tp_size is None, "incarnation names one rank's"
     engine_id = engine_id or role.removeprefix("kv_")
-    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid, kv_events, hash_algo)
+    vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid, kv_events, hash_algo,
+                               async_scheduling)
     geometry = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
     groups = [KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(**geometry))]
     if hybrid:
@@ -181,7 +187,7 @@ def make_scheduler(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
     )
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    scheduler = Scheduler(
+    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -265,12 +271,12 @@ def ticket_for(
     return params
 
 
-def worker_report(*, pulls: Iterable[PullReport] = (), tp_rank: int = 0,
+def worker_report(*, pulls: Iterable[PullReport] = (), tp_rank: int = 0, step_id: int = 0,
                   **counters: int) -> _WorkerReport:
     """The ``kv_connector_worker_meta`` a worker half (rank ``tp_rank``) sends with these
-    counter increments and settled ``pulls``."""
+    counter increments and settled ``pulls`` at the end of step ``step_id`` (0: unnumbered)."""
     meta = KVBridgeWorkerMeta(tp_rank=tp_rank, stats=StatsDelta(counters=dict(counters)),
-                              pulls=list(pulls))
+                              pulls=list(pulls), step_id=step_id)
     return _WorkerReport([encode_worker_meta(meta)])
 
 

@@ -241,6 +241,52 @@ def test_the_block_events_are_built_after_the_step_not_inside_schedule(pair, mon
     assert index_entries(a) == pool_entries(a)
 
 
+def _reported(scheduler, output):
+    """``update_from_output`` with the report a worker half sends at the end of ``output``'s
+    step: it names the step its orders came from (``step_id``)."""
+    meta = decode_metadata(output.kv_connector_metadata.payload)
+    scheduler.update_from_output(
+        output, model_runner_output(output, worker_meta=worker_report(step_id=meta.step_id)))
+
+
+def test_under_async_scheduling_a_step_s_blocks_are_published_after_its_own_forward():
+    # vLLM's AsyncScheduler (its default on a GPU) schedules step N + 1 before step N's output
+    # comes back, and allocate_slots hashes N + 1's new full blocks as it schedules them:
+    # published with step N's output, they would be listed while N + 1's forward has not yet
+    # computed their KV (a peer's pull of them would fail the holder's re-check and recompute).
+    # Each step's orders are numbered; a step is published once a report names it.
+    a = index_node("a-async", _namespace(), async_scheduling=True)
+    try:
+        first, second = (make_request(_prompt(seed, 300), max_tokens=2) for seed in (61, 62))
+        a.add_request(first)
+        _reported(a, a.schedule())  # (first's index lookup: a miss)
+        wait_lookups(a)
+        a.add_request(second)
+        step_n = a.schedule()  # first's prefill; second's lookup
+        wait_lookups(a)
+        step_n1 = a.schedule()  # second's prefill, before step N's output (the batch queue)
+        meta_n, meta_n1 = (decode_metadata(out.kv_connector_metadata.payload)
+                           for out in (step_n, step_n1))
+        assert meta_n1.step_id == meta_n.step_id + 1
+        blocks_n = set(meta_n.block_hashes.stored_block_ids)
+        blocks_n1 = set(meta_n1.block_hashes.stored_block_ids)
+        assert len(blocks_n) == len(blocks_n1) == 9 and not blocks_n & blocks_n1
+        _reported(a, step_n)
+        assert client_of(a).flush()
+        assert {block_id for _, _, block_id in index_entries(a)} == blocks_n
+        _reported(a, step_n1)
+        assert client_of(a).flush()
+        assert index_entries(a) == pool_entries(a)
+        for _ in range(8):  # to the end, each step reported as its worker would
+            if a.requests:
+                _reported(a, a.schedule())
+        assert client_of(a).flush()
+        assert index_entries(a) == pool_entries(a)
+    finally:
+        assert_scheduler_empty(a)
+        connector_of(a).shutdown()
+
+
 def test_requests_without_params_are_read_as_they_are(pair, monkeypatch):
     # vLLM asks about every waiting request at every step: one without kv_transfer_params is
     # looked up, allocated and finished on vLLM's own Request (no RequestView built per call)
