@@ -33,8 +33,9 @@ key                          default   meaning
                                        same-host holder's block board (a memory copy of at most
                                        ``AUTO_SYNC_MAX_BYTES``, no network wait) and for an
                                        index hit of a request alone in the engine (nothing
-                                       batched with it to stall), async for every other pull
-                                       and for several KV cache groups
+                                       batched with it to stall), async for every other pull,
+                                       for several KV cache groups and under vLLM's async
+                                       scheduling (``vllm.load_modes``)
 ``sync_load_timeout_s``      2.0       deadline of one pull loaded inside its step
 ``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
                                        a heartbeat

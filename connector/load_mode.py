@@ -16,7 +16,9 @@ a handoff the worker half reads one-sided from a same-host holder's block board
 only as block ids, which it refuses with several groups); and, with one group, a hit found
 through the block index for a request that is the only one in the engine
 (``IndexMatcher``): nothing is batched with it, so the load stalls no other request's forward,
-and the first token comes one engine step sooner. Every other pull is async.
+and the first token comes one engine step sooner. Every other pull is async, and so is every
+pull under vLLM's async scheduling (``vllm.load_modes``: vLLM cannot recover a failed in-step
+load there).
 
 What it risks: the choice is made at scheduling from the worker's last report, before the read.
 The scheduler half first looks at the holder's board itself (``ticket_board``), and refuses a

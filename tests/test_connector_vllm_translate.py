@@ -3,6 +3,7 @@ from stand-ins shaped like vLLM 0.32.0's objects (tests/vllm_probe/VLLM_API_NOTE
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from kvbridge.connector.vllm.engine_identity import (
     kv_cache_dtype_of,
     model_revision_of,
 )
+from kvbridge.connector.vllm.load_modes import load_mode_for
 from kvbridge.connector.vllm.request_view import RequestView
 from kvbridge.connector.vllm.store_tier import check_store_tier
 from kvbridge.connector.vllm.translate import (
@@ -387,6 +389,26 @@ def test_the_store_tier_is_refused_with_pipeline_parallel_and_served_with_tensor
     no_store = config_from_vllm(_vllm_transfer_config(index_url=extra["index_url"]),
                                 model_name="tiny")
     check_store_tier(engine(2), no_store)  # the index alone: the ranks' own business
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True, None])
+@pytest.mark.parametrize("load_mode", ["auto", "async", "sync"])
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_a_load_mode_vllm_cannot_recover_from_is_refused_and_auto_turns_async(
+        async_scheduling, load_mode, num_groups):
+    # A failed in-step load reaches vLLM only as invalid_block_ids: refused for several groups,
+    # and under async scheduling the failed request would never finish (load_modes.py).
+    engine = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+    config = config_from_vllm(_vllm_transfer_config(load_mode=load_mode), model_name="tiny")
+    if load_mode == "sync" and (async_scheduling or num_groups > 1):
+        fix = "--no-async-scheduling" if num_groups == 1 else "several KV cache groups"
+        with pytest.raises(KVTransferConfigError, match=f"load_mode='sync'.*{fix}"):
+            load_mode_for(engine, config, num_groups=num_groups)
+        return
+    ran = load_mode_for(engine, config, num_groups=num_groups)
+    expected = "async" if async_scheduling and load_mode == "auto" else load_mode
+    assert ran.load_mode == expected and config.load_mode == load_mode
+    assert ran == dataclasses.replace(config, load_mode=expected)  # nothing else changed
 
 
 def test_request_view_gives_the_prompt_digest_its_inputs_and_only_token_ids():

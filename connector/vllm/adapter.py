@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..errors import KVTransferConfigError, KVTransferParamsError
+from ..errors import KVTransferParamsError
 from ..metadata import (
     WorkerHandshake,
     decode_metadata,
@@ -55,6 +55,7 @@ from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
 from ..worker_half import KVBridgeWorker
 from .engine_identity import engine_identity_fields, model_revision_of
+from .load_modes import load_mode_for
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
 from .offload_pool import VllmOffloadPool
@@ -113,8 +114,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     Raises:
         KVTransferConfigError: bad ``kv_connector_extra_config`` (naming the key), a KV cache
             group kvbridge cannot move, or a parallel layout it does not serve (pipeline,
-            data or context parallel, MLA: ``translate.refuse_unsupported_layout``), all
-            before anything is started.
+            data or context parallel, MLA: ``translate.refuse_unsupported_layout``),
+            ``load_mode`` "sync" where vLLM cannot take a failed sync load
+            (``load_modes.load_mode_for``), all before anything is started.
     """
 
     _cache_hit_source = CacheHitSource.P2P
@@ -141,12 +143,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         # Several groups (vLLM's hybrid allocator): a failed pull is reported by request
         # (``failed_recving``), since vLLM refuses block-level load errors there.
         self._hybrid = len(self._ours.kv_cache_groups) > 1
-        if self._hybrid and self.config.load_mode == "sync":
-            raise KVTransferConfigError(
-                "kv_connector_extra_config.load_mode='sync' with several KV cache groups: vLLM "
-                "takes a failed sync load only as block ids, which it refuses for a hybrid "
-                "model; use 'async'"
-            )
+        self.config = load_mode_for(vllm_config, self.config,
+                                    num_groups=len(self._ours.kv_cache_groups))
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
         self._store_events: StoreTierEvents | None = None
         self._follower: VllmPoolFollower | None = None

@@ -187,6 +187,8 @@ def make_scheduler(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
     )
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    # (vLLM's CPU platform turns async scheduling off in the config; on a GPU it stays on)
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,

@@ -287,6 +287,58 @@ def test_under_async_scheduling_a_step_s_blocks_are_published_after_its_own_forw
         connector_of(a).shutdown()
 
 
+def test_under_async_scheduling_a_lone_request_s_failed_hit_is_pulled_over_steps_and_recomputed():
+    # Under async scheduling vLLM cannot take a failed in-step load back: it skips the failed
+    # request's output but keeps the placeholder of the step scheduled meanwhile, and the
+    # request never finishes (load_modes.py). So "auto" pulls even a lone request's hit over
+    # later steps there; the failure is then a recompute, and the engine ends empty.
+    namespace = _namespace()
+    a = index_node("a", namespace)
+    b = index_node("b", namespace, extra={"idle_lookup_wait_s": 0.3, "load_mode": "auto"},
+                   async_scheduling=True)
+    try:
+        shared = _prompt(56, 320)
+        _cached_on_a(a, shared)
+        lone = make_request(shared + _prompt(57, 45), max_tokens=3)
+        b.add_request(lone)
+        step_n = b.schedule()  # (the arrival step waits for the answer: it is alone)
+        (pull,) = decode_metadata(step_n.kv_connector_metadata.payload).pulls
+        assert (pull.request_id, pull.sync, pull.num_external_tokens) == (
+            lone.request_id, False, 320)
+        assert step_n.num_scheduled_tokens == {}
+        other = make_request(_prompt(58, 100), max_tokens=2)
+        b.add_request(other)
+        step_n1 = b.schedule()  # before step N's output comes back
+        # Every block the pull was to write is refused by the holder.
+        meta = decode_metadata(step_n.kv_connector_metadata.payload)
+        b.update_from_output(step_n, model_runner_output(
+            step_n, worker_meta=worker_report(step_id=meta.step_id),
+            finished_recving=[lone.request_id],
+            invalid_block_ids=pull.groups[0].local_block_ids))
+        assert lone.request_id not in step_n1.num_scheduled_tokens
+        _reported(b, step_n1)
+        resumed = []
+        for _ in range(12):
+            if b.requests:
+                out = b.schedule()
+                resumed.append(out.num_scheduled_tokens.get(lone.request_id))
+                _reported(b, out)
+                wait_lookups(b)
+        assert not b.requests and not connector_of(b)._sched()._index_matcher._live
+        assert next(filter(None, resumed)) == 365  # recomputed from its first token
+        assert client_of(b).flush()
+        assert index_entries(b) == pool_entries(b)
+    finally:
+        for scheduler in (a, b):
+            assert_scheduler_empty(scheduler)
+            connector_of(scheduler).shutdown()
+
+
+def test_under_async_scheduling_load_mode_sync_is_refused_at_start():
+    with pytest.raises(KVTransferConfigError, match="--no-async-scheduling"):
+        index_node("b", _namespace(), extra={"load_mode": "sync"}, async_scheduling=True)
+
+
 def test_requests_without_params_are_read_as_they_are(pair, monkeypatch):
     # vLLM asks about every waiting request at every step: one without kv_transfer_params is
     # looked up, allocated and finished on vLLM's own Request (no RequestView built per call)

@@ -1,0 +1,67 @@
+"""Which ``load_mode`` a vLLM engine can run (``connector.load_mode``), read from vLLM's objects
+by attribute (no vLLM import, tested without vLLM).
+
+A pull that loads inside its step ("sync") reports a failure to vLLM only as
+``invalid_block_ids``. Two vLLM 0.32 set-ups cannot take that report:
+
+- several KV cache groups (the hybrid allocator): ``Scheduler._handle_invalid_blocks`` raises,
+  since block ids are unique within a group only;
+- async scheduling (``scheduler_config.async_scheduling``, vLLM's default on a GPU): the step
+  after a sync load is scheduled before the load's output comes back, with an output
+  placeholder for the request's next token. ``update_from_output`` then skips the failed
+  request's output (``vllm/v1/core/sched/scheduler.py``) but never gives the placeholder back,
+  so the request stays RUNNING with nothing left to compute and never finishes: its blocks are
+  never freed.
+
+So ``"sync"`` is refused in both, and ``"auto"`` (sync only where a load cannot stall other
+requests) loads every pull over later steps under async scheduling, as ``"async"`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ..config import KVTransferConfig
+from ..errors import KVTransferConfigError
+
+__all__ = ["load_mode_for"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_mode_for(vllm_config: Any, config: KVTransferConfig, *,
+                  num_groups: int) -> KVTransferConfig:
+    """``config`` with the ``load_mode`` this engine runs: unchanged, or ``"auto"`` made
+    ``"async"`` under vLLM's async scheduling (logged once, at start). Called once per
+    connector half, at construction; reads ``vllm_config.scheduler_config.async_scheduling``.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig`` (read only).
+        config: the node's validated settings (not mutated: a copy is returned).
+        num_groups: the engine's KV cache groups.
+
+    Raises:
+        KVTransferConfigError: ``load_mode`` ``"sync"`` with several KV cache groups or under
+            async scheduling, naming the settings that fix it.
+    """
+    if config.load_mode == "sync" and num_groups > 1:
+        raise KVTransferConfigError(
+            "kv_connector_extra_config.load_mode='sync' with several KV cache groups: vLLM "
+            "takes a failed sync load only as block ids, which it refuses for a hybrid "
+            "model; use 'async'"
+        )
+    async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+    if not async_scheduling or config.load_mode == "async":
+        return config
+    if config.load_mode == "sync":
+        raise KVTransferConfigError(
+            "kv_connector_extra_config.load_mode='sync' under vLLM's async scheduling: vLLM "
+            "never finishes a request whose in-step load fails there; use 'auto' or 'async', "
+            "or start vLLM with --no-async-scheduling"
+        )
+    logger.info("kvbridge: vLLM's async scheduling is on, so load_mode 'auto' loads every "
+                "pull over later engine steps ('async'): a failed in-step load cannot be "
+                "recovered there")
+    return dataclasses.replace(config, load_mode="async")
