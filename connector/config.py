@@ -35,7 +35,9 @@ key                          default   meaning
                                        index hit of a request alone in the engine (nothing
                                        batched with it to stall), async for every other pull,
                                        for several KV cache groups and under vLLM's async
-                                       scheduling (``vllm.load_modes``)
+                                       scheduling (its default on a GPU, where ``"sync"`` is
+                                       refused: vLLM cannot recover a failed in-step load
+                                       there)
 ``sync_load_timeout_s``      2.0       deadline of one pull loaded inside its step
 ``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
                                        a heartbeat
@@ -148,7 +150,8 @@ _LOAD_MODES = ("auto", "async", "sync")
 AUTO_SYNC_MAX_BYTES = 4 << 20
 """``load_mode`` ``"auto"`` loads a one-sided handoff of at most this many KV bytes inside the
 step (``kvbridge.transport.cma.INLINE_COPY_MAX_BYTES``: a copy that short costs the step less
-than a step; docs/architecture.md, "Design measurements"); a larger one runs over later steps."""
+than a step; docs/architecture.md, "Design measurements"); a larger one runs over later steps,
+and so does every pull under vLLM's async scheduling (``vllm.load_modes``)."""
 _OUTER_KEYS = frozenset(
     {
         "kv_connector",

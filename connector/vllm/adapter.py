@@ -143,7 +143,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         # Several groups (vLLM's hybrid allocator): a failed pull is reported by request
         # (``failed_recving``), since vLLM refuses block-level load errors there.
         self._hybrid = len(self._ours.kv_cache_groups) > 1
-        self.config = load_mode_for(vllm_config, self.config,
+        self.config = load_mode_for(vllm_config, self.config, say=role == KVConnectorRole.SCHEDULER,
                                     num_groups=len(self._ours.kv_cache_groups))
         hash_fn_name = str(vllm_config.cache_config.prefix_caching_hash_algo)
         self._store_events: StoreTierEvents | None = None

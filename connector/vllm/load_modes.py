@@ -9,9 +9,10 @@ A pull that loads inside its step ("sync") reports a failure to vLLM only as
 - async scheduling (``scheduler_config.async_scheduling``, vLLM's default on a GPU): the step
   after a sync load is scheduled before the load's output comes back, with an output
   placeholder for the request's next token. ``update_from_output`` then skips the failed
-  request's output (``vllm/v1/core/sched/scheduler.py``) but never gives the placeholder back,
-  so the request stays RUNNING with nothing left to compute and never finishes: its blocks are
-  never freed.
+  request's output (``vllm/v1/core/sched/scheduler.py``) but never gives the placeholder back:
+  a request alone in that step stays RUNNING with nothing left to compute and never finishes
+  (its blocks are never freed); one scheduled again in the next step has its next token
+  decoded over KV that never loaded before it is recomputed.
 
 So ``"sync"`` is refused in both, and ``"auto"`` (sync only where a load cannot stall other
 requests) loads every pull over later steps under async scheduling, as ``"async"`` does.
@@ -31,16 +32,17 @@ __all__ = ["load_mode_for"]
 logger = logging.getLogger(__name__)
 
 
-def load_mode_for(vllm_config: Any, config: KVTransferConfig, *,
-                  num_groups: int) -> KVTransferConfig:
+def load_mode_for(vllm_config: Any, config: KVTransferConfig, *, num_groups: int,
+                  say: bool = True) -> KVTransferConfig:
     """``config`` with the ``load_mode`` this engine runs: unchanged, or ``"auto"`` made
-    ``"async"`` under vLLM's async scheduling (logged once, at start). Called once per
-    connector half, at construction; reads ``vllm_config.scheduler_config.async_scheduling``.
+    ``"async"`` under vLLM's async scheduling. Called once per connector half, at
+    construction; reads ``vllm_config.scheduler_config.async_scheduling``.
 
     Args:
         vllm_config: vLLM's ``VllmConfig`` (read only).
         config: the node's validated settings (not mutated: a copy is returned).
         num_groups: the engine's KV cache groups.
+        say: log the change of ``"auto"`` (once per engine: the scheduler half's call).
 
     Raises:
         KVTransferConfigError: ``load_mode`` ``"sync"`` with several KV cache groups or under
@@ -61,7 +63,8 @@ def load_mode_for(vllm_config: Any, config: KVTransferConfig, *,
             "never finishes a request whose in-step load fails there; use 'auto' or 'async', "
             "or start vLLM with --no-async-scheduling"
         )
-    logger.info("kvbridge: vLLM's async scheduling is on, so load_mode 'auto' loads every "
-                "pull over later engine steps ('async'): a failed in-step load cannot be "
-                "recovered there")
+    if say:
+        logger.info("vLLM's async scheduling is on, so load_mode 'auto' loads every pull over "
+                    "later engine steps ('async'): vLLM cannot recover a failed in-step load "
+                    "there")
     return dataclasses.replace(config, load_mode="async")

@@ -26,19 +26,22 @@ pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 import kvbridge.transport.cma as cma
 from _vllm_sched_builders import (
+    BLOCK_SIZE,
     assert_scheduler_empty,
     connector_of,
     make_request,
     make_scheduler,
+    model_runner_output,
     run_to_end,
     step,
     ticket_for,
 )
 from kvbridge.connector.lease import LeaseTable
-from kvbridge.connector.metadata import KVBridgeWorkerMeta, encode_worker_meta
+from kvbridge.connector.metadata import KVBridgeWorkerMeta, decode_metadata, encode_worker_meta
 from kvbridge.connector.ticket_board import BOARD_REFUSAL
 from kvbridge.connector.vllm.adapter import _WorkerReport
 from kvbridge.transport import BlockBoard, BoardRef
+from vllm.v1.request import RequestStatus
 
 if not cma.available():
     pytest.skip("this system has no process_vm_readv", allow_module_level=True)
@@ -136,3 +139,32 @@ def test_a_ticket_only_p_can_answer_for_is_planned_as_without_the_look(case):
     assert first.scheduled == {request.request_id: 1}
     (plan,) = first.meta.pulls
     assert plan.sync and plan.refused == "" and len(plan.groups[0].local_block_ids) == 3
+
+
+def test_under_async_scheduling_a_handoff_the_board_vouches_for_loads_over_later_steps():
+    # vLLM's AsyncScheduler (its default on a GPU) schedules the next step before a step's
+    # output comes back, and cannot finish a request whose in-step load failed
+    # (connector/vllm/load_modes.py): there the same handoff is pulled over later steps, and a
+    # block that does not land is recomputed from it, with the step after already scheduled.
+    p = _P()
+    p.grant("p-req-1", X)
+    scheduler = make_scheduler("kv_consumer", policy="recompute", async_scheduling=True)
+    step(scheduler, worker_meta=p.report)
+    assert connector_of(scheduler).config.load_mode == "async"
+    request = make_request(X, kv_transfer_params=ticket_for(len(X)))
+    scheduler.add_request(request)
+    planned = scheduler.schedule()
+    (plan,) = decode_metadata(planned.kv_connector_metadata.payload).pulls
+    assert not plan.sync and planned.num_scheduled_tokens == {}
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    block_ids = list(plan.groups[0].local_block_ids)
+    following = scheduler.schedule()  # before the planning step's output
+    scheduler.update_from_output(planned, model_runner_output(
+        planned, finished_recving=[request.request_id], invalid_block_ids=block_ids[1:2]))
+    scheduler.update_from_output(following, model_runner_output(following))
+    resumed = step(scheduler)
+    (new,) = resumed.output.scheduled_new_reqs
+    assert (new.num_computed_tokens, resumed.scheduled) == (
+        BLOCK_SIZE, {request.request_id: len(X) - BLOCK_SIZE})  # from the block that failed
+    run_to_end(scheduler)
+    assert_scheduler_empty(scheduler)
