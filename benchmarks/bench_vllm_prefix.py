@@ -21,9 +21,8 @@ tiny Llama). Rows:
 - ``lmcache``: the same prompts (the first round's) through LMCache 0.5.6's multiprocess
   connector (its server and two engines in the venv that ``--lmcache-python`` /
   ``KVBRIDGE_LMCACHE_PYTHON`` names; the engines in vLLM's multiprocess mode,
-  ``_prefix_engines.spawned_engine`` says why), interleaved prompt by prompt with
-  ``cross_spawned`` (each prompt to both Bs, in turn first), so that ``cross_over_lmcache``
-  compares engines started alike, on the host alike (spawned kvbridge / spawned LMCache;
+  ``_prefix_engines.spawned_engine`` says why), and before it ``cross_spawned``, so that
+  ``cross_over_lmcache`` compares engines started alike (spawned kvbridge / spawned LMCache;
   ``cross_inproc_over_lmcache``: the ``cross`` row's in-process engines / LMCache's). Skipped,
   ``cross_spawned`` included, saying why, when no such venv imports ``lmcache`` (it is never
   installed here). Both need the ``cross`` row (its reference tokens).
@@ -119,42 +118,25 @@ def cross_rows(args, model: str, redis_url: str, logs: Path, tally: Tally,
 
 
 def spawned_cross(args, model: str, redis_url: str, logs: Path, tally: Tally,
-                  prompts: Prompts, reference: dict, rival: tuple[Any, Any] | None = None,
-                  ) -> dict[str, int]:
+                  prompts: Prompts, reference: dict) -> dict[str, int]:
     """``cross_spawned`` (module docstring) into ``tally``; how many of B's prompts covered
-    their prefix with pulled blocks, and the ``p2p`` tokens vLLM counted on B.
-
-    ``rival``: LMCache's (A, B), started and serving: each prompt then goes to kvbridge's B and
-    LMCache's B one after the other, in turn first (``lmcache`` and ``lmcache_local`` into
-    ``tally``), so that both sides of ``cross_over_lmcache`` see the host alike (single runs of
-    one side after the other moved by up to a quarter here)."""
+    their prefix with pulled blocks, and the ``p2p`` tokens vLLM counted on B."""
     flush_index(redis_url)  # the cross row's stopped engines published these same prefixes
     llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
     index = {"index_url": redis_url, "load_timeout_s": 10.0}
     a = spawned_engine("spawned-a", model, logs, extra=index, llm=llm)
     b = spawned_engine("spawned-b", model, logs, extra=index, llm=llm)
-    rival_a, rival_b = rival or (None, None)
     pulled = 0
     try:
         start_all(a, b)
         serve(a, prompts.prefixes)
-        if rival_a is not None:
-            serve(rival_a, prompts.prefixes)
         p2p = -b.metrics().get(P2P, 0.0)
-        for which, batch, cases in ((1, prompts.first, (SPAWNED, "lmcache")),
-                                    (2, prompts.second, (LOCAL_SPAWNED, "lmcache_local"))):
-            for i, prompt in enumerate(batch):
-                turns = [(b, cases[0]), (rival_b, cases[1])][:: 1 if i % 2 == 0 else -1]
-                for node, case in turns:
-                    if node is None:
-                        continue
-                    (out,) = node.generate([request(prompt, args.max_tokens)])
-                    tally.add(case, i, out, reference[0, i, which])
-                    if case == SPAWNED:  # (a fresh B covers a prefix with pulled blocks only)
-                        whole = len(prompts.prefixes[i]) // BLOCK * BLOCK
-                        pulled += out["num_cached_tokens"] >= whole
-            if which == 1:
-                p2p += b.metrics().get(P2P, 0.0)
+        for i, prompt in enumerate(prompts.first):
+            (out,) = b.generate([request(prompt, args.max_tokens)])
+            tally.add(SPAWNED, i, out, reference[0, i, 1])
+            pulled += out["num_cached_tokens"] >= len(prompts.prefixes[i]) // BLOCK * BLOCK
+        p2p += b.metrics().get(P2P, 0.0)
+        serve_local_hits(b, LOCAL_SPAWNED, args, tally, prompts, reference)
     finally:
         for node in (a, b):
             node.stop()
@@ -164,16 +146,26 @@ def spawned_cross(args, model: str, redis_url: str, logs: Path, tally: Tally,
     return {"b_spawned_pulled_prompts": pulled, "b_spawned_p2p_tokens": int(p2p)}
 
 
+def serve_local_hits(b, case: str, args, tally: Tally, prompts: Prompts,
+                     reference: dict) -> None:
+    """B (spawned, its cross-instance hits served) gets each prefix again with the second
+    suffix: a hit in B's own prefix cache, the floor of a cross-instance hit on engines
+    started alike (no transfer beats it), into ``tally`` as ``case``."""
+    for i, prompt in enumerate(prompts.second):
+        (out,) = b.generate([request(prompt, args.max_tokens)])
+        tally.add(case, i, out, reference[0, i, 2])
+
+
 def lmcache_row(args, model: str, redis_url: str, logs: Path, tally: Tally, prompts: Prompts,
                 reference: dict | None) -> tuple[str, dict[str, int] | None]:
-    """The cross-instance hit through LMCache's multiprocess server, interleaved prompt by
-    prompt with ``cross_spawned`` (``spawned_cross``'s ``rival``); ("", ``spawned_cross``'s
-    counts) or (why not run, None)."""
+    """``cross_spawned``, then the cross-instance hit through LMCache's multiprocess server;
+    ("", ``spawned_cross``'s counts) or (why not run, None)."""
     python, why = lmcache_python(args.lmcache_python)
     if python is None:
         return why, None
     if reference is None:
         return "not run: needs the cross row (its reference tokens)", None
+    spawned = spawned_cross(args, model, redis_url, logs, tally, prompts, reference)
     port = free_port()
     server = start_lmcache_server(python, port, logs)
     llm = {"kv_cache_memory_bytes": args.kv_bytes, "max_model_len": args.max_model_len}
@@ -183,8 +175,11 @@ def lmcache_row(args, model: str, redis_url: str, logs: Path, tally: Tally, prom
                        python=python)
     try:
         start_all(a, b)
-        spawned = spawned_cross(args, model, redis_url, logs, tally, prompts, reference,
-                                rival=(a, b))
+        serve(a, prompts.prefixes)
+        for i, prompt in enumerate(prompts.first):
+            (out,) = b.generate([request(prompt, args.max_tokens)])
+            tally.add("lmcache", i, out, reference[0, i, 1])
+        serve_local_hits(b, "lmcache_local", args, tally, prompts, reference)
     finally:
         for node in (a, b):
             node.stop()
