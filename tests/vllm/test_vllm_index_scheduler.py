@@ -302,7 +302,8 @@ def test_under_async_scheduling_a_lone_request_s_failed_hit_is_pulled_over_steps
         lone = make_request(shared + _prompt(57, 45), max_tokens=3)
         b.add_request(lone)
         step_n = b.schedule()  # (the arrival step waits for the answer: it is alone)
-        (pull,) = decode_metadata(step_n.kv_connector_metadata.payload).pulls
+        meta = decode_metadata(step_n.kv_connector_metadata.payload)
+        (pull,) = meta.pulls
         assert (pull.request_id, pull.sync, pull.num_external_tokens) == (
             lone.request_id, False, 320)
         assert step_n.num_scheduled_tokens == {}
@@ -310,7 +311,6 @@ def test_under_async_scheduling_a_lone_request_s_failed_hit_is_pulled_over_steps
         b.add_request(other)
         step_n1 = b.schedule()  # before step N's output comes back
         # Every block the pull was to write is refused by the holder.
-        meta = decode_metadata(step_n.kv_connector_metadata.payload)
         b.update_from_output(step_n, model_runner_output(
             step_n, worker_meta=worker_report(step_id=meta.step_id),
             finished_recving=[lone.request_id],
