@@ -363,7 +363,16 @@ def assert_drained(*nodes: Node) -> None:
 def kvbridge_config(role: str, engine_id: str, *, policy: str = "recompute",
                     **extra: Any) -> dict[str, Any]:
     """The contract of issue 13: ``role`` is ``"producer"`` or ``"consumer"``; ``extra`` goes to
-    ``kv_connector_extra_config`` (``cma``, ``load_timeout_s``, ``lease_s``, ...)."""
+    ``kv_connector_extra_config`` (``cma``, ``load_timeout_s``, ``lease_s``, ...).
+
+    Given ``load_timeout_s`` and no ``lease_s``, P's lease is ``max(30, 3 * load_timeout_s)``,
+    as ``make demo-vllm`` sets it (``connector/serve/demo/vllm_pd.py``). The tests count D's
+    release notices, and one CI run saw both loop threads of a TP=2 D stand still for 30 s
+    right after its loads had landed (on a 2-core host, while a worker ran its forward): with a
+    lease as long as D's load deadline, P's lease ran out before the notice came. The load's
+    own deadline is unchanged."""
+    if "load_timeout_s" in extra:
+        extra.setdefault("lease_s", max(30.0, 3 * extra["load_timeout_s"]))
     return {"kv_connector": "KVBridgeConnector",
             "kv_connector_module_path": "kvbridge.connector.vllm",
             "kv_role": f"kv_{role}", "engine_id": engine_id,
