@@ -185,9 +185,11 @@ class Node:
         """``{"requests", "free_blocks", "num_blocks"}`` of the scheduler (in-process only)."""
         return self.call({"cmd": "state"}, 60)["state"]
 
-    def wait_drained(self, timeout_s: float = 20.0) -> dict[str, Any] | None:
+    def wait_drained(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
         """Poll ``state()`` until the scheduler holds no request and every block is free
-        (vLLM's null block is never free); returns the last state (None in mp mode)."""
+        (vLLM's null block is never free); returns the last state (None in mp mode). Returns
+        at once when drained; the timeout outlasts a connector loop stalled for about a lease
+        (``kvbridge_config``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             st = self.state()

@@ -119,7 +119,9 @@ def _handover(p: Node, d: Node, names, reference) -> tuple[dict, dict, dict]:
     return delta, rank_delta, p_delta
 
 
-def _wait_released(p: Node, before: dict, n: int, timeout_s: float = 20.0) -> dict:
+def _wait_released(p: Node, before: dict, n: int, timeout_s: float = 2 * LOAD_TIMEOUT_S) -> dict:
+    """P's stats once its leases of ``n`` more requests were released (at once when they are;
+    the timeout outlasts a D loop stalled for about a lease, ``_harness.kvbridge_config``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         after = p.stats()
