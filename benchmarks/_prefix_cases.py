@@ -10,6 +10,8 @@ from typing import Any
 
 from _prefix_engines import Node
 
+VLLM_BUSY_LOOP_S = 1.0  # vLLM 0.32's MessageQueue default
+
 __all__ = ["Prompts", "Tally", "flush_index", "request", "serve", "start_all", "tokens"]
 
 
@@ -70,9 +72,13 @@ def start_all(*nodes: Node) -> None:
 
 
 def serve(node: Node, prompts: list[list[int]]) -> None:
-    """``node`` computes ``prompts`` (one token each), then its blocks reach the index."""
+    """``node`` computes ``prompts`` (one token each), then its blocks reach the index and
+    its processes go idle: a vLLM worker spins on its step queue for ``VLLM_BUSY_LOOP_S``
+    after its last step (``shm_broadcast.MessageQueue.busy_loop_s``), and on this host of two
+    cores that spin would take a core from the engine measured next, whatever its
+    connector."""
     node.generate([request(p, 1) for p in prompts])
-    time.sleep(0.5)
+    time.sleep(VLLM_BUSY_LOOP_S + 0.5)
 
 
 def flush_index(redis_url: str) -> None:
