@@ -274,11 +274,15 @@ def ticket_for(
 
 
 def worker_report(*, pulls: Iterable[PullReport] = (), tp_rank: int = 0, step_id: int = 0,
-                  **counters: int) -> _WorkerReport:
+                  offload_outcomes: Iterable[tuple[int, bytes, bool, bool]] = (),
+                  store_incarnation: int = 0, **counters: int) -> _WorkerReport:
     """The ``kv_connector_worker_meta`` a worker half (rank ``tp_rank``) sends with these
-    counter increments and settled ``pulls`` at the end of step ``step_id`` (0: unnumbered)."""
+    counter increments and settled ``pulls`` at the end of step ``step_id`` (0: unnumbered);
+    ``offload_outcomes`` from the store of ``store_incarnation`` (``OffloadOutcome`` tuples)."""
     meta = KVBridgeWorkerMeta(tp_rank=tp_rank, stats=StatsDelta(counters=dict(counters)),
-                              pulls=list(pulls), step_id=step_id)
+                              pulls=list(pulls), step_id=step_id,
+                              offload_outcomes=list(offload_outcomes),
+                              store_incarnation=store_incarnation)
     return _WorkerReport([encode_worker_meta(meta)])
 
 

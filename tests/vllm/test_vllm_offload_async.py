@@ -25,14 +25,9 @@ from _vllm_sched_builders import (
     connector_of,
     make_request,
     model_runner_output,
+    worker_report,
 )
-from kvbridge.connector.metadata import (
-    KVBridgeWorkerMeta,
-    StatsDelta,
-    decode_metadata,
-    encode_worker_meta,
-)
-from kvbridge.connector.vllm.adapter import _WorkerReport
+from kvbridge.connector.metadata import decode_metadata
 from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from test_vllm_index_scheduler import _namespace, _prompt, index_node, wait_lookups
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -42,12 +37,10 @@ def _report(scheduler, output) -> None:
     """``update_from_output`` with a worker report of ``output``'s step that names the step
     and says the store now holds each of its offload items."""
     meta = decode_metadata(output.kv_connector_metadata.payload)
-    worker = KVBridgeWorkerMeta(
-        tp_rank=0, stats=StatsDelta(counters={}), step_id=meta.step_id, store_incarnation=1,
+    scheduler.update_from_output(output, model_runner_output(output, worker_meta=worker_report(
+        step_id=meta.step_id, store_incarnation=1,
         offload_outcomes=[(group_id, block_hash, True, False)
-                          for _, group_id, block_hash, _ in meta.offload_items])
-    scheduler.update_from_output(output, model_runner_output(
-        output, worker_meta=_WorkerReport([encode_worker_meta(worker)])))
+                          for _, group_id, block_hash, _ in meta.offload_items])))
 
 
 def test_every_offload_item_names_a_block_computed_before_its_step_and_still_holding_it():
