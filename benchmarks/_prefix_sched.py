@@ -22,6 +22,12 @@ the steps, one output token each). Per burst:
 - ``wait_steps`` / ``wait_s``: steps that scheduled nothing while lookups were out (vLLM's idle
   engine loop asks again at once: no forward runs, so they cost only this loop's time);
 - ``wall_s``: the burst's ``generate`` call, from submission to the last output.
+
+``--sched-breakdown`` also times, per working step, the calls a connector adds inside
+``schedule()`` and the pool's ``cache_full_blocks`` (vLLM's own work, with the index on also
+kvbridge's journal of the prefix cache: ``pool_follower.py``), as ``us_<call>``: where the
+index's and the connector's part of the step goes. Each timer adds its own cost to the step, so
+a run with it is not the row's figure.
 """
 
 from __future__ import annotations
@@ -68,11 +74,15 @@ def sched_child(args: argparse.Namespace) -> None:
     schedule = scheduler.schedule
     meta_s = [0.0]  # build_connector_meta's time in the current schedule()
 
+    steps_parts: list[dict[str, float]] = []  # per schedule(), with --sched-breakdown
+
     def timed_schedule(*args: Any, **kwargs: Any) -> Any:
         meta_s[0] = 0.0
+        parts.clear()
         start = time.perf_counter()
         out = schedule(*args, **kwargs)
         times.append((time.perf_counter() - start, out.total_num_scheduled_tokens, meta_s[0]))
+        steps_parts.append(dict(parts))
         return out
 
     scheduler.schedule = timed_schedule
@@ -88,6 +98,9 @@ def sched_child(args: argparse.Namespace) -> None:
                 meta_s[0] += time.perf_counter() - start
 
         connector.build_connector_meta = timed_build
+    parts: dict[str, float] = {}  # --sched-breakdown: seconds per call name in this schedule()
+    if args.sched_breakdown:
+        _time_parts(scheduler, parts)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     bursts = []
     for burst in range(args.sched_bursts + 1):  # burst 0 warms the engine up
@@ -95,18 +108,45 @@ def sched_child(args: argparse.Namespace) -> None:
         prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(args.sched_tokens)]}
                    for _ in range(args.sched_requests)]
         times.clear()
+        steps_parts.clear()
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - started
         working = [t for t, n, _ in times if n > 0]
         waiting = [t for t, n, _ in times[1:] if n == 0]
-        bursts.append({"step_s": statistics.mean(working), "steps": len(working),
-                       "first_step_s": times[0][0], "first_step_meta_s": times[0][2],
-                       "wait_steps": len(waiting), "wait_s": sum(waiting), "wall_s": wall})
+        burst_row = {"step_s": statistics.mean(working), "steps": len(working),
+                     "first_step_s": times[0][0], "first_step_meta_s": times[0][2],
+                     "wait_steps": len(waiting), "wait_s": sum(waiting), "wall_s": wall}
+        working_parts = [p for (_, n, _), p in zip(times, steps_parts, strict=True) if n > 0]
+        for name in sorted({name for p in working_parts for name in p}):
+            burst_row[f"us_{name}"] = 1e6 * statistics.mean(p.get(name, 0.0)
+                                                            for p in working_parts)
+        bursts.append(burst_row)
     stats = None
     if args.side in ("index", "connector"):
         stats = scheduler.connector.stats.snapshot()
     Path(args.out).write_text(json.dumps({"bursts": bursts[1:], "stats": stats}))
+
+
+def _time_parts(scheduler: Any, parts: dict[str, float]) -> None:
+    """Wrap the connector's per-request calls inside ``schedule()`` and the block pool's
+    ``cache_full_blocks`` with timers adding to ``parts`` (``--sched-breakdown``)."""
+    targets = [(scheduler.kv_cache_manager.block_pool, "cache_full_blocks")]
+    if scheduler.connector is not None:
+        targets += [(scheduler.connector, name) for name in (
+            "get_num_new_matched_tokens", "update_state_after_alloc",
+            "get_external_cache_hit_sources", "build_connector_meta")]
+    for owner, name in targets:
+        call = getattr(owner, name)
+
+        def timed(*args: Any, _call: Any = call, _name: str = name, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                parts[_name] = parts.get(_name, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
 
 
 def _spawn(args: argparse.Namespace, side: str, model_path: str, redis_url: str,
@@ -118,6 +158,8 @@ def _spawn(args: argparse.Namespace, side: str, model_path: str, redis_url: str,
            "--sched-tokens", str(args.sched_tokens), "--sched-requests",
            str(args.sched_requests), "--sched-bursts", str(args.sched_bursts),
            "--kv-bytes", str(args.sched_kv_bytes)]
+    if args.sched_breakdown:
+        cmd.append("--sched-breakdown")
     log = open(out / f"sched-{side}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -160,8 +202,9 @@ def run_sched_row(args: argparse.Namespace, model_path: str, redis_url: str, out
                 lookups[side][1] += result["stats"].get("num_index_hits", 0)
     row: dict[str, Any] = {}
     for side in SIDES:
-        row[side] = {key: statistics.median(b[key] for b in bursts[side])
-                     for key in bursts[side][0]}
+        keys = dict.fromkeys(key for b in bursts[side] for key in b)  # us_* may be absent
+        row[side] = {key: statistics.median(b.get(key, 0.0) for b in bursts[side])
+                     for key in keys}
         row[side]["step_s_by_repeat"] = by_repeat[side]
         if side in ("index", "connector"):
             row[side]["index_lookups"], row[side]["index_hits"] = lookups[side]

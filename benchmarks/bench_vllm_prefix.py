@@ -282,6 +282,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sched-kv-bytes", type=int, default=1 << 30)
     parser.add_argument("--sched-repeats", type=int, default=2,
                         help="runs of every side, alternating the order (medians over all)")
+    parser.add_argument("--sched-breakdown", action="store_true",
+                        help="also time each connector call inside schedule() (us_* per "
+                             "working step; the timers add to the step: not the row's figure)")
     parser.add_argument("--replay", type=int, default=0, metavar="N",
                         help="replay the trace's first N requests (0: skip the row)")
     parser.add_argument("--trace", default="/work/shared/traces/conversation_trace.jsonl")
@@ -399,6 +402,11 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
                   f"{row['first_step_s'] * 1e3:14.3f} {row['first_step_meta_s'] * 1e3:13.3f} "
                   f"{row['wait_steps']:10.0f} {row['wait_s'] * 1e3:8.2f} "
                   f"{row['wall_s'] * 1e3:14.1f}", flush=True)
+        for side in reversed(SIDES):  # --sched-breakdown
+            parts = {k[3:]: v for k, v in sched[side].items() if k.startswith("us_")}
+            if parts:
+                print(f"{side:9s} us per working step: " + ", ".join(
+                    f"{name} {us:.1f}" for name, us in parts.items()), flush=True)
         report["sched"] = {side: sched[side] for side in SIDES}
         for key in ("sched_index_over_off", "sched_index_over_connector", "sched_null_over_off",
                     "sched_index_over_null", "first_step_index_over_off",
