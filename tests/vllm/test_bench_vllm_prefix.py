@@ -33,7 +33,8 @@ from _prompts import N_NEW, PROMPTS  # noqa: E402
 def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports_each_row():
     env = {k: v for k, v in os.environ.items() if k != "KVBRIDGE_LMCACHE_PYTHON"}
     done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--rows", "cross", "lmcache",
-                           "cross_spawned", "sched"], capture_output=True, text=True,
+                           "cross_spawned", "sched", "--sched-breakdown"],
+                          capture_output=True, text=True,
                           timeout=600, env=env)
     tail = (done.stdout + done.stderr)[-3000:]
     assert done.returncode == 0, tail
@@ -62,6 +63,15 @@ def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports
     index, off = report["sched"]["index"], report["sched"]["off"]
     assert 0 < index["first_step_meta_s"] < index["first_step_s"]
     assert off["first_step_meta_s"] == 0
+    # --sched-breakdown: each side's timed calls are a part of its working step; vLLM's own
+    # cache_full_blocks runs on every side, the connector's calls only where there is one
+    for side, row in report["sched"].items():
+        parts = {key: us for key, us in row.items() if key.startswith("us_")}
+        assert parts["us_cache_full_blocks"] > 0, side
+        assert 0 < sum(parts.values()) < row["step_s"] * 1e6, (side, parts)
+        has_connector = side != "off"
+        assert ("us_get_num_new_matched_tokens" in parts) is has_connector, (side, parts)
+        assert ("us_build_connector_meta" in parts) is has_connector, (side, parts)
     assert report["replay"] == "not run: --replay 0"
 
 
