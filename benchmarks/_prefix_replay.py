@@ -9,10 +9,10 @@ cut to ``input_length`` scaled 512 -> 32), each id folded into the model's 512-t
 asks for ``--replay-max-tokens`` tokens.
 
 Variants, each on three fresh engines: ``kvbridge`` (``index_url``; ``min_remote_hit_tokens``
-``--replay-min-remote-hit-tokens``, one block by default: a 512-token block of the trace is one
-block here), ``kvbridge_store`` (also ``store_url`` and ``offload: "evict"`` to one store
-node; only when the connector accepts them) and ``none`` (no connector: local prefix caches
-only, and the reference tokens).
+the connector's default inside vLLM, as a user runs it, or ``--replay-min-remote-hit-tokens``:
+32 is one block, a 512-token block of the trace), ``kvbridge_store`` (also ``store_url`` and
+``offload: "evict"`` to one store node; only when the connector accepts them) and ``none`` (no
+connector: local prefix caches only, and the reference tokens).
 
 The ``kvbridge_store`` variant's store holds ``--replay-store-bytes`` (a capacity tier several
 times the engines' caches; the summary gives it in blocks against the trace's distinct full
@@ -50,13 +50,15 @@ def _variant(name: str, extra: dict[str, Any] | None, model: str, llm: dict[str,
     write_port = free_port()
     if extra is not None and name == "kvbridge_store":
         extra = {**extra, "store_url": f"127.0.0.1:{write_port}", "offload": "evict"}
-    nodes = [engine(f"replay-{name}-{n}", model, logs, extra=extra, llm=llm)
-             for n in range(NUM_ENGINES)]
+        # Up before the engines, as deployed: each engine's hello at its start opens the
+        # store's shelf then, not while the replay's first requests run.
+        store = start_store(redis_url, write_port, store_bytes, logs)
+    nodes = []
     try:
+        nodes += [engine(f"replay-{name}-{n}", model, logs, extra=extra, llm=llm)
+                  for n in range(NUM_ENGINES)]
         for node in nodes:
             node.wait_ready()
-        if name == "kvbridge_store":
-            store = start_store(redis_url, write_port, store_bytes, logs)
         for n, node in enumerate(nodes):  # the first forward of an engine is slow
             node.generate([{"prompt_token_ids": [3 + n] * 40, "max_tokens": 1,
                             "kv_transfer_params": None}])
@@ -100,8 +102,9 @@ def run_replay(args: argparse.Namespace, model: str, redis_url: str, logs: Path
     num_blocks = max(args.replay_blocks, max_model_len // BLOCK + 2)
     llm = {"kv_cache_memory_bytes": num_blocks * args.block_bytes,
            "max_model_len": max_model_len, "max_num_seqs": 2}
-    extra = {"index_url": redis_url, "load_timeout_s": 10.0,
-             "min_remote_hit_tokens": args.replay_min_remote_hit_tokens}
+    extra: dict[str, Any] = {"index_url": redis_url, "load_timeout_s": 10.0}
+    if args.replay_min_remote_hit_tokens is not None:  # else the connector's default
+        extra["min_remote_hit_tokens"] = args.replay_min_remote_hit_tokens
     unbounded = sum(trace.oracle_hit_blocks) * BLOCK
     prompt_tokens = sum(map(len, prompts))
     distinct_blocks = _distinct_full_blocks(prompts)
@@ -130,7 +133,9 @@ def run_replay(args: argparse.Namespace, model: str, redis_url: str, logs: Path
     summary: dict[str, Any] = {"requests": len(prompts), "prompt_tokens": prompt_tokens,
                                "unbounded_cached_tokens": unbounded,
                                "blocks_per_engine": num_blocks,
-                               "distinct_blocks": distinct_blocks, "store_blocks": store_blocks}
+                               "distinct_blocks": distinct_blocks, "store_blocks": store_blocks,
+                               "min_remote_hit_tokens": extra.get("min_remote_hit_tokens",
+                                                                  "default")}
     base_ttft = statistics.mean(o["first_token_latency"] for o in runs["none"]["outs"])
     print(f"{'variant':16s} {'cached/unbounded':>17s} {'mean TTFT ms':>13s} {'vs none':>8s}  "
           "cached tokens by source, per engine")

@@ -291,7 +291,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replay-blocks", type=int, default=512,
                         help="KV cache blocks per replay engine (raised to fit one prompt)")
     parser.add_argument("--replay-max-tokens", type=int, default=2)
-    parser.add_argument("--replay-min-remote-hit-tokens", type=int, default=32)
+    parser.add_argument("--replay-min-remote-hit-tokens", type=int, default=None,
+                        help="the replay engines' min_remote_hit_tokens (default: the "
+                             "connector's own default inside vLLM)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, 2 prompts of 512 tokens, bursts of 8: a minute")
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=(*ROWS, SPAWNED),

@@ -31,13 +31,15 @@ def make_store(
     return start_store_node(node)
 
 
-def learning_store(redis_url: str, capacity_bytes: int) -> Iterator[StoreNode]:
+def learning_store(redis_url: str, capacity_bytes: int, *,
+                   write_port: int = 0) -> Iterator[StoreNode]:
     """A started loopback store with no geometry (its first writer's hello gives it one),
-    publishing to ``redis_url`` with a 5 s index TTL; closed when the generator ends (the body
-    of a pytest fixture: ``yield from learning_store(...)``)."""
+    publishing to ``redis_url`` with a 5 s index TTL, writes on ``write_port`` (0: any free
+    one); closed when the generator ends (the body of a pytest fixture: ``yield from
+    learning_store(...)``)."""
     node = start_store_node(StoreNode(capacity_bytes=capacity_bytes, index_url=redis_url,
                                       transport="loopback", loopback_network=LoopbackNetwork(),
-                                      index_ttl_s=5.0))
+                                      index_ttl_s=5.0, write_port=write_port))
     try:
         yield node
     finally:

@@ -121,6 +121,9 @@ def _sender(port: int, node_stats: KVTransferStats) -> OffloadSender:
                            stats=node_stats)
     sender.bind([caches], NodeMetadata.from_kv_caches(
         engine_id="n", kv_caches_by_group=[caches], model_name="m", hash_fn_name="sha256"))
+    sender.wait_idle()  # its hello at bind (an empty put, on a connection of its own)
+    # (said at INFO, and no write failed: the first write connects again)
+    assert node_stats.num_offload_failures == 0 and sender.take_outcomes() == []
     return sender
 
 
@@ -157,7 +160,7 @@ def test_a_store_that_answers_a_write_with_garbage_costs_that_write_only(garbage
                 assert f"store at 127.0.0.1:{store.port} failed (" in warnings[0], warnings
             else:
                 assert warnings == [] and len(records) == 1, [r.getMessage() for r in records]
-        assert store.num_connections == 3
+        assert store.num_connections == 1 + 3  # the hello at bind, then one per write
     finally:
         sender.close()
         store.close()

@@ -68,10 +68,15 @@ def test_a_store_without_a_profile_takes_the_first_writer_s_geometry_and_refuses
     with pytest.raises(StoreWireError, match="no block geometry yet"):
         store.check_put(PutRequest(compat_hash="0" * 64, groups=(
             PutGroup(group_id=0, block_hashes=(b"a" * 32,), parent_hashes=(b"",), nbytes=0),)))
-    # (1) Writer A offloads two blocks: the store takes A's geometry, identity and namespace.
+    # (1) Writer A starts: its hello at bind, before any write, gives the store A's geometry,
+    # identity and namespace (the shelf opens at the engine's start, not in its first write).
     caches_a, meta_a = _writer("model-a")
     stats_a = KVTransferStats()
     sender_a = _sender(store, caches_a, meta_a, stats_a)
+    sender_a.wait_idle()
+    assert store.metadata.identity == meta_a.identity and store.stats.num_puts == 0
+    assert sender_a.store_incarnation == store.incarnation and sender_a.take_outcomes() == []
+    # A offloads two blocks into it.
     assert sender_a.submit([OffloadItem(1, 0, b"a" * 32, b""),
                             OffloadItem(2, 0, b"b" * 32, b"a" * 32)]) == 2
     sender_a.wait_idle()
@@ -87,8 +92,12 @@ def test_a_store_without_a_profile_takes_the_first_writer_s_geometry_and_refuses
     # store write failure, logged once however often B tries; nothing of B is stored.
     caches_b, meta_b = _writer("model-b")
     stats_b = KVTransferStats()
-    sender_b = _sender(store, caches_b, meta_b, stats_b)
     caplog.set_level(logging.ERROR, logger="kvbridge.connector.store.sender")
+    sender_b = _sender(store, caches_b, meta_b, stats_b)
+    sender_b.wait_idle()  # refused at its hello, at bind: said then, before any write
+    assert [r.getMessage() for r in caplog.records][-1].startswith(
+        "offload to the store tier refused at start: ")
+    assert stats_b.num_offload_failures == 0
     for i in range(3):
         assert sender_b.submit([OffloadItem(3, 0, bytes([i]) * 32, b"")]) == 1
         sender_b.wait_idle()
@@ -110,6 +119,32 @@ def test_a_store_without_a_profile_takes_the_first_writer_s_geometry_and_refuses
         check_compatible(meta_b, store.metadata)
     for sender in (sender_a, sender_b):
         sender.close()
+
+
+def test_a_store_not_up_at_a_writer_s_start_is_said_once_and_its_first_write_connects(
+        redis_url, caplog):
+    with socket.socket() as probe:  # a port nothing listens on: the store is not up yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    caches, metadata = _writer("model-a")
+    stats = KVTransferStats()
+    caplog.set_level(logging.INFO, logger="kvbridge.connector.store.sender")
+    sender = OffloadSender(store_address=("127.0.0.1", port), max_inflight_bytes=1 << 20,
+                           stats=stats)
+    sender.bind([caches], metadata)
+    sender.wait_idle()
+    said = [r for r in caplog.records if "does not answer yet" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, said
+    assert said[0].getMessage().startswith(f"the store at 127.0.0.1:{port} does not answer yet")
+    assert stats.num_offload_failures == 0 and sender.store_incarnation == 0
+    # The store comes up on that port; the next write connects, says hello and lands.
+    for store in learning_store(redis_url, 8 * 2 * BLOCK_BYTES, write_port=port):
+        assert sender.submit([OffloadItem(1, 0, b"a" * 32, b"")]) == 1
+        sender.wait_idle()
+        assert [o.held for o in sender.take_outcomes()] == [True]
+        assert store.metadata.identity == metadata.identity
+        assert sender.store_incarnation == store.incarnation
+    sender.close()
 
 
 def test_a_writer_s_geometry_the_capacity_cannot_hold_leaves_the_store_without_one(store):

@@ -1340,6 +1340,8 @@ def test_a_probe_waits_for_the_interval_and_for_puts_in_flight(network, redis_ur
     )
     assert not sender.probe_if_due(0.0)  # not bound yet
     sender.bind([_node_caches(store, pool.num_gpu_blocks)[0]], store.metadata)
+    sender.wait_idle()  # the hello at bind already learnt the store's incarnation
+    assert sender.store_incarnation == store.incarnation and sender.take_outcomes() == []
     assert not sender.probe_if_due(100.0)  # the first call starts the interval
     assert not sender.probe_if_due(104.9)
     assert sender.probe_if_due(105.0) and sender.store_incarnation in (0, store.incarnation)

@@ -25,6 +25,12 @@ A store that refuses this node's hello (``StoreRefusedError``: a store of anothe
 geometry) fails every write: logged once at ERROR, each counted in ``num_offload_failures``; the
 writer asks that store again every ``StoreWriter.refused_retry_s``.
 
+The hello goes out at ``bind`` (the engine's start), in an empty put on the loop thread: a store
+that is up opens this node's shelf then (allocating its capacity for the geometry, starting its
+transport), not inside the first offload's write while requests run; its incarnation is known
+from the start; a refusal is logged then. A store not up yet is said at INFO; the first write
+connects again.
+
 A store that restarts empty is noticed from the incarnation in its next reply. So that a node
 with nothing new to write notices it too, ``probe_if_due`` sends an empty put (one group of no
 blocks, which a store answers like any put) when nothing went to the store for
@@ -123,7 +129,8 @@ class OffloadSender:
         its handshake ``metadata`` and ``IndexNamespace.kv_heads_layout``: its store profile
         (``profile.StoreProfile``, of the model's whole blocks: ``full_heads``), logged once
         at INFO and sent in a hello on each connection (a store without a geometry takes it;
-        one of another geometry refuses this node). A rank holding part of the model's KV
+        one of another geometry refuses this node), the first one now, in an empty put on the
+        loop thread (the module docstring). A rank holding part of the model's KV
         heads (``metadata.kv_heads``, tensor parallel) names them in each put: the store holds
         a block once every rank wrote its heads.
 
@@ -147,6 +154,8 @@ class OffloadSender:
         self._compat_hash = metadata.compat_hash
         logger.info("offload to the store at %s:%d; this node's store profile: kvbridge-store "
                     "--profile '%s'", *self.writer_address, self.profile.to_json())
+        group = PutGroup(group_id=0, block_hashes=(), parent_hashes=(), nbytes=0)
+        self._start(self._hello(PutRequest(compat_hash=self._compat_hash, groups=(group,))))
 
     @property
     def is_bound(self) -> bool:
@@ -258,9 +267,11 @@ class OffloadSender:
             by_group.setdefault(item.group_id, []).append(item)
         return caches_by_group, dict(sorted(by_group.items()))
 
-    def _start(self, write: Coroutine[Any, Any, None], now_s: float) -> None:
-        """Run ``write`` on the loop thread, tracked in ``_futures``; ``now_s``: monotonic."""
-        self._last_put_s = now_s
+    def _start(self, write: Coroutine[Any, Any, None], now_s: float | None = None) -> None:
+        """Run ``write`` on the loop thread, tracked in ``_futures``; ``now_s``: monotonic,
+        when it counts as a put for ``probe_if_due`` (None: the hello, which does not)."""
+        if now_s is not None:
+            self._last_put_s = now_s
         future = (self._loop_thread or get_loop_thread()).submit(write)
         with self._lock:
             self._futures.add(future)
@@ -272,6 +283,23 @@ class OffloadSender:
             reply = await self.writer.put(put, [])
         except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
             logger.debug("store probe failed: %s", exc)
+            return
+        with self._lock:
+            self._store_incarnation = reply.store_incarnation or self._store_incarnation
+
+    async def _hello(self, put: PutRequest) -> None:
+        """``bind``'s empty put: the hello, and the store's incarnation."""
+        try:
+            reply = await self.writer.put(put, [])
+        except StoreRefusedError as exc:
+            self._refusals_logged.add(str(exc))
+            logger.error("offload to the store tier refused at start: %s (counted as store "
+                         "write failures; asked again every %.0f s)", exc,
+                         self.writer.refused_retry_s)
+            return
+        except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
+            logger.info("the store at %s:%d does not answer yet (%s); offload connects at its "
+                        "first write", self.writer.host, self.writer.port, exc)
             return
         with self._lock:
             self._store_incarnation = reply.store_incarnation or self._store_incarnation
