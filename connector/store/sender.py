@@ -57,7 +57,7 @@ from ..stats import KVTransferStats
 from .offload_items import OffloadItem, OffloadOutcome
 from .profile import StoreProfile
 from .staging import StagingPool, snapshot_blocks, staging_nbytes
-from .wire import PutGroup, PutRequest, StoreRefusedError, StoreWireError
+from .wire import PutGroup, PutReply, PutRequest, StoreRefusedError, StoreWireError
 from .writer import StoreWriter
 
 __all__ = ["OffloadSender"]
@@ -154,8 +154,7 @@ class OffloadSender:
         self._compat_hash = metadata.compat_hash
         logger.info("offload to the store at %s:%d; this node's store profile: kvbridge-store "
                     "--profile '%s'", *self.writer_address, self.profile.to_json())
-        group = PutGroup(group_id=0, block_hashes=(), parent_hashes=(), nbytes=0)
-        self._start(self._hello(PutRequest(compat_hash=self._compat_hash, groups=(group,))))
+        self._start(self._hello(self._empty_put()))
 
     @property
     def is_bound(self) -> bool:
@@ -222,8 +221,7 @@ class OffloadSender:
         with self._lock:
             if self._futures or now_s - self._last_put_s < self.probe_interval_s:
                 return False
-        group = PutGroup(group_id=0, block_hashes=(), parent_hashes=(), nbytes=0)
-        self._start(self._probe(PutRequest(compat_hash=self._compat_hash, groups=(group,))), now_s)
+        self._start(self._probe(self._empty_put()), now_s)
         return True
 
     def take_outcomes(self) -> list[OffloadOutcome]:
@@ -267,6 +265,17 @@ class OffloadSender:
             by_group.setdefault(item.group_id, []).append(item)
         return caches_by_group, dict(sorted(by_group.items()))
 
+    def _empty_put(self) -> PutRequest:
+        """A put of one group of no blocks (the hello's and the probe's): a store answers it
+        like any put, with its incarnation."""
+        group = PutGroup(group_id=0, block_hashes=(), parent_hashes=(), nbytes=0)
+        return PutRequest(compat_hash=self._compat_hash, groups=(group,))
+
+    def _note_incarnation(self, reply: PutReply) -> None:
+        """The incarnation a reply names (none: the one known stays). Loop thread."""
+        with self._lock:
+            self._store_incarnation = reply.store_incarnation or self._store_incarnation
+
     def _start(self, write: Coroutine[Any, Any, None], now_s: float | None = None) -> None:
         """Run ``write`` on the loop thread, tracked in ``_futures``; ``now_s``: monotonic,
         when it counts as a put for ``probe_if_due`` (None: the hello, which does not)."""
@@ -284,8 +293,7 @@ class OffloadSender:
         except (TimeoutError, StoreWireError, OSError, EOFError) as exc:
             logger.debug("store probe failed: %s", exc)
             return
-        with self._lock:
-            self._store_incarnation = reply.store_incarnation or self._store_incarnation
+        self._note_incarnation(reply)
 
     async def _hello(self, put: PutRequest) -> None:
         """``bind``'s empty put: the hello, and the store's incarnation."""
@@ -301,8 +309,7 @@ class OffloadSender:
             logger.info("the store at %s:%d does not answer yet (%s); offload connects at its "
                         "first write", self.writer.host, self.writer.port, exc)
             return
-        with self._lock:
-            self._store_incarnation = reply.store_incarnation or self._store_incarnation
+        self._note_incarnation(reply)
 
     async def _send(self, put: PutRequest, buffer: torch.Tensor) -> None:
         try:
