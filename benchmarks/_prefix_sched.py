@@ -25,9 +25,9 @@ the steps, one output token each). Per burst:
 
 ``--sched-breakdown`` also times, per working step, the calls a connector adds inside
 ``schedule()`` and the pool's ``cache_full_blocks`` (vLLM's own work, with the index on also
-kvbridge's journal of the prefix cache: ``pool_follower.py``), as ``us_<call>``: where the
-index's and the connector's part of the step goes. Each timer adds its own cost to the step, so
-a run with it is not the row's figure.
+kvbridge's journal of the prefix cache: ``pool_follower.py``), as ``us_<call>``, and counts
+them, as ``n_<call>``: where the index's and the connector's part of the step goes. Each timer
+adds its own cost to the step, so a run with it is not the row's figure.
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ def sched_child(args: argparse.Namespace) -> None:
                      "wait_steps": len(waiting), "wait_s": sum(waiting), "wall_s": wall}
         working_parts = [p for (_, n, _), p in zip(times, steps_parts, strict=True) if n > 0]
         for name in sorted({name for p in working_parts for name in p}):
-            burst_row[f"us_{name}"] = 1e6 * statistics.mean(p.get(name, 0.0)
-                                                            for p in working_parts)
+            calls = name.startswith("n_")  # calls per step, else seconds per step
+            burst_row[name if calls else f"us_{name}"] = (1 if calls else 1e6) * \
+                statistics.mean(p.get(name, 0.0) for p in working_parts)
         bursts.append(burst_row)
     stats = None
     if args.side in ("index", "connector"):
@@ -130,7 +131,8 @@ def sched_child(args: argparse.Namespace) -> None:
 
 def _time_parts(scheduler: Any, parts: dict[str, float]) -> None:
     """Wrap the connector's per-request calls inside ``schedule()`` and the block pool's
-    ``cache_full_blocks`` with timers adding to ``parts`` (``--sched-breakdown``)."""
+    ``cache_full_blocks`` with timers adding to ``parts`` (``--sched-breakdown``): seconds
+    under the call's name, calls under ``n_`` and the name."""
     targets = [(scheduler.kv_cache_manager.block_pool, "cache_full_blocks")]
     if scheduler.connector is not None:
         targets += [(scheduler.connector, name) for name in (
@@ -145,6 +147,7 @@ def _time_parts(scheduler: Any, parts: dict[str, float]) -> None:
                 return _call(*args, **kwargs)
             finally:
                 parts[_name] = parts.get(_name, 0.0) + time.perf_counter() - start
+                parts["n_" + _name] = parts.get("n_" + _name, 0) + 1
 
         setattr(owner, name, timed)
 

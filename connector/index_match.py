@@ -21,6 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .index.lookup import LOOKUP_PENDING
 from .metadata import HolderRef
 from .pull_plan import RemoteMatch
 
@@ -109,31 +110,24 @@ class IndexMatcher:
             reused = self._reused(request_id, num_computed_tokens)
             if reused is not None:
                 return self._as_told(request_id, reused)
-        # Never plan the last token's block: it is recomputed for its logits anyway.
-        num_asked = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
         if request_id not in self._lookups:
-            hashes = request.block_hashes[:num_asked]
-            self._stats.add("num_index_lookups")
-            client.start_lookup(request_id, hashes,
-                                num_local_blocks=num_computed_tokens // self._block_size,
-                                min_gain_blocks=self._min_gain_blocks)
-            self._lookups.add(request_id)
-            if self._alone_wait_s and self._alone(request_id):
-                client.wait_for_answer(self._alone_wait_s)  # the engine has nothing else to run
+            self._start(client, request, num_computed_tokens)
         result = client.poll_lookup(request_id)
-        if not result.done:
+        if result is LOOKUP_PENDING:
             return _PENDING
         self._lookups.discard(request_id)
-        if result.status in _LOOKUP_FAILURES:
-            self._stats.add("num_index_lookup_failures")
         found: RemotePrefix | None = result.prefix
-        if found is not None and not self._well_formed(found, num_asked):
+        if found is None:  # the usual answer: nobody holds more (or the index could not say)
+            if result.status in _LOOKUP_FAILURES:
+                self._stats.add("num_index_lookup_failures")
+            return _NONE
+        if not self._well_formed(found, self._num_asked(request)):
             self._stats.add("num_index_lookup_failures")
             return _NONE
         # The local hit may have grown while the lookup was out (another request cached the
         # same blocks): the gain is judged again against what is local now.
-        if found is None or (found.num_blocks - num_computed_tokens // self._block_size
-                             < max(self._min_gain_blocks, 1)):
+        if (found.num_blocks - num_computed_tokens // self._block_size
+                < max(self._min_gain_blocks, 1)):
             return _NONE
         holder = HolderRef(engine_id=found.holder.node_id,
                            incarnation=str(found.holder.incarnation), host=found.address.host,
@@ -146,6 +140,23 @@ class IndexMatcher:
         ))
         self._answered[request_id] = (time.monotonic(), answer)
         return self._as_told(request_id, answer)
+
+    def _num_asked(self, request: Any) -> int:
+        """Blocks of ``request`` the index is asked about: never the last token's, which is
+        recomputed for its logits anyway."""
+        return min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
+
+    def _start(self, client: IndexClient, request: Any, num_computed_tokens: int) -> None:
+        """Start ``request``'s lookup on the client's thread (waiting up to ``alone_wait_s``
+        for the answer when the request is alone in the engine)."""
+        request_id = request.request_id
+        self._stats.add("num_index_lookups")
+        client.start_lookup(request_id, request.block_hashes[:self._num_asked(request)],
+                            num_local_blocks=num_computed_tokens // self._block_size,
+                            min_gain_blocks=self._min_gain_blocks)
+        self._lookups.add(request_id)
+        if self._alone_wait_s and self._alone(request_id):
+            client.wait_for_answer(self._alone_wait_s)  # the engine has nothing else to run
 
     def _alone(self, request_id: str) -> bool:
         """Whether ``request_id`` is the only request admitted and not finished."""

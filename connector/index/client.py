@@ -336,10 +336,11 @@ class IndexClient:
         self._key_to_lookup[key] = job
 
     def poll_lookup(self, key: str) -> LookupResult:
-        """The lookup's state: ``"pending"`` (ask again), or its final answer, which is handed
-        out once (the key is forgotten). A lookup past ``lookup_timeout_s`` without an answer
-        answers ``"timed_out"`` (counted in ``stats.lookups_timed_out``). Raises ValueError for
-        a key with no lookup (never started, already answered, or cancelled)."""
+        """The lookup's state: ``LOOKUP_PENDING`` (that very object: ask again), or its final
+        answer, which is handed out once (the key is forgotten). A lookup past
+        ``lookup_timeout_s`` without an answer answers ``"timed_out"`` (counted in
+        ``stats.lookups_timed_out``). Raises ValueError for a key with no lookup (never started,
+        already answered, or cancelled)."""
         job = self._key_to_lookup.get(key)
         if job is None:
             raise ValueError(

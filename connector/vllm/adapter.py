@@ -8,9 +8,9 @@ transport, tickets, leases, deadlines, hash checks and failure reports are the s
 KV cache manager does the block management and vLLM's ``kv_load_failure_policy`` applies to
 the blocks the worker reports in ``get_block_ids_with_load_errors``.
 
-Everything the halves say to each other travels as msgpack bytes inside vLLM's metadata types
-(``_StepOrders``, ``_WorkerReport``, ``_Handshake``: ``wire.py``): vLLM pickles those between
-processes, and bytes pickle as themselves.
+Between processes everything the halves say to each other travels as msgpack bytes inside
+vLLM's metadata types (``_StepOrders``, ``_WorkerReport``, ``_Handshake``: ``wire.py``): vLLM
+pickles those, and bytes pickle as themselves; a step's orders are encoded only when pickled.
 
 Tensor parallelism (issue 30): vLLM builds one worker half per rank and sends each step's
 orders to all of them. Each rank registers the KV heads its cache holds (``TPLayout``: vLLM's
@@ -46,9 +46,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..errors import KVTransferParamsError
 from ..metadata import (
     WorkerHandshake,
-    decode_metadata,
     decode_worker_meta,
-    encode_metadata,
     encode_worker_meta,
 )
 from ..scheduler_half import KVBridgeScheduler
@@ -283,7 +281,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return {CacheHitSource.P2P: num_external_tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return _StepOrders(encode_metadata(self._sched().build_connector_meta(scheduler_output)))
+        return _StepOrders(self._sched().build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Also takes the blocks whose load failed out of vLLM's prefix cache: vLLM caches a
@@ -391,7 +389,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, _StepOrders):
-            self._work().bind_connector_metadata(decode_metadata(connector_metadata.payload))
+            self._work().bind_connector_metadata(connector_metadata.metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()

@@ -15,8 +15,9 @@ What the follower does instead, once, at ``bind_gpu_block_pool``:
   that removed an entry (eviction, promotion, reset of a block, a copy-on-write move): all of the
   prefix cache's changes pass through these two methods, at the cost of one append each;
 - it wraps the pool's ``cache_full_blocks`` to note the parents of the hashes a request is about
-  to cache (the Redis index extends a holder's run from its parent), and ``reset_prefix_cache``,
-  which replaces the map, to journal the new one and report ``AllBlocksCleared``.
+  to cache (the Redis index extends a holder's run from its parent: one slice and one append per
+  call, in a wrapper with vLLM's own parameters), and ``reset_prefix_cache``, which replaces
+  the map, to journal the new one and report ``AllBlocksCleared``.
 
 vLLM's own event queue, its ``enable_kv_cache_events`` setting and its publisher are untouched.
 ``take_changes`` runs in ``build_connector_meta`` (the end of vLLM's ``schedule()``) and only
@@ -84,6 +85,32 @@ class _JournaledMap(BlockHashToBlockMap):
         return None if block is None else block.block_id
 
 
+_CACHE_FULL_BLOCKS_PARAMS = ("request", "blocks", "num_cached_blocks", "num_full_blocks",
+                             "block_size", "kv_cache_group_id", "block_mask")
+"""vLLM 0.32's ``BlockPool.cache_full_blocks`` parameters (bound method: no ``self``)."""
+
+
+def _noting_parents(original: Callable[..., Any], note: Callable[[Any], Any]
+                    ) -> Callable[..., Any]:
+    """``original`` (vLLM 0.32's ``cache_full_blocks``) that first notes the slice of hashes it
+    is about to cache (``PrefixCacheMirror.note_recorder``). Its parameters are vLLM's own, so
+    vLLM's keyword call binds to them directly; it runs once per request and group in a step."""
+
+    def cache_full_blocks(request: Any, blocks: Any, num_cached_blocks: int,
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                          block_mask: Any = None) -> Any:
+        if 0 <= num_cached_blocks < num_full_blocks:
+            hashes = request.block_hashes
+            noted = hashes[num_cached_blocks:num_full_blocks]
+            if noted:
+                note((noted, hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                      kv_cache_group_id))
+        return original(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                        kv_cache_group_id, block_mask)
+
+    return cache_full_blocks
+
+
 class VllmPoolFollower:
     """Follows one vLLM ``BlockPool`` (vllm/v1/core/block_pool.py) for the block index.
 
@@ -113,11 +140,16 @@ class VllmPoolFollower:
     def _journal(self) -> _JournaledMap:
         journaled = _JournaledMap(self.mirror, self._pool.cached_block_hash_to_block)
         self._pool.cached_block_hash_to_block = journaled
+        # the map's readers ``take_step`` is given, bound once per map (not once per step)
+        self._readers = (journaled.contain, journaled.block_id_of, journaled.has_key)
         return journaled
 
     def _wrap_cache_full_blocks(self, original: Callable[..., Any]) -> None:
         signature = inspect.signature(original)
-        mirror = self.mirror
+        if tuple(signature.parameters) == _CACHE_FULL_BLOCKS_PARAMS:
+            self._pool.cache_full_blocks = _noting_parents(original, self.mirror.note_recorder)
+            return
+        mirror = self.mirror  # another vLLM's signature: bound by name, at a Python call more
 
         def cache_full_blocks(*args: Any, **kwargs: Any) -> Any:
             # vLLM 0.32 passes every argument by keyword; anything else is bound by name.
@@ -152,9 +184,7 @@ class VllmPoolFollower:
                            "the block index is told every entry again")
             self.mirror.record_clear()
             self._map = self._journal()
-        journaled = self._map
-        return self.mirror.take_step(journaled.contain, journaled.block_id_of,
-                                     journaled.has_key)
+        return self.mirror.take_step(*self._readers)
 
     def take_events(self) -> list[Any]:
         """``take_changes().events()``, then ``settle()``: the changes as kvbridge block events

@@ -106,6 +106,13 @@ class PrefixCacheMirror:
         without a Python frame of their own."""
         return self._inserted.setdefault, self._popped.append
 
+    @property
+    def note_recorder(self) -> Callable[[tuple[Sequence[bytes], bytes | None, int]], Any]:
+        """``record_parents`` as the bound C method it comes down to, for a caller that has
+        sliced already: ``note((block_hashes[start:stop], block_hashes[start - 1] or None for
+        start 0, group_id))``, the slice not empty. Valid for the mirror's life."""
+        return self._noted.append
+
     def record_clear(self) -> None:
         """The map was emptied: every change recorded before is superseded."""
         self._cleared = True
@@ -144,11 +151,11 @@ class PrefixCacheMirror:
                 e.g. a dict's ``__contains__``; None: ``block_of`` is asked).
         """
         journal = StepJournal(self._cleared, self._inserted.copy(), self._popped.copy(),
-                              self._noted, holds, block_of, has_key)
+                              self._noted.copy(), holds, block_of, has_key)
         self._cleared = False
         self._inserted.clear()
         self._popped.clear()
-        self._noted = []
+        self._noted.clear()
         late, self._late_removed_block_ids = self._late_removed_block_ids, []
         batch = StepBatch(journal, self._take_through, late)
         self._untaken.append(batch)

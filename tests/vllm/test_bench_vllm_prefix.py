@@ -72,6 +72,8 @@ def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports
         has_connector = side != "off"
         assert ("us_get_num_new_matched_tokens" in parts) is has_connector, (side, parts)
         assert ("us_build_connector_meta" in parts) is has_connector, (side, parts)
+        assert row["n_cache_full_blocks"] >= 1, side  # calls per working step
+        assert row.get("n_build_connector_meta") == (1 if has_connector else None), side
     assert report["replay"] == "not run: --replay 0"
 
 

@@ -68,6 +68,41 @@ def test_cached_blocks_are_stored_with_their_ids_and_parents(pool, positional):
     assert sorted(c.block_id for c in follower.snapshot_cached_blocks()) == sorted(ids)
 
 
+def _with_another_signature(pool: BlockPool) -> None:
+    """``pool.cache_full_blocks`` with a parameter vLLM 0.32's lacks: the follower's generic
+    wrapper (binding by name) instead of the one with vLLM's own parameters."""
+    original = pool.cache_full_blocks
+
+    def cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                          kv_cache_group_id, block_mask=None, future_option=None):
+        return original(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                        kv_cache_group_id, block_mask)
+
+    pool.cache_full_blocks = cache_full_blocks
+
+
+@pytest.mark.parametrize("signature", ["vllm", "another"])
+@pytest.mark.parametrize("positional", [False, True])
+def test_blocks_cached_over_two_steps_chain_to_the_first_steps(pool, signature, positional):
+    """A prompt cached in chunks: the second call's first block names the first call's last
+    hash as its parent (the noted slice's parent), whichever wrapper noted it."""
+    if signature == "another":
+        _with_another_signature(pool)
+    follower = VllmPoolFollower(pool, block_size=BLOCK_SIZE)
+    request = SimpleNamespace(block_hashes=[_hash(h) for h in (1, 2, 3, 4)])
+    blocks = pool.get_new_blocks(4)
+    ids = [b.block_id for b in blocks]
+    for start, stop in ((0, 2), (2, 4)):
+        if positional:
+            pool.cache_full_blocks(request, blocks, start, stop, BLOCK_SIZE, 0)
+        else:
+            pool.cache_full_blocks(request=request, blocks=blocks, num_cached_blocks=start,
+                                   num_full_blocks=stop, block_size=BLOCK_SIZE,
+                                   kv_cache_group_id=0)
+        assert follower.take_events() == [
+            _stored([1, 2] if start == 0 else [3, 4], ids[start:stop], None if start == 0 else 2)]
+
+
 def test_an_eviction_for_reuse_removes_the_block(pool):
     follower = VllmPoolFollower(pool, block_size=BLOCK_SIZE)
     blocks = _cache(pool, [1, 2])
