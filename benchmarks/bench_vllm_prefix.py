@@ -280,7 +280,7 @@ def parse_args() -> argparse.Namespace:
     # small4: 6 bursts and the warm-up fill 7,616 of the 8,192 blocks 1 GiB holds (no eviction)
     parser.add_argument("--sched-bursts", type=int, default=6)
     parser.add_argument("--sched-kv-bytes", type=int, default=1 << 30)
-    parser.add_argument("--sched-repeats", type=int, default=2,
+    parser.add_argument("--sched-repeats", type=int, default=4,
                         help="runs of every side, alternating the order (medians over all)")
     parser.add_argument("--sched-breakdown", action="store_true",
                         help="also time each connector call inside schedule() (us_* per "
