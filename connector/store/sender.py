@@ -28,8 +28,8 @@ writer asks that store again every ``StoreWriter.refused_retry_s``.
 The hello goes out at ``bind`` (the engine's start), in an empty put on the loop thread: a store
 that is up opens this node's shelf then (allocating its capacity for the geometry, starting its
 transport), not inside the first offload's write while requests run; its incarnation is known
-from the start; a refusal is logged then. A store not up yet is said at INFO; the first write
-connects again.
+from the start; a refusal is logged then. A store not up yet gets one INFO line; the first
+write connects again.
 
 A store that restarts empty is noticed from the incarnation in its next reply. So that a node
 with nothing new to write notices it too, ``probe_if_due`` sends an empty put (one group of no

@@ -93,8 +93,9 @@ _CACHE_FULL_BLOCKS_PARAMS = ("request", "blocks", "num_cached_blocks", "num_full
 def _noting_parents(original: Callable[..., Any], note: Callable[[Any], Any]
                     ) -> Callable[..., Any]:
     """``original`` (vLLM 0.32's ``cache_full_blocks``) that first notes the slice of hashes it
-    is about to cache (``PrefixCacheMirror.note_recorder``). Its parameters are vLLM's own, so
-    vLLM's keyword call binds to them directly; it runs once per request and group in a step."""
+    is about to cache: ``PrefixCacheMirror.record_parents``' note, made inline through
+    ``note_recorder`` (no Python call of its own). Its parameters are vLLM's own, so vLLM's
+    keyword call binds to them directly; it runs once per request and group in a step."""
 
     def cache_full_blocks(request: Any, blocks: Any, num_cached_blocks: int,
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int,
