@@ -21,7 +21,11 @@ the steps, one output token each). Per burst:
   (``idle_lookup_wait_s``: the engine has nothing else to do);
 - ``wait_steps`` / ``wait_s``: steps that scheduled nothing while lookups were out (vLLM's idle
   engine loop asks again at once: no forward runs, so they cost only this loop's time);
-- ``wall_s``: the burst's ``generate`` call, from submission to the last output.
+- ``wall_s``: the burst's ``generate`` call, from submission to the last output;
+- ``update_s``: the mean ``update_from_output`` time after the working steps (the rest of the
+  engine thread's step outside the forward, where the connector takes the step's prefix-cache
+  changes, builds their events and hands them to the index's thread:
+  ``update_index_over_off``, reported beside the target, which counts ``schedule()`` alone).
 
 ``--sched-breakdown`` also times, per working step, the calls a connector adds inside
 ``schedule()`` and the pool's ``cache_full_blocks`` (vLLM's own work, with the index on also
@@ -69,8 +73,9 @@ def sched_child(args: argparse.Namespace) -> None:
               max_model_len=args.sched_tokens + 32, max_num_seqs=args.sched_requests,
               seed=0, kv_transfer_config=transfer)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    # (seconds, tokens scheduled, seconds in the connector's build_connector_meta) per schedule()
-    times: list[tuple[float, int, float]] = []
+    # [seconds, tokens scheduled, seconds in the connector's build_connector_meta, seconds in
+    # the update_from_output that follows] per schedule()
+    times: list[list[Any]] = []
     schedule = scheduler.schedule
     meta_s = [0.0]  # build_connector_meta's time in the current schedule()
 
@@ -81,11 +86,23 @@ def sched_child(args: argparse.Namespace) -> None:
         parts.clear()
         start = time.perf_counter()
         out = schedule(*args, **kwargs)
-        times.append((time.perf_counter() - start, out.total_num_scheduled_tokens, meta_s[0]))
+        times.append([time.perf_counter() - start, out.total_num_scheduled_tokens, meta_s[0],
+                      0.0])
         steps_parts.append(dict(parts))
         return out
 
+    update = scheduler.update_from_output
+
+    def timed_update(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return update(*args, **kwargs)
+        finally:
+            if times:
+                times[-1][3] += time.perf_counter() - start
+
     scheduler.schedule = timed_schedule
+    scheduler.update_from_output = timed_update
     connector = scheduler.connector
     if connector is not None:  # vLLM calls it once per schedule(), at its end
         build = connector.build_connector_meta
@@ -112,12 +129,13 @@ def sched_child(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - started
-        working = [t for t, n, _ in times if n > 0]
-        waiting = [t for t, n, _ in times[1:] if n == 0]
+        working = [t for t, n, _, _ in times if n > 0]
+        waiting = [t for t, n, _, _ in times[1:] if n == 0]
         burst_row = {"step_s": statistics.mean(working), "steps": len(working),
+                     "update_s": statistics.mean(u for _, n, _, u in times if n > 0),
                      "first_step_s": times[0][0], "first_step_meta_s": times[0][2],
                      "wait_steps": len(waiting), "wait_s": sum(waiting), "wall_s": wall}
-        working_parts = [p for (_, n, _), p in zip(times, steps_parts, strict=True) if n > 0]
+        working_parts = [p for (_, n, _, _), p in zip(times, steps_parts, strict=True) if n > 0]
         for name in sorted({name for p in working_parts for name in p}):
             calls = name.startswith("n_")  # calls per step, else seconds per step
             burst_row[name if calls else f"us_{name}"] = (1 if calls else 1e6) * \
@@ -190,8 +208,8 @@ def run_sched_row(args: argparse.Namespace, model_path: str, redis_url: str, out
     "connector": {...}, "null": {...}, "off": {...}}`` (each side's medians over all its
     bursts, ``step_s_by_repeat`` the working step's median in each run) and the ratios
     ``sched_index_over_off`` (the target), ``sched_index_over_connector``,
-    ``sched_null_over_off``, ``sched_index_over_null``, ``first_step_index_over_off`` and
-    ``wall_index_over_off``."""
+    ``sched_null_over_off``, ``sched_index_over_null``, ``first_step_index_over_off``,
+    ``wall_index_over_off``, ``update_index_over_off`` and ``update_index_over_connector``."""
     bursts: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     by_repeat: dict[str, list[float]] = {side: [] for side in SIDES}
     lookups: dict[str, list[int]] = {side: [0, 0] for side in SIDES}
@@ -219,4 +237,7 @@ def run_sched_row(args: argparse.Namespace, model_path: str, redis_url: str, out
     row["sched_null_over_off"] = round(row["null"]["step_s"] / row["off"]["step_s"], 3)
     row["sched_index_over_null"] = round(row["index"]["step_s"] / row["null"]["step_s"], 3)
     row["wall_index_over_off"] = round(row["index"]["wall_s"] / row["off"]["wall_s"], 3)
+    row["update_index_over_off"] = round(row["index"]["update_s"] / row["off"]["update_s"], 3)
+    row["update_index_over_connector"] = round(
+        row["index"]["update_s"] / row["connector"]["update_s"], 3)
     return row

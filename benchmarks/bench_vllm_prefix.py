@@ -397,13 +397,13 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
         print(f"\nsched, bursts of {args.sched_requests} (medians over bursts):\n"
               f"{'side':9s} {'working step ms':>15s} {'steps':>6s} {'first step ms':>14s} "
               f"{'of it meta ms':>13s} {'wait steps':>10s} {'wait ms':>8s} "
-              f"{'burst wall ms':>14s}")
+              f"{'burst wall ms':>14s} {'update ms':>11s}")
         for side in reversed(SIDES):
             row = sched[side]
             print(f"{side:9s} {row['step_s'] * 1e3:15.3f} {row['steps']:6.0f} "
                   f"{row['first_step_s'] * 1e3:14.3f} {row['first_step_meta_s'] * 1e3:13.3f} "
                   f"{row['wait_steps']:10.0f} {row['wait_s'] * 1e3:8.2f} "
-                  f"{row['wall_s'] * 1e3:14.1f}", flush=True)
+                  f"{row['wall_s'] * 1e3:14.1f} {row['update_s'] * 1e3:11.3f}", flush=True)
         for side in reversed(SIDES):  # --sched-breakdown
             parts = {k[3:]: v for k, v in sched[side].items() if k.startswith("us_")}
             if parts:
@@ -412,7 +412,8 @@ def _run_rows(args, model: str, redis_url: str, work: Path, tally: Tally,
         report["sched"] = {side: sched[side] for side in SIDES}
         for key in ("sched_index_over_off", "sched_index_over_connector", "sched_null_over_off",
                     "sched_index_over_null", "first_step_index_over_off",
-                    "wall_index_over_off"):
+                    "wall_index_over_off", "update_index_over_off",
+                    "update_index_over_connector"):
             report[key] = sched[key]
     if args.replay:
         flush_index(redis_url)

@@ -331,6 +331,92 @@ def test_a_step_that_only_caches_new_chains_gives_the_events_of_the_general_path
          (61, None)]}
 
 
+def _a_step_of_noted_stores(pool: _Map) -> None:
+    """A burst's usual step: each request caches exactly the blocks it noted, nothing else is
+    stored; one request's two calls continue one chain, two groups, a prefix cached earlier."""
+    _cache_request(pool, [1, 2], [11, 12])
+    _cache_request(pool, [1, 2, 3, 4], [11, 12, 13, 14], start=2)  # joins the chain 1-2
+    _cache_request(pool, [7, 8], [17, 18], group_id=1)
+    _cache_request(pool, [1, 2, 3, 4, 9], [11, 12, 13, 14, 19], start=4)  # another request
+    _cache_request(pool, [20], [30])
+
+
+def _slow_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.connector.vllm.pool_changes import PoolChanges
+    monkeypatch.setattr(PoolChanges, "noted_runs", lambda self: None)
+
+
+@pytest.mark.parametrize("slice_path", [True, False])
+def test_a_step_of_noted_stores_gives_the_events_and_parents_of_the_key_by_key_path(
+    slice_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step whose stores are exactly its noted slices builds its parents and events slice by
+    # slice (``PoolChanges.noted_runs``); key by key must give the same, and the same state.
+    if not slice_path:
+        _slow_path(monkeypatch)
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _a_step_of_noted_stores(pool)
+    changes = pool.mirror.take_changes(pool.holds, pool.block_of)
+    assert (changes.noted_runs() is not None) is slice_path
+    events = changes.events()
+    pool.mirror.settle()
+    assert [(len(e.block_hashes), e.parent_block_hash, e.group_id) for e in events] == [
+        (4, None, 0), (2, None, 1), (1, _hash(4), 0), (1, None, 0)]  # one per chain
+    assert _per_block(events) == [
+        _stored(1, 11, None), _stored(2, 12, 1), _stored(3, 13, 2), _stored(4, 14, 3),
+        _stored(7, 17, None, 1), _stored(8, 18, 7, 1), _stored(9, 19, 4), _stored(20, 30, None)]
+    assert changes.parents() == [None, _hash(1), _hash(2), _hash(3), None, _hash(7), _hash(4),
+                                 None]
+    assert pool.mirror._parent_of_key == {
+        _key(1): None, _key(2): _hash(1), _key(3): _hash(2), _key(4): _hash(3),
+        _key(7, 1): None, _key(8, 1): _hash(7), _key(9): _hash(4), _key(20): None}
+    # the next step reads the parents filed for a moved key, whichever path filed them
+    pool.pop(_key(3), 13)
+    pool.insert(_key(3), 40)
+    assert pool.take() == [_removed(3, 13), _stored(3, 40, 2)]
+
+
+@pytest.mark.parametrize("case", ["noted, never inserted", "inserted, never noted",
+                                  "one left out, another in", "a key noted twice",
+                                  "other keys that join alike", "noted hashes that join alike"])
+def test_stores_that_are_not_the_noted_slices_are_worked_out_key_by_key(case: str) -> None:
+    # A null or masked block is noted but not inserted; a copy-on-write move inserts without a
+    # note; two requests can cache one hash in one step (vLLM does not de-duplicate): the
+    # stores are then not the noted slices end to end, and the key-by-key path decides.
+    pool = _Map(PrefixCacheMirror(block_size=BLOCK_SIZE))
+    _cache_request(pool, [1, 2], [11, 12])
+    if case == "noted, never inserted":
+        pool.mirror.record_parents([_hash(1), _hash(2), _hash(3)], 2, 3, 0)
+        expected = [_stored(1, 11, None), _stored(2, 12, 1)]
+    elif case == "inserted, never noted":
+        pool.insert(_key(5), 15)
+        expected = [_stored(1, 11, None), _stored(2, 12, 1), _stored(5, 15, None)]
+    elif case == "one left out, another in":  # as many keys as noted, not the same ones
+        pool.mirror.record_parents([_hash(3)], 0, 1, 0)
+        pool.insert(_key(5), 15)
+        expected = [_stored(1, 11, None), _stored(2, 12, 1), _stored(5, 15, None)]
+    elif case == "a key noted twice":
+        _cache_request(pool, [1], [21])
+        expected = [_stored(1, 11, None), _stored(2, 12, 1)]
+    elif case == "noted hashes that join alike":  # hashes of 31 and 33 bytes, keys of 36
+        a, b = _hash(256), _hash(5)  # (a ends in a zero byte, as the group suffix does)
+        pool.mirror.record_parents([a[:31], b"\0" + b], 0, 2, 0)
+        pool.insert(_key(256), 13)
+        pool.insert(_key(5), 14)
+        expected = [_stored(1, 11, None), _stored(2, 12, 1), _stored(256, 13, None),
+                    _stored(5, 14, None)]
+    else:  # keys of other lengths whose bytes join as the noted ones do: not the same keys
+        joined = _key(3) + _key(4)
+        pool.mirror.record_parents([_hash(3), _hash(4)], 0, 2, 0)
+        pool.insert(joined[:35], 13)  # (its last 4 bytes read as group 3 << 24)
+        pool.insert(joined[35:], 14)
+        expected = [_stored(1, 11, None), _stored(2, 12, 1), ("S", joined[:31], 13, None, 3 << 24),
+                    ("S", joined[35:-4], 14, None, 0)]
+    changes = pool.mirror.take_changes(pool.holds, pool.block_of)
+    assert changes.noted_runs() is None
+    assert _per_block(changes.events()) == expected
+
+
 def _a_step_of_evictions(pool: _Map) -> None:
     """A full cache's step: reported blocks evicted for reuse (one key held by a second block
     too, one evicted and cached again in the step), new chains in two groups cached into the

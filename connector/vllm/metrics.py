@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from ..stats import KVTransferStats
+from ..stats import COUNTER_NAMES, KVTransferStats
 
 __all__ = ["KVBridgeConnectorStats", "KVBridgePromMetrics", "StatsTap"]
 
@@ -108,16 +108,17 @@ class StatsTap:
 
     def __init__(self, stats: KVTransferStats) -> None:
         self._stats = stats
-        self._reported = stats.counters()
+        self._reported = stats.counter_values()
         self._load_s: list[float] = []
 
     def observe_load_s(self, samples: list[float]) -> None:
         self._load_s = (self._load_s + list(samples))[-MAX_SAMPLES:]
 
     def take(self) -> KVBridgeConnectorStats | None:
-        now = self._stats.counters()
-        deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
-        deltas = {k: d for k, d in deltas.items() if d}
+        now, reported = self._stats.counter_values(), self._reported
+        deltas = {} if now == reported else {  # (the usual step: nothing changed, one compare)
+            name: value - old
+            for name, value, old in zip(COUNTER_NAMES, now, reported, strict=True) if value != old}
         self._reported = now
         load_s, self._load_s = self._load_s, []
         if not deltas and not load_s:

@@ -16,14 +16,20 @@ its parent is that store's hash in the same group (a request caches its blocks i
 order, so one event per run of a request's blocks, as vLLM's own events; a ``BlockStored``'s
 hashes are one chain: ``kvmanager.kv_events``).
 
+The usual step caches only the new blocks its requests noted, all of them and nothing else: its
+stored keys are then the noted slices end to end (``PoolChanges.noted_runs``, checked by
+comparing two joined byte strings), so their parents and their ``BlockStored`` events are built
+slice by slice, with no Python work per key; any other step is worked out key by key.
+
 Owner: the engine thread (vLLM's scheduler thread); nothing here is shared.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from kvbridge.kvmanager import AllBlocksCleared, BlockRemoved, BlockStored
@@ -54,8 +60,8 @@ class PoolChanges:
             first asked for (``parents``); None: the parents are given with ``set_parents``.
     """
 
-    __slots__ = ("_events", "_parents", "_parents_of", "block_size", "cleared", "noted",
-                 "removed_block_ids", "removed_keys", "stored_block_ids", "stored_keys")
+    __slots__ = ("_events", "_parents", "_parents_of", "_runs", "block_size", "cleared",
+                 "noted", "removed_block_ids", "removed_keys", "stored_block_ids", "stored_keys")
 
     def __init__(self, block_size: int, *,
                  parents_of: Callable[[PoolChanges], None] | None = None) -> None:
@@ -69,6 +75,7 @@ class PoolChanges:
         self._parents_of = parents_of
         self._parents: list[bytes | None] | None = None
         self._events: list[Any] | None = None
+        self._runs: list[tuple[Sequence[bytes], bytes | None, int]] | bool | None = False
 
     def __bool__(self) -> bool:
         return bool(self.cleared or self.removed_keys or self.stored_keys)
@@ -82,6 +89,36 @@ class PoolChanges:
             self._parents_of(self)
         assert self._parents is not None
         return self._parents
+
+    def noted_runs(self) -> list[tuple[Sequence[bytes], bytes | None, int]] | None:
+        """``noted`` (``(hashes, the first one's parent, group id)`` per slice) when the stored
+        keys are exactly the noted slices' keys, end to end in note order (the usual step:
+        every noted block cached, nothing else stored), else None. Then slice ``i`` holds the
+        next ``len(hashes)`` stored keys, and each hash's parent is the one before it. Read once
+        the changes are taken (off the step); decided on the first call by comparing the joined
+        keys with the joined slices (C calls, no Python work per key)."""
+        if self._runs is False:
+            self._runs = self.noted if self._stores_are_noted() else None
+        return self._runs  # type: ignore[return-value]
+
+    def _stores_are_noted(self) -> bool:
+        keys, noted = self.stored_keys, self.noted
+        if not keys or sum(len(hashes) for hashes, _, _ in noted) != len(keys):
+            return False
+        # Equal joins of equally many keys, all of one length on both sides, are the same keys
+        # in the same order.
+        width = len(keys[0])
+        if min(map(len, keys)) != width or max(map(len, keys)) != width:
+            return False
+        pieces = []  # each slice's keys joined: its hashes, each followed by its group's suffix
+        for hashes, _, group_id in noted:
+            if hashes:
+                suffix = _group_suffix(group_id)
+                pieces.append(suffix.join(hashes) + suffix)
+                if len(pieces[-1]) != width * len(hashes) or \
+                        min(map(len, hashes)) != max(map(len, hashes)):
+                    return False
+        return b"".join(keys) == b"".join(pieces)
 
     def has_parents(self) -> bool:
         return self._parents is not None
@@ -116,7 +153,11 @@ class PoolChanges:
                 for suffix, (hashes, block_ids) in gone.items()]
 
     def _stored_events(self) -> list[BlockStored]:
-        keys, block_ids, parents = self.stored_keys, self.stored_block_ids, self.parents()
+        parents = self.parents()  # (settles the batches before this one first, as always)
+        runs = self.noted_runs()
+        if runs is not None:
+            return self._stored_events_of_runs(runs)
+        keys, block_ids = self.stored_keys, self.stored_block_ids
         hashes = [key[:-GROUP_ID_BYTES] for key in keys]
         suffixes = [key[-GROUP_ID_BYTES:] for key in keys]
         # a chain goes on while a key's parent is the hash before it, in the same group
@@ -128,6 +169,33 @@ class PoolChanges:
                             medium=None, group_id=get_group_id(suffixes[start]),
                             block_ids=block_ids[start:stop])
                 for start, stop in zip([0, *cuts], [*cuts, len(keys)], strict=True)]
+
+    def _stored_events_of_runs(self, runs: list[tuple[Sequence[bytes], bytes | None, int]]
+                               ) -> list[BlockStored]:
+        """``_stored_events`` of a step whose stores are ``runs`` (``noted_runs``): the same
+        events, a run joining the chain before it when its first parent is that chain's last
+        hash in the same group."""
+        chains: list[tuple[list[bytes], bytes | None, int, int]] = []
+        start = 0  # each chain: its hashes, parent, group id and first stored key's index
+        for hashes, first_parent, group_id in runs:
+            if not hashes:
+                continue
+            if chains and chains[-1][2] == group_id and chains[-1][0][-1] == first_parent:
+                chains[-1][0].extend(hashes)
+            else:
+                chains.append((list(hashes), first_parent, group_id, start))
+            start += len(hashes)
+        block_ids = self.stored_block_ids
+        return [BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[],
+                            block_size=self.block_size, lora_name=None, medium=None,
+                            group_id=group_id, block_ids=block_ids[first:first + len(hashes)])
+                for hashes, parent, group_id, first in chains]
+
+
+@functools.lru_cache(maxsize=64)
+def _group_suffix(group_id: int) -> bytes:
+    """The 4 bytes a group's keys end with."""
+    return make_block_hash_with_group_id(b"", group_id)
 
 
 class StepJournal(NamedTuple):

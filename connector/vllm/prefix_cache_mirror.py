@@ -271,6 +271,15 @@ class PrefixCacheMirror:
         filed for it, or none."""
         if changes.has_parents():
             return
+        runs = changes.noted_runs()
+        if runs is not None:  # the usual step: the stored keys are the noted slices end to end
+            parents: list[bytes | None] = []
+            for hashes, first_parent, _ in runs:
+                if hashes:
+                    parents.append(first_parent)
+                    parents += hashes[:-1]
+            changes.set_parents(parents)
+            return
         noted: dict[bytes, bytes | None] = {}
         for hashes, first_parent, group_id in changes.noted:
             keys = map(bytes.__add__, hashes, itertools.repeat(

@@ -58,6 +58,9 @@ def test_the_smoke_run_pulls_every_prefix_with_a_plain_vllm_s_tokens_and_reports
     assert report["sched"]["index"]["index_hits"] == 0
     assert report["sched_index_over_off"] > 0
     assert report["sched_null_over_off"] > 0 and report["sched_index_over_null"] > 0
+    # update_from_output after each working step is timed on every side (not inside the step)
+    assert report["update_index_over_off"] > 0 and report["update_index_over_connector"] > 0
+    assert all(row["update_s"] > 0 for row in report["sched"].values())
     assert report["ttft_p50_s"]["local_spawned"] > 0  # cross_spawned's B, its own cache
     # the first step's connector part is inside that step; no connector, no such part
     index, off = report["sched"]["index"], report["sched"]["off"]
