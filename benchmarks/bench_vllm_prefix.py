@@ -43,7 +43,9 @@ tiny Llama). Rows:
 - ``sched``: vLLM's own ``Scheduler.schedule()`` time on bursts of ``--sched-requests`` fresh
   prompts, index on (Redis without entries) / no connector, and / kvbridge's connector
   without an index, and / a connector that does nothing (vLLM's own cost of a connector:
-  ``sched_null_over_off``; ``_prefix_sched.py``).
+  ``sched_null_over_off``; ``_prefix_sched.py``); beside it, the ``update_from_output`` after
+  each working step, where the index's events are built and published
+  (``update_index_over_off``, ``update_index_over_connector``: reported, no target).
 - ``replay`` (``--replay N``, default off: the costly row): the first N requests of a
   Mooncake trace over three engines, round robin, small KV caches (``_prefix_replay.py``).
 
