@@ -91,30 +91,18 @@ def sched_child(args: argparse.Namespace) -> None:
         steps_parts.append(dict(parts))
         return out
 
-    update = scheduler.update_from_output
+    def add_update_s(seconds: float) -> None:  # to the schedule() it follows
+        if times:
+            times[-1][3] += seconds
 
-    def timed_update(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return update(*args, **kwargs)
-        finally:
-            if times:
-                times[-1][3] += time.perf_counter() - start
+    def add_meta_s(seconds: float) -> None:
+        meta_s[0] += seconds
 
     scheduler.schedule = timed_schedule
-    scheduler.update_from_output = timed_update
+    scheduler.update_from_output = _timed(scheduler.update_from_output, add_update_s)
     connector = scheduler.connector
     if connector is not None:  # vLLM calls it once per schedule(), at its end
-        build = connector.build_connector_meta
-
-        def timed_build(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return build(*args, **kwargs)
-            finally:
-                meta_s[0] += time.perf_counter() - start
-
-        connector.build_connector_meta = timed_build
+        connector.build_connector_meta = _timed(connector.build_connector_meta, add_meta_s)
     parts: dict[str, float] = {}  # --sched-breakdown: seconds per call name in this schedule()
     if args.sched_breakdown:
         _time_parts(scheduler, parts)
@@ -145,6 +133,19 @@ def sched_child(args: argparse.Namespace) -> None:
     if args.side in ("index", "connector"):
         stats = scheduler.connector.stats.snapshot()
     Path(args.out).write_text(json.dumps({"bursts": bursts[1:], "stats": stats}))
+
+
+def _timed(call: Any, add_s: Any) -> Any:
+    """``call``, handing the seconds each call took to ``add_s``."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            add_s(time.perf_counter() - start)
+
+    return timed
 
 
 def _time_parts(scheduler: Any, parts: dict[str, float]) -> None:
