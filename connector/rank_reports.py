@@ -24,14 +24,18 @@ that rank's, as before ranks were counted.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 
 from .metadata import KVBridgeWorkerMeta, PullReport
-from .stats import KVTransferStats
+from .stats import COUNTER_NAMES, KVTransferStats
 from .store.offload_items import OffloadOutcome
 
 __all__ = ["PER_REQUEST_COUNTERS", "RankReports"]
+
+logger = logging.getLogger(__name__)
+_COUNTERS = frozenset(COUNTER_NAMES)
 
 PER_REQUEST_COUNTERS = frozenset(
     {"num_loads", "num_failed_loads", "num_blocks_received", "num_load_errors_blocks",
@@ -64,6 +68,7 @@ class RankReports:
         self._pending: OrderedDict[str, list[PullReport]] = OrderedDict()
         # (group_id, block_hash) -> whether each rank that reported holds its heads
         self._offloads: OrderedDict[tuple[int, bytes], list[bool]] = OrderedDict()
+        self._unknown_logged: set[str] = set()  # unknown counter names already logged
 
     def set_num_ranks(self, num_ranks: int) -> None:
         """The node's worker ranks (its tensor-parallel size; the handshakes tell it).
@@ -89,15 +94,18 @@ class RankReports:
         settled for the node: a block's once every rank reported it (held only if every rank's
         was), and its ``missing`` names, in the order they settled.
 
-        Raises:
-            ValueError: a counter name ``KVTransferStats`` does not have (``apply_report``).
+        A counter name ``KVTransferStats`` does not have (a worker of another kvbridge version)
+        is left out and logged once per name; the rest of the report counts.
         """
         delta = meta.stats
+        counters = delta.counters
+        if not _COUNTERS.issuperset(counters):
+            counters = self._known(counters)
         rank_stats = self.by_rank.setdefault(meta.tp_rank, KVTransferStats())
-        rank_stats.apply_report(delta.counters, delta.transfer_s, delta.queue_s)
+        rank_stats.apply_report(counters, delta.transfer_s, delta.queue_s)
         node = {
             name: value
-            for name, value in delta.counters.items()
+            for name, value in counters.items()
             if name not in PER_REQUEST_COUNTERS
             and (meta.tp_rank == 0 or name.startswith("bytes_"))
         }
@@ -105,6 +113,13 @@ class RankReports:
         for report in meta.pulls:
             self._add(report)
         return self._settle_offloads(meta)
+
+    def _known(self, counters: dict[str, int]) -> dict[str, int]:
+        for name in counters.keys() - _COUNTERS - self._unknown_logged:
+            self._unknown_logged.add(name)
+            logger.warning("a worker report names the counter %r, which this scheduler half "
+                           "does not have (another kvbridge version?); it is left out", name)
+        return {name: value for name, value in counters.items() if name in _COUNTERS}
 
     def _settle_offloads(self, meta: KVBridgeWorkerMeta) -> list[OffloadOutcome]:
         settled: list[OffloadOutcome] = []

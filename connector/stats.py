@@ -212,7 +212,8 @@ class KVTransferStats:
 
 
 COUNTER_NAMES: tuple[str, ...] = tuple(
-    f.name for f in fields(KVTransferStats) if f.type == "int" and not f.name.startswith("_"))
+    f.name for f in fields(KVTransferStats)
+    if f.type in ("int", int) and not f.name.startswith("_"))
 """``KVTransferStats``' integer counters, in field order."""
 _COUNTER_SET = frozenset(COUNTER_NAMES)
 _read_counters = operator.attrgetter(*COUNTER_NAMES)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
+from kvbridge.connector.metadata import KVBridgeWorkerMeta, StatsDelta
+from kvbridge.connector.rank_reports import RankReports
 from kvbridge.connector.stats import COUNTER_NAMES, KVTransferStats
 
 
@@ -42,3 +45,17 @@ def test_a_report_adds_up_on_the_other_half_and_names_are_checked():
         with pytest.raises(ValueError, match="not a counter"):
             node.add(bad)
     assert node.counters()["num_index_blocks_served"] == 5
+
+
+def test_a_worker_report_naming_an_unknown_counter_counts_the_rest_and_says_so_once(caplog):
+    # A worker of another kvbridge version may name a counter this scheduler half lacks: the
+    # step's report must not raise inside vLLM's update_from_output.
+    node = KVTransferStats()
+    reports = RankReports(node)
+    meta = KVBridgeWorkerMeta(stats=StatsDelta(
+        counters={"bytes_sent": 10, "num_future_things": 3}, transfer_s=[0.5]))
+    with caplog.at_level(logging.WARNING, logger="kvbridge.connector.rank_reports"):
+        reports.apply_step([meta, meta])
+    assert node.bytes_sent == 20 and reports.by_rank[0].bytes_sent == 20
+    assert reports.by_rank[0].transfer_s_sum == 1.0
+    assert [r.getMessage().count("num_future_things") for r in caplog.records] == [1]
