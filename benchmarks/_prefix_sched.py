@@ -26,6 +26,9 @@ the steps, one output token each). Per burst:
   engine thread's step outside the forward, where the connector takes the step's prefix-cache
   changes, builds their events and hands them to the index's thread:
   ``update_index_over_off``, reported beside the target, which counts ``schedule()`` alone).
+  Each update is credited to the ``schedule()`` before it: vLLM's CPU platform turns async
+  scheduling off (``platforms/cpu.py``), so that is the step whose output it processes (with
+  async scheduling on, as on a GPU, it would be the step after).
 
 ``--sched-breakdown`` also times, per working step, the calls a connector adds inside
 ``schedule()`` and the pool's ``cache_full_blocks`` (vLLM's own work, with the index on also

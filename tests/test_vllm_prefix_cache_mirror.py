@@ -378,7 +378,8 @@ def test_a_step_of_noted_stores_gives_the_events_and_parents_of_the_key_by_key_p
 
 @pytest.mark.parametrize("case", ["noted, never inserted", "inserted, never noted",
                                   "one left out, another in", "a key noted twice",
-                                  "other keys that join alike", "noted hashes that join alike"])
+                                  "other keys that join alike", "noted hashes that join alike",
+                                  "noted slices that join alike"])
 def test_stores_that_are_not_the_noted_slices_are_worked_out_key_by_key(case: str) -> None:
     # A null or masked block is noted but not inserted; a copy-on-write move inserts without a
     # note; two requests can cache one hash in one step (vLLM does not de-duplicate): the
@@ -398,9 +399,14 @@ def test_stores_that_are_not_the_noted_slices_are_worked_out_key_by_key(case: st
     elif case == "a key noted twice":
         _cache_request(pool, [1], [21])
         expected = [_stored(1, 11, None), _stored(2, 12, 1)]
-    elif case == "noted hashes that join alike":  # hashes of 31 and 33 bytes, keys of 36
-        a, b = _hash(256), _hash(5)  # (a ends in a zero byte, as the group suffix does)
-        pool.mirror.record_parents([a[:31], b"\0" + b], 0, 2, 0)
+    elif case in ("noted hashes that join alike", "noted slices that join alike"):
+        a, b = _hash(256), _hash(5)  # hashes of 31 and 33 bytes, keys of 36 (a ends in a zero
+        noted = [a[:31], b"\0" + b]  # byte, as the group suffix does), in one slice or two
+        if case == "noted hashes that join alike":
+            pool.mirror.record_parents(noted, 0, 2, 0)
+        else:
+            pool.mirror.record_parents(noted[:1], 0, 1, 0)
+            pool.mirror.record_parents(noted[1:], 0, 1, 0)
         pool.insert(_key(256), 13)
         pool.insert(_key(5), 14)
         expected = [_stored(1, 11, None), _stored(2, 12, 1), _stored(256, 13, None),

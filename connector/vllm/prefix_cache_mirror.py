@@ -282,6 +282,8 @@ class PrefixCacheMirror:
             return
         noted: dict[bytes, bytes | None] = {}
         for hashes, first_parent, group_id in changes.noted:
+            if not hashes:
+                continue
             keys = map(bytes.__add__, hashes, itertools.repeat(
                 make_block_hash_with_group_id(b"", group_id)))
             parents = itertools.chain((first_parent,), itertools.islice(hashes, len(hashes) - 1))
