@@ -29,13 +29,12 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from .metadata import KVBridgeWorkerMeta, PullReport
-from .stats import COUNTER_NAMES, KVTransferStats
+from .stats import COUNTER_SET, KVTransferStats
 from .store.offload_items import OffloadOutcome
 
 __all__ = ["PER_REQUEST_COUNTERS", "RankReports"]
 
 logger = logging.getLogger(__name__)
-_COUNTERS = frozenset(COUNTER_NAMES)
 
 PER_REQUEST_COUNTERS = frozenset(
     {"num_loads", "num_failed_loads", "num_blocks_received", "num_load_errors_blocks",
@@ -99,7 +98,7 @@ class RankReports:
         """
         delta = meta.stats
         counters = delta.counters
-        if not _COUNTERS.issuperset(counters):
+        if not COUNTER_SET.issuperset(counters):
             counters = self._known(counters)
         rank_stats = self.by_rank.setdefault(meta.tp_rank, KVTransferStats())
         rank_stats.apply_report(counters, delta.transfer_s, delta.queue_s)
@@ -115,11 +114,11 @@ class RankReports:
         return self._settle_offloads(meta)
 
     def _known(self, counters: dict[str, int]) -> dict[str, int]:
-        for name in counters.keys() - _COUNTERS - self._unknown_logged:
+        for name in counters.keys() - COUNTER_SET - self._unknown_logged:
             self._unknown_logged.add(name)
             logger.warning("a worker report names the counter %r, which this scheduler half "
                            "does not have (another kvbridge version?); it is left out", name)
-        return {name: value for name, value in counters.items() if name in _COUNTERS}
+        return {name: value for name, value in counters.items() if name in COUNTER_SET}
 
     def _settle_offloads(self, meta: KVBridgeWorkerMeta) -> list[OffloadOutcome]:
         settled: list[OffloadOutcome] = []

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["COUNTER_NAMES", "KVTransferStats"]
+__all__ = ["COUNTER_NAMES", "COUNTER_SET", "KVTransferStats"]
 
 _WINDOW = 4096
 
@@ -148,7 +148,7 @@ class KVTransferStats:
 
     def add(self, name: str, amount: int = 1) -> None:
         """Increase the integer counter ``name`` (e.g. ``"num_expired_leases"``)."""
-        if name not in _COUNTER_SET:
+        if name not in COUNTER_SET:
             raise ValueError(f"{name!r} is not a counter of KVTransferStats")
         with self._lock:
             setattr(self, name, getattr(self, name) + amount)
@@ -186,7 +186,7 @@ class KVTransferStats:
             ValueError: a name that is not a counter (a message from an incompatible peer).
         """
         for name in counters:
-            if name not in _COUNTER_SET:
+            if name not in COUNTER_SET:
                 raise ValueError(f"{name!r} is not a counter of KVTransferStats")
         with self._lock:
             for name, delta in counters.items():
@@ -215,6 +215,7 @@ COUNTER_NAMES: tuple[str, ...] = tuple(
     f.name for f in fields(KVTransferStats)
     if f.type in ("int", int) and not f.name.startswith("_"))
 """``KVTransferStats``' integer counters, in field order."""
-_COUNTER_SET = frozenset(COUNTER_NAMES)
+COUNTER_SET = frozenset(COUNTER_NAMES)
+"""The same names, for membership tests."""
 _read_counters = operator.attrgetter(*COUNTER_NAMES)
 _NO_COUNTS = (0,) * len(COUNTER_NAMES)
