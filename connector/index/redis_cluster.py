@@ -57,6 +57,7 @@ from .protocol import (
 )
 from .reachability import Reachability
 from .redis_index import RedisBlockIndex, _script, _ttl_ms
+from .redis_publish import pack_ops
 from .url import CLUSTER_SCHEME, parse_cluster_url, redact_url
 
 __all__ = [
@@ -251,7 +252,7 @@ class RedisClusterBlockIndex(RedisBlockIndex):
             numbers = self._numbers(seqs, seq, bucket_to_ops)
         replies = [
             self._publish_at(
-                self.bucket_prefixes[b], node_id, inc, bucket_ops,
+                self.bucket_prefixes[b], node_id, inc, pack_ops(bucket_ops, self._key_hash_bytes),
                 (numbers[b], numbers[b]) if numbers else (0, 0), resync,
             )
             for b, bucket_ops in bucket_to_ops.items()

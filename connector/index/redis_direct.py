@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import redis
 from redis.connection import Connection, ConnectionPool
 
-__all__ = ["LEFT_TO_GENERIC_PATH", "HeldConnections", "ScriptHead"]
+__all__ = ["LEFT_TO_GENERIC_PATH", "HeldConnections", "PackedArgs", "ScriptHead"]
 
 # What a caller of ``HeldConnections.send`` leaves to redis-py's generic path, at once: replies
 # that path acts on (a cluster's redirects, a slot in migration, a cluster that is down) and a
@@ -53,6 +53,37 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
+class PackedArgs(NamedTuple):
+    """``count`` script arguments already written as RESP bulk strings (``resp``), by a
+    producer that packs a long run of small ones in one pass (the publishes' ops:
+    ``redis_publish.pack_ops``). ``ScriptHead.pack`` splices them in as they are."""
+
+    resp: bytes
+    count: int
+
+    def unpacked(self) -> list[bytes]:
+        """The arguments as bytes again, for redis-py's generic path (which packs its own).
+
+        Raises:
+            ValueError: ``resp`` is not ``count`` whole bulk strings.
+        """
+        args: list[bytes] = []
+        resp, at = self.resp, 0
+        while at < len(resp):
+            if resp[at:at + 1] != b"$":
+                raise ValueError(f"packed arguments: no bulk string at byte {at}")
+            end = resp.index(b"\r\n", at)
+            start = end + 2
+            stop = start + int(resp[at + 1:end])
+            if resp[stop:stop + 2] != b"\r\n":
+                raise ValueError(f"packed arguments: bulk string at byte {at} is cut short")
+            args.append(resp[start:stop])
+            at = stop + 2
+        if len(args) != self.count:
+            raise ValueError(f"packed arguments: {len(args)} bulk strings, {self.count} said")
+        return args
+
+
 class ScriptHead:
     """The RESP start of ``EVALSHA sha numkeys [route key] ...`` for one script and one route
     (``route``: the key the call is routed by, ``None`` on a single server), packed once."""
@@ -66,10 +97,11 @@ class ScriptHead:
         self._head = b"".join(map(_bulk, args))
         self._num_head_args = len(args)
 
-    def pack(self, args: Iterable[bytes | str | int]) -> bytes:
-        """The whole command, the head followed by ``args``, as one buffer. Arguments are
-        written as redis-py writes them: bytes as they are, text as UTF-8, integers in decimal
-        (nothing else is used here: anything else, bools and floats too, raises TypeError)."""
+    def pack(self, args: Iterable[bytes | str | int], packed: PackedArgs | None = None) -> bytes:
+        """The whole command, the head followed by ``args`` and then ``packed``, as one buffer.
+        Arguments are written as redis-py writes them: bytes as they are, text as UTF-8,
+        integers in decimal (nothing else is used here: anything else, bools and floats too,
+        raises TypeError)."""
         parts = [b"", self._head]
         for arg in args:
             if type(arg) is not bytes:
@@ -80,7 +112,11 @@ class ScriptHead:
                 else:
                     raise TypeError(f"a script argument must be bytes, str or int, not {arg!r}")
             parts += (b"$%d\r\n" % len(arg), arg, b"\r\n")
-        parts[0] = b"*%d\r\n" % (self._num_head_args + (len(parts) - 2) // 3)
+        num_args = self._num_head_args + (len(parts) - 2) // 3
+        if packed is not None:
+            parts.append(packed.resp)
+            num_args += packed.count
+        parts[0] = b"*%d\r\n" % num_args
         return b"".join(parts)
 
 

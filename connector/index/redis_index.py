@@ -43,9 +43,7 @@ from . import redis_scripts as scripts
 from .protocol import (
     INCARNATION_DIGITS,
     NO_HIT,
-    TIER_TO_CODE,
     IndexNamespace,
-    IndexOp,
     IndexStats,
     IndexStatus,
     PrefixHit,
@@ -56,12 +54,13 @@ from .protocol import (
     check_node_id,
     check_seq,
     check_ttl,
-    events_to_ops,
+    iter_event_ops,
     join_keys,
 )
 from .reachability import Reachability
-from .redis_direct import LEFT_TO_GENERIC_PATH, HeldConnections, ScriptHead
+from .redis_direct import LEFT_TO_GENERIC_PATH, HeldConnections, PackedArgs, ScriptHead
 from .redis_entries import read_node_entries
+from .redis_publish import ARGS_PER_OP, PUBLISH_LUA, pack_ops
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
@@ -93,7 +92,7 @@ def _script(source: str) -> _Script:
 
 _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
-_PUBLISH = _script(scripts.PUBLISH_LUA)
+_PUBLISH = _script(PUBLISH_LUA)
 _LOOKUP = _script(scripts.LOOKUP_LUA)
 _GET_BLOCK_IDS = _script(held.GET_BLOCK_IDS_LUA)
 _LOOKUP_HELD = _script(held.LOOKUP_HELD_LUA)
@@ -195,31 +194,33 @@ class RedisBlockIndex:
             self._on_success(prefix)
         return reply
 
-    def _call_direct(self, what: str, script: _Script, *args: Any) -> Any:
+    def _call_direct(self, what: str, script: _Script, *args: Any,
+                     packed: PackedArgs | None = None) -> Any:
         """``_call`` for the lookups (a few small arguments and the keys' blob) and the publishes
-        (five arguments per block, packed here once rather than one by one by redis-py) through
-        ``redis_direct``: one pre-packed ``EVALSHA`` on the calling thread's held connection to
-        the server that owns the key prefix ``args[0]`` (``_pool_of``). What that path leaves to
-        the generic one (``LEFT_TO_GENERIC_PATH``) goes through ``_call``, as does every call for
-        a prefix that met trouble until one succeeds (the generic path reconnects, and on a
-        cluster refreshes the slot map after a broken connection); the rest as ``_call``."""
+        (their ops' arguments in ``packed``, written in one pass: ``redis_publish``)
+        through ``redis_direct``: one pre-packed ``EVALSHA`` on the calling thread's held
+        connection to the server that owns the key prefix ``args[0]`` (``_pool_of``). What that
+        path leaves to the generic one (``LEFT_TO_GENERIC_PATH``) goes through ``_call``, as
+        does every call for a prefix that met trouble until one succeeds (the generic path
+        reconnects, and on a cluster refreshes the slot map after a broken connection); the
+        rest as ``_call``."""
         prefix = args[0]
         if prefix in self._down_until:
-            return self._call(what, script, *args)  # backed off, or the first try after it
+            return self._call(what, script, *_plain(args, packed))  # backed off, or first try
         started = self._num_interrupts
         try:
             pool = self._pool_of(prefix)
             if pool is None:
-                return self._call(what, script, *args)
+                return self._call(what, script, *_plain(args, packed))
             head = self._heads.get((script.sha, prefix))
             if head is None:
                 route = prefix if self._num_route_keys else None
                 head = self._heads[(script.sha, prefix)] = ScriptHead(script.sha, route)
-            reply = self._lookup_conns.send(pool, head.pack(args))
+            reply = self._lookup_conns.send(pool, head.pack(args, packed))
         except NoScriptError:
-            return self._call(what, script, *args, known=False)
+            return self._call(what, script, *_plain(args, packed), known=False)
         except LEFT_TO_GENERIC_PATH:
-            return self._call(what, script, *args)
+            return self._call(what, script, *_plain(args, packed))
         except (*_TROUBLE, *_TORN_BY_INTERRUPT) as exc:
             self._on_trouble(what, exc, prefix, started)
             return None
@@ -274,27 +275,20 @@ class RedisBlockIndex:
     ) -> PublishResult:
         check_node_id(node_id)
         check_seq(seq)
-        ops = events_to_ops(events, default_tier)
+        ops = pack_ops(iter_event_ops(events, default_tier), self._key_hash_bytes)
         reply = self._publish_at(
             self._prefix, node_id, self._inc_str(incarnation), ops, seq or (0, 0), resync
         )
-        return self._count_publish(reply, len(ops), resync)
+        return self._count_publish(reply, ops.count // ARGS_PER_OP, resync)
 
     def _publish_at(
-        self, prefix: str, node_id: str, inc: str, ops: Sequence[IndexOp],
+        self, prefix: str, node_id: str, inc: str, ops: PackedArgs,
         seq: tuple[int, int], resync: bool,
     ) -> Any:
-        """One PUBLISH script call under ``prefix``; its reply (None: Redis trouble)."""
-        args: list[Any] = [prefix, node_id, inc, seq[0], seq[1], b"1" if resync else b"0"]
-        key_len = self.namespace.key_hash_bytes
-        for op in ops:
-            code = TIER_TO_CODE[op.tier]
-            if op.kind == "S":
-                data = op.block_id.to_bytes(4, "big") + code  # block id(4) .. tier
-            else:
-                data = code if op.block_id < 0 else code + op.block_id.to_bytes(4, "big")
-            args += (op.kind, op.group_id, op.block_hash[:key_len], op.parent_hash[:key_len], data)
-        return self._call_direct("publish", _PUBLISH, *args)
+        """One PUBLISH script call under ``prefix`` of ``ops`` (``pack_ops``); its reply (None:
+        Redis trouble)."""
+        return self._call_direct("publish", _PUBLISH, prefix, node_id, inc, seq[0], seq[1],
+                                 b"1" if resync else b"0", packed=ops)
 
     def _count_publish(self, reply: Any, num_ops: int, resync: bool) -> PublishResult:
         if reply is None:
@@ -441,6 +435,11 @@ class RedisBlockIndex:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _plain(args: tuple[Any, ...], packed: PackedArgs | None) -> tuple[Any, ...]:
+    """``args`` then ``packed``'s arguments, for the generic path."""
+    return args if packed is None else (*args, *packed.unpacked())
 
 
 def _ttl_ms(ttl_s: float) -> int:

@@ -1,4 +1,5 @@
-"""Server-side Lua scripts of ``RedisBlockIndex`` (one EVALSHA per index call).
+"""Server-side Lua scripts of ``RedisBlockIndex`` (one EVALSHA per index call); the publish
+script, with its arguments' packer, is ``redis_publish.py``.
 
 Keys, ``P`` = ``IndexNamespace.key_prefix``; ``<key>`` = the first ``key_hash_bytes`` of a block
 hash; ``<inc>`` = a 20-digit incarnation (string order = numeric order):
@@ -33,8 +34,9 @@ rule to decide in Python (``redis_held_lookup.py``, ``hit_rule.py``).
 Scripts build key names from ARGV: fine on one Redis server, not on Redis Cluster.
 """
 
-# Shared by register and publish: drop every entry and hole record of a node (any incarnation).
-_DROP_NODE = """
+# Shared by register and publish (``redis_publish.py``): drop every entry and hole record of a
+# node (any incarnation).
+DROP_NODE_LUA = """
 local function drop_node(P, node)
   local keyset, auxset = P .. ':keys:' .. node, P .. ':aux:' .. node
   for _, k in ipairs(redis.call('SMEMBERS', keyset)) do redis.call('HDEL', k, node) end
@@ -46,7 +48,7 @@ end
 # ARGV: P, node, inc, ttl_ms -> 1 registered, 0 refused (a newer incarnation registered).
 # A new incarnation, or the same one after expiry, starts empty. Nodes that expired without
 # registering again are swept here.
-REGISTER_LUA = _DROP_NODE + """
+REGISTER_LUA = DROP_NODE_LUA + """
 local P, node, inc, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local maxinc = redis.call('HGET', P .. ':maxinc', node)
 if maxinc and inc < maxinc then return 0 end
@@ -75,116 +77,6 @@ if redis.call('GET', nodekey) ~= inc then return 0 end
 redis.call('PEXPIRE', nodekey, ttl)
 for _, k in ipairs(redis.call('SMEMBERS', P .. ':aux:' .. node)) do
   redis.call('PEXPIRE', k, ttl)
-end
-return 1
-"""
-
-# ARGV: P, node, inc, seq first, seq last (0 0: unnumbered), resync ('1'/'0'), then 5 per op:
-# kind, group, key, parent key ('' for block 0), data.
-# S: data = block id(4) .. tier; run and slowest tier come from the node's parent entry.
-# R: data = tier [.. block id(4)]; deletes the node's entry only if they match.
-# C: drops every entry of the node.
-# -> 1 applied, 0 fenced, 2 gap (first != last applied + 1, not a resync), 3 replayed (last <=
-# last applied: ignored). ``P:seq:<n>`` = inc(20) .. ':' .. the last batch number applied; it is
-# one of the node's aux keys (same TTL, dropped with the node).
-PUBLISH_LUA = _DROP_NODE + """
-local P, node, inc = ARGV[1], ARGV[2], ARGV[3]
-local sfirst, slast, resync = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
-local nodekey = P .. ':node:' .. node
-if redis.call('GET', nodekey) ~= inc then return 0 end
-local keyset, auxset = P .. ':keys:' .. node, P .. ':aux:' .. node
-local seqkey = P .. ':seq:' .. node
-if sfirst > 0 then
-  local sv = redis.pcall('GET', seqkey)
-  local last = 0
-  if type(sv) == 'string' and string.sub(sv, 1, 20) == inc then
-    last = tonumber(string.sub(sv, 22)) or 0
-  end
-  if slast <= last then return 3 end
-  if not resync and sfirst ~= last + 1 then return 2 end
-end
-local tail = ':' .. node .. ':' .. inc .. ':'
-local aux = {}
-local function aux_of(g)
-  local a = aux[g]
-  if not a then
-    a = {P .. ':kids' .. tail .. g, P .. ':hp' .. tail .. g, P .. ':holes' .. tail .. g}
-    aux[g] = a
-    redis.call('SADD', auxset, a[1], a[2], a[3])
-  end
-  return a
-end
-local function mine(v) return v and #v >= 30 and string.sub(v, 1, 20) == inc end
-local function release(a, parent)
-  while parent ~= '' do
-    if redis.call('HINCRBY', a[1], parent, -1) > 0 then return end
-    redis.call('HDEL', a[1], parent)
-    local up = redis.call('HGET', a[2], parent)
-    if not up then return end
-    redis.call('HDEL', a[2], parent)
-    redis.call('ZREM', a[3], parent)
-    parent = up
-  end
-end
-for i = 7, #ARGV, 5 do
-  local kind, g, h, parent, data = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
-  local ekey = P .. ':e:' .. g .. ':' .. h
-  if kind == 'S' then
-    local a = aux_of(g)
-    local run, worst = 0, string.byte(data, 5)
-    if parent == '' then
-      run = 1
-    else
-      local pv = redis.call('HGET', P .. ':e:' .. g .. ':' .. parent, node)
-      if mine(pv) then
-        local prun = struct.unpack('>I4', pv, 26)
-        if prun > 0 then
-          run = prun + 1
-          worst = math.max(worst, string.byte(pv, 30))
-        end
-      end
-    end
-    if not mine(redis.call('HGET', ekey, node)) then
-      if redis.call('HDEL', a[2], h) == 1 then
-        redis.call('ZREM', a[3], h)
-      elseif parent ~= '' then
-        redis.call('HINCRBY', a[1], parent, 1)
-      end
-      redis.call('SADD', keyset, ekey)
-    end
-    redis.call('HSET', ekey, node,
-               inc .. data .. struct.pack('>I4', run) .. string.char(worst) .. parent)
-  elseif kind == 'R' then
-    local a = aux_of(g)
-    local v = redis.call('HGET', ekey, node)
-    if mine(v) and string.sub(v, 25, 25) == string.sub(data, 1, 1)
-        and (#data == 1 or string.sub(v, 21, 24) == string.sub(data, 2, 5)) then
-      redis.call('HDEL', ekey, node)
-      redis.call('SREM', keyset, ekey)
-      local vparent = string.sub(v, 31)
-      if tonumber(redis.call('HGET', a[1], h) or '0') > 0 then
-        redis.call('HSET', a[2], h, vparent)
-        local run = struct.unpack('>I4', v, 26)
-        if run > 0 then redis.call('ZADD', a[3], run - 1, h) end
-      else
-        release(a, vparent)
-      end
-    end
-  else
-    drop_node(P, node)
-    aux = {}
-  end
-end
-local pttl = redis.call('PTTL', nodekey)
-if sfirst > 0 then
-  redis.call('SET', seqkey, inc .. ':' .. slast)
-  redis.call('SADD', auxset, seqkey)
-  if pttl > 0 then redis.call('PEXPIRE', seqkey, pttl) end
-end
-if pttl > 0 then
-  for _, a in pairs(aux) do
-    for j = 1, 3 do redis.call('PEXPIRE', a[j], pttl) end
-  end
 end
 return 1
 """
