@@ -360,7 +360,8 @@ class KVBridgeScheduler:
             # worker snapshots the picks at the next step's start, before its forward writes.
             incarnation = max((meta.store_incarnation for meta in metas), default=0)
             self.offload_planner.apply_outcomes(outcomes, incarnation)
-            self._meta.offload_items.extend(self.offload_planner.plan(self._block_pool))
+            items = self._meta.offload_items  # async scheduling: two outputs, one step
+            items += self.offload_planner.plan(self._block_pool, num_planned=len(items))
         return outcomes
 
     def set_xfer_handshake_metadata(

@@ -8,21 +8,19 @@ step after the step's schedule and forward (``update_connector_output``) and nam
 ``blocks_per_step`` such blocks, read through ``BlockPool.iter_cold_cached_blocks`` from the
 head (at most ``scan_blocks`` queue entries), each after its ancestors ("Ancestors" below).
 The worker half snapshots their bytes at the next step's ``start_load_kv``, before its forward
-(``sender.py``). That step's schedule runs in between and
-may pop a planned block for another request, whose pull may land in it before the snapshot, so
-``drop_reused`` (called after that schedule, in ``build_connector_meta``) withdraws every item
-whose block no longer holds the planned hash; a block that still holds it is never written (a
-cached block is never written while it holds its hash).
+(``sender.py``). That step's schedule runs in between and may pop a planned block for another
+request, whose pull may land in it before the snapshot, so ``drop_reused`` (called after that
+schedule, in ``build_connector_meta``) withdraws every item whose block no longer holds the
+planned hash (every item, after a ``reset_prefix_cache``); a block that still holds it is never
+written (a cached block is never written while it holds its hash).
 
 Policies: ``"evict"`` plans cold blocks only; ``"write_through"`` first plans every block that
 became cached (a ``BlockStored`` event), if it still holds that hash, then cold blocks.
 
 Parents. The store publishes a block to the index only once its chain back to the first block
 is held (``cache.py``), so each item carries its parent hash, learned from the pool's
-``BlockStored`` events (``observe``). Only blocks whose event was observed are planned; events
-are observed in ``build_connector_meta`` and ``plan`` runs in ``update_connector_output``, after
-the forward that computed their blocks, so a block hashed by this step's schedule, whose KV is
-not computed yet, is never planned.
+``BlockStored`` events (``observe``, in ``build_connector_meta``); ``plan`` runs after the
+forward that computed their blocks, so a block whose KV is not computed yet is never planned.
 
 Ancestors. A chain's head is often hot: a system prompt shared by every request is touched by
 each one and never becomes cold, so a planner that wrote cold blocks only would never write it
@@ -55,8 +53,7 @@ held (the worker skipped it for back-pressure, the write failed, the store had n
 fence withdrew it) -> no longer in flight, and queued to be planned first next time (``_due``)
 if the pool still caches it: a block's descendants may be remembered as offloaded already, so
 no later walk would reach a hot ancestor again, and the store would never anchor them. The
-planner does not know the worker's back-pressure rule; it only needs every submitted item to be
-reported once.
+planner does not know the worker's back-pressure rule; every submitted item is reported once.
 What it remembers of its writes is bounded. A block the store was reported to hold is not
 planned again while it is among this planner's last ``max_offloaded`` such writes, nor during
 the rest of its stay in the pool (from its first cached copy's ``BlockStored`` to its last
@@ -132,19 +129,16 @@ class OffloadPlanner:
     ) -> None:
         if policy not in OFFLOAD_POLICIES:
             raise ValueError(f"policy must be one of {OFFLOAD_POLICIES}, got {policy!r}")
-        for name, value in (
-            ("blocks_per_step", blocks_per_step),
-            ("scan_blocks", scan_blocks),
-            ("max_remembered", max_remembered),
-            ("max_offloaded", max_remembered if max_offloaded is None else max_offloaded),
-        ):
+        max_offloaded = max_remembered if max_offloaded is None else max_offloaded
+        for name, value in (("blocks_per_step", blocks_per_step), ("scan_blocks", scan_blocks),
+                            ("max_remembered", max_remembered), ("max_offloaded", max_offloaded)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.policy = policy
         self.blocks_per_step = blocks_per_step
         self.scan_blocks = scan_blocks
         self.max_remembered = max_remembered
-        self.max_offloaded = max_remembered if max_offloaded is None else max_offloaded
+        self.max_offloaded = max_offloaded
         # pool key -> parent block hash (b"": first block), for every cached block observed
         self._parent_of: dict[BlockHashWithGroupId, bytes] = {}
         # pool key -> how many cached blocks hold it (two requests may compute one block each)
@@ -153,7 +147,10 @@ class OffloadPlanner:
         self._write_through: deque[tuple[BlockHashWithGroupId, int]] = deque(
             maxlen=max_remembered
         )
-        self._in_flight: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
+        # pool key -> the parent hash it was planned with (b"": first block), until its outcome
+        self._in_flight: OrderedDict[BlockHashWithGroupId, bytes] = OrderedDict()
+        # held outcomes of the latest apply_outcomes -> their planned parents
+        self._settled_parents: dict[BlockHashWithGroupId, bytes] = {}
         # writes reported held (module docstring): the last max_offloaded, and those of
         # blocks the pool has cached ever since
         self._recent_writes: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
@@ -162,6 +159,7 @@ class OffloadPlanner:
         # planned first by the next plan, oldest first: the rest of a chain that did not fit
         # (root first), and blocks reported not held (see the module docstring, "Feedback")
         self._due: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
+        self._cleared_since_fence = False  # an AllBlocksCleared observed since drop_reused
 
     # ------------------------------------------------------------------ inputs
     def observe(self, events: Iterable[Any]) -> None:
@@ -190,6 +188,7 @@ class OffloadPlanner:
                         self._parent_of.pop(key, None)
                         self._written_this_stay.discard(key)
             elif isinstance(event, AllBlocksCleared):
+                self._cleared_since_fence = True  # drop_reused withdraws every pending item
                 self._parent_of.clear()
                 self._num_copies.clear()
                 self._written_this_stay.clear()
@@ -199,18 +198,15 @@ class OffloadPlanner:
     def apply_outcomes(
         self, outcomes: Iterable[OffloadOutcome], store_incarnation: int = 0
     ) -> None:
-        """Take the worker's report on submitted items: held ones are remembered as offloaded;
-        the others leave the in-flight set and are due (planned first by the next ``plan`` if
-        the pool still caches them and they are not remembered as offloaded: a not-held
-        outcome does not make the planner forget a block it knows the store holds). A
-        ``missing`` one (a block the store named, module docstring "Feedback") is ignored while
-        the key is in flight; otherwise the key is forgotten as offloaded and put first in the
-        due list. ``store_incarnation``: that of the store that answered the latest put (0:
-        unknown); after another one, or after writes answered by a store that did not say (the
-        store restarted empty), every write remembered is forgotten once ``outcomes`` are
-        applied, so the blocks the pool still caches are written again (those the new store
-        already holds answer "present")."""
+        """Take the worker's report on submitted items (module docstring, "Feedback"): held
+        ones are remembered as offloaded, the others leave the in-flight set and are due unless
+        remembered as offloaded; a ``missing`` one is ignored while in flight, else forgotten
+        as offloaded and due first. ``store_incarnation``: that of the store that answered the
+        latest put (0: unknown); after another one, or after writes answered by a store that
+        did not say (it restarted empty), every write remembered is forgotten once ``outcomes``
+        are applied, so what the pool still caches is written again ("present" if held)."""
         had_writes = bool(self._recent_writes or self._written_this_stay)
+        self._settled_parents = settled = {}
         for outcome in outcomes:
             key = make_block_hash_with_group_id(outcome.block_hash, outcome.group_id)
             if outcome.missing:
@@ -218,8 +214,10 @@ class OffloadPlanner:
                     self._forget_write(key)
                     self._queue_due(key, first=True)  # it keeps whole chains unlisted
                 continue
-            self._in_flight.pop(key, None)
+            parent = self._in_flight.pop(key, None)
             if outcome.held:
+                if parent is not None:
+                    settled[key] = parent
                 self._due.pop(key, None)
                 _remember(self._recent_writes, key, self.max_offloaded)
                 if key in self._num_copies:
@@ -235,15 +233,17 @@ class OffloadPlanner:
             self._store_incarnation = store_incarnation
 
     # ------------------------------------------------------------------ the step's plan
-    def plan(self, block_pool: BlockPool) -> list[OffloadItem]:
-        """The items to offload this step, at most ``blocks_per_step``: due blocks first
+    def plan(self, block_pool: BlockPool, num_planned: int = 0) -> list[OffloadItem]:
+        """The items to offload this step, at most ``blocks_per_step`` less ``num_planned``
+        (planned for the same step before: vLLM's async scheduling may process two outputs
+        between two schedules): due blocks first
         (oldest first), then write-through blocks (oldest first), then cold blocks from the
         free queue's head; each preceded by its ancestors the store is not known to hold
         (root first, see the module docstring); never a block in flight, remembered as
         offloaded, or whose parent is unknown. Marks them in flight. Reads ``block_pool``
         (``iter_cold_cached_blocks``, ``get_block``, ``get_cached_block``), mutates only the
         planner."""
-        picked = _Picked(self.blocks_per_step)
+        picked = _Picked(max(0, self.blocks_per_step - num_planned))
         self._take_due(block_pool, picked)
         while self._write_through and picked.room:
             key, block_id = self._write_through.popleft()
@@ -309,8 +309,8 @@ class OffloadPlanner:
         self._recent_writes.pop(key, None)
 
     def _mark_in_flight(self, picked: _Picked) -> list[OffloadItem]:
-        for key in picked.keys:
-            _remember(self._in_flight, key, self.max_remembered)
+        for key, item in zip(picked.keys, picked.items, strict=True):
+            _remember(self._in_flight, key, self.max_remembered, item.parent_hash)
         return picked.items
 
     def plan_evicted(
@@ -324,11 +324,13 @@ class OffloadPlanner:
         its eviction, before observing its ``BlockRemoved``. Marks the items in flight (report
         them with ``apply_outcomes``). Reads ``block_pool``, mutates only the planner."""
         key = make_block_hash_with_group_id(block_hash, group_id)
-        chain = self._chain(key, block_id, block_pool, {})
-        for chain_key, _ in chain:
+        items = [self._item(chain_key, chain_block_id)
+                 for chain_key, chain_block_id in self._chain(key, block_id, block_pool, {})]
+        for item in items:
+            chain_key = make_block_hash_with_group_id(item.block_hash, item.group_id)
             self._due.pop(chain_key, None)
-            _remember(self._in_flight, chain_key, self.max_remembered)
-        return [self._item(chain_key, chain_block_id) for chain_key, chain_block_id in chain]
+            _remember(self._in_flight, chain_key, self.max_remembered, item.parent_hash)
+        return items
 
     def _plannable(
         self, key: BlockHashWithGroupId, picked_keys: dict[BlockHashWithGroupId, None]
@@ -376,20 +378,21 @@ class OffloadPlanner:
     def drop_reused(
         self, items: list[tuple[int, int, bytes, bytes]], block_pool: BlockPool
     ) -> list[tuple[int, int, bytes, bytes]]:
-        """The fence between plan and snapshot. ``plan`` runs at the end of a step, the worker
-        snapshots the items at the next step's ``start_load_kv``, and that step's schedule runs
-        in between: it may pop a planned block and hand it to another request, whose pull may
-        land in it before the snapshot. Call this after that schedule (``build_connector_meta``):
-        it keeps the ``OffloadItem`` records (``(block_id, group_id, block_hash,
-        parent_hash)``) whose block still holds the planned hash and reports the others not held
-        (so a later ``plan`` may pick the block again wherever its hash lives then). Issue 15,
-        case 5 (a vLLM report: a store recorded a reused block's new bytes under the old hash).
-        Reads ``block_pool``, mutates only the planner."""
+        """The fence between plan and snapshot (module docstring): keeps the ``OffloadItem``
+        records (``(block_id, group_id, block_hash, parent_hash)``) whose block still holds the
+        planned hash and reports the others not held (a later ``plan`` may pick the block again
+        wherever its hash lives then); none after an ``AllBlocksCleared`` observed since the
+        last call (the schedule after ``reset_prefix_cache``, for new weights say, may hash a
+        planned block again under the same hash before its forward rewrites the KV). Call it
+        after the schedule that follows ``plan`` (``build_connector_meta``). Issue 15, case 5
+        (a vLLM report: a store recorded a reused block's new bytes under the old hash). Reads
+        ``block_pool``, mutates only the planner."""
         kept: list[tuple[int, int, bytes, bytes]] = []
+        cleared, self._cleared_since_fence = self._cleared_since_fence, False
         for item in items:
             block_id, group_id, block_hash = item[0], item[1], item[2]
             key = make_block_hash_with_group_id(block_hash, group_id)
-            if block_pool.get_block(block_id).block_hash == key:
+            if not cleared and block_pool.get_block(block_id).block_hash == key:
                 kept.append(item)
             else:
                 self.apply_outcomes([OffloadOutcome(group_id, block_hash, False)])
@@ -415,6 +418,14 @@ class OffloadPlanner:
         no ``BlockStored`` named it or its removal was observed."""
         return self._parent_of.get(make_block_hash_with_group_id(block_hash, group_id))
 
+    def written_parent_of(self, group_id: int, block_hash: bytes) -> bytes | None:
+        """For a block whose write the latest ``apply_outcomes`` settled held, the parent it
+        was planned with (what the store recorded, even if the pool dropped the block since);
+        else ``parent_of``."""
+        key = make_block_hash_with_group_id(block_hash, group_id)
+        parent = self._settled_parents.get(key)
+        return self._parent_of.get(key) if parent is None else parent
+
 
 class _Picked:
     """One plan's picks: items in order, their keys, and how many more fit."""
@@ -431,9 +442,9 @@ class _Picked:
         return self.limit - len(self.items)
 
 
-def _remember(keys: OrderedDict[BlockHashWithGroupId, None], key: BlockHashWithGroupId,
-              max_keys: int) -> None:
-    keys[key] = None
+def _remember(keys: OrderedDict[BlockHashWithGroupId, Any], key: BlockHashWithGroupId,
+              max_keys: int, value: Any = None) -> None:
+    keys[key] = value
     keys.move_to_end(key)
     while len(keys) > max_keys:
         keys.popitem(last=False)

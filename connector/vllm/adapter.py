@@ -210,7 +210,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         planner = self._scheduler.offload_planner
         if planner is not None:
             self._store_events = StoreTierEvents(block_size=block_size,
-                                                 parent_of=planner.parent_of)
+                                                 parent_of=planner.written_parent_of)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The store tier's events (``store_events.StoreTierEvents``: blocks this engine wrote

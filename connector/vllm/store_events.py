@@ -4,11 +4,12 @@ with the medium ``STORE_MEDIUM``, for ``KVConnectorBase_V1.take_events`` (vLLM p
 with its pool's own when ``kv_events_config.enable_kv_cache_events`` is on).
 
 Source: the worker half's offload outcomes (``store.offload_items.OffloadOutcome``) that reach
-the scheduler half each step. A held outcome -> ``BlockStored`` of that block (its parent from
-the offload planner, which learnt it from the pool follower's events); a ``missing`` one (a
-put's reply named a block the store no longer holds) -> ``BlockRemoved``. The store drops
-blocks on its own (LRU) without telling the writers, so a router learns a removal only when a
-later put of this engine meets it; the index (tier ``"store"``) is the exact record.
+the scheduler half each step. A held outcome -> ``BlockStored`` of that block (its parent the
+one the offload planner planned it with, kept until the outcome even if vLLM has evicted the
+block meanwhile); a ``missing`` one (a put's reply named a block the store no longer holds) ->
+``BlockRemoved``. The store drops blocks on its own (LRU) without telling the writers, so a
+router learns a removal only when a later put of this engine meets it; the index (tier
+``"store"``) is the exact record.
 
 Owner: the engine thread (vLLM's scheduler); nothing here is shared.
 """
@@ -37,7 +38,7 @@ class StoreTierEvents:
     Args:
         block_size: tokens per block (``BlockStored.block_size``).
         parent_of: ``parent_of(group_id, block_hash)`` -> the parent hash (``b""``: a first
-            block) or None when unknown (``OffloadPlanner.parent_of``).
+            block) or None when unknown (``OffloadPlanner.written_parent_of``).
     """
 
     def __init__(self, *, block_size: int,

@@ -45,7 +45,7 @@ def _report(scheduler, output) -> None:
 
 def test_every_offload_item_names_a_block_computed_before_its_step_and_still_holding_it():
     scheduler = index_node("offload-async", _namespace(), async_scheduling=True, extra={
-        "store_url": "127.0.0.1:9", "offload": "evict", "offload_blocks_per_step": 2,
+        "store_url": "127.0.0.1:9", "offload": "evict", "offload_blocks_per_step": 3,
         "offload_scan_blocks": 8})
     assert isinstance(scheduler, AsyncScheduler)
     blocks = scheduler.kv_cache_manager.block_pool.blocks
@@ -57,8 +57,8 @@ def test_every_offload_item_names_a_block_computed_before_its_step_and_still_hol
         planner = connector_of(scheduler)._sched().offload_planner
         plan, num_picked = planner.plan, [0]
 
-        def counted_plan(block_pool):
-            items = plan(block_pool)
+        def counted_plan(block_pool, **kwargs):
+            items = plan(block_pool, **kwargs)
             num_picked[0] += len(items)
             return items
 
