@@ -69,6 +69,7 @@ from kvbridge.kvmanager import (
     SamplingParams,
     get_request_block_hasher,
 )
+from kvbridge.kvmanager.block_hash import make_block_hash_with_group_id
 from kvbridge.kvmanager.engine import Engine, EngineConfig
 from kvbridge.transport import LoopbackNetwork, NodeMetadata, format_host_port
 
@@ -708,6 +709,58 @@ def test_planner_picks_cold_chains_root_first_once_each_until_reported():
     planner.apply_outcomes([OffloadOutcome(0, h[2], True)])
     assert planner.plan(pool) == [] and planner.num_in_flight == 0
     assert all(planner.is_offloaded(0, x) for x in h)
+
+
+def test_planner_names_the_parent_a_held_write_was_planned_with_after_its_block_went():
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=100)
+    planner.observe(events)
+    assert planner.plan(pool) == [_item(i + 1, h, i) for i in range(4)]
+    pool.get_new_blocks(6)  # 5..9 and block 4: the chain's tail loses its hash while in flight
+    planner.observe(pool.take_events())
+    assert planner.parent_of(0, h[3]) is None
+    planner.apply_outcomes([OffloadOutcome(0, x, True) for x in h])
+    # The store tier's BlockStored names the parent the store recorded, not a chain root.
+    assert [planner.written_parent_of(0, x) for x in h] == [b"", h[0], h[1], h[2]]
+    planner.apply_outcomes([])  # only the latest outcomes' parents are kept
+    assert planner.written_parent_of(0, h[3]) is None
+    assert planner.written_parent_of(0, h[2]) == h[1]  # (cached: learnt from its event)
+
+
+def test_planner_plans_what_is_left_of_the_step_s_bound():
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=4, scan_blocks=100)
+    planner.observe(events)
+    # Two outputs between two schedules (vLLM's async scheduling): the second plan fills what
+    # the first left of the step's bound, and no more.
+    assert planner.plan(pool, num_planned=3) == [_item(1, h, 0)]
+    assert planner.plan(pool, num_planned=4) == [] and planner.num_in_flight == 1
+    assert planner.plan(pool, num_planned=1) == [_item(2, h, 1), _item(3, h, 2), _item(4, h, 3)]
+
+
+def test_the_fence_withdraws_every_item_planned_before_a_prefix_cache_reset():
+    pool, h, events = _cold_pool()
+    planner = OffloadPlanner(policy="evict", blocks_per_step=8, scan_blocks=100)
+    planner.observe(events)
+    items = [tuple(item) for item in planner.plan(pool)]
+    assert pool.reset_prefix_cache()  # new weights, say: every block's KV is stale
+    # The next schedule takes every block and hashes blocks 1..4 again with the same chain,
+    # before its forward recomputes them: the planned blocks hold the planned hashes again.
+    taken = {block.block_id: block for block in pool.get_new_blocks(9)}
+    again = Request("r", long_prompt(4 * BLOCK_SIZE + 3), SamplingParams(max_tokens=1),
+                    block_hasher=get_request_block_hasher(BLOCK_SIZE))
+    assert list(again.block_hashes) == h
+    pool.cache_full_blocks(again, [taken[i] for i in range(1, 6)], again.block_hashes, 0, 4,
+                           BLOCK_SIZE, 0)
+    assert all(pool.get_block(i + 1).block_hash == make_block_hash_with_group_id(h[i], 0)
+               for i in range(4))
+    planner.observe(pool.take_events())  # AllBlocksCleared, then the chain stored again
+    assert planner.drop_reused(items, pool) == []  # pre-reset KV is never written
+    assert planner.num_in_flight == 0
+    # Withdrawn, they are due: planned again after that forward, and the next fence (no reset
+    # since) lets them through.
+    replanned = [tuple(item) for item in planner.plan(pool)]
+    assert replanned == items and planner.drop_reused(replanned, pool) == replanned
 
 
 def test_planner_scans_at_most_scan_blocks_entries_and_forgets_evicted_parents():

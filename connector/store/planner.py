@@ -236,13 +236,12 @@ class OffloadPlanner:
     def plan(self, block_pool: BlockPool, num_planned: int = 0) -> list[OffloadItem]:
         """The items to offload this step, at most ``blocks_per_step`` less ``num_planned``
         (planned for the same step before: vLLM's async scheduling may process two outputs
-        between two schedules): due blocks first
-        (oldest first), then write-through blocks (oldest first), then cold blocks from the
-        free queue's head; each preceded by its ancestors the store is not known to hold
-        (root first, see the module docstring); never a block in flight, remembered as
-        offloaded, or whose parent is unknown. Marks them in flight. Reads ``block_pool``
-        (``iter_cold_cached_blocks``, ``get_block``, ``get_cached_block``), mutates only the
-        planner."""
+        between two schedules): due blocks first (oldest first), then write-through blocks
+        (oldest first), then cold blocks from the free queue's head; each preceded by its
+        ancestors the store is not known to hold (root first, see the module docstring); never
+        a block in flight, remembered as offloaded, or whose parent is unknown. Marks them in
+        flight. Reads ``block_pool`` (``iter_cold_cached_blocks``, ``get_block``,
+        ``get_cached_block``), mutates only the planner."""
         picked = _Picked(max(0, self.blocks_per_step - num_planned))
         self._take_due(block_pool, picked)
         while self._write_through and picked.room:
