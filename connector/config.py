@@ -37,7 +37,10 @@ key                          default   meaning
                                        for several KV cache groups and under vLLM's async
                                        scheduling (its default on a GPU, where ``"sync"`` is
                                        refused: vLLM cannot recover a failed in-step load
-                                       there)
+                                       there); inside vLLM under ``recompute`` a handoff too
+                                       loads in its step only for a request alone in the
+                                       engine (vLLM may run another request of that step over
+                                       a failed in-step load's blocks)
 ``sync_load_timeout_s``      2.0       deadline of one pull loaded inside its step
 ``lease_s``                  30.0      how long a prefill node keeps blocks for a puller without
                                        a heartbeat

@@ -155,10 +155,10 @@ class IndexMatcher:
                             num_local_blocks=num_computed_tokens // self._block_size,
                             min_gain_blocks=self._min_gain_blocks)
         self._lookups.add(request_id)
-        if self._alone_wait_s and self._alone(request_id):
+        if self._alone_wait_s and self.alone(request_id):
             client.wait_for_answer(self._alone_wait_s)  # the engine has nothing else to run
 
-    def _alone(self, request_id: str) -> bool:
+    def alone(self, request_id: str) -> bool:
         """Whether ``request_id`` is the only request admitted and not finished."""
         return len(self._live) == 1 and request_id in self._live
 
@@ -168,7 +168,7 @@ class IndexMatcher:
         have arrived since the hit was first handed out."""
         match = answer.match
         if (match is not None and match.load_async and self._alone_loads_in_step
-                and self._alone(request_id)):
+                and self.alone(request_id)):
             return IndexAnswer(False, dataclasses.replace(match, load_async=False))
         return answer
 

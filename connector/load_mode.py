@@ -60,12 +60,18 @@ class LoadModePolicy:
             here (``"sync"`` is the caller's own rule).
         num_groups: KV cache groups of the model.
         kv_cache_config: the groups' specs (bytes per block); None: sizes unknown, never sync.
+        handoffs_only_alone: a handoff loads in the step only for a request alone in the
+            engine, as an index hit does: the engine cannot let other requests of the step
+            share a failed in-step load's blocks safely (vLLM under ``recompute``:
+            ``vllm.load_modes``).
     """
 
     def __init__(
-        self, load_mode: str, num_groups: int, kv_cache_config: KVCacheConfig | None
+        self, load_mode: str, num_groups: int, kv_cache_config: KVCacheConfig | None,
+        *, handoffs_only_alone: bool = False,
     ) -> None:
         self._auto = load_mode == "auto" and num_groups == 1
+        self._handoffs_only_alone = handoffs_only_alone
         self._block_nbytes = None
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             group = kv_cache_config.kv_cache_groups[0]
@@ -90,12 +96,14 @@ class LoadModePolicy:
         one-sided, or another incarnation)."""
         return self._boards.get((holder.engine_id, holder.incarnation))
 
-    def loads_in_step(self, holder: HolderRef, num_blocks: int) -> bool:
-        """Whether a handoff of ``num_blocks`` blocks from ``holder`` loads inside the step.
-        The worker's report is a hint: a read it cannot do one-sided after all is read the
-        usual way, within ``sync_load_timeout_s``."""
+    def loads_in_step(self, holder: HolderRef, num_blocks: int, *, alone: bool) -> bool:
+        """Whether a handoff of ``num_blocks`` blocks from ``holder`` loads inside the step
+        (``alone``: its request is the only one in the engine). The worker's report is a hint:
+        a read it cannot do one-sided after all is read the usual way, within
+        ``sync_load_timeout_s``."""
         return (
             self._auto
+            and (alone or not self._handoffs_only_alone)
             and self._block_nbytes is not None
             and num_blocks * self._block_nbytes <= AUTO_SYNC_MAX_BYTES
             and (holder.engine_id, holder.incarnation) in self._boards

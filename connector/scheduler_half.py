@@ -90,10 +90,12 @@ class KVBridgeScheduler:
         hash_fn_name: the block hash function (the worker's block identity names the same).
         kv_cache_config: the node's groups: index lookups find what the local coordinator's
             rule restores (``kvmanager.PrefixHitRule``); None: all taken as full attention.
+        handoffs_only_alone: ``LoadModePolicy``'s (vLLM under ``recompute``).
     """
 
     def __init__(self, config: KVTransferConfig, *, block_size: int, num_groups: int,
-                 hash_fn_name: str, kv_cache_config: KVCacheConfig | None = None) -> None:
+                 hash_fn_name: str, kv_cache_config: KVCacheConfig | None = None,
+                 handoffs_only_alone: bool = False) -> None:
         self.config = config
         self.kv_role = config.kv_role
         self.block_size = block_size
@@ -102,7 +104,8 @@ class KVBridgeScheduler:
         self.stats = KVTransferStats()
         self.rank_reports = RankReports(self.stats)  # the ranks' reports, each request once
         self._load_async = config.load_mode != "sync"  # "auto": ``LoadModePolicy`` decides
-        self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config)
+        self._load_policy = LoadModePolicy(config.load_mode, num_groups, kv_cache_config,
+                                           handoffs_only_alone=handoffs_only_alone)
         self._index_matcher = IndexMatcher(
             stats=self.stats, block_size=block_size, load_async=self._load_async,
             num_groups=num_groups, alone_wait_s=config.idle_lookup_wait_s,
@@ -128,8 +131,7 @@ class KVBridgeScheduler:
                            max_offloaded=config.offload_remember_blocks)
 
     # ------------------------------------------------------------------ wiring
-    def bind_block_pool(self, block_pool: BlockPool, take_events: Any,
-                        settle: Any = None) -> None:
+    def bind_block_pool(self, block_pool: BlockPool, take_events: Any, settle: Any = None) -> None:
         """Give the half the node's block pool (offload's cold-block picks, the index's resyncs:
         ``BlockPool``'s public API, this thread), the manager's ``take_events`` (a list of
         events, or a batch whose events are built after the step: ``block_events.PoolBatches``)
@@ -208,7 +210,7 @@ class KVBridgeScheduler:
         # vLLM: no async load of zero tokens
         num_blocks = cdiv(num_remote, self.block_size) - num_computed_tokens // self.block_size
         load_async = num_new > 0 and self._load_async and not self._load_policy.loads_in_step(
-            holder, num_blocks)
+            holder, num_blocks, alone=self._index_matcher.alone(request.request_id))
         self._matches[request.request_id] = RemoteMatch(
             holder=holder, remote_block_ids=ticket.remote_block_ids, ticket=ticket_of(ticket),
             num_local_tokens=num_computed_tokens, num_remote_tokens=num_remote,
@@ -339,13 +341,10 @@ class KVBridgeScheduler:
         """Learn the workers' identity and statistics from this step's reports (one, or every
         rank's); publish the step's block events; plan the next offloads, once per step.
         Returns the offload outcomes settled (``RankReports.apply_step``: a block's once every
-        rank reported it).
-
-        Publishing waits for the forward: ``allocate_slots`` hashes a step's new full blocks
-        before their KV is computed (safe inside one engine), so only the steps up to the one
-        these reports end (``step_id``) are published; vLLM's async scheduling hashes the next
-        step's blocks before this step's output comes back.
-        """
+        rank reported it). Publishing waits for the forward: ``allocate_slots`` hashes a step's
+        new full blocks before their KV is computed (safe inside one engine), so only the steps
+        up to the one these reports end (``step_id``) are published; vLLM's async scheduling
+        hashes the next step's blocks before this step's output comes back."""
         metas = [] if worker_meta is None else \
             [worker_meta] if isinstance(worker_meta, KVBridgeWorkerMeta) else list(worker_meta)
         outcomes = self.rank_reports.apply_step(metas)

@@ -1,6 +1,7 @@
 """``load_mode`` ``"auto"`` (``connector.load_mode.LoadModePolicy``): a handoff loads inside
 the step that computes it only when the worker half reads its holder one-sided, the model has
-one KV cache group and the copy is small; every other pull runs over later steps."""
+one KV cache group and the copy is small (and, with ``handoffs_only_alone``, its request is alone
+in the engine); every other pull runs over later steps."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ MAX_BLOCKS = AUTO_SYNC_MAX_BYTES // (2 * BLOCK_NBYTES_PER_LAYER)
 
 def test_a_small_handoff_from_a_one_sided_holder_loads_in_the_step():
     policy = _policy()
-    assert policy.loads_in_step(P, 1)
-    assert policy.loads_in_step(P, MAX_BLOCKS)
-    assert not policy.loads_in_step(P, MAX_BLOCKS + 1)  # a bigger copy would stall the step
+    assert policy.loads_in_step(P, 1, alone=False)
+    assert policy.loads_in_step(P, MAX_BLOCKS, alone=False)
+    assert not policy.loads_in_step(P, MAX_BLOCKS + 1, alone=False)  # a bigger copy stalls it
 
 
 @pytest.mark.parametrize(
@@ -63,13 +64,23 @@ def test_anything_else_runs_over_later_steps(case):
     else:
         policy = LoadModePolicy("auto", 1, None)
         policy.observe([P_BOARD])
-    assert not policy.loads_in_step(holder, 1)
+    assert not policy.loads_in_step(holder, 1, alone=False)
+
+
+def test_handoffs_only_alone_loads_in_the_step_only_a_request_alone_in_the_engine():
+    """vLLM under ``recompute`` (``vllm.load_modes``): another request of the step could share
+    a failed in-step load's blocks, so only a request alone in the engine loads in the step."""
+    policy = LoadModePolicy("auto", 1, _config(), handoffs_only_alone=True)
+    policy.observe([P_BOARD])
+    assert not policy.loads_in_step(P, 1, alone=False)
+    assert policy.loads_in_step(P, 1, alone=True)
+    assert not policy.loads_in_step(P, MAX_BLOCKS + 1, alone=True)  # the size bound still holds
 
 
 def test_an_unchanged_report_keeps_the_last_one():
     policy = _policy()
     policy.observe(None)
-    assert policy.loads_in_step(P, 1)
+    assert policy.loads_in_step(P, 1, alone=False)
 
 
 class _HolderListTransport:
@@ -98,9 +109,9 @@ def test_the_worker_half_reports_its_one_sided_holders_once_per_change():
     decoded = decode_worker_meta(encode_worker_meta(meta)).one_sided_holders
     assert decoded == [P_BOARD] and isinstance(decoded[0], BoardRef)  # where P's board is
     policy.observe(decoded)
-    assert policy.loads_in_step(P, 1) and policy.board_of(P) == P_BOARD
+    assert policy.loads_in_step(P, 1, alone=False) and policy.board_of(P) == P_BOARD
     transport.holders = []  # the connection to P was dropped
     meta = worker.build_connector_worker_meta()
     assert not meta.is_empty() and meta.one_sided_holders == []
     policy.observe(meta.one_sided_holders)
-    assert not policy.loads_in_step(P, 1)
+    assert not policy.loads_in_step(P, 1, alone=False)

@@ -53,7 +53,7 @@ from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
 from ..worker_half import KVBridgeWorker
 from .engine_identity import engine_identity_fields, model_revision_of
-from .load_modes import load_mode_for
+from .load_modes import load_mode_for, recompute_shares_in_step_loads
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
 from .offload_pool import VllmOffloadPool
@@ -156,7 +156,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KVBridgeScheduler(
                 self.config, block_size=self._ours.kv_cache_groups[0].kv_cache_spec.block_size,
                 num_groups=len(self._ours.kv_cache_groups), hash_fn_name=hash_fn_name,
-                kv_cache_config=self._ours)
+                kv_cache_config=self._ours, handoffs_only_alone=recompute_shares_in_step_loads(
+                    self.config))
             self._tap = StatsTap(self._scheduler.stats)
         else:
             self._worker = KVBridgeWorker(self.config, self._ours, hash_fn_name=hash_fn_name)

@@ -16,6 +16,15 @@ A pull that loads inside its step ("sync") reports a failure to vLLM only as
 
 So ``"sync"`` is refused in both, and ``"auto"`` (sync only where a load cannot stall other
 requests) loads every pull over later steps under async scheduling, as ``"async"`` does.
+
+Under ``kv_load_failure_policy`` ``"recompute"`` a failed in-step load's blocks may be shared
+by another request of the same step: vLLM caches a sync load's blocks as it allocates them, so
+a later request of that schedule takes them as a local hit. ``_update_requests_with_invalid_
+blocks`` then leaves their recompute to the loading request alone and keeps the other one's
+computed tokens; if the loading request is aborted or preempted before it recomputes them, the
+other decodes over KV never written (``tests/vllm/test_vllm_pd_interleavings.py``). So there
+``"auto"`` loads a handoff inside its step only for a request alone in the engine, as it does an
+index hit (``recompute_shares_in_step_loads``), and ``"sync"`` is said to carry that risk.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any
 from ..config import KVTransferConfig
 from ..errors import KVTransferConfigError
 
-__all__ = ["load_mode_for"]
+__all__ = ["load_mode_for", "recompute_shares_in_step_loads"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +57,12 @@ def load_mode_for(vllm_config: Any, config: KVTransferConfig, *, num_groups: int
         KVTransferConfigError: ``load_mode`` ``"sync"`` with several KV cache groups or under
             async scheduling, naming the settings that fix it.
     """
+    if config.load_mode == "sync" and config.load_failure_policy == "recompute" and say:
+        logger.warning(
+            "load_mode 'sync' with kv_load_failure_policy 'recompute': a request that shares a "
+            "failed in-step load's blocks may decode over KV never written if the loading "
+            "request is aborted or preempted first (vLLM leaves their recompute to it); "
+            "'auto' loads in the step only a request alone in the engine")
     if config.load_mode == "sync" and num_groups > 1:
         raise KVTransferConfigError(
             "kv_connector_extra_config.load_mode='sync' with several KV cache groups: vLLM "
@@ -68,3 +83,12 @@ def load_mode_for(vllm_config: Any, config: KVTransferConfig, *, num_groups: int
                     "later engine steps ('async'): vLLM cannot recover a failed in-step load "
                     "there")
     return dataclasses.replace(config, load_mode="async")
+
+
+def recompute_shares_in_step_loads(config: KVTransferConfig) -> bool:
+    """Whether vLLM leaves the recompute of a failed in-step load's blocks to the loading
+    request alone, while other requests of the step that took them as a local hit keep them as
+    computed (``kv_load_failure_policy`` ``"recompute"``; module docstring): then ``"auto"``
+    loads a handoff inside its step only for a request alone in the engine
+    (``LoadModePolicy``'s ``handoffs_only_alone``)."""
+    return config.load_failure_policy == "recompute"

@@ -197,7 +197,7 @@ def make_scheduler(
         log_stats=True,
     )
     identity = BlockIdentity(  # what the worker half's transport would announce
-        model_name=str(vllm_config.model_config.served_model_name),
+        model_name=connector_of(scheduler).config.model_name,  # as the worker half names it
         model_revision=model_revision_of(vllm_config.model_config),
         block_size=BLOCK_SIZE,
         hash_fn_name=str(vllm_config.cache_config.prefix_caching_hash_algo),

@@ -126,6 +126,31 @@ def test_a_ticket_the_board_vouches_for_still_loads_in_the_step():
     assert plan.sync and plan.refused == "" and len(plan.groups[0].local_block_ids) == 3
 
 
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_beside_another_request_a_vouched_handoff_loads_in_the_step_only_under_fail(policy):
+    """Under ``recompute`` vLLM leaves a failed in-step load's blocks to the loading request to
+    recompute, while another request of the step that took them as a local hit keeps them as
+    computed; if the first is then aborted, the other decodes over KV never written
+    (connector/vllm/load_modes.py). So beside another request the handoff is pulled over later
+    steps there; alone (the test above) it still loads in the step."""
+    p = _P()
+    p.grant("p-req-1", X)
+    scheduler = _d_with_board(p, policy=policy)
+    other = make_request(Y, max_tokens=1)
+    scheduler.add_request(other)
+    request, first = _x_with_ticket(scheduler)
+    (plan,) = first.meta.pulls
+    assert plan.sync == (policy == "fail")
+    if policy == "recompute":
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert first.scheduled == {other.request_id: len(Y)}
+        step(scheduler, finished_recving=[request.request_id])  # the pull landed
+    else:
+        assert first.scheduled == {other.request_id: len(Y), request.request_id: 1}
+    run_to_end(scheduler)
+    assert_scheduler_empty(scheduler)
+
+
 @pytest.mark.parametrize("case", ["lease not granted yet", "lease ended"])
 def test_a_ticket_only_p_can_answer_for_is_planned_as_without_the_look(case):
     """An empty board is no refusal: a correct ticket often reaches D before P's next step
