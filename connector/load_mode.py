@@ -18,7 +18,9 @@ through the block index for a request that is the only one in the engine
 (``IndexMatcher``): nothing is batched with it, so the load stalls no other request's forward,
 and the first token comes one engine step sooner. Every other pull is async, and so is every
 pull under vLLM's async scheduling (``vllm.load_modes``: vLLM cannot recover a failed in-step
-load there).
+load there). Inside vLLM under ``recompute`` a handoff too loads in its step only for a request
+alone in the engine (``handoffs_only_alone``: vLLM may run another request of that step over a
+failed in-step load's blocks).
 
 What it risks: the choice is made at scheduling from the worker's last report, before the read.
 The scheduler half first looks at the holder's board itself (``ticket_board``), and refuses a

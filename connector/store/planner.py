@@ -19,8 +19,9 @@ became cached (a ``BlockStored`` event), if it still holds that hash, then cold 
 
 Parents. The store publishes a block to the index only once its chain back to the first block
 is held (``cache.py``), so each item carries its parent hash, learned from the pool's
-``BlockStored`` events (``observe``, in ``build_connector_meta``); ``plan`` runs after the
-forward that computed their blocks, so a block whose KV is not computed yet is never planned.
+``BlockStored`` events (``observe``, in ``build_connector_meta``). A block is snapshot only
+after the forward that computed it: ``plan`` runs after a step's forward (async scheduling: a
+block the next schedule hashed is computed before the step whose orders carry its item).
 
 Ancestors. A chain's head is often hot: a system prompt shared by every request is touched by
 each one and never becomes cold, so a planner that wrote cold blocks only would never write it
@@ -164,8 +165,8 @@ class OffloadPlanner:
     # ------------------------------------------------------------------ inputs
     def observe(self, events: Iterable[Any]) -> None:
         """Learn parents (and write-through candidates) from the pool's KV events, in the order
-        the pool recorded them. Feed it only events of steps whose forward has run. A hash
-        several blocks hold (each computed by its own request) keeps its parent until the
+        the pool recorded them (each step's, after its schedule: ``build_connector_meta``). A
+        hash several blocks hold (each computed by its own request) keeps its parent until the
         last of them is removed."""
         for event in events:
             if isinstance(event, BlockStored):

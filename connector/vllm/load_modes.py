@@ -57,12 +57,6 @@ def load_mode_for(vllm_config: Any, config: KVTransferConfig, *, num_groups: int
         KVTransferConfigError: ``load_mode`` ``"sync"`` with several KV cache groups or under
             async scheduling, naming the settings that fix it.
     """
-    if config.load_mode == "sync" and config.load_failure_policy == "recompute" and say:
-        logger.warning(
-            "load_mode 'sync' with kv_load_failure_policy 'recompute': a request that shares a "
-            "failed in-step load's blocks may decode over KV never written if the loading "
-            "request is aborted or preempted first (vLLM leaves their recompute to it); "
-            "'auto' loads in the step only a request alone in the engine")
     if config.load_mode == "sync" and num_groups > 1:
         raise KVTransferConfigError(
             "kv_connector_extra_config.load_mode='sync' with several KV cache groups: vLLM "
@@ -70,6 +64,13 @@ def load_mode_for(vllm_config: Any, config: KVTransferConfig, *, num_groups: int
             "model; use 'async'"
         )
     async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+    if config.load_mode == "sync" and not async_scheduling and say \
+            and config.load_failure_policy == "recompute":
+        logger.warning(
+            "load_mode 'sync' with kv_load_failure_policy 'recompute': a request that shares a "
+            "failed in-step load's blocks may decode over KV never written if the loading "
+            "request is aborted or preempted first (vLLM leaves their recompute to it); "
+            "'auto' loads in the step only a request alone in the engine")
     if not async_scheduling or config.load_mode == "async":
         return config
     if config.load_mode == "sync":
