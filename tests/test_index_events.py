@@ -593,7 +593,7 @@ def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
     index.hold_when = lambda calls: calls[-1][1]  # the resync's call
     pool: dict[bytes, int] = {}  # what the node caches: block hash -> block id
     client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=0.3, max_queued_ops=1)
+                         group_ids=(0,), ttl_s=5.0, max_queued_ops=1)
     client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in pool.items()])
     client.start("127.0.0.1", 1)
     try:
@@ -640,7 +640,7 @@ def test_a_pool_that_builds_its_own_resync_batch_gives_it_and_the_client_keeps_n
             raise AssertionError("a pool that builds its resync batch is not read otherwise")
 
     client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=0.3)
+                         group_ids=(0,), ttl_s=5.0)
     client.resync_from(Pool())
     client.start("127.0.0.1", 1)
     try:
@@ -669,7 +669,7 @@ def test_a_resync_larger_than_the_queue_lands_while_the_engine_keeps_publishing(
     index = _ScriptedIndex(delay_s=0.02)  # a round trip with a server script
     pool: dict[bytes, int] = {}  # the node's cached set: block hash -> block id
     client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=0.3, max_queued_ops=max_queued_ops)
+                         group_ids=(0,), ttl_s=5.0, max_queued_ops=max_queued_ops)
     client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in list(pool.items())])
     client.start("127.0.0.1", 1)
 
@@ -706,7 +706,7 @@ def test_a_resyncs_calls_keep_their_size_and_it_stays_pending_until_the_last_lan
     index.hold_when = lambda calls: len(calls) == 2 and calls[0][1]  # the set's second call
     pool: dict[bytes, int] = {}
     client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=0.3)
+                         group_ids=(0,), ttl_s=5.0)
     client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in list(pool.items())])
     client.start("127.0.0.1", 1)
     hashes = [_chain_hash(i) for i in range(3000)]
