@@ -14,6 +14,7 @@ with the same two methods whose events are built when first asked (the vLLM pool
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,7 +24,7 @@ from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockSt
 
 from .metadata import BlockHashDelta
 
-__all__ = ["EventBatch", "PoolBatches", "hash_delta_of"]
+__all__ = ["EventBatch", "PoolBatches", "hash_delta_of", "without_stores_of"]
 
 
 def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
@@ -51,6 +52,36 @@ def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
         stored_block_ids=list(stored),
         stored_hashes=list(stored.values()),
     )
+
+
+def without_stores_of(events: list[Any], block_ids: Iterable[int]) -> list[Any]:
+    """``events`` with the stores of ``block_ids`` taken out (blocks whose KV a failed load left
+    unwritten: vLLM caches a sync load's blocks when it allocates them). A ``BlockStored`` that
+    names one is cut around it: each remaining run keeps its hashes' order, with the hash before
+    it as its parent. Returns ``events`` itself when nothing is taken out; never changes it
+    (the same list is read by ``take_events`` and the offload planner)."""
+    drop = set(block_ids)
+    if not drop or not any(isinstance(e, BlockStored) and not drop.isdisjoint(e.block_ids or ())
+                           for e in events):
+        return events
+    kept: list[Any] = []
+    for event in events:
+        if not isinstance(event, BlockStored) or drop.isdisjoint(event.block_ids or ()):
+            kept.append(event)
+            continue
+        hashes, ids, start = event.block_hashes, event.block_ids, None
+        for i in range(len(ids) + 1):
+            if i < len(ids) and ids[i] not in drop:
+                start = i if start is None else start
+                continue
+            if start is not None:  # the run start .. i - 1
+                parent = hashes[start - 1] if start else event.parent_block_hash
+                kept.append(dataclasses.replace(
+                    event, block_hashes=hashes[start:i], parent_block_hash=parent,
+                    block_ids=ids[start:i], token_ids=event.token_ids[
+                        start * event.block_size:i * event.block_size]))
+                start = None
+    return kept
 
 
 class EventBatch:

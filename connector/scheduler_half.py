@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishedResult
 from kvbridge.kvmanager.coordinator import PrefixHitRule
 from kvbridge.kvmanager.request import RequestStatus
 
-from .block_events import PoolBatches
+from .block_events import PoolBatches, without_stores_of
 from .config import KVTransferConfig
 from .engine_ranks import EngineRanks, match_leases, rank_holders
 from .errors import KVTransferParamsError
@@ -336,15 +336,16 @@ class KVBridgeScheduler:
 
     # ------------------------------------------------------------------ update_from_output()
     def update_connector_output(
-        self, worker_meta: KVBridgeWorkerMeta | Sequence[KVBridgeWorkerMeta] | None
+        self, worker_meta: KVBridgeWorkerMeta | Sequence[KVBridgeWorkerMeta] | None,
+        unwritten_block_ids: Collection[int] = (),
     ) -> list[OffloadOutcome]:
         """Learn the workers' identity and statistics from this step's reports (one, or every
-        rank's); publish the step's block events; plan the next offloads, once per step.
-        Returns the offload outcomes settled (``RankReports.apply_step``: a block's once every
-        rank reported it). Publishing waits for the forward: ``allocate_slots`` hashes a step's
-        new full blocks before their KV is computed (safe inside one engine), so only the steps
-        up to the one these reports end (``step_id``) are published; vLLM's async scheduling
-        hashes the next step's blocks before this step's output comes back."""
+        rank's); publish the step's block events, less the stores of ``unwritten_block_ids``
+        (vLLM's ``invalid_block_ids``: a failed sync load's, cached before it); plan the next
+        offloads. Returns the offload outcomes settled (``RankReports.apply_step``). Only the
+        steps up to the one these reports end (``step_id``) are published: ``allocate_slots``
+        hashes a step's new full blocks before their KV is computed, and vLLM's async
+        scheduling the next step's before this step's output comes back."""
         metas = [] if worker_meta is None else \
             [worker_meta] if isinstance(worker_meta, KVBridgeWorkerMeta) else list(worker_meta)
         outcomes = self.rank_reports.apply_step(metas)
@@ -352,8 +353,8 @@ class KVBridgeScheduler:
             self._load_policy.observe(meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
             batches, ends = self._pool_batches, [meta.step_id for meta in metas if meta.step_id]
-            self.index_client.publish(
-                () if batches is None else batches.unpublished_events(min(ends, default=None)))
+            self.index_client.publish(() if batches is None else without_stores_of(
+                batches.unpublished_events(min(ends, default=None)), unwritten_block_ids))
         if self.offload_planner is not None and self._block_pool is not None:
             # After this step's frees and before the next schedule can reuse a cold block: the
             # worker snapshots the picks at the next step's start, before its forward writes.

@@ -6,8 +6,8 @@ would then fail the pull, and the peer recompute)."""
 
 from __future__ import annotations
 
-from kvbridge.connector.block_events import PoolBatches
-from kvbridge.kvmanager import BlockStored
+from kvbridge.connector.block_events import PoolBatches, without_stores_of
+from kvbridge.kvmanager import BlockRemoved, BlockStored
 
 
 def _stored(block_id: int) -> BlockStored:
@@ -42,3 +42,33 @@ def test_a_report_of_a_later_step_publishes_every_step_before_it_in_order():
     batches, ids = _batches(*([e] for e in events))
     assert batches.unpublished_events(ids[2]) == events[:3]
     assert batches.unpublished_events(None) == events[3:]  # unnumbered reports: everything
+
+
+def _h(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def test_a_failed_loads_blocks_are_cut_out_of_a_step_s_stores_each_run_keeping_its_parent():
+    # Blocks 11-15 cached as one chain after the hash of block 10; the loads of 12 and 14 failed.
+    chain = BlockStored(block_hashes=[_h(i) for i in range(11, 16)], parent_block_hash=_h(10),
+                        token_ids=list(range(5 * 4)), block_size=4, lora_name=None, medium=None,
+                        group_id=1, block_ids=list(range(11, 16)))
+    removed = BlockRemoved(block_hashes=[_h(3)], medium=None, group_id=0, block_ids=[12])
+    other = _stored(20)
+    events = [removed, chain, other]
+    kept = without_stores_of(events, [12, 14, 99])
+    assert kept[0] is removed and kept[-1] is other  # a removal of the same id stays
+    runs = [(e.block_ids, e.block_hashes, e.parent_block_hash, e.token_ids, e.group_id)
+            for e in kept[1:-1]]
+    assert runs == [([11], [_h(11)], _h(10), [0, 1, 2, 3], 1),
+                    ([13], [_h(13)], _h(12), [8, 9, 10, 11], 1),
+                    ([15], [_h(15)], _h(14), [16, 17, 18, 19], 1)]
+    assert events == [removed, chain, other] and len(chain.block_ids) == 5  # not changed
+
+
+def test_cutting_nothing_out_returns_the_same_list_and_a_whole_event_cut_leaves_none():
+    events = [_stored(1), _stored(2)]
+    assert without_stores_of(events, []) is events
+    assert without_stores_of(events, [3]) is events
+    assert without_stores_of(events, [1]) == [events[1]]
+    assert without_stores_of(events, {1, 2}) == []

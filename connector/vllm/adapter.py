@@ -289,7 +289,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         sync load's blocks when it allocates them, and under ``recompute`` leaves them cached
         for the request to rewrite; a request aborted or preempted first would leave KV never
         written under their hashes, for a local hit or an offload to find. Uncached, the
-        request still recomputes them (they stay uncached: vLLM counts them as cached)."""
+        request still recomputes them (they stay uncached: vLLM counts them as cached). The
+        index never lists them: the step's publish leaves their stores out."""
         pool, invalid = self._block_pool, connector_output.invalid_block_ids
         if pool is not None and invalid:
             pool.evict_blocks({b for b in invalid if 0 <= b < len(pool.blocks)})
@@ -297,7 +298,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         payloads = report.payloads if isinstance(report, _WorkerReport) else []
         metas = [decode_worker_meta(payload) for payload in payloads]
         # Every rank's report at once: a block's offload settles when every rank's did.
-        outcomes = self._sched().update_connector_output(metas)
+        outcomes = self._sched().update_connector_output(metas, invalid or ())
         if self._store_events is not None:
             self._store_events.observe(outcomes)
         if self._tap is not None:
