@@ -16,9 +16,10 @@ memory and send cost.
 Batches are numbered ``1, 2, ...`` as accepted (``protocol.py``). A batch that may be lost (full
 queue, a call that failed or timed out, ``"gap"``, a lapsed registration) starts resync mode: no
 more deltas are sent, the backend is probed every ``_RESYNC_PROBE_S``, and once it answers
-``resync_wanted`` asks the caller thread for the node's whole cached set (``enqueue_resync``),
-which replaces every queued batch and ends resync mode once its first call is applied, unless
-a batch was lost since its snapshot (then the caller is asked again)."""
+(at once for a full queue while the backend answers) ``resync_wanted`` asks the caller thread
+for the node's whole cached set (``enqueue_resync``), which replaces every queued batch and
+ends resync mode once its first call is applied, unless a batch was lost since its snapshot
+(then the caller is asked again)."""
 
 from __future__ import annotations
 
@@ -243,6 +244,8 @@ class IndexWorker:
                 self._work.notify()
             else:
                 self._enter_resync_mode()
+                if self.can_resync and self.index.available and not self._resync_unsent:
+                    self._resync_wanted = True  # a full queue, not a lost backend: no probe
         batch = Batch(events, num_ops, 0)
         stats = self.index.stats
         if not accepted:
