@@ -14,7 +14,6 @@ with the same two methods whose events are built when first asked (the vLLM pool
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,7 +23,7 @@ from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockSt
 
 from .metadata import BlockHashDelta
 
-__all__ = ["EventBatch", "PoolBatches", "hash_delta_of", "without_stores_of"]
+__all__ = ["EventBatch", "PoolBatches", "hash_delta_of", "with_removals_of"]
 
 
 def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
@@ -54,34 +53,28 @@ def hash_delta_of(events: Iterable[Any]) -> BlockHashDelta:
     )
 
 
-def without_stores_of(events: list[Any], block_ids: Iterable[int]) -> list[Any]:
-    """``events`` with the stores of ``block_ids`` taken out (blocks whose KV a failed load left
-    unwritten: vLLM caches a sync load's blocks when it allocates them). A ``BlockStored`` that
-    names one is cut around it: each remaining run keeps its hashes' order, with the hash before
-    it as its parent. Returns ``events`` itself when nothing is taken out; never changes it
-    (the same list is read by ``take_events`` and the offload planner)."""
+def with_removals_of(events: list[Any], block_ids: Iterable[int]) -> list[Any]:
+    """``events`` followed by a ``BlockRemoved`` per group for each of their stores that names
+    one of ``block_ids`` (blocks whose KV a failed load left unwritten: vLLM caches a sync
+    load's blocks when it allocates them, before the load). The stores stay: a removal after
+    its store leaves the chain's later blocks reachable once the hash is stored again (the
+    Redis index keeps a hole), where a store cut out would not. Returns ``events`` itself when
+    nothing is removed; never changes it (``take_events`` and the offload planner read it)."""
     drop = set(block_ids)
-    if not drop or not any(isinstance(e, BlockStored) and not drop.isdisjoint(e.block_ids or ())
-                           for e in events):
+    if not drop:
         return events
-    kept: list[Any] = []
+    removed: dict[int, tuple[list[bytes], list[int]]] = {}  # group id -> hashes, block ids
     for event in events:
-        if not isinstance(event, BlockStored) or drop.isdisjoint(event.block_ids or ()):
-            kept.append(event)
-            continue
-        hashes, ids, start = event.block_hashes, event.block_ids, None
-        for i in range(len(ids) + 1):
-            if i < len(ids) and ids[i] not in drop:
-                start = i if start is None else start
-                continue
-            if start is not None:  # the run start .. i - 1
-                parent = hashes[start - 1] if start else event.parent_block_hash
-                kept.append(dataclasses.replace(
-                    event, block_hashes=hashes[start:i], parent_block_hash=parent,
-                    block_ids=ids[start:i], token_ids=event.token_ids[
-                        start * event.block_size:i * event.block_size]))
-                start = None
-    return kept
+        if isinstance(event, BlockStored) and not drop.isdisjoint(event.block_ids or ()):
+            hashes, ids = removed.setdefault(event.group_id, ([], []))
+            for block_hash, block_id in zip(event.block_hashes, event.block_ids, strict=True):
+                if block_id in drop:
+                    hashes.append(block_hash)
+                    ids.append(block_id)
+    if not removed:
+        return events
+    return [*events, *(BlockRemoved(block_hashes=hashes, medium=None, group_id=group_id,
+                                    block_ids=ids) for group_id, (hashes, ids) in removed.items())]
 
 
 class EventBatch:

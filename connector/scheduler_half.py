@@ -35,7 +35,7 @@ from kvbridge.kvmanager.connector_interface import MatchedTokens, RequestFinishe
 from kvbridge.kvmanager.coordinator import PrefixHitRule
 from kvbridge.kvmanager.request import RequestStatus
 
-from .block_events import PoolBatches, without_stores_of
+from .block_events import PoolBatches, with_removals_of
 from .config import KVTransferConfig
 from .engine_ranks import EngineRanks, match_leases, rank_holders
 from .errors import KVTransferParamsError
@@ -340,7 +340,7 @@ class KVBridgeScheduler:
         unwritten_block_ids: Collection[int] = (),
     ) -> list[OffloadOutcome]:
         """Learn the workers' identity and statistics from this step's reports (one, or every
-        rank's); publish the step's block events, less the stores of ``unwritten_block_ids``
+        rank's); publish the step's block events, then the removal of ``unwritten_block_ids``
         (vLLM's ``invalid_block_ids``: a failed sync load's, cached before it); plan the next
         offloads. Returns the offload outcomes settled (``RankReports.apply_step``). Only the
         steps up to the one these reports end (``step_id``) are published: ``allocate_slots``
@@ -353,7 +353,7 @@ class KVBridgeScheduler:
             self._load_policy.observe(meta.one_sided_holders)
         if self.index_client is not None:  # every step: a resync the index asked for is read here
             batches, ends = self._pool_batches, [meta.step_id for meta in metas if meta.step_id]
-            self.index_client.publish(() if batches is None else without_stores_of(
+            self.index_client.publish(() if batches is None else with_removals_of(
                 batches.unpublished_events(min(ends, default=None)), unwritten_block_ids))
         if self.offload_planner is not None and self._block_pool is not None:
             # After this step's frees and before the next schedule can reuse a cold block: the

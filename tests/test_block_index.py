@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from _identity_builders import BASE_IDENTITY, IDENTITY_FIELDS, OTHER_VALUE, one_field_apart
+from kvbridge.connector.block_events import with_removals_of
 from kvbridge.connector.index import (
     NO_HIT,
     BlockIndex,
@@ -100,6 +101,23 @@ def test_stored_adds_and_removed_removes(index: BlockIndex) -> None:
     index.publish("A", 1, [_stored([prompt[3]], first_block_id=40)])
     assert _runs(index.longest_prefix(prompt)) == [("A", 7)]
     assert index.stats.publishes == 4 and index.stats.publish_ops == 11
+
+
+def test_a_failed_loads_blocks_removed_after_their_store_leave_the_chain_after_them_findable(
+        index: BlockIndex) -> None:
+    # A step cached blocks 0..9 of a prompt in one chain; the loads of blocks 4..6 failed. Its
+    # publish ends with their removal (``with_removals_of``), so once 4..6 are cached again the
+    # whole chain is found. (Cutting them out of the chain instead left 7..9 stored under a
+    # parent never stored: on Redis such blocks never join a run, even after 4..6 return.)
+    prompt = _hashes(10)
+    index.register_node("A", 1, ttl_s=_TTL_S)
+    step = [_stored(prompt, first_block_id=11)]  # block ids 11..20
+    failed = [15, 16, 17]
+    assert index.publish("A", 1, with_removals_of(step, failed)).status == "ok"
+    assert _runs(index.longest_prefix(prompt)) == [("A", 4)]
+    index.publish("A", 1, [_stored(prompt[4:7], first_block_id=40, parent_block_hash=prompt[3])])
+    assert _runs(index.longest_prefix(prompt)) == [("A", 10)]
+    assert index.get_block_ids("A", 1, prompt) == [[11, 12, 13, 14, 40, 41, 42, 18, 19, 20]]
 
 
 def test_block_stored_without_its_parent_does_not_extend_a_run(index: BlockIndex) -> None:

@@ -617,7 +617,7 @@ def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
         assert client.stats.publish_batches_dropped_full == 1
         index.release.set()
         assert client.flush(5)
-        deadline = time.monotonic() + 5  # (4) heartbeats every 0.1 s: a second resync
+        deadline = time.monotonic() + 5  # (4) the resync probe (50 ms): a second resync
         while time.monotonic() < deadline and client.num_resyncs < 2:
             client.publish([])
             time.sleep(0.05)

@@ -2,11 +2,12 @@
 step. Under vLLM's async scheduling step N + 1 is scheduled (its new blocks hashed) before step
 N's output comes back; its blocks hold no KV until its own forward has run, so publishing them
 with step N's output would let a peer find blocks it cannot yet read (the holder's re-check
-would then fail the pull, and the peer recompute)."""
+would then fail the pull, and the peer recompute). ``with_removals_of``: a failed load's blocks,
+removed after the step's stores."""
 
 from __future__ import annotations
 
-from kvbridge.connector.block_events import PoolBatches, without_stores_of
+from kvbridge.connector.block_events import PoolBatches, with_removals_of
 from kvbridge.kvmanager import BlockRemoved, BlockStored
 
 
@@ -48,27 +49,28 @@ def _h(i: int) -> bytes:
     return bytes([i]) * 32
 
 
-def test_a_failed_loads_blocks_are_cut_out_of_a_step_s_stores_each_run_keeping_its_parent():
-    # Blocks 11-15 cached as one chain after the hash of block 10; the loads of 12 and 14 failed.
+def test_a_failed_loads_blocks_are_removed_after_the_step_s_stores_one_removal_per_group():
+    # Blocks 11-15 cached as one chain after the hash of block 10; the loads of 12 and 14
+    # failed. The chain stays whole and their removal follows it.
     chain = BlockStored(block_hashes=[_h(i) for i in range(11, 16)], parent_block_hash=_h(10),
-                        token_ids=list(range(5 * 4)), block_size=4, lora_name=None, medium=None,
-                        group_id=1, block_ids=list(range(11, 16)))
+                        token_ids=[], block_size=4, lora_name=None, medium=None, group_id=1,
+                        block_ids=list(range(11, 16)))
+    other_group = BlockStored(block_hashes=[_h(40)], parent_block_hash=None, token_ids=[],
+                              block_size=4, lora_name=None, medium=None, group_id=0,
+                              block_ids=[40])
     removed = BlockRemoved(block_hashes=[_h(3)], medium=None, group_id=0, block_ids=[12])
-    other = _stored(20)
-    events = [removed, chain, other]
-    kept = without_stores_of(events, [12, 14, 99])
-    assert kept[0] is removed and kept[-1] is other  # a removal of the same id stays
-    runs = [(e.block_ids, e.block_hashes, e.parent_block_hash, e.token_ids, e.group_id)
-            for e in kept[1:-1]]
-    assert runs == [([11], [_h(11)], _h(10), [0, 1, 2, 3], 1),
-                    ([13], [_h(13)], _h(12), [8, 9, 10, 11], 1),
-                    ([15], [_h(15)], _h(14), [16, 17, 18, 19], 1)]
-    assert events == [removed, chain, other] and len(chain.block_ids) == 5  # not changed
+    events = [removed, chain, other_group]
+    out = with_removals_of(events, [12, 14, 40, 99])
+    assert out[:3] == events and out[0] is removed and out[1] is chain
+    assert out[3:] == [
+        BlockRemoved(block_hashes=[_h(12), _h(14)], medium=None, group_id=1, block_ids=[12, 14]),
+        BlockRemoved(block_hashes=[_h(40)], medium=None, group_id=0, block_ids=[40]),
+    ]
+    assert events == [removed, chain, other_group]  # not changed
 
 
-def test_cutting_nothing_out_returns_the_same_list_and_a_whole_event_cut_leaves_none():
+def test_nothing_to_remove_returns_the_same_list():
     events = [_stored(1), _stored(2)]
-    assert without_stores_of(events, []) is events
-    assert without_stores_of(events, [3]) is events
-    assert without_stores_of(events, [1]) == [events[1]]
-    assert without_stores_of(events, {1, 2}) == []
+    assert with_removals_of(events, []) is events
+    assert with_removals_of(events, [3]) is events  # a removal names no block the events store
+    assert with_removals_of([], [1]) == []

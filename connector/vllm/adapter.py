@@ -290,7 +290,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         for the request to rewrite; a request aborted or preempted first would leave KV never
         written under their hashes, for a local hit or an offload to find. Uncached, the
         request still recomputes them (they stay uncached: vLLM counts them as cached). The
-        index never lists them: the step's publish leaves their stores out."""
+        step's publish to the index ends with their removal."""
         pool, invalid = self._block_pool, connector_output.invalid_block_ids
         if pool is not None and invalid:
             pool.evict_blocks({b for b in invalid if 0 <= b < len(pool.blocks)})

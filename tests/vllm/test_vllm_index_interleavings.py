@@ -273,7 +273,6 @@ class Soak:
         s = engine.s
         output, meta, number, samples = scheduled
         finished, invalid, failed_requests, reports = [], [], [], []
-        unwritten = set()  # a failed sync pull's blocks: vLLM cached them before the load
         for pull in meta.pulls:
             if pull.sync:  # loaded inside this step: its failures come with its output
                 flight = engine.inflight.pop(pull.request_id)
@@ -283,9 +282,8 @@ class Soak:
                                           0.0))
                 engine.num_failed_loads += bool(failed)
                 engine.num_loads += not failed
-                # The adapter uncaches them; the step's publish leaves their stores out
+                # The adapter uncaches them; the step's publish ends with their removal
                 # (test_a_failed_sync_pull_s_blocks_leave_the_index).
-                unwritten.update(failed)
         for rid, flight in list(engine.inflight.items()):
             if flight.due > engine.steps or flight.planned_in > number:
                 continue
@@ -315,8 +313,6 @@ class Soak:
         for request in s.requests.values():
             self.preemptions[request.request_id] = request.num_preemptions
         engine.dirty = False
-        if unwritten:  # never listed, though cached when this step was scheduled
-            engine.scheduled_pool = {e for e in engine.scheduled_pool if e[2] not in unwritten}
 
     def planned(self, engine: Engine, pull) -> None:
         s, rid = engine.s, pull.request_id
@@ -505,9 +501,9 @@ def test_random_interleavings_keep_the_index_and_the_schedulers_sound(seed, smal
 # ------------------------------------------------------------------ reproducers
 def test_a_failed_sync_pull_s_blocks_leave_the_index():
     # vLLM caches a sync load's blocks when it allocates them, so the step's batch (taken
-    # before the forward) lists them; the step's publish, made with the load's outcome, leaves
-    # the unwritten ones out (before, the index listed them until the engine's next step:
-    # forever once it went idle)
+    # before the forward) lists them; the step's publish, made with the load's outcome, ends
+    # with the unwritten ones' removal (before, the index listed them until the engine's next
+    # step: forever once it went idle)
     namespace = _namespace()
     a = index_node("a", namespace)
     b = index_node("b", namespace, extra={"load_mode": "sync"})
