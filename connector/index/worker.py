@@ -328,6 +328,8 @@ class IndexWorker:
         """The next call's batches (``PublishQueue.take``, up to ``_MAX_OPS_PER_SEND`` ops); in
         resync mode the deltas before a resync batch are dropped (the set it carries covers
         them). Called under ``_lock``."""
+        self._whole_set_in_call = self._queue.num_whole_set_ops > 0  # before the pop: lock-free
+        # readers of ``needs_resync`` never see a set neither queued nor in a call
         batches, num_dropped = self._queue.take(_MAX_OPS_PER_SEND, skip_deltas=self._needs_resync)
         self._whole_set_in_call = bool(batches) and batches[0].of_whole_set
         if num_dropped:
