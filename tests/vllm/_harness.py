@@ -39,6 +39,7 @@ BLOCK = 32  # the suite's vLLM block_size (the CPU attention backend needs a mul
 # vLLM's KV cache groups of the hybrid model (tiny_checkpoint.HYBRID), in its order
 HYBRID_GROUP_KINDS = ["SlidingWindowSpec", "FullAttentionSpec"]
 START_TIMEOUT_S = 240.0  # engines start in 10-60 s on 2 cores; two at once, slower
+INDEX_UP_S = 30.0  # an index's first answer after a start (Node.wait_ready)
 STALL_DUMP_S = 3.0  # a connector loop that cannot run this long dumps every thread's stack
 
 
@@ -123,13 +124,26 @@ class Node:
             raise self._fail(f"exited (rc={self._proc.wait()})")
         return json.loads(line)
 
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> Node:
-        """Wait for the engine to be up; returns self."""
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S, *, index_up: bool = True) -> Node:
+        """Wait for the engine to be up; returns self.
+
+        ``index_up``: an in-process node with an index also waits (up to ``INDEX_UP_S``) until
+        its index backend answers. An engine registers with the index as it starts; on a
+        loaded 2-core host that call can run past the index's 0.25 s socket timeout, and the
+        engine then serves from its own cache until its retry a second later (the designed
+        outage path, tested on its own): a test's first lookup must not land in that second.
+        False for a node started while Redis is down on purpose."""
         if not self.ready:
             msg = self._recv(timeout_s)
             if not msg.get("ready"):
                 raise self._fail(f"did not start: {msg.get('error')}\n{msg.get('traceback')}")
             self.ready = msg
+        if index_up and self.mode == "inproc":
+            deadline = time.monotonic() + INDEX_UP_S
+            while self.call({"cmd": "stats"}, 60).get("index_available") is False:
+                if time.monotonic() > deadline:
+                    raise self._fail(f"its index did not answer within {INDEX_UP_S:.0f} s")
+                time.sleep(0.1)
         return self
 
     def send(self, cmd: dict[str, Any]) -> None:
@@ -328,11 +342,13 @@ def _established_remote_ports(pgid: int) -> set[int]:
     return ports
 
 
-def start_nodes(*nodes: Node, timeout_s: float = START_TIMEOUT_S) -> tuple[Node, ...]:
-    """Wait for nodes started together; stops them all if one fails to come up."""
+def start_nodes(*nodes: Node, timeout_s: float = START_TIMEOUT_S,
+                index_up: bool = True) -> tuple[Node, ...]:
+    """Wait for nodes started together (``Node.wait_ready``); stops them all if one fails to
+    come up."""
     try:
         for node in nodes:
-            node.wait_ready(timeout_s)
+            node.wait_ready(timeout_s, index_up=index_up)
     except BaseException:
         for node in nodes:
             node.kill()

@@ -240,7 +240,7 @@ def test_an_engine_started_while_redis_is_down_serves_and_another_dtype_sees_no_
              llm={"dtype": "bfloat16"})
     try:
         try:
-            start_nodes(c)
+            start_nodes(c, index_up=False)
             c.generate([request(PROMPTS["index_a"], 2)])
             assert c.stats()["num_index_lookup_failures"] == 1
         finally:
