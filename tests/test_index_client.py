@@ -175,6 +175,37 @@ def test_paused_redis_never_blocks_the_caller_and_the_prefix_is_found_after(
     assert b.num_lookups_in_flight == 0
 
 
+def test_batches_published_before_an_unanswered_registration_is_answered_land_without_a_step(
+    redis_url, clients, pause_redis
+):
+    """An engine whose registration at start runs past the index's socket timeout (a loaded
+    host: CI saw it) serves a request and goes idle. Its batch waits queued until the
+    registration is answered and is then sent as it is: a resync would need the engine's next
+    step to read its cached set, and an idle engine takes none (its blocks unlisted for good)."""
+    b = clients("node-b")
+    prompt = _hashes(8)
+    index, directory = open_index(redis_url, _NS)  # production's: 0.25 s timeouts, 1 s back-off
+    a = IndexClient(index, directory, node_id="node-a", incarnation=new_incarnation(),
+                    group_ids=(0,), ttl_s=_TTL_S)
+    snapshots: list[int] = []
+    a.set_resync_source(lambda: snapshots.append(1) or [])
+    pause_ends_s = pause_redis(1500)
+    try:
+        a.start(_HOST, _PORTS["node-a"])  # its registration: no answer
+        assert not index.available
+        a.publish([_stored(prompt, first_block_id=1)])  # the engine's last step; then idle
+        _wait_until(pause_ends_s)
+        assert a.flush(timeout_s=5.0)
+        _start(b, "req", prompt)
+        result, _ = _poll_until_done(b, "req")
+        assert result.status == "hit", result
+        assert (result.prefix.holder.node_id, result.prefix.num_blocks) == ("node-a", 8)
+        assert result.prefix.address == NodeAddress(_HOST, _PORTS["node-a"], a.incarnation)
+        assert snapshots == [] and a.num_resyncs == 0 and not a.resync_pending
+    finally:
+        a.close()
+
+
 def test_published_batches_land_in_order_across_a_backlog(clients, pause_redis):
     a = clients("node-a")
     h = _hashes(10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -10,7 +11,12 @@ from typing import Any, NamedTuple
 
 from .lookup import LookupQuery, LookupResult
 
-__all__ = ["Batch", "LookupJob", "PublishQueue", "answer_lookups", "count_ops", "resync_batches"]
+__all__ = [
+    "Batch", "DropLog", "LookupJob", "PublishQueue", "answer_lookups", "count_ops",
+    "resync_batches",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def count_ops(events: list[Any]) -> int:
@@ -107,6 +113,33 @@ class PublishQueue:
             self.num_whole_set_ops -= batch.num_ops
         else:
             self.num_delta_ops -= batch.num_ops
+
+
+class DropLog:
+    """Counts the publish batches a full queue drops (``IndexStats.publish_*_dropped_full``) and
+    says so in two lines per run of drops: when it starts, and when the queue accepts again.
+    The caller thread of ``IndexWorker.enqueue_publish`` alone calls ``note``."""
+
+    def __init__(self, node_id: str, max_queued_ops: int) -> None:
+        self.node_id = node_id
+        self.max_queued_ops = max_queued_ops
+        self.num_dropped_in_run = 0
+
+    def note(self, accepted: bool, num_ops: int, stats: Any) -> None:
+        """One batch of ``num_ops`` ops was queued (``accepted``) or dropped; ``stats`` is the
+        backend's ``IndexStats`` (mutated)."""
+        if not accepted:
+            stats.publish_batches_dropped_full += 1
+            stats.publish_ops_dropped_full += num_ops
+            if self.num_dropped_in_run == 0:
+                logger.warning("index: publish queue of %s full (%d ops); dropping batches until "
+                               "it drains (the index misses them until a resync)",
+                               self.node_id, self.max_queued_ops)
+            self.num_dropped_in_run += 1
+        elif self.num_dropped_in_run:
+            logger.warning("index: publish queue of %s accepts again; %d batch(es) were dropped",
+                           self.node_id, self.num_dropped_in_run)
+            self.num_dropped_in_run = 0
 
 
 @dataclass(slots=True, eq=False)

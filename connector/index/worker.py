@@ -19,7 +19,7 @@ more deltas are sent, the backend is probed every ``_RESYNC_PROBE_S``, and once 
 (at once for a full queue while the backend answers) ``resync_wanted`` asks the caller thread
 for the node's whole cached set (``enqueue_resync``), which replaces every queued batch and
 ends resync mode once its first call is applied, unless a batch was lost since its snapshot
-(then the caller is asked again)."""
+(then the caller is asked again). While a registration goes unanswered, batches wait queued."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .jobs import Batch, LookupJob, PublishQueue, answer_lookups, count_ops
+from .jobs import Batch, DropLog, LookupJob, PublishQueue, answer_lookups, count_ops
 from .lookup import LookupQuery, LookupResult, resolve_remote_prefixes
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
@@ -63,11 +63,11 @@ class IndexWorker:
       queue ``_lookups``, the running jobs ``_running``, the publish queue ``_queue``, the
       accepted/done batch counts, ``_needs_resync``, the loss counts,
       ``_resync_wanted``, ``_stopping`` and ``_abandoned``;
-    - the worker thread alone: ``_next_heartbeat_s``, ``num_reregistrations`` (others read it),
+    - the worker thread alone: ``_next_heartbeat_s``, ``_registered``, ``num_reregistrations``,
       and every call to ``index`` and ``directory`` once ``start`` has started the thread
       (``start`` itself registers on the caller's thread, before the worker exists);
     - the caller thread (the engine thread, or whichever one thread drives the client): the
-      queue-full drop counters in ``index.stats`` and ``_num_dropped_in_run``.
+      queue-full drop counters in ``index.stats`` and ``_drops``.
 
     ``interrupt`` of the backends is called from ``stop`` on the caller's thread; it only
     closes sockets.
@@ -121,7 +121,8 @@ class IndexWorker:
         self._next_heartbeat_s = 0.0
         self._last_probe_s = 0.0
         self._next_announce_s = 0.0
-        self._num_dropped_in_run = 0
+        self._registered = False  # the backend answered our registration: batches may go
+        self._drops = DropLog(node_id, max_queued_ops)
         self.num_reregistrations = 0
         self.hit_rule = hit_rule
         self.can_resync = False  # set once by the client, before start: batches are numbered
@@ -246,20 +247,7 @@ class IndexWorker:
                 self._enter_resync_mode()
                 if self.can_resync and self.index.available and not self._resync_unsent:
                     self._resync_wanted = True  # a full queue, not a lost backend: no probe
-        batch = Batch(events, num_ops, 0)
-        stats = self.index.stats
-        if not accepted:
-            stats.publish_batches_dropped_full += 1
-            stats.publish_ops_dropped_full += batch.num_ops
-            if self._num_dropped_in_run == 0:
-                logger.warning("index: publish queue of %s full (%d ops); dropping batches until "
-                               "it drains (the index misses them until a resync)",
-                               self.node_id, self.max_queued_ops)
-            self._num_dropped_in_run += 1
-        elif self._num_dropped_in_run:
-            logger.warning("index: publish queue of %s accepts again; %d batch(es) were dropped",
-                           self.node_id, self._num_dropped_in_run)
-            self._num_dropped_in_run = 0
+        self._drops.note(accepted, num_ops, self.index.stats)
         return accepted
 
     def flush(self, timeout_s: float) -> bool:
@@ -276,8 +264,9 @@ class IndexWorker:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._lookups or self._queue.batches):
-                    if self._needs_resync and not self._resync_wanted:
+                while not (self._stopping or self._lookups
+                           or (self._queue.batches and self._registered)):
+                    if not self._registered or (self._needs_resync and not self._resync_wanted):
                         self._next_heartbeat_s = min(
                             self._next_heartbeat_s, self._last_probe_s + _RESYNC_PROBE_S
                         )
@@ -289,10 +278,10 @@ class IndexWorker:
                     break
                 jobs = self._running = list(self._lookups)
                 self._lookups.clear()
-                batches = self._take_batches()
+                batches = self._take_batches() if self._registered else []
             try:
                 if self._clock() >= self._next_heartbeat_s:
-                    self._heartbeat()
+                    self._heartbeat() if self._registered else self._register_again()
             except Exception:
                 logger.exception("index: heartbeat of %s failed", self.node_id)
             if jobs:
@@ -428,11 +417,21 @@ class IndexWorker:
             elif status == "unavailable":
                 self._enter_resync_mode()  # publishes meanwhile may fail: resync when back
 
+    def _register_again(self) -> None:
+        """A registration the backend did not answer (at ``start`` or after a fence): probed
+        every ``_RESYNC_PROBE_S``; publish batches wait queued meanwhile, so the ones a new
+        node queued before it could register are sent as they are (no resync, which needs an
+        engine step to read the set: an engine idle by then would never be listed)."""
+        self._last_probe_s = now = self._clock()
+        self._next_heartbeat_s = now + self._heartbeat_interval_s
+        self._register()
+
     def _register(self) -> bool:  # True: registered
         status = self.index.register_node(self.node_id, self.incarnation, ttl_s=self.ttl_s)
-        if status == "fenced":  # ("unavailable": the backend's own line said so, once)
+        self._registered = status != "unavailable"  # ("unavailable": the backend said so, once)
+        if status == "fenced":
             logger.warning("index: register of %s answered %s", self.node_id, status)
-        if self._address is not None:
+        if self._address is not None and self._registered:
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
         return status == "ok"
 
