@@ -93,6 +93,9 @@ key                          default   meaning
 ``index_lookup_timeout_s``   0.5       a request waits at most this long (over scheduling
                                        steps, never inside one) for its index lookup, then
                                        goes on with its local prefix hit alone
+``index_socket_timeout_s``   0.25      a Redis call of the index not answered this long counts
+                                       as an outage (the index is then not asked for a second);
+                                       raise it where Redis shares a crowded host
 ``index_ttl_s``              10.0      a node's index entries expire this long after its last
                                        heartbeat (heartbeats every third of it)
 ``model_name``               kvbridge  the model whose KV the node holds: part of the block
@@ -188,6 +191,7 @@ class KVTransferConfig:
     min_remote_hit_blocks: int = 1
     min_remote_hit_tokens: int = 0
     index_lookup_timeout_s: float = 0.5
+    index_socket_timeout_s: float = 0.25
     gil_switch_interval_s: float | None = None
     idle_pull_wait_s: float = 0.02
     idle_lookup_wait_s: float = 0.02
@@ -232,6 +236,7 @@ class KVTransferConfig:
             "heartbeat_interval_s",
             "index_ttl_s",
             "index_lookup_timeout_s",
+            "index_socket_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise KVTransferConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -389,10 +389,10 @@ class KVBridgeScheduler:
         # a TP engine's blocks are found by engines of its layout only.
         namespace = IndexNamespace(identity=worker.identity,
                                    kv_heads_layout=self.ranks.index_layout())
-        index, directory = open_index(self.config.index_url, namespace)  # type: ignore[arg-type]
+        index, directory = open_index(self.config.index_url, namespace,  # type: ignore[arg-type]
+                                      socket_timeout_s=self.config.index_socket_timeout_s)
         client = IndexClient(
-            index,
-            directory,
+            index, directory,
             node_id=self.config.engine_id,
             incarnation=int(worker.incarnation),
             group_ids=range(self.num_groups),

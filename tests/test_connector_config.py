@@ -46,6 +46,7 @@ def test_same_host_reads_follow_the_environment_unless_set(monkeypatch):
         ({"idle_hold_wait_s": -1}, "idle_hold_wait_s must be in [0, 1], got -1"),
         ({"load_mode": "eager"}, "load_mode must be one of ('auto', 'async', 'sync'), got 'eager'"),
         ({"sync_load_timeout_s": 0}, "sync_load_timeout_s must be > 0, got 0"),
+        ({"index_socket_timeout_s": 0}, "index_socket_timeout_s must be > 0, got 0"),
         ({"offload_remember_blocks": 0}, "offload_remember_blocks must be an int >= 1, got 0"),
         ({"min_remote_hit_tokens": -1}, "min_remote_hit_tokens must be an int >= 0, got -1"),
         ({"min_remote_hit_tokens": 1.5}, "min_remote_hit_tokens must be an int >= 0, got 1.5"),

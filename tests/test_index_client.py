@@ -206,6 +206,18 @@ def test_batches_published_before_an_unanswered_registration_is_answered_land_wi
         a.close()
 
 
+@pytest.mark.parametrize("socket_timeout_s", [None, 2.0])
+def test_the_index_s_redis_calls_wait_its_socket_timeout(redis_url, socket_timeout_s):
+    """``index_socket_timeout_s`` (default 0.25 s) reaches every connection the engine's index
+    opens: the index's own and its node directory's, for reads and for connects."""
+    kwargs = {} if socket_timeout_s is None else {"socket_timeout_s": socket_timeout_s}
+    index, directory = open_index(redis_url, _NS, **kwargs)
+    want = socket_timeout_s or 0.25
+    for client in (index._client, directory._client):
+        settings = client.connection_pool.connection_kwargs
+        assert (settings["socket_timeout"], settings["socket_connect_timeout"]) == (want, want)
+
+
 def test_published_batches_land_in_order_across_a_backlog(clients, pause_redis):
     a = clients("node-a")
     h = _hashes(10)

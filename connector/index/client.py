@@ -76,8 +76,12 @@ _memory_backends: dict[str, tuple[Any, Any]] = {}
 _memory_lock = threading.Lock()
 
 
-def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDirectory]:
-    """The index and node directory behind ``url``.
+def open_index(
+    url: str, namespace: IndexNamespace, *, socket_timeout_s: float = _SOCKET_TIMEOUT_S
+) -> tuple[BlockIndex, NodeDirectory]:
+    """The index and node directory behind ``url``; a Redis call not answered within
+    ``socket_timeout_s`` (also the connect timeout; config key ``index_socket_timeout_s``)
+    counts as an outage: the backend is backed off for a second.
 
     ``"memory"``: the embedded in-process backend, shared by every node of this process in the
     same namespace. ``"redis://host:port/db"``: a Redis server; ``redis://:PASSWORD@host...``
@@ -102,15 +106,17 @@ def open_index(url: str, namespace: IndexNamespace) -> tuple[BlockIndex, NodeDir
     if url.startswith((*REDIS_SCHEMES, "unix://")):
         client = redis.Redis.from_url(
             url,
-            socket_timeout=_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=_SOCKET_TIMEOUT_S,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0),  # fail fast: a lookup has a deadline of its own
         )
-        index = RedisBlockIndex(namespace, url)  # the two share one outage log (reachability)
+        index = RedisBlockIndex(namespace, url, socket_timeout_s=socket_timeout_s,
+                                connect_timeout_s=socket_timeout_s)  # (one outage log for both)
         return index, RedisNodeDirectory(client, namespace.key_prefix, index.reachability)
-    cluster = RedisClusterBlockIndex(namespace, url)  # redis-cluster://, the last form
+    cluster = RedisClusterBlockIndex(  # redis-cluster://, the last form
+        namespace, url, socket_timeout_s=socket_timeout_s, connect_timeout_s=socket_timeout_s)
     directory_client = cluster_client(
-        url, socket_timeout_s=_SOCKET_TIMEOUT_S, connect_timeout_s=_SOCKET_TIMEOUT_S
+        url, socket_timeout_s=socket_timeout_s, connect_timeout_s=socket_timeout_s
     )
     return cluster, RedisClusterNodeDirectory(directory_client, cluster.bucket_prefixes)
 

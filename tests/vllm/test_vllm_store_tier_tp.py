@@ -42,6 +42,15 @@ STORE_BYTES = 256 * 2 * RANK_BLOCK_BYTES  # 256 whole blocks (one shelf: kvbridg
 # test_pd_tp, whose module says why: the connector's loop shares each TP worker's GIL with
 # vLLM, which can starve it for seconds on a host with fewer cores than busy processes.
 LOAD_TIMEOUT_S = 30.0
+# Two TP=2 engines' workers, each spinning on vLLM's shared-memory queues, crowd these 2 cores
+# and the Redis on them: under load a Redis call here ran past the index's 0.25 s socket timeout
+# again and again, and each such call makes the engine leave the index alone for a second (its
+# lookup then answers "no hit"). Which bytes move is checked here, not how fast the index is.
+PATIENT_INDEX = {"index_socket_timeout_s": 2.0, "index_lookup_timeout_s": 10.0}
+# C restores the first; the second only if the index did not answer C's lookup of the first
+# (a Redis stalled for seconds on this crowded host: seen even with PATIENT_INDEX). A offloads
+# its coldest blocks first, so these two (its first prompts) are in the store.
+RESTORED = ("t1", "t2")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +61,7 @@ def tp_tier(tiny_llama, log_dir, redis_server):
              kv_transfer_config=kvbridge_config(
                  "both", "store-tp-engine-a", index_url=redis_server.url,
                  store_url=f"127.0.0.1:{write_port}", offload="evict", offload_scan_blocks=96,
-                 offload_blocks_per_step=16, load_timeout_s=LOAD_TIMEOUT_S))
+                 offload_blocks_per_step=16, load_timeout_s=LOAD_TIMEOUT_S, **PATIENT_INDEX))
     store = StoreProcess(redis_server.url, write_port, log_dir / "store-tp.log",
                          capacity_bytes=STORE_BYTES)
     try:
@@ -117,8 +126,8 @@ def test_another_tp2_engine_restores_an_evicted_prompt_each_rank_its_head(
                                                 index_url=redis_server.url))
     try:
         r.wait_ready()
-        (ref,) = r.generate([request(PROMPTS["t1"], N_NEW)])
-        assert ref["num_cached_tokens"] == 0
+        refs = r.generate([request(PROMPTS[name], N_NEW) for name in RESTORED])
+        assert [ref["num_cached_tokens"] for ref in refs] == [0] * len(RESTORED)
         assert r.stats()["num_index_hits"] == 0
     finally:
         r.stop()
@@ -126,14 +135,22 @@ def test_another_tp2_engine_restores_an_evicted_prompt_each_rank_its_head(
     c = Node("store-tp-c", model=tiny_llama, log_dir=log_dir, llm=TP2,
              kv_transfer_config=kvbridge_config("both", "store-tp-engine-c",
                                                 index_url=redis_server.url,
-                                                load_timeout_s=LOAD_TIMEOUT_S))
+                                                load_timeout_s=LOAD_TIMEOUT_S,
+                                                **PATIENT_INDEX))
     try:
         c.wait_ready()
-        before, ranks_before = c.stats(), c.rank_stats()
-        (out,) = c.generate([request(PROMPTS["t1"], N_NEW)])
-        assert out["token_ids"] == ref["token_ids"]
+        for name, ref in zip(RESTORED, refs, strict=True):
+            before, ranks_before = c.stats(), c.rank_stats()
+            (out,) = c.generate([request(PROMPTS[name], N_NEW)])
+            assert out["token_ids"] == ref["token_ids"], name
+            after, ranks_after = c.stats(), c.rank_stats()
+            if out["num_cached_tokens"] or name == RESTORED[-1]:
+                break
+            # Only an index that did not answer C's lookup (the host's stall: PATIENT_INDEX)
+            # earns the next prompt; a lookup answered "no hit" fails here.
+            failed = after["num_index_lookup_failures"] - before["num_index_lookup_failures"]
+            assert failed == 1, (name, failed, out["num_cached_tokens"])
         assert out["num_cached_tokens"] >= FULL_BLOCKS * BLOCK, out["num_cached_tokens"]
-        after, ranks_after = c.stats(), c.rank_stats()
         moved = {k: after[k] - before[k] for k in ("num_index_hits", "num_restored_blocks",
                                                    "store_hit_tokens", "num_failed_loads")}
         assert moved == {"num_index_hits": 1, "num_restored_blocks": FULL_BLOCKS,
