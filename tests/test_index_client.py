@@ -123,6 +123,17 @@ def _poll_until_done(
     raise AssertionError(f"lookup {key!r} still pending after {timeout_s} s: {seen[-3:]}")
 
 
+def _flush_once_registered(client: IndexClient, timeout_s: float = 5.0) -> bool:
+    """``flush`` returns at once while the client's registration goes unanswered: try again
+    until it is answered and the held batches went, or ``timeout_s`` ran out."""
+    deadline_s = time.monotonic() + timeout_s
+    while not client.flush(timeout_s=0.1):
+        if time.monotonic() > deadline_s:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _wait_until(ends_at_s: float) -> None:
     time.sleep(max(0.0, ends_at_s - time.monotonic()))
 
@@ -195,7 +206,7 @@ def test_batches_published_before_an_unanswered_registration_is_answered_land_wi
         assert not index.available
         a.publish([_stored(prompt, first_block_id=1)])  # the engine's last step; then idle
         _wait_until(pause_ends_s)
-        assert a.flush(timeout_s=5.0)
+        assert _flush_once_registered(a)
         _start(b, "req", prompt)
         result, _ = _poll_until_done(b, "req")
         assert result.status == "hit", result
@@ -435,3 +446,46 @@ def test_wait_for_answer_returns_at_the_answer_and_not_before(clients, pause_red
     assert b.wait_for_answer(5.0)  # not yet handed out: at once
     assert b.poll_lookup("req-0").status == "hit"
     assert not b.wait_for_answer(5.0)  # handed out: none left
+
+
+class _Unanswered:
+    """An in-memory index whose first ``num_unanswered`` registrations get no answer (as a
+    Redis past its socket timeout answers "unavailable")."""
+
+    def __init__(self, index, num_unanswered: int) -> None:
+        self._index, self.num_left = index, num_unanswered
+
+    def register_node(self, *args, **kwargs):
+        if self.num_left > 0:
+            self.num_left -= 1
+            return "unavailable"
+        return self._index.register_node(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._index, name)
+
+
+def test_while_a_registration_is_unanswered_flush_returns_at_once_and_nothing_is_announced():
+    """A store's put waits in ``flush`` for its events (``store/shelf.py``): while its
+    registration goes unanswered, the batches are held, so waiting for them would stall every
+    put for the whole timeout. Nor is the address announced before the node is registered."""
+    namespace = IndexNamespace(identity=dataclasses.replace(BASE_IDENTITY, model_name="held"))
+    index, directory = open_index("memory", namespace)
+    unanswered = _Unanswered(index, num_unanswered=3)
+    a = IndexClient(unanswered, directory, node_id="node-a", incarnation=new_incarnation(),
+                    group_ids=(0,), ttl_s=_TTL_S)
+    a.start(_HOST, _PORTS["node-a"])
+    try:
+        a.publish([_stored(_hashes(4), first_block_id=1)])
+        started_s = time.monotonic()
+        assert a.flush(timeout_s=5.0) is False
+        assert time.monotonic() - started_s < 1.0  # at once, not after its 5 s
+        assert directory.lookup("node-a") is None or unanswered.num_left == 0
+        # The retries (every 0.25 s) get an answer at the fourth: the held batch goes as it is.
+        assert _flush_once_registered(a)
+        assert unanswered.num_left == 0
+        assert directory.lookup("node-a") == NodeAddress(_HOST, _PORTS["node-a"], a.incarnation)
+        assert index.longest_prefix(_hashes(4)).num_blocks == 4
+        assert a.num_resyncs == 0
+    finally:
+        a.close()

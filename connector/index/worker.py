@@ -51,6 +51,7 @@ _MAX_OPS_PER_SEND = 4096
 _MAX_OPS_PER_RESYNC_CALL = 1024
 _GRACE_S = 0.25  # close: how long the worker may finish its call before it is interrupted
 _RESYNC_PROBE_S = 0.05  # resync mode: how often the backend is probed until it answers
+_REGISTER_RETRY_S = 0.25  # an unanswered registration: how often it is tried again
 _UNAVAILABLE = LookupResult("unavailable")
 
 
@@ -61,9 +62,9 @@ class IndexWorker:
 
     - under ``_lock`` (held only for queue operations, never across a backend call): the lookup
       queue ``_lookups``, the running jobs ``_running``, the publish queue ``_queue``, the
-      accepted/done batch counts, ``_needs_resync``, the loss counts,
-      ``_resync_wanted``, ``_stopping`` and ``_abandoned``;
-    - the worker thread alone: ``_next_heartbeat_s``, ``_registered``, ``num_reregistrations``,
+      accepted/done batch counts, ``_needs_resync``, the loss counts, ``_resync_wanted``,
+      ``_registered`` (the worker writes it), ``_stopping`` and ``_abandoned``;
+    - the worker thread alone: ``_next_heartbeat_s``, ``num_reregistrations`` (others read it),
       and every call to ``index`` and ``directory`` once ``start`` has started the thread
       (``start`` itself registers on the caller's thread, before the worker exists);
     - the caller thread (the engine thread, or whichever one thread drives the client): the
@@ -89,10 +90,8 @@ class IndexWorker:
         hit_rule: PrefixHitRule | None = None,
     ) -> None:
         if max_lookups_in_flight < 1 or max_queued_ops < 1:
-            raise ValueError(
-                f"max_lookups_in_flight ({max_lookups_in_flight}) and max_queued_ops "
-                f"({max_queued_ops}) must be at least 1"
-            )
+            raise ValueError(f"max_lookups_in_flight ({max_lookups_in_flight}) and "
+                             f"max_queued_ops ({max_queued_ops}) must be at least 1")
         self.index = index
         self.directory = directory
         self.node_id = node_id
@@ -253,12 +252,13 @@ class IndexWorker:
     def flush(self, timeout_s: float) -> bool:
         """Wait until every batch accepted before this call has been handed to the backend
         (blocking: for tests and shutdown paths, never for a scheduling step). Returns False
-        on timeout or when the worker stopped first."""
+        on timeout, when the worker stopped first, or at once while its registration goes
+        unanswered (the batches wait queued for it)."""
         with self._lock:
             target = self._num_batches_accepted
-            return self._done.wait_for(
-                lambda: self._num_batches_done >= target or self._stopping, timeout_s
-            ) and self._num_batches_done >= target
+            done = self._done.wait_for(lambda: self._num_batches_done >= target
+                                       or self._stopping or not self._registered, timeout_s)
+            return done and self._num_batches_done >= target
 
     # ------------------------------------------------------------------ the worker thread
     def _run(self) -> None:
@@ -267,9 +267,9 @@ class IndexWorker:
                 while not (self._stopping or self._lookups
                            or (self._queue.batches and self._registered)):
                     if not self._registered or (self._needs_resync and not self._resync_wanted):
-                        self._next_heartbeat_s = min(
-                            self._next_heartbeat_s, self._last_probe_s + _RESYNC_PROBE_S
-                        )
+                        probe_s = _RESYNC_PROBE_S if self._registered else _REGISTER_RETRY_S
+                        self._next_heartbeat_s = min(self._next_heartbeat_s,
+                                                     self._last_probe_s + probe_s)
                     wait_s = self._next_heartbeat_s - self._clock()
                     if wait_s <= 0:
                         break
@@ -418,20 +418,21 @@ class IndexWorker:
                 self._enter_resync_mode()  # publishes meanwhile may fail: resync when back
 
     def _register_again(self) -> None:
-        """A registration the backend did not answer (at ``start`` or after a fence): probed
-        every ``_RESYNC_PROBE_S``; publish batches wait queued meanwhile, so the ones a new
-        node queued before it could register are sent as they are (no resync, which needs an
-        engine step to read the set: an engine idle by then would never be listed)."""
+        """An unanswered registration (at ``start``, after a fence), tried every
+        ``_REGISTER_RETRY_S``; batches wait queued and then go as they are (a resync would need
+        an engine step to read the set: an engine idle by then would not be listed)."""
         self._last_probe_s = now = self._clock()
         self._next_heartbeat_s = now + self._heartbeat_interval_s
         self._register()
 
     def _register(self) -> bool:  # True: registered
         status = self.index.register_node(self.node_id, self.incarnation, ttl_s=self.ttl_s)
-        self._registered = status != "unavailable"  # ("unavailable": the backend said so, once)
+        with self._lock:  # ("unavailable": the backend said so, once)
+            self._registered = status != "unavailable"
+            self._done.notify_all()  # flush waits for no held batch
         if status == "fenced":
             logger.warning("index: register of %s answered %s", self.node_id, status)
-        if self._address is not None and self._registered:
+        if self._address is not None and status == "ok":  # (never a fenced incarnation's)
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
         return status == "ok"
 

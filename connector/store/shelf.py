@@ -226,7 +226,9 @@ class StoreShelf:
         """On the publisher thread: queue ``events`` and wait (at most ``_PUBLISH_WAIT_S``)
         until the index client has applied them, so that a ``put_ok`` means "indexed"."""
         client.publish(events)
-        if not client.flush(timeout_s=_PUBLISH_WAIT_S):
+        # (an index that does not answer said so in a line of its own; flush returns at once
+        # while the store's registration is unanswered: its events wait queued for it)
+        if not client.flush(timeout_s=_PUBLISH_WAIT_S) and client.index.available:
             logger.warning("store %s: index events of a put not applied within %.1f s; "
                            "replying anyway", self.engine_id, _PUBLISH_WAIT_S)
 
