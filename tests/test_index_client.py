@@ -217,6 +217,37 @@ def test_batches_published_before_an_unanswered_registration_is_answered_land_wi
         a.close()
 
 
+def test_a_publish_past_the_socket_timeout_lands_once_redis_answers_without_a_step(
+    redis_url, clients, pause_redis
+):
+    """CI: a registered engine's publish ran past the index's 0.25 s socket timeout on a
+    loaded host, in the step before the engine went idle. The call is made again, the same
+    call, once Redis answers: the blocks are listed with no engine step and no resync
+    (``"replayed"`` if the server ran the timed-out call after all)."""
+    b = clients("node-b")
+    prompt = _hashes(8)
+    index, directory = open_index(redis_url, _NS)  # production's: 0.25 s timeouts, 1 s back-off
+    a = IndexClient(index, directory, node_id="node-a", incarnation=new_incarnation(),
+                    group_ids=(0,), ttl_s=_TTL_S)
+    snapshots: list[int] = []
+    a.set_resync_source(lambda: snapshots.append(1) or [])
+    a.start(_HOST, _PORTS["node-a"])
+    try:
+        assert a.flush(timeout_s=5.0) and index.available  # registered
+        pause_ends_s = pause_redis(1500)
+        a.publish([_stored(prompt, first_block_id=1)])  # the engine's last step; then idle
+        _wait_until(pause_ends_s)
+        assert index.stats.publishes_dropped >= 1  # the call did time out
+        assert a.flush(timeout_s=10.0)
+        _start(b, "req", prompt)
+        result, _ = _poll_until_done(b, "req")
+        assert result.status == "hit", result
+        assert (result.prefix.holder.node_id, result.prefix.num_blocks) == ("node-a", 8)
+        assert snapshots == [] and a.num_resyncs == 0 and not a.resync_pending
+    finally:
+        a.close()
+
+
 @pytest.mark.parametrize("socket_timeout_s", [None, 2.0])
 def test_the_index_s_redis_calls_wait_its_socket_timeout(redis_url, socket_timeout_s):
     """``index_socket_timeout_s`` (default 0.25 s) reaches every connection the engine's index

@@ -7,6 +7,7 @@ prompts of its slots."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -350,6 +351,51 @@ def test_replay_trace_runs_on_the_cluster_and_names_the_namespaces_it_wrote(
     )
     try:
         assert sum(index.keys_per_shard().values()) > 0
+    finally:
+        index.close()
+
+
+@pytest.mark.parametrize("ran", [False, True], ids=["part-never-ran", "part-ran-late"])
+def test_a_call_one_shard_left_unanswered_is_made_again_as_the_same_bucket_calls(
+    redis_cluster_url, ran
+):
+    """One bucket leaves its part of a publish call unanswered (a timeout: the shard may have
+    run it or not). The node makes the call again with the same ``seq``, and the index makes
+    the same bucket calls with the same bucket numbers: a part that ran answers "replayed", one
+    that did not applies, the next call continues every bucket (no gap) and the index holds
+    every block. (Before, the call made again answered "replayed" without reaching the shard:
+    the part was missing, and that bucket's next call was refused as a gap.)"""
+    index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url, retry_interval_s=0.0)
+    k = NAMESPACE.key_hash_bytes
+    chains = [[hashlib.sha256(f"{p}/{i}".encode()).digest() for i in range(2)] for p in range(9)]
+    buckets = {bucket_of(chain[0][:k], index.num_buckets) for chain in chains}
+    assert len(buckets) >= 2  # the call spans buckets
+    dropped = index.bucket_prefixes[bucket_of(chains[0][0][:k], index.num_buckets)]
+
+    def stored(chain: list[bytes]) -> BlockStored:
+        return BlockStored(block_hashes=chain, parent_block_hash=None, token_ids=[],
+                           block_size=16, lora_name=None, medium=None, group_id=0,
+                           block_ids=[1, 2])
+
+    real, unanswered = index._publish_at, []
+
+    def publish_at(prefix, *args):
+        if prefix == dropped and not unanswered:
+            unanswered.append(real(prefix, *args) if ran else None)
+            return None
+        return real(prefix, *args)
+
+    try:
+        assert index.register_node("n", 1, ttl_s=30.0) == "ok"
+        events = [stored(chain) for chain in chains[:8]]
+        with mock.patch.object(index, "_publish_at", publish_at):
+            assert index.publish("n", 1, events, seq=(1, 1)).status == "unavailable"
+        assert unanswered == [1 if ran else None]
+        want = "replayed" if ran else "ok"
+        assert index.publish("n", 1, events, seq=(1, 1)).status == want
+        assert index.publish("n", 1, [stored(chains[8])], seq=(2, 2)).status == "ok"
+        for chain in chains:
+            assert index.longest_prefix(chain).num_blocks == 2
     finally:
         index.close()
 

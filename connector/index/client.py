@@ -25,6 +25,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .in_memory import InMemoryBlockIndex
+from .jobs import LookupJob
 from .lookup import LOOKUP_PENDING, LookupResult, RemotePrefix, resolve_remote_prefix
 from .node_directory import (
     InMemoryNodeDirectory,
@@ -38,7 +39,7 @@ from .redis_cluster import RedisClusterBlockIndex, RedisClusterNodeDirectory, cl
 from .redis_index import RedisBlockIndex
 from .resync import ParentMirror
 from .url import CLUSTER_SCHEME, REDIS_SCHEMES, check_index_url
-from .worker import IndexWorker, LookupJob
+from .worker import IndexWorker
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import CachedBlock, PrefixHitRule

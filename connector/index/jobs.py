@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -12,8 +13,8 @@ from typing import Any, NamedTuple
 from .lookup import LookupQuery, LookupResult
 
 __all__ = [
-    "Batch", "DropLog", "LookupJob", "PublishQueue", "answer_lookups", "count_ops",
-    "resync_batches",
+    "Batch", "DropLog", "LookupJob", "LookupSlots", "PublishQueue", "answer_lookups",
+    "count_ops", "resync_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,15 @@ class PublishQueue:
     """A node's publish batches waiting for its ``IndexWorker``, oldest first, numbered 1, 2,
     ... as queued (``protocol.py``). ``num_delta_ops`` counts the ops of the deltas, which the
     worker bounds; a resync's batches are not counted (what is queued behind them comes after
-    the set they carry). Not thread-safe: the worker holds its lock around every use."""
+    the set they carry). ``retry``: the batches of a call that went unanswered, ahead of the
+    rest (``put_back``). Not thread-safe: the worker holds its lock around every use."""
 
     def __init__(self) -> None:
         self.batches: deque[Batch] = deque()
+        self.retry: list[Batch] = []
+        self.held_since_s: float | None = None  # when ``retry``'s call was first made
         self.num_delta_ops = 0
-        self.num_whole_set_ops = 0  # of a resync's batches still queued
+        self.num_whole_set_ops = 0  # of a resync's batches still queued (or in ``retry``)
         self.next_seq = 1
 
     def append(self, events: list[Any], num_ops: int) -> None:
@@ -71,10 +75,26 @@ class PublishQueue:
         self.next_seq += 1
         self.num_delta_ops += num_ops
 
+    def put_back(self, batches: list[Batch], now_s: float, max_hold_s: float) -> bool:
+        """Hold one call's ``batches``, which went unanswered, to be taken next as that same
+        call: the backend answers ``"replayed"`` if the first try landed after all, where a
+        call of other bounds would be a ``"gap"`` (``protocol.seq_verdict``). Returns False
+        (nothing held: the batches are lost) once the call's first try is ``max_hold_s`` old
+        (a backend down, not slow; on a cluster one shard down would hold every call)."""
+        if self.held_since_s is None:
+            self.held_since_s = now_s
+        elif now_s - self.held_since_s >= max_hold_s:
+            return False
+        self.retry = batches
+        for batch in batches:
+            self._count_out(batch, sign=-1)
+        return True
+
     def replace_with_whole_set(self, events: list[Any], max_ops_per_call: int) -> int:
         """Queue a resync (``resync_batches``) in place of every queued batch (older than the
         set, which covers them); returns how many batches it replaced."""
-        num_replaced = len(self.batches)
+        num_replaced = len(self.batches) + len(self.retry)
+        self.retry = []
         self.batches = deque(resync_batches(events, self.next_seq, max_ops_per_call))
         self.next_seq += len(self.batches)
         self.num_delta_ops = 0
@@ -85,8 +105,15 @@ class PublishQueue:
         """Pop batches, oldest first, up to ``max_ops`` ops (at least one; a batch of a
         resync's set alone, so that its calls keep the size it was cut to); with
         ``skip_deltas`` the batches before a resync batch are popped and dropped first.
-        Returns the batches and how many were dropped."""
-        num_dropped = 0
+        Returns the batches and how many were dropped. A held ``retry`` goes first, as it is
+        (dropped instead with ``skip_deltas`` unless it starts a resync)."""
+        retry, self.retry = self.retry, []
+        for batch in retry:
+            self._count_out(batch)
+        if retry and not (skip_deltas and not retry[0].resync):
+            return retry, 0
+        self.held_since_s = None  # a fresh call from here (a held one went, or is dropped)
+        num_dropped = len(retry)
         while skip_deltas and self.batches and not self.batches[0].resync:
             self._count_out(self.batches.popleft())
             num_dropped += 1
@@ -105,14 +132,15 @@ class PublishQueue:
         """Drop every queued batch; returns their ops."""
         num_ops = self.num_delta_ops + self.num_whole_set_ops
         self.batches.clear()
+        self.retry = []
         self.num_delta_ops = self.num_whole_set_ops = 0
         return num_ops
 
-    def _count_out(self, batch: Batch) -> None:
+    def _count_out(self, batch: Batch, sign: int = 1) -> None:
         if batch.of_whole_set:
-            self.num_whole_set_ops -= batch.num_ops
+            self.num_whole_set_ops -= sign * batch.num_ops
         else:
-            self.num_delta_ops -= batch.num_ops
+            self.num_delta_ops -= sign * batch.num_ops
 
 
 class DropLog:
@@ -158,6 +186,45 @@ class LookupJob:
 
 _TIMED_OUT = LookupResult("timed_out")
 _UNAVAILABLE = LookupResult("unavailable")
+
+
+class LookupSlots:
+    """The lookups handed to an ``IndexWorker``: ``queued`` until its thread takes them, then
+    ``running`` until answered; at most ``max_in_flight`` of both together. Not thread-safe:
+    the worker holds its lock around every use."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.queued: deque[LookupJob] = deque()
+        self.running: list[LookupJob] = []
+
+    def __len__(self) -> int:  # in flight (a running job counts even once its caller gave up)
+        return len(self.queued) + len(self.running)
+
+    def add(self, job: LookupJob) -> bool:
+        """Queue ``job``; False (nothing queued) when ``max_in_flight`` are in flight."""
+        if len(self) >= self.max_in_flight:
+            return False
+        self.queued.append(job)
+        return True
+
+    def start_all(self) -> list[LookupJob]:
+        """Every queued job, running from now until the worker empties ``running``."""
+        self.running = list(self.queued)
+        self.queued.clear()
+        return self.running
+
+    def withdraw(self, job: LookupJob) -> None:
+        """Drop ``job`` if it is still queued (its slot is free at once); a running job
+        finishes and its answer is ignored."""
+        with contextlib.suppress(ValueError):
+            self.queued.remove(job)
+
+    def fail_queued(self) -> None:
+        """Answer every queued job ``"unavailable"`` (the worker stops) and drop them."""
+        for job in self.queued:
+            job.result = _UNAVAILABLE
+        self.queued.clear()
 
 
 def answer_lookups(

@@ -125,15 +125,22 @@ def bucket_of(first_key: bytes, num_buckets: int) -> int:
     return int.from_bytes(first_key[:4], "big") % num_buckets
 
 
+# A publish call as its bucket calls: (seq, each bucket's ops, each bucket's batch number).
+_CallOfBuckets = tuple[tuple[int, int], dict[int, list[IndexOp]], dict[int, int]]
+
+
 class _NodeSeqs:
-    """Per node: its incarnation, the next batch number of each bucket and the last batch
-    number sent. Never reset within an incarnation (a bucket that lost its data then sees a
-    gap and the node resyncs). Guarded by the index's publish lock."""
+    """Per node: its incarnation, the next batch number of each bucket, the last batch number
+    sent, and the last call if a bucket left it unanswered (``seq``, its ops per bucket, their
+    numbers: a retry of that ``seq`` makes the same calls, so each bucket applies its part once,
+    or answers "replayed"). Never reset within an incarnation (a bucket that lost its data then
+    sees a gap and the node resyncs). Guarded by the index's publish lock."""
 
     def __init__(self, incarnation: int, num_buckets: int) -> None:
         self.incarnation = incarnation
         self.next = [1] * num_buckets
         self.last_batch = 0
+        self.unanswered: _CallOfBuckets | None = None
 
 
 class RedisClusterBlockIndex(RedisBlockIndex):
@@ -242,14 +249,18 @@ class RedisClusterBlockIndex(RedisBlockIndex):
             seqs = self._seqs.get(node_id)
             if seqs is None or seqs.incarnation != incarnation:
                 seqs = self._seqs[node_id] = _NodeSeqs(incarnation, self.num_buckets)
-            if seq is not None and seq[1] <= seqs.last_batch:
+            retry, seqs.unanswered = seqs.unanswered, None
+            if retry is not None and seq == retry[0]:
+                _, bucket_to_ops, numbers = retry
+            elif seq is not None and seq[1] <= seqs.last_batch:
                 self.stats.publishes_replayed += 1
                 return PublishResult("replayed", len(ops))
-            if seq is not None and not resync and seq[0] != seqs.last_batch + 1:
+            elif seq is not None and not resync and seq[0] != seqs.last_batch + 1:
                 self.stats.publishes_gap += 1  # a batch between was never handed to us
                 return PublishResult("gap", len(ops))
-            bucket_to_ops = self._split(node_id, ops, resync)
-            numbers = self._numbers(seqs, seq, bucket_to_ops)
+            else:
+                bucket_to_ops = self._split(node_id, ops, resync)
+                numbers = self._numbers(seqs, seq, bucket_to_ops)
         replies = [
             self._publish_at(
                 self.bucket_prefixes[b], node_id, inc, pack_ops(bucket_ops, self._key_hash_bytes),
@@ -257,6 +268,9 @@ class RedisClusterBlockIndex(RedisBlockIndex):
             )
             for b, bucket_ops in bucket_to_ops.items()
         ]
+        if None in replies and seq is not None:
+            with self._publish_lock:
+                seqs.unanswered = (seq, bucket_to_ops, numbers)
         # The worst answer speaks for the batch: lost, refused, out of order, else applied.
         for worst in (None, 0, 2):
             if worst in replies:

@@ -13,25 +13,27 @@ trip), then every queued publish batch (up to ``_MAX_OPS_PER_SEND`` ops) in one 
 Queue sizes count ops (one per block hash of an event, ``protocol.events_to_ops``), which bound
 memory and send cost.
 
-Batches are numbered ``1, 2, ...`` as accepted (``protocol.py``). A batch that may be lost (full
-queue, a call that failed or timed out, ``"gap"``, a lapsed registration) starts resync mode: no
-more deltas are sent, the backend is probed every ``_RESYNC_PROBE_S``, and once it answers
-(at once for a full queue while the backend answers) ``resync_wanted`` asks the caller thread
-for the node's whole cached set (``enqueue_resync``), which replaces every queued batch and
-ends resync mode once its first call is applied, unless a batch was lost since its snapshot
-(then the caller is asked again). While a registration goes unanswered, batches wait queued."""
+Batches are numbered ``1, 2, ...`` as accepted (``protocol.py``). A call that goes unanswered
+(Redis slow past its socket timeout) is made again, the same call, once a heartbeat probe (every
+``_RESYNC_PROBE_S``) is answered, for up to ``_MAX_HOLD_S``; the batches behind it wait. A batch
+that may be lost (full queue, a refused or failed call, ``"gap"``, a lapsed registration, a call
+held that long) starts resync mode: no more deltas are sent, the backend is probed the same way,
+and once it answers (at once for a full queue while the backend answers) ``resync_wanted`` asks
+the caller thread for the node's whole cached set (``enqueue_resync``), which replaces every
+queued batch and ends resync mode once its first call is applied, unless a batch was lost since
+its snapshot (then the caller is asked again). While a registration goes unanswered, batches
+wait queued. Neither wait needs an engine step, as a resync does: an engine idle by then is
+still listed once Redis answers."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .jobs import Batch, DropLog, LookupJob, PublishQueue, answer_lookups, count_ops
+from .jobs import Batch, DropLog, LookupJob, LookupSlots, PublishQueue, answer_lookups, count_ops
 from .lookup import LookupQuery, LookupResult, resolve_remote_prefixes
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
@@ -39,20 +41,18 @@ from .protocol import BlockIndex, Tier
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
 
-__all__ = ["IndexWorker", "LookupJob", "count_ops"]
+__all__ = ["IndexWorker"]
 
 logger = logging.getLogger(__name__)
 
-# Queued batches are merged into one publish call up to this many ops (one round trip; the
-# backend applies a call's events in order, so a merged call equals the batches one by one).
-_MAX_OPS_PER_SEND = 4096
+_MAX_OPS_PER_SEND = 4096  # queued batches merged into one call (applied in order: one by one)
 # A resync's calls: a quarter of a full call, far below a socket timeout (a whole set in one
 # call ran past it and was sent again forever: docs/architecture.md, "Design measurements").
 _MAX_OPS_PER_RESYNC_CALL = 1024
 _GRACE_S = 0.25  # close: how long the worker may finish its call before it is interrupted
-_RESYNC_PROBE_S = 0.05  # resync mode: how often the backend is probed until it answers
+_RESYNC_PROBE_S = 0.05  # resync mode, a held call: how often the backend is probed till it answers
 _REGISTER_RETRY_S = 0.25  # an unanswered registration: how often it is tried again
-_UNAVAILABLE = LookupResult("unavailable")
+_MAX_HOLD_S = 3.0  # an unanswered call: made again until its first try is this old, then lost
 
 
 class IndexWorker:
@@ -60,8 +60,8 @@ class IndexWorker:
 
     Thread model (each piece of mutable state and its owner):
 
-    - under ``_lock`` (held only for queue operations, never across a backend call): the lookup
-      queue ``_lookups``, the running jobs ``_running``, the publish queue ``_queue``, the
+    - under ``_lock`` (held only for queue operations, never across a backend call): the
+      lookups ``_lookups`` (queued and running), the publish queue ``_queue``, the
       accepted/done batch counts, ``_needs_resync``, the loss counts, ``_resync_wanted``,
       ``_registered`` (the worker writes it), ``_stopping`` and ``_abandoned``;
     - the worker thread alone: ``_next_heartbeat_s``, ``num_reregistrations`` (others read it),
@@ -70,8 +70,7 @@ class IndexWorker:
     - the caller thread (the engine thread, or whichever one thread drives the client): the
       queue-full drop counters in ``index.stats`` and ``_drops``.
 
-    ``interrupt`` of the backends is called from ``stop`` on the caller's thread; it only
-    closes sockets.
+    ``stop`` calls the backends' ``interrupt`` (which only closes sockets) on the caller's thread.
     """
 
     def __init__(
@@ -99,7 +98,6 @@ class IndexWorker:
         self.group_ids = tuple(group_ids)
         self.ttl_s = ttl_s
         self.tier: Tier = tier
-        self.max_lookups_in_flight = max_lookups_in_flight
         self.max_queued_ops = max_queued_ops
         self._clock = clock
         self._heartbeat_interval_s = ttl_s / 3
@@ -108,8 +106,7 @@ class IndexWorker:
         self._work = threading.Condition(self._lock)  # the worker waits for work on it
         self._done = threading.Condition(self._lock)  # flush waits for sent batches on it
         self._answered = threading.Condition(self._lock)  # wait_for_answer waits on it
-        self._lookups: deque[LookupJob] = deque()
-        self._running: list[LookupJob] = []
+        self._lookups = LookupSlots(max_lookups_in_flight)
         self._queue = PublishQueue()
         self._whole_set_in_call = False  # the worker is sending a batch of a resync's set
         self._num_batches_accepted = 0
@@ -171,22 +168,19 @@ class IndexWorker:
 
     # ------------------------------------------------------------------ work (caller thread)
     @property
-    def num_lookups_in_flight(self) -> int:
-        """Lookups queued or running (a running one counts even once its caller gave up)."""
+    def num_lookups_in_flight(self) -> int:  # queued or running (``LookupSlots``)
         with self._lock:
-            return len(self._lookups) + len(self._running)
+            return len(self._lookups)
 
     def submit_lookup(self, job: LookupJob) -> bool:
         """Queue ``job``; False (nothing queued) when ``max_lookups_in_flight`` are in flight."""
         with self._lock:
             if self._stopping:
-                job.result = _UNAVAILABLE
+                job.result = LookupResult("unavailable")
                 return True
-            if len(self._lookups) + len(self._running) >= self.max_lookups_in_flight:
-                return False
-            self._lookups.append(job)
+            queued = self._lookups.add(job)
             self._work.notify()
-        return True
+        return queued
 
     def wait_for_answer(self, jobs: Sequence[LookupJob], timeout_s: float) -> bool:
         """Block the caller up to ``timeout_s`` until one of ``jobs`` has a ``result``; True
@@ -196,10 +190,9 @@ class IndexWorker:
                 lambda: any(job.result is not None for job in jobs), timeout_s)
 
     def withdraw_lookup(self, job: LookupJob) -> None:
-        """Forget ``job``: out of the queue if it has not started (its slot is free at once);
-        a running job finishes and its answer is ignored."""
-        with self._lock, contextlib.suppress(ValueError):  # ValueError: running, or answered
-            self._lookups.remove(job)
+        """Forget ``job`` (``LookupSlots.withdraw``)."""
+        with self._lock:
+            self._lookups.withdraw(job)
 
     @property
     def resync_wanted(self) -> bool:
@@ -264,9 +257,9 @@ class IndexWorker:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._lookups
-                           or (self._queue.batches and self._registered)):
-                    if not self._registered or (self._needs_resync and not self._resync_wanted):
+                while not (self._stopping or self._lookups.queued or self._can_send()):
+                    if (not self._registered or self._queue.retry
+                            or (self._needs_resync and not self._resync_wanted)):
                         probe_s = _RESYNC_PROBE_S if self._registered else _REGISTER_RETRY_S
                         self._next_heartbeat_s = min(self._next_heartbeat_s,
                                                      self._last_probe_s + probe_s)
@@ -276,9 +269,8 @@ class IndexWorker:
                     self._work.wait(wait_s)
                 if self._stopping:
                     break
-                jobs = self._running = list(self._lookups)
-                self._lookups.clear()
-                batches = self._take_batches() if self._registered else []
+                jobs = self._lookups.start_all()
+                batches = self._take_batches() if self._can_send() else []
             try:
                 if self._clock() >= self._next_heartbeat_s:
                     self._heartbeat() if self._registered else self._register_again()
@@ -287,23 +279,23 @@ class IndexWorker:
             if jobs:
                 self._resolve(jobs)
                 with self._lock:
-                    self._running = []
+                    self._lookups.running = []
             if batches:
-                self._send(batches)
+                num_done = self._send(batches)
                 with self._lock:
                     self._whole_set_in_call = False
-                    self._num_batches_done += len(batches)
+                    self._num_batches_done += num_done
                     self._done.notify_all()
         self._shut_down()
 
-    def _enter_resync_mode(self) -> None:
+    def _enter_resync_mode(self, warn: bool = True) -> None:
         """A batch may be lost. Called under ``_lock``. Without ``can_resync`` (no source of
         the node's cached set) the index just misses that batch, as it always did."""
         if not self.can_resync:
             return
         self._num_losses += 1
-        if not self._needs_resync and self.index.available:  # (a backend that does not answer
-            # has said so in one line of its own, and that it resyncs once back)
+        if warn and not self._needs_resync and self.index.available:  # (a backend that does
+            # not answer has said so in one line of its own, and that it resyncs once back)
             logger.warning(
                 "index: a publish batch of %s may be lost; resyncing its whole cached set once "
                 "the backend answers", self.node_id,
@@ -312,6 +304,13 @@ class IndexWorker:
         self._resync_wanted = False
         self._last_probe_s = self._clock()
         self._work.notify()
+
+    def _can_send(self) -> bool:  # under ``_lock``; a held call waits for an answered probe
+        if self._queue.retry:  # (one held too long is made once more: then it is lost)
+            now = self._clock()
+            return self._registered and now >= self._last_probe_s + _RESYNC_PROBE_S and (
+                self.index.available or now >= self._queue.held_since_s + _MAX_HOLD_S)
+        return self._registered and bool(self._queue.batches)
 
     def _take_batches(self) -> list[Batch]:
         """The next call's batches (``PublishQueue.take``, up to ``_MAX_OPS_PER_SEND`` ops); in
@@ -339,37 +338,37 @@ class IndexWorker:
         except Exception:
             logger.exception("index: %d lookup(s) of %s failed", len(jobs), self.node_id)
 
-    def _send(self, batches: list[Batch]) -> None:
+    def _send(self, batches: list[Batch]) -> int:
         """Publish the batches as one call numbered ``(first seq, last seq)``; if one holds a
         bad event, one call per batch so that only the bad batch is lost (and a resync then
-        follows: the index missed it)."""
+        follows: the index missed it). Returns how many are done (0: the call is held)."""
         try:
-            self._publish(batches)
-            return
+            return 0 if self._publish(batches) else len(batches)
         except ValueError as exc:
             if len(batches) == 1:
                 logger.error("index: publish batch of %s refused: %s", self.node_id, exc)
                 with self._lock:
                     self._enter_resync_mode()
-                return
+                return 1
         except Exception:
             logger.exception("index: publish of %s failed", self.node_id)
             with self._lock:
                 self._enter_resync_mode()
-            return
+            return len(batches)
         for batch in batches:
             try:
-                self._publish([batch])
+                self._publish([batch], hold=False)
             except Exception as exc:
                 logger.error("index: publish batch of %s refused: %s", self.node_id, exc)
                 with self._lock:
                     self._enter_resync_mode()
+        return len(batches)
 
-    def _publish(self, batches: list[Batch]) -> None:
+    def _publish(self, batches: list[Batch], *, hold: bool = True) -> bool:  # True: held
         events = [event for batch in batches for event in batch.events]
         resync = batches[0].resync
         if self._needs_resync and not resync:
-            return  # deltas queued before resync mode began, taken in the same turn
+            return False  # deltas queued before resync mode began, taken in the same turn
         result = self.index.publish(
             self.node_id,
             self.incarnation,
@@ -390,9 +389,14 @@ class IndexWorker:
                 self.num_resyncs_sent += 1
                 with self._lock:
                     self._needs_resync = self._num_losses != self._losses_at_resync
-            return
-        with self._lock:  # fenced, gap, unavailable: this batch or an earlier one is lost
-            self._enter_resync_mode()
+            return False
+        with self._lock:
+            if (status == "unavailable" and hold and self.can_resync and not self._stopping
+                    and self._queue.put_back(batches, self._clock(), _MAX_HOLD_S)):
+                self._last_probe_s = self._clock()  # numbered: a second landing is "replayed"
+                return True
+            self._enter_resync_mode()  # fenced, gap: this batch or an earlier one is lost
+        return False
 
     def _heartbeat(self) -> None:
         now = self._clock()
@@ -400,27 +404,25 @@ class IndexWorker:
         self._last_probe_s = now
         status = self.index.heartbeat(self.node_id, self.incarnation, ttl_s=self.ttl_s)
         if status == "fenced":
-            # Expired (a long pause, Redis restarted): register again, entries empty: resync.
+            # Expired (a long pause, Redis restarted): register again, entries empty: resync
+            # (unsaid: an outage's own line said that its blocks are published once back).
             self.num_reregistrations += 1
             registered = self._register()
             with self._lock:
-                self._enter_resync_mode()
+                self._enter_resync_mode(warn=False)
                 self._resync_wanted = registered
             return
         if self._address is not None and now >= self._next_announce_s:  # also when a shard
             # is down (the live ones serve the address); not at every resync probe
             self._next_announce_s = now + self._heartbeat_interval_s
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
-        with self._lock:
+        with self._lock:  # ("unavailable": a publish meanwhile is held and made again)
             if status == "ok" and self._needs_resync and not self._resync_unsent:
                 self._resync_wanted = True  # (not while a set is under way: it may land)
-            elif status == "unavailable":
-                self._enter_resync_mode()  # publishes meanwhile may fail: resync when back
 
     def _register_again(self) -> None:
         """An unanswered registration (at ``start``, after a fence), tried every
-        ``_REGISTER_RETRY_S``; batches wait queued and then go as they are (a resync would need
-        an engine step to read the set: an engine idle by then would not be listed)."""
+        ``_REGISTER_RETRY_S``; batches wait queued, then go as they are (no resync: see above)."""
         self._last_probe_s = now = self._clock()
         self._next_heartbeat_s = now + self._heartbeat_interval_s
         self._register()
@@ -439,9 +441,7 @@ class IndexWorker:
     def _shut_down(self) -> None:
         with self._lock:
             num_ops = self._queue.clear()
-            for job in self._lookups:
-                job.result = _UNAVAILABLE
-            self._lookups.clear()
+            self._lookups.fail_queued()
             self._answered.notify_all()
             abandoned = self._abandoned
         if num_ops:
