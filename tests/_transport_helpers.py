@@ -134,7 +134,9 @@ async def _serve(args: argparse.Namespace) -> None:
     caches = make_kv_caches(
         seed=args.seed, block_size=args.block_size, layers_per_group=layers_per_group
     )
-    transport = UcxxTransport(make_metadata(f"holder-{args.seed}", caches), caches, port=0)
+    auth_key = args.auth_key.encode() if args.auth_key else None
+    transport = UcxxTransport(make_metadata(f"holder-{args.seed}", caches), caches, port=0,
+                              auth_key=auth_key)
     evict_after_check = set(args.evict_after_check)
     transport.set_callbacks(
         block_validator=make_hash_validator(evict_after_check),
@@ -163,4 +165,5 @@ if __name__ == "__main__":
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
     parser.add_argument("--layers-per-group", default=",".join(map(str, LAYERS_PER_GROUP)))
     parser.add_argument("--evict-after-check", type=_group_block, action="append", default=[])
+    parser.add_argument("--auth-key", default="", help="the cluster key (none: no auth)")
     asyncio.run(_serve(parser.parse_args()))

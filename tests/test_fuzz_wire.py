@@ -5,10 +5,12 @@ Properties, each over hypothesis-generated input:
 - ``decode_message`` of any bytes raises only ``WireError``; what it accepts is in range.
 - ``plan.check_read`` accepts a decoded ``Read`` only when every group id and block id it names
   lies inside this node's KV regions (``[1, num_blocks)`` of an existing group).
-- A holder process fed ``Hello`` messages whose UCX worker address is mutated, cut or random
-  answers each (``HelloOk`` or ``ErrorMsg``) and stays alive: before the fix, UCX stopped the
-  whole process on an assertion for a malformed address, and raised out of the connection
-  handler for one it could not reach.
+- A holder process fed ``Hello`` messages whose UCX worker address has another header byte or
+  is too short refuses each (``ErrorMsg``) and stays alive: before the fix, UCX stopped the
+  whole process on an assertion for a malformed address. One with the right header byte and
+  flipped or cut fields behind it passes that check and can still stop UCX (the test once
+  asserted otherwise and failed at random): with a cluster key, a stranger's address of any
+  kind is refused before UCX sees it, which the keyed holder's test checks.
 - A real ``UcxxTransport`` holder fed frames of random bytes, mutated valid messages and
   messages of random field values over one control connection answers each with a reply or
   nothing, never closes on a well-framed message, never starts reading a block outside its
@@ -33,17 +35,19 @@ from _transport_helpers import NUM_BLOCKS, make_hash_validator, make_kv_caches, 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvbridge.transport import GroupRead, WireError
+from kvbridge.transport.auth import NONCE_BYTES
 from kvbridge.transport.control import read_frame
 from kvbridge.transport.plan import check_read
 from kvbridge.transport.wire import (
     WIRE_VERSION,
+    AuthChallenge,
+    AuthProof,
     Cancel,
     CancelOk,
     ErrorMsg,
     GroupReadMsg,
     Heartbeat,
     Hello,
-    HelloOk,
     LeaseRef,
     Read,
     ReadDone,
@@ -343,6 +347,9 @@ async def test_holder_serves_a_good_read_after_the_fuzzing(fuzz_holder, _ucxx):
 # ----------------------------------------------------------------------------- a holder process
 
 
+_FUZZ_KEY = "fuzz-cluster-key-0123456789"
+
+
 @pytest.fixture(scope="module")
 def holder_process(_ucxx):
     from test_transport_ucxx import HolderProcess
@@ -352,44 +359,98 @@ def holder_process(_ucxx):
     holder.stop()
 
 
+@pytest.fixture(scope="module")
+def keyed_holder_process(_ucxx):
+    from test_transport_ucxx import HolderProcess
+
+    holder = HolderProcess("--seed", "5", "--auth-key", _FUZZ_KEY)
+    yield holder
+    holder.stop()
+
+
+@st.composite
+def _refused_worker_addresses(draw, real: bytes) -> bytes:
+    """Addresses ``check_worker_address`` refuses before UCX sees them: another header byte
+    (version and flags) in front of the real bytes or of random ones, or fewer than 16 bytes."""
+    kind = draw(st.sampled_from(["header", "random", "short"]))
+    if kind == "short":
+        return real[: draw(st.integers(0, 15))]
+    body = real[1:] if kind == "header" else draw(st.binary(min_size=0, max_size=300))
+    return bytes([real[0] ^ draw(st.integers(1, 255))]) + body
+
+
 @st.composite
 def _worker_addresses(draw, real: bytes) -> bytes:
     """A UCX worker address as a stranger may send it: the real one mutated, cut, or random
-    bytes behind the right header byte (UCX itself asserts on malformed ones)."""
-    kind = draw(st.sampled_from(["flip", "cut", "random", "header"]))
+    bytes behind the right header byte. UCX does not validate one (it stops the process on an
+    assertion), so only a holder with a cluster key is safe from these."""
+    kind = draw(st.sampled_from(["flip", "cut", "random"]))
     address = bytearray(real)
     if kind == "flip":
         for at in draw(st.lists(st.integers(1, len(real) - 1), min_size=1, max_size=4)):
             address[at] ^= draw(st.integers(1, 255))
     elif kind == "cut":
-        del address[draw(st.integers(0, len(real) - 1)) :]
-    elif kind == "random":
-        address = bytearray(real[:1] + draw(st.binary(min_size=0, max_size=300)))
+        del address[draw(st.integers(16, len(real) - 1)) :]
     else:
-        address[0] ^= draw(st.integers(1, 255))
+        address = bytearray(real[:1] + draw(st.binary(min_size=15, max_size=300)))
     return bytes(address)
+
+
+async def _hello(holder_address, address: bytes, *, nonce: bytes = b"", proof: bytes = b""):
+    """Send a ``Hello`` with worker address ``address`` (and, to a keyed holder, ``nonce``
+    and then an ``AuthProof`` of ``proof``); the holder's last answer."""
+    metadata = make_metadata("fuzz-peer", make_kv_caches(seed=0))
+    reader, writer = await asyncio.open_connection(*holder_address)
+    try:
+        hello = Hello(metadata=metadata, compat_hash=metadata.compat_hash, worker_address=address,
+                      auth_nonce=nonce)
+        writer.write(encode_message(hello))
+        reply = decode_message(await asyncio.wait_for(read_frame(reader), 10))
+        if isinstance(reply, AuthChallenge):
+            writer.write(encode_message(AuthProof(proof=proof)))
+            reply = decode_message(await asyncio.wait_for(read_frame(reader), 10))
+        return reply
+    finally:
+        writer.close()
 
 
 @in_module_loop
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-async def test_a_holder_process_survives_hellos_with_malformed_worker_addresses(
+async def test_a_holder_process_refuses_hellos_with_malformed_worker_addresses(
     holder_process, data
 ):
+    """Without a cluster key: what ``check_worker_address`` covers is refused for that
+    connection, never handed to UCX, and the process serves on (docs/operations.md,
+    "What is validated")."""
     import ucxx
 
-    real = ucxx.get_worker_address().tobytes()
-    address = data.draw(_worker_addresses(real))
-    metadata = make_metadata("fuzz-peer", make_kv_caches(seed=0))
-    reader, writer = await asyncio.open_connection(*holder_process.address)
-    try:
-        hello = Hello(metadata=metadata, compat_hash=metadata.compat_hash, worker_address=address)
-        writer.write(encode_message(hello))
-        reply = decode_message(await asyncio.wait_for(read_frame(reader), 10))
-        assert isinstance(reply, ErrorMsg | HelloOk), reply  # an answer, whatever the address
-    finally:
-        writer.close()
+    address = data.draw(_refused_worker_addresses(ucxx.get_worker_address().tobytes()))
+    reply = await _hello(holder_process.address, address)
+    assert isinstance(reply, ErrorMsg) and reply.code == "bad_message", reply
+    assert "worker_address" in reply.message
     assert holder_process.proc.poll() is None  # the process is alive
+
+
+@in_module_loop
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+async def test_a_keyed_holder_never_hands_a_strangers_worker_address_to_ucx(
+    keyed_holder_process, data
+):
+    """With a cluster key a stranger's address, however crafted (right header byte, flipped
+    or cut fields: UCX would stop the process on some), is never parsed: without the key the
+    peer is refused first (no nonce, or a wrong proof)."""
+    import ucxx
+
+    address = data.draw(_worker_addresses(ucxx.get_worker_address().tobytes()))
+    nonce = data.draw(st.sampled_from([b"", None]))
+    if nonce is None:
+        nonce = data.draw(st.binary(min_size=NONCE_BYTES, max_size=NONCE_BYTES))
+    proof = data.draw(st.binary(min_size=NONCE_BYTES, max_size=NONCE_BYTES))
+    reply = await _hello(keyed_holder_process.address, address, nonce=nonce, proof=proof)
+    assert isinstance(reply, ErrorMsg) and reply.code == "unauthenticated", reply
+    assert keyed_holder_process.proc.poll() is None  # the process is alive
 
 
 @in_module_loop
