@@ -287,6 +287,40 @@ def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
     assert_node_empty(c)
 
 
+def test_a_node_started_while_a_shard_is_down_is_listed_on_the_live_shards(nodes, redis_cluster):
+    """One shard down when a node starts: its registration is answered by the live buckets, so
+    it publishes there at once (before, it counted as unanswered until every shard answered,
+    and the node was listed nowhere meanwhile). Once the shard is back, the node's first call
+    there is fenced; it registers again and resyncs, and its prompt of that shard hits too."""
+    c = nodes("node-c", index_lookup_timeout_s=5.0)
+    index = index_client(c).index
+    down = f"127.0.0.1:{redis_cluster.ports[2]}"
+    on_down = _prompt_on(index, c, down, other=False, salt="Down")
+    on_live = _prompt_on(index, c, down, other=True, salt="Live")
+    redis_cluster.stop(2)
+    b = nodes("node-b")
+    # (1) B serves a prompt of a live shard's slots: it is listed, and C pulls it from B.
+    serve(b, "warm-live", on_live)
+    assert serve(c, "req-live", on_live) == reference_greedy(on_live, 3, hybrid=False)
+    s = stats(c)
+    assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0), (
+        index.stats)
+    # (2) The shard comes back, empty: B's first call there is fenced; B registers again and
+    # resyncs. B serves a prompt of that shard's slots, and C pulls it too.
+    redis_cluster.start(2)
+    deadline = time.monotonic() + 15
+    while index_client(b).resync_pending or index_client(b).num_resyncs == 0:
+        assert time.monotonic() < deadline, "B never resynced after the shard came back"
+        b.step()
+        time.sleep(0.01)
+    serve(b, "warm-down", on_down)
+    time.sleep(1.1)  # C's back-off of the shard's buckets runs out
+    assert serve(c, "req-down", on_down) == reference_greedy(on_down, 3, hybrid=False)
+    assert stats(c)["num_index_hits"] == 2
+    assert_node_empty(b)
+    assert_node_empty(c)
+
+
 def test_cluster_servers_refuse_a_cross_slot_script(redis_cluster_url):
     """The layout matters: a script that touched two buckets' keys would be refused (by
     redis-py before it is sent, or by the server)."""

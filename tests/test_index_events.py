@@ -5,6 +5,7 @@ resync of the node's whole cached set after a gap, and no resurrection by a late
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 import threading
 import time
@@ -566,7 +567,8 @@ class _ScriptedIndex(InMemoryBlockIndex):
     ``unanswered`` answers the next that many ``"unavailable"`` (as a timed-out call, never
     applied); each takes ``delay_s``; the first call for which ``hold_when(calls)`` is true
     waits for ``release`` (``held`` is set once it is inside); ``calls`` records each call's
-    (ops, resync) and ``seqs`` every call's ``seq``, answered or not."""
+    (ops, resync) and ``seqs`` every call's ``seq``, answered or not. ``heartbeat_answer``:
+    what heartbeats answer while set ("unavailable", or "fenced" once)."""
 
     def __init__(self, *, delay_s: float = 0.0) -> None:
         super().__init__(NAMESPACE)
@@ -578,6 +580,18 @@ class _ScriptedIndex(InMemoryBlockIndex):
         self.hold_when: Callable[[list[tuple[int, bool]]], bool] | None = None
         self.held, self.release = threading.Event(), threading.Event()
         self.lock = threading.Lock()
+        self.heartbeat_answer: str | None = None
+        self.num_heartbeats_unanswered = 0
+
+    def heartbeat(self, node_id, incarnation, *, ttl_s):
+        answer = self.heartbeat_answer
+        if answer is None:
+            return super().heartbeat(node_id, incarnation, ttl_s=ttl_s)
+        if answer == "fenced":
+            self.heartbeat_answer = None
+        else:
+            self.num_heartbeats_unanswered += 1
+        return answer
 
     def publish(self, node_id, incarnation, events, **kwargs):
         events = list(events)
@@ -810,5 +824,48 @@ def test_a_call_unanswered_past_the_hold_limit_is_lost_and_repaired_by_a_resync(
             time.sleep(0.01)
         assert _keys(index, "A") == {(0, _hash(i)[:8], i) for i in (1, 2)}
         assert client.num_resyncs == 1
+    finally:
+        client.close()
+
+
+def test_a_held_call_is_made_again_only_after_a_heartbeat_is_answered(monkeypatch):
+    """Heartbeats unanswered (on a cluster: one shard down, while lookups in the others are
+    answered, so "the backend answers" cannot be read off the last call): a held call gets no
+    second try until a heartbeat is answered; when the hold runs out it is made once more and
+    then counted lost (not sent every probe for 3 s: the review found 60 tries)."""
+    monkeypatch.setattr(worker_module, "_MAX_HOLD_S", 0.5)
+    index = _ScriptedIndex()
+    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
+                         group_ids=(0,), ttl_s=5.0)
+    client.set_resync_source(lambda: [])
+    client.start("127.0.0.1", 1)
+    try:
+        index.unanswered, index.heartbeat_answer = 10**9, "unavailable"
+        client.publish([_stored(1, 1)])
+        _wait_for(lambda: client.resync_pending, "the held call was never given up")
+        assert index.seqs == [(1, 1), (1, 1)]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("outage_first", [False, True])
+def test_a_fenced_heartbeat_warns_unless_an_outage_said_so(outage_first, caplog):
+    """A heartbeat fenced with no outage before it (a pause past the TTL, Redis flushed or
+    restarted between two heartbeats) says in one WARNING that the node resyncs; after an
+    unanswered heartbeat the outage's own line said it already (one line per outage)."""
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    index = _ScriptedIndex()
+    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
+                         group_ids=(0,), ttl_s=0.3)  # a heartbeat every 0.1 s
+    client.set_resync_source(lambda: [])
+    client.start("127.0.0.1", 1)
+    try:
+        if outage_first:
+            index.heartbeat_answer = "unavailable"
+            _wait_for(lambda: index.num_heartbeats_unanswered > 0, "no heartbeat went unanswered")
+        index.heartbeat_answer = "fenced"
+        _wait_for(lambda: client.resync_pending, "the fenced heartbeat started no resync")
+        warned = [r for r in caplog.records if "may be lost" in r.getMessage()]
+        assert len(warned) == (0 if outage_first else 1)
     finally:
         client.close()

@@ -36,7 +36,7 @@ class IndexStats:
     publishes_gap: int = 0  # refused: a batch before them was lost (the node resyncs)
     publishes_replayed: int = 0  # ignored: applied already (a retry that landed twice)
     resyncs: int = 0  # whole-set re-publishes applied
-    publishes_dropped: int = 0  # backend trouble: the call went unanswered (made again)
+    publishes_dropped: int = 0  # calls unanswered (backend trouble; each try of a call made again)
     publish_ops_dropped: int = 0
     heartbeats_failed: int = 0
     garbage_entries: int = 0  # malformed entries/node records skipped by lookups

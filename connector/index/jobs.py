@@ -64,7 +64,7 @@ class PublishQueue:
     def __init__(self) -> None:
         self.batches: deque[Batch] = deque()
         self.retry: list[Batch] = []
-        self.held_since_s: float | None = None  # when ``retry``'s call was first made
+        self.held_since_s: float | None = None  # when ``retry``'s first try went unanswered
         self.num_delta_ops = 0
         self.num_whole_set_ops = 0  # of a resync's batches still queued (or in ``retry``)
         self.next_seq = 1
@@ -79,7 +79,7 @@ class PublishQueue:
         """Hold one call's ``batches``, which went unanswered, to be taken next as that same
         call: the backend answers ``"replayed"`` if the first try landed after all, where a
         call of other bounds would be a ``"gap"`` (``protocol.seq_verdict``). Returns False
-        (nothing held: the batches are lost) once the call's first try is ``max_hold_s`` old
+        (nothing held: the batches are lost) ``max_hold_s`` after its first try went unanswered
         (a backend down, not slow; on a cluster one shard down would hold every call)."""
         if self.held_since_s is None:
             self.held_since_s = now_s

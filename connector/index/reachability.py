@@ -2,10 +2,11 @@
 
 A node whose ``index_url`` names a Redis that does not answer (never started, wrong host or
 port, a wrong password, gone mid-run) keeps serving from its own cache: lookups find no remote
-prefix, publishes are dropped and resynced later (docs/operations.md, "Failure behaviour"). The
-user sees that as ONE warning when the backend stops answering, naming the URL it tried
-(password redacted), the error, what the node does meanwhile and what to change, and one line
-when it answers again; never one line per request or per retry.
+prefix, a publish call is made again once it answers (or, past 3 s, resynced:
+docs/operations.md, "Failure behaviour"). The user sees that as ONE warning when the backend
+stops answering, naming the URL it tried (password redacted), the error, what the node does
+meanwhile and what to change, and one line when it answers again; never one line per request or
+per retry.
 
 ``Reachability`` is shared by every part that talks to one backend (``client.open_index`` gives
 the same one to the ``RedisBlockIndex`` and the ``RedisNodeDirectory``; a cluster's index backs

@@ -18,13 +18,17 @@ root; they only even out many roots.
 A node is registered and heart-beats in every bucket (``num_buckets`` small calls every
 ``ttl / 3``) and announces its address in three buckets on different shards; a publish sends
 one call per bucket its ops touch, each with that bucket's own batch number (a bucket sees
-only the batches that touch it, so its numbers have no holes; a batch number this client sent
-before is not sent again: "replayed"). A
-bucket whose shard is down is backed off on its own (``RedisBlockIndex``, per key prefix): its
-lookups answer "unavailable" and fall back to local APC, the other buckets keep answering.
-Publishing or heart-beating meets the down bucket and answers "unavailable", so the node stops
-sending deltas and resyncs its whole cached set once every bucket answers again (the live
-buckets keep their entries meanwhile: advisory, at worst a recompute).
+only the batches that touch it, so its numbers have no holes). A call some bucket left
+unanswered, made again with the same ``seq``, makes the same bucket calls with the same
+numbers (a part that ran answers "replayed"); any other batch number this client sent before
+is not sent again ("replayed"). A bucket whose shard is down is backed off on its own
+(``RedisBlockIndex``, per key prefix): its lookups answer "unavailable" and fall back to local
+APC, the other buckets keep answering. A node registers in the buckets that answer (one shard
+down at start costs only its buckets; once back, the node's first call there is fenced and it
+registers again and resyncs). A publish that meets the down bucket answers "unavailable": the
+node makes it again for up to 3 s, then stops sending deltas and resyncs its whole cached set
+once every bucket answers again (the live buckets keep their entries meanwhile: advisory, at
+worst a recompute).
 
 Servers: ``cluster-require-full-coverage no`` keeps the live shards serving while one is down.
 """
@@ -205,18 +209,22 @@ class RedisClusterBlockIndex(RedisBlockIndex):
 
     # -- life ------------------------------------------------------------------------------------
     def _every_bucket(self, what: str, script: Any, node_id: str, incarnation: int,
-                      ttl_s: float) -> IndexStatus:
+                      ttl_s: float, *, some: bool = False) -> IndexStatus:
         """Run ``script`` in every bucket: "fenced" if any refused, "unavailable" if any did not
-        answer, else "ok"."""
+        answer (with ``some``: if none answered), else "ok"."""
         check_node_id(node_id)
         args = (node_id, self._inc_str(incarnation), _ttl_ms(ttl_s))
         replies = [self._call(what, script, prefix, *args) for prefix in self.bucket_prefixes]
         if any(reply == 0 for reply in replies):
             return "fenced"
-        return "unavailable" if any(reply is None for reply in replies) else "ok"
+        unanswered = [reply is None for reply in replies]
+        return "unavailable" if (all if some else any)(unanswered) else "ok"
 
     def register_node(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
-        status = self._every_bucket("register", _REGISTER, node_id, incarnation, ttl_s)
+        """As ``RedisBlockIndex.register_node``, in every bucket: "ok" once any bucket answered
+        and none refused (a bucket whose shard did not answer fences the node's first call
+        there once it is back, and the node registers again: module docstring)."""
+        status = self._every_bucket("register", _REGISTER, node_id, incarnation, ttl_s, some=True)
         with self._publish_lock:
             seqs = self._seqs.get(node_id)
             if seqs is None or seqs.incarnation != incarnation:

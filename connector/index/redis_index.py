@@ -16,11 +16,12 @@ entries: ``redis_held_lookup.py``). A lookup sends the hashes cut to ``key_hash_
 for 625 hashes, under redis-py's 6,000-byte single-buffer cut-off).
 
 Redis trouble (unreachable, slower than ``socket_timeout_s``, erroring) never raises out of this
-class: a lookup answers ``NO_HIT``, a publish is dropped, both counted in ``stats``; for
-``retry_interval_s`` after a failure calls are answered so without trying, then the next call
-tries again (redis-py reconnects). The log says so once per outage, and once when Redis answers
-again (``reachability.Reachability``). Garbage in the namespace (entries of the wrong length or
-tier, records of the wrong type) is skipped and counted in ``stats.garbage_entries``.
+class: a lookup answers ``NO_HIT``, a publish ``"unavailable"`` (``worker.py`` makes it again),
+both counted in ``stats``; for ``retry_interval_s`` after a failure calls are answered so
+without trying, then the next call tries again (redis-py reconnects). The log says so once per
+outage, and once when Redis answers again (``reachability.Reachability``). Garbage in the
+namespace (entries of the wrong length or tier, records of the wrong type) is skipped and
+counted in ``stats.garbage_entries``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class IndexWorker:
       lookups ``_lookups`` (queued and running), the publish queue ``_queue``, the
       accepted/done batch counts, ``_needs_resync``, the loss counts, ``_resync_wanted``,
       ``_registered`` (the worker writes it), ``_stopping`` and ``_abandoned``;
-    - the worker thread alone: ``_next_heartbeat_s``, ``num_reregistrations`` (others read it),
+    - the worker thread alone: ``_next_heartbeat_s``, ``_probe_ok``, ``num_reregistrations``,
       and every call to ``index`` and ``directory`` once ``start`` has started the thread
       (``start`` itself registers on the caller's thread, before the worker exists);
     - the caller thread (the engine thread, or whichever one thread drives the client): the
@@ -111,12 +111,10 @@ class IndexWorker:
         self._whole_set_in_call = False  # the worker is sending a batch of a resync's set
         self._num_batches_accepted = 0
         self._num_batches_done = 0  # sent, fenced, dropped by the backend, or refused as bad
-        self._stopping = False
-        self._abandoned = False  # stop gave up waiting: make no further backend call
+        self._stopping = self._abandoned = False  # abandoned: stop gave up waiting: no more calls
         self._thread: threading.Thread | None = None
-        self._next_heartbeat_s = 0.0
-        self._last_probe_s = 0.0
-        self._next_announce_s = 0.0
+        self._next_heartbeat_s = self._last_probe_s = self._next_announce_s = 0.0
+        self._probe_ok = True  # the last heartbeat was answered (a held call waits for one)
         self._registered = False  # the backend answered our registration: batches may go
         self._drops = DropLog(node_id, max_queued_ops)
         self.num_reregistrations = 0
@@ -289,8 +287,8 @@ class IndexWorker:
         self._shut_down()
 
     def _enter_resync_mode(self, warn: bool = True) -> None:
-        """A batch may be lost. Called under ``_lock``. Without ``can_resync`` (no source of
-        the node's cached set) the index just misses that batch, as it always did."""
+        """A batch may be lost (a WARNING says so, with ``warn``). Called under ``_lock``.
+        Without ``can_resync`` (no source of the cached set) the index just misses that batch."""
         if not self.can_resync:
             return
         self._num_losses += 1
@@ -309,7 +307,7 @@ class IndexWorker:
         if self._queue.retry:  # (one held too long is made once more: then it is lost)
             now = self._clock()
             return self._registered and now >= self._last_probe_s + _RESYNC_PROBE_S and (
-                self.index.available or now >= self._queue.held_since_s + _MAX_HOLD_S)
+                self._probe_ok or now >= self._queue.held_since_s + _MAX_HOLD_S)
         return self._registered and bool(self._queue.batches)
 
     def _take_batches(self) -> list[Batch]:
@@ -340,8 +338,8 @@ class IndexWorker:
 
     def _send(self, batches: list[Batch]) -> int:
         """Publish the batches as one call numbered ``(first seq, last seq)``; if one holds a
-        bad event, one call per batch so that only the bad batch is lost (and a resync then
-        follows: the index missed it). Returns how many are done (0: the call is held)."""
+        bad event, one call per batch, so that only it is lost (a resync follows). Returns how
+        many are done (0: the call is held)."""
         try:
             return 0 if self._publish(batches) else len(batches)
         except ValueError as exc:
@@ -394,6 +392,7 @@ class IndexWorker:
             if (status == "unavailable" and hold and self.can_resync and not self._stopping
                     and self._queue.put_back(batches, self._clock(), _MAX_HOLD_S)):
                 self._last_probe_s = self._clock()  # numbered: a second landing is "replayed"
+                self._probe_ok = False
                 return True
             self._enter_resync_mode()  # fenced, gap: this batch or an earlier one is lost
         return False
@@ -403,13 +402,14 @@ class IndexWorker:
         self._next_heartbeat_s = now + self._heartbeat_interval_s
         self._last_probe_s = now
         status = self.index.heartbeat(self.node_id, self.incarnation, ttl_s=self.ttl_s)
+        answered_before, self._probe_ok = self._probe_ok, status != "unavailable"
         if status == "fenced":
             # Expired (a long pause, Redis restarted): register again, entries empty: resync
-            # (unsaid: an outage's own line said that its blocks are published once back).
+            # (unsaid after an outage, whose own line said its blocks are published once back).
             self.num_reregistrations += 1
             registered = self._register()
             with self._lock:
-                self._enter_resync_mode(warn=False)
+                self._enter_resync_mode(warn=answered_before)
                 self._resync_wanted = registered
             return
         if self._address is not None and now >= self._next_announce_s:  # also when a shard
