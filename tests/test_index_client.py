@@ -134,6 +134,17 @@ def _flush_once_registered(client: IndexClient, timeout_s: float = 5.0) -> bool:
     return True
 
 
+def _production_client(redis_url: str) -> tuple[IndexClient, list[int]]:
+    """Node "node-a" on production's index settings (0.25 s timeouts, 1 s back-off), not yet
+    started, with a resync source that records each time it is read (and reads nothing)."""
+    index, directory = open_index(redis_url, _NS)
+    client = IndexClient(index, directory, node_id="node-a", incarnation=new_incarnation(),
+                         group_ids=(0,), ttl_s=_TTL_S)
+    snapshots: list[int] = []
+    client.set_resync_source(lambda: snapshots.append(1) or [])
+    return client, snapshots
+
+
 def _wait_until(ends_at_s: float) -> None:
     time.sleep(max(0.0, ends_at_s - time.monotonic()))
 
@@ -195,11 +206,8 @@ def test_batches_published_before_an_unanswered_registration_is_answered_land_wi
     step to read its cached set, and an idle engine takes none (its blocks unlisted for good)."""
     b = clients("node-b")
     prompt = _hashes(8)
-    index, directory = open_index(redis_url, _NS)  # production's: 0.25 s timeouts, 1 s back-off
-    a = IndexClient(index, directory, node_id="node-a", incarnation=new_incarnation(),
-                    group_ids=(0,), ttl_s=_TTL_S)
-    snapshots: list[int] = []
-    a.set_resync_source(lambda: snapshots.append(1) or [])
+    a, snapshots = _production_client(redis_url)
+    index = a.index
     pause_ends_s = pause_redis(1500)
     try:
         a.start(_HOST, _PORTS["node-a"])  # its registration: no answer
@@ -226,11 +234,8 @@ def test_a_publish_past_the_socket_timeout_lands_once_redis_answers_without_a_st
     (``"replayed"`` if the server ran the timed-out call after all)."""
     b = clients("node-b")
     prompt = _hashes(8)
-    index, directory = open_index(redis_url, _NS)  # production's: 0.25 s timeouts, 1 s back-off
-    a = IndexClient(index, directory, node_id="node-a", incarnation=new_incarnation(),
-                    group_ids=(0,), ttl_s=_TTL_S)
-    snapshots: list[int] = []
-    a.set_resync_source(lambda: snapshots.append(1) or [])
+    a, snapshots = _production_client(redis_url)
+    index = a.index
     a.start(_HOST, _PORTS["node-a"])
     try:
         assert a.flush(timeout_s=5.0) and index.available  # registered

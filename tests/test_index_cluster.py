@@ -56,6 +56,7 @@ from test_connector_index import (  # noqa: F401
 )
 from test_index_events import (  # noqa: F401
     node,
+    step_until_resynced,
     test_a_batch_dropped_on_a_full_publish_queue_is_repaired_by_a_resync,
     test_a_publish_that_times_out_but_lands_never_resurrects_an_evicted_block,
     test_after_a_redis_outage_the_resync_makes_the_index_say_exactly_what_the_node_holds,
@@ -273,12 +274,7 @@ def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
     assert s["remote_hit_tokens"] == 8 * BLOCK_SIZE
     # (3) The shard comes back empty: B resyncs its whole cached set, the prompt hits again.
     redis_cluster.start(2)
-    deadline = time.monotonic() + 15
-    while index_client(b).resync_pending or index_client(b).num_resyncs == 0:
-        assert time.monotonic() < deadline, "B never resynced after the shard came back"
-        b.step()
-        time.sleep(0.01)
-    assert index_client(b).flush()
+    step_until_resynced(b, min_resyncs=1, timeout_s=15.0)
     c.kv_cache_manager.reset_prefix_cache()  # C forgets its own copy: only B has it now
     time.sleep(1.1)  # C's back-off of the shard's buckets runs out
     assert serve(c, "req-down-2", on_down) == reference_greedy(on_down, 3, hybrid=False)
@@ -308,11 +304,7 @@ def test_a_node_started_while_a_shard_is_down_is_listed_on_the_live_shards(nodes
     # (2) The shard comes back, empty: B's first call there is fenced; B registers again and
     # resyncs. B serves a prompt of that shard's slots, and C pulls it too.
     redis_cluster.start(2)
-    deadline = time.monotonic() + 15
-    while index_client(b).resync_pending or index_client(b).num_resyncs == 0:
-        assert time.monotonic() < deadline, "B never resynced after the shard came back"
-        b.step()
-        time.sleep(0.01)
+    step_until_resynced(b, min_resyncs=1, timeout_s=15.0)
     serve(b, "warm-down", on_down)
     time.sleep(1.1)  # C's back-off of the shard's buckets runs out
     assert serve(c, "req-down", on_down) == reference_greedy(on_down, 3, hybrid=False)
