@@ -63,6 +63,16 @@ def test_a_bad_argument_is_one_line_and_exit_code_2(name):
     assert done.stdout == ""
 
 
+def test_a_store_socket_timeout_of_zero_is_one_line_and_exit_code_2():
+    done = subprocess.run([*_command("kvbridge-store"), "--index-url", "redis://127.0.0.1:1/0",
+                           "--capacity-bytes", "1048576", "--index-socket-timeout-s", "0"],
+                          capture_output=True, text=True, timeout=_TIMEOUT_S)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "kvbridge-store: error:" in line]
+    assert len(errors) == 1 and "index_socket_timeout_s must be > 0" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
 def test_a_node_configuration_it_cannot_serve_is_one_line_and_exit_code_2():
     # 64 blocks of 16 tokens cannot hold one 2,048-token request: refused before serving
     done = subprocess.run([*_command("kvbridge-node"), "--port", "0", "--num-blocks", "64"],

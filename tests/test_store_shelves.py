@@ -251,3 +251,26 @@ def test_each_connection_s_puts_go_to_the_shelf_its_hello_named(redis_url):
         sender.close()
     finally:
         close_store_node(store)
+
+
+def test_the_store_s_index_calls_wait_its_socket_timeout(redis_url):
+    """``index_socket_timeout_s`` (``kvbridge-store --index-socket-timeout-s``, default 0.25 s)
+    reaches a shelf's index connections, its index's and its node directory's, as an engine's
+    setting does; 0 is refused by name."""
+    with pytest.raises(ValueError, match="index_socket_timeout_s must be > 0"):
+        StoreNode(capacity_bytes=CAPACITY, index_url=redis_url, transport="loopback",
+                  loopback_network=LoopbackNetwork(), index_socket_timeout_s=0.0)
+    node = start_store_node(StoreNode(capacity_bytes=CAPACITY, index_url=redis_url,
+                                      transport="loopback", loopback_network=LoopbackNetwork(),
+                                      index_socket_timeout_s=2.0))
+    try:
+        sender, held = _offload(node, *_writer("f32"))  # the first writer opens the shelf
+        assert held == [True, True]
+        sender.close()
+        [shelf] = node.shelves
+        client = shelf.index_client
+        for redis_client in (client.index._client, client.directory._client):
+            settings = redis_client.connection_pool.connection_kwargs
+            assert (settings["socket_timeout"], settings["socket_connect_timeout"]) == (2.0, 2.0)
+    finally:
+        close_store_node(node)

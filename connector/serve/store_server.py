@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-url", required=True, help="redis://host:port/db")
     parser.add_argument("--engine-id", default="store-0")
     parser.add_argument("--read-guard-s", type=float, default=30.0)
+    parser.add_argument("--index-socket-timeout-s", type=float, default=0.25,
+                        help="a Redis call of the index not answered this long counts as an "
+                        "outage (the engines' index_socket_timeout_s)")
     parser.add_argument("--profile", help="fix the block geometry up front: the store profile "
                         "JSON a writer logs ('kvbridge-store --profile ...'); default: the "
                         "first writer's")
@@ -128,6 +131,7 @@ def _start(args: argparse.Namespace, model: ModelConfig | None,
             write_host=args.host,
             write_port=args.write_port,
             read_guard_s=args.read_guard_s,
+            index_socket_timeout_s=args.index_socket_timeout_s,
             profile=profile,
             max_shelves=args.max_shelves,
         )

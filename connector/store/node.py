@@ -80,6 +80,8 @@ class StoreNode:
         transport: ``"ucxx"`` or ``"loopback"`` (needs ``loopback_network``).
         read_guard_s: a block validated for a pull this recently is never overwritten.
         index_ttl_s: the store's index entries expire this long after its last heartbeat.
+        index_socket_timeout_s: how long one Redis call of the index may go unanswered before
+            it counts as an outage (seconds, > 0; as the engines' ``index_socket_timeout_s``).
         max_put_bytes: largest payload one put may carry.
         auth_key: the cluster key its transport proves and demands (``transport.auth``), as
             every node's ``auth_key``; None: none. The write server is not authenticated.
@@ -90,8 +92,8 @@ class StoreNode:
             the first geometry only, with all of ``capacity_bytes``.
 
     Raises:
-        ValueError: ``max_shelves`` < 1, or the capacity holds no block of the geometry fixed
-            up front.
+        ValueError: ``max_shelves`` < 1, ``index_socket_timeout_s`` <= 0, or the capacity holds
+            no block of the geometry fixed up front.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class StoreNode:
         loopback_network: LoopbackNetwork | None = None,
         read_guard_s: float = 30.0,
         index_ttl_s: float = 10.0,
+        index_socket_timeout_s: float = 0.25,
         max_put_bytes: int = 256 << 20,
         auth_key: bytes | None = None,
         profile: StoreProfile | None = None,
@@ -122,6 +125,8 @@ class StoreNode:
             raise ValueError("transport 'loopback' needs a loopback_network")
         if max_shelves < 1:
             raise ValueError(f"max_shelves must be >= 1, got {max_shelves}")
+        if not index_socket_timeout_s > 0:
+            raise ValueError(f"index_socket_timeout_s must be > 0, got {index_socket_timeout_s}")
         check_host(host, what="host")
         check_host(write_host, what="write_host")
         self.engine_id = engine_id
@@ -131,7 +136,7 @@ class StoreNode:
         self.stats = StoreStats()
         self.shelves: list[StoreShelf] = []
         self.index_url = index_url
-        self.index_ttl_s = index_ttl_s
+        self.index_ttl_s, self.index_socket_timeout_s = index_ttl_s, index_socket_timeout_s
         self.max_put_bytes = max_put_bytes
         self._transport_kind = transport
         self._loopback_network = loopback_network
@@ -245,7 +250,8 @@ class StoreNode:
         port = self._port + number if self._port else 0
         await shelf.open(transport=self._transport_kind, host=self._host, port=port,
                          auth_key=self._auth_key, loopback_network=self._loopback_network,
-                         index_url=self.index_url, index_ttl_s=self.index_ttl_s)
+                         index_url=self.index_url, index_ttl_s=self.index_ttl_s,
+                         index_socket_timeout_s=self.index_socket_timeout_s)
 
     async def close(self) -> None:
         """Stop the write server and every shelf, withdraw from the index. Idempotent."""

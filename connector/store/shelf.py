@@ -92,7 +92,8 @@ class StoreShelf:
     # ------------------------------------------------------------------ life
     async def open(self, *, transport: Literal["ucxx", "loopback"], host: str, port: int,
                    auth_key: bytes | None, loopback_network: LoopbackNetwork | None,
-                   index_url: str | None, index_ttl_s: float) -> None:
+                   index_url: str | None, index_ttl_s: float,
+                   index_socket_timeout_s: float = 0.25) -> None:
         """Serve pulls of this geometry's blocks on ``host:port`` (0: any free port) and
         register in its index namespace (``index_url`` None: publish nothing). A failed open
         leaves what it started for ``close``."""
@@ -115,7 +116,8 @@ class StoreShelf:
         )
         await self.transport.start()
         if index_url:
-            index, directory = open_index(index_url, self.namespace)
+            index, directory = open_index(index_url, self.namespace,
+                                          socket_timeout_s=index_socket_timeout_s)
             self.index_client = IndexClient(
                 index, directory, node_id=self.engine_id, incarnation=self.incarnation,
                 group_ids=range(len(self.kv_caches_by_group)), ttl_s=index_ttl_s, tier="store",

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -16,13 +17,14 @@ class StoreProcess:
     """A started ``kvbridge-store`` (``announced``: its one JSON line, once serving)."""
 
     def __init__(self, redis_url: str, write_port: int, log_path: Path, *,
-                 capacity_bytes: int, max_shelves: int = 1) -> None:
+                 capacity_bytes: int, max_shelves: int = 1, extra_args: Sequence[str] = ()
+                 ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in kill
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvbridge.connector.serve.store_server",
              "--index-url", redis_url, "--capacity-bytes", str(capacity_bytes),
-             "--write-port", str(write_port), "--max-shelves", str(max_shelves)],
+             "--write-port", str(write_port), "--max-shelves", str(max_shelves), *extra_args],
             stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:

@@ -47,6 +47,7 @@ LOAD_TIMEOUT_S = 30.0
 # again and again, and each such call makes the engine leave the index alone for a second (its
 # lookup then answers "no hit"). Which bytes move is checked here, not how fast the index is.
 PATIENT_INDEX = {"index_socket_timeout_s": 2.0, "index_lookup_timeout_s": 10.0}
+PATIENT_STORE = ("--index-socket-timeout-s", "2.0")  # the store's publishes, as patient
 # C restores the first; the second only if the index did not answer C's lookup of the first
 # (a Redis stalled for seconds on this crowded host: seen even with PATIENT_INDEX). A offloads
 # its coldest blocks first, so these two (its first prompts) are in the store.
@@ -63,7 +64,7 @@ def tp_tier(tiny_llama, log_dir, redis_server):
                  store_url=f"127.0.0.1:{write_port}", offload="evict", offload_scan_blocks=96,
                  offload_blocks_per_step=16, load_timeout_s=LOAD_TIMEOUT_S, **PATIENT_INDEX))
     store = StoreProcess(redis_server.url, write_port, log_dir / "store-tp.log",
-                         capacity_bytes=STORE_BYTES)
+                         capacity_bytes=STORE_BYTES, extra_args=PATIENT_STORE)
     try:
         a.wait_ready()
         yield a, store

@@ -43,6 +43,7 @@ def build_store_node(args: argparse.Namespace, model_config: Any, config: dict[s
         model_name=str(extra.get("model_name", "kvbridge")),
         model_revision=str(extra.get("model_revision", "")),
         index_url=extra.get("index_url"),
+        index_socket_timeout_s=float(extra.get("index_socket_timeout_s", 0.25)),
         host=str(extra.get("host", "127.0.0.1")),
         port=int(extra.get("port", 0)),
         write_host=str(extra.get("host", "127.0.0.1")),
