@@ -44,11 +44,14 @@ from .worker import IndexWorker
 if TYPE_CHECKING:
     from kvbridge.kvmanager import CachedBlock, PrefixHitRule
 
-__all__ = ["IndexClient", "LookupResult", "RemotePrefix", "block_index_for_url", "open_index"]
+__all__ = [
+    "INDEX_SOCKET_TIMEOUT_S", "IndexClient", "LookupResult", "RemotePrefix", "block_index_for_url",
+    "open_index",
+]
 
 logger = logging.getLogger(__name__)
 
-_SOCKET_TIMEOUT_S = 0.25
+INDEX_SOCKET_TIMEOUT_S = 0.25  # seconds; ``open_index``'s default (engines: config key)
 _TIMED_OUT = LookupResult("timed_out")
 _OVERLOADED = LookupResult("overloaded")
 _NO_HIT = LookupResult("no_hit")
@@ -78,7 +81,7 @@ _memory_lock = threading.Lock()
 
 
 def open_index(
-    url: str, namespace: IndexNamespace, *, socket_timeout_s: float = _SOCKET_TIMEOUT_S
+    url: str, namespace: IndexNamespace, *, socket_timeout_s: float = INDEX_SOCKET_TIMEOUT_S
 ) -> tuple[BlockIndex, NodeDirectory]:
     """The index and node directory behind ``url``; a Redis call not answered within
     ``socket_timeout_s`` (also the connect timeout; config key ``index_socket_timeout_s``)

@@ -30,6 +30,7 @@ import logging
 import sys
 from typing import Any
 
+from kvbridge.connector.index.client import INDEX_SOCKET_TIMEOUT_S
 from kvbridge.connector.store import StoreNode, close_store_node, start_store_node
 from kvbridge.connector.store.profile import StoreProfile
 from kvbridge.kernels.model import ModelConfig
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-url", required=True, help="redis://host:port/db")
     parser.add_argument("--engine-id", default="store-0")
     parser.add_argument("--read-guard-s", type=float, default=30.0)
-    parser.add_argument("--index-socket-timeout-s", type=float, default=0.25,
+    parser.add_argument("--index-socket-timeout-s", type=float, default=INDEX_SOCKET_TIMEOUT_S,
                         help="a Redis call of the index not answered this long counts as an "
                         "outage (the engines' index_socket_timeout_s)")
     parser.add_argument("--profile", help="fix the block geometry up front: the store profile "

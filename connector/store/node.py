@@ -27,7 +27,7 @@ from kvbridge.kernels.model import ModelConfig
 from kvbridge.transport import LoopbackNetwork, NodeMetadata, PeerAddress, Transport
 from kvbridge.transport.address import check_host
 
-from ..index.client import IndexClient
+from ..index.client import INDEX_SOCKET_TIMEOUT_S, IndexClient
 from ..index.protocol import IndexNamespace, new_incarnation
 from ..index.redis_cluster import cluster_client
 from ..loop_thread import get_loop_thread
@@ -115,7 +115,7 @@ class StoreNode:
         loopback_network: LoopbackNetwork | None = None,
         read_guard_s: float = 30.0,
         index_ttl_s: float = 10.0,
-        index_socket_timeout_s: float = 0.25,
+        index_socket_timeout_s: float = INDEX_SOCKET_TIMEOUT_S,
         max_put_bytes: int = 256 << 20,
         auth_key: bytes | None = None,
         profile: StoreProfile | None = None,

@@ -93,7 +93,7 @@ class StoreShelf:
     async def open(self, *, transport: Literal["ucxx", "loopback"], host: str, port: int,
                    auth_key: bytes | None, loopback_network: LoopbackNetwork | None,
                    index_url: str | None, index_ttl_s: float,
-                   index_socket_timeout_s: float = 0.25) -> None:
+                   index_socket_timeout_s: float) -> None:
         """Serve pulls of this geometry's blocks on ``host:port`` (0: any free port) and
         register in its index namespace (``index_url`` None: publish nothing). A failed open
         leaves what it started for ``close``."""

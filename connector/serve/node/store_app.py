@@ -32,6 +32,7 @@ _GAUGES = ("capacity_blocks", "hit_ratio")
 def build_store_node(args: argparse.Namespace, model_config: Any, config: dict[str, Any]) -> Any:
     """A started ``StoreNode`` for the CLI arguments and the node's ``kv_transfer_config``."""
     from kvbridge.connector import KVTransferConfig
+    from kvbridge.connector.index.client import INDEX_SOCKET_TIMEOUT_S
     from kvbridge.connector.store import StoreNode, start_store_node
 
     extra = config.get("kv_connector_extra_config") or {}
@@ -43,7 +44,7 @@ def build_store_node(args: argparse.Namespace, model_config: Any, config: dict[s
         model_name=str(extra.get("model_name", "kvbridge")),
         model_revision=str(extra.get("model_revision", "")),
         index_url=extra.get("index_url"),
-        index_socket_timeout_s=float(extra.get("index_socket_timeout_s", 0.25)),
+        index_socket_timeout_s=float(extra.get("index_socket_timeout_s", INDEX_SOCKET_TIMEOUT_S)),
         host=str(extra.get("host", "127.0.0.1")),
         port=int(extra.get("port", 0)),
         write_host=str(extra.get("host", "127.0.0.1")),
