@@ -1,9 +1,10 @@
 """Release notices: a puller telling a holder that it may free the blocks of a lease.
 
-``send_notice`` delivers one on the connector loop. ``DeferredNotices`` keeps the notices of
-the handoffs a worker read one-sided (``Puller._pull_here``) until a step later, so that the
-wake-up of the connector loop falls outside the step that computes the handed-off request's
-first token.
+``send_notice`` delivers one on the connector loop, and tries it again a few times, in a task of
+its own, when the holder did not get it (``NOTIFY_RETRY_AFTER_S``). ``DeferredNotices`` keeps
+the notices of the handoffs a worker read one-sided (``Puller._pull_here``) until a step later,
+so that the wake-up of the connector loop falls outside the step that computes the handed-off
+request's first token.
 
 A tensor-parallel puller's ranks each send their own notice to every rank of the holder
 (``PullerRank``); the holder's lease ends once every puller rank has (``lease``).
@@ -14,17 +15,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from typing import NamedTuple
 
 from kvbridge.transport import PeerAddress, Transport
 
 from .metadata import ReleaseNotice
 
-__all__ = ["NOTIFY_TIMEOUT_S", "DeferredNotices", "PullerRank", "send_notice", "send_notices"]
+__all__ = [
+    "NOTIFY_RETRY_AFTER_S",
+    "NOTIFY_TIMEOUT_S",
+    "DeferredNotices",
+    "PullerRank",
+    "send_last_notices",
+    "send_notice",
+    "send_notices",
+]
 
 logger = logging.getLogger(__name__)
 
 NOTIFY_TIMEOUT_S = 5.0
+"""How long one try of a release notice may take (seconds): the connection to the holder, its
+handshake included, and the send."""
+NOTIFY_RETRY_AFTER_S = (1.0, 4.0, 12.0)
+"""After a try that failed, the notice is tried again after each
+of these pauses (seconds) until one try delivers it: four tries over at most about 37 s, inside
+a lease that the puller's heartbeats kept alive up to the pull's end (``lease_s``, 30 s by
+default, from there). Why: a puller whose connector loop was starved for longer than a try (a
+decode rank held ~19 s in a torchinductor kernel on a loaded host, seen in CI) lost every
+notice of the pulls that ended meanwhile, and the holder kept those blocks until the leases ran
+out. A second delivery is harmless: the holder counts each puller rank once and ignores an
+ended lease (``LeaseTable.release``). Every failure is tried again, a refused handshake
+included: the transport raises the same ``HandshakeError`` for a holder too busy to answer in
+time as for one that refuses the cluster key, and a refusal costs three more handshakes."""
+
+_retries: weakref.WeakKeyDictionary[Transport, set[asyncio.Task[None]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The retry tasks of each transport (held here: the loop keeps only weak references)."""
 
 
 class PullerRank(NamedTuple):
@@ -41,8 +69,23 @@ SOLE_PULLER = PullerRank(0, 1)
 async def send_notice(
     transport: Transport, notice: ReleaseNotice, puller: PullerRank = SOLE_PULLER
 ) -> None:
-    """Deliver a release notice from ``puller``; best effort (an unreachable holder releases
-    at lease expiry)."""
+    """Deliver a release notice from ``puller``: one try now and, if it failed (timed out, did
+    not reach the holder, a handshake not answered), more tries in a task of its own
+    (``NOTIFY_RETRY_AFTER_S``), so a caller never waits longer than one try
+    (``NOTIFY_TIMEOUT_S``). Best effort: a notice that no try delivered is logged, and the
+    holder releases the blocks at lease expiry. Never raises. Runs on the connector loop."""
+    if await _try_notice(transport, notice, puller, last=not NOTIFY_RETRY_AFTER_S):
+        return
+    task = asyncio.get_running_loop().create_task(_retry_notice(transport, notice, puller))
+    tasks = _retries.setdefault(transport, set())
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def _try_notice(
+    transport: Transport, notice: ReleaseNotice, puller: PullerRank, *, last: bool
+) -> bool:
+    """One try: True if the holder got the notice. A failed ``last`` try is logged."""
     ticket = notice.ticket
     try:
         await asyncio.wait_for(
@@ -57,8 +100,32 @@ async def send_notice(
             ),
             NOTIFY_TIMEOUT_S,
         )
+        return True
     except Exception as exc:
-        logger.info("release notice for %s not delivered: %s", ticket.remote_request_id, exc)
+        if last:
+            logger.info("release notice for %s not delivered in %d tries: %r",
+                        ticket.remote_request_id, 1 + len(NOTIFY_RETRY_AFTER_S), exc)
+        return False
+
+
+async def _retry_notice(transport: Transport, notice: ReleaseNotice, puller: PullerRank) -> None:
+    """The tries after the first (``NOTIFY_RETRY_AFTER_S``); the last failure is logged."""
+    last = len(NOTIFY_RETRY_AFTER_S) - 1
+    for i, pause_s in enumerate(NOTIFY_RETRY_AFTER_S):
+        await asyncio.sleep(pause_s)
+        if await _try_notice(transport, notice, puller, last=i == last):
+            return
+
+
+async def send_last_notices(
+    transport: Transport, notices: list[ReleaseNotice], puller: PullerRank = SOLE_PULLER
+) -> None:
+    """The last notices over ``transport``, which is about to close (a worker shutting down):
+    one try each, and every retry still pending over it stops (the holders of notices no try
+    delivered release at lease expiry)."""
+    await send_notices(transport, notices, puller)
+    for task in list(_retries.pop(transport, ())):
+        task.cancel()
 
 
 async def send_notices(

@@ -60,7 +60,7 @@ from .metadata import (
     WorkerHandshake,
 )
 from .puller import Puller
-from .release_notices import send_notice, send_notices
+from .release_notices import send_last_notices, send_notice
 from .stats import KVTransferStats
 from .store.offload_items import OffloadItem
 from .store.sender import OffloadSender
@@ -440,7 +440,7 @@ class KVBridgeWorker:
         puller = self.puller
 
         async def _close() -> None:
-            await send_notices(transport, notices, puller.puller_rank)
+            await send_last_notices(transport, notices, puller.puller_rank)
             await puller.close()
             await transport.close()
 
