@@ -12,6 +12,10 @@ after ``--steps-per-prompt`` steps the requests are new prompts. Each step is on
 - ``publish_server_us``: the server's CPU per publish (``INFO cpu``, user + system, over all
   publishes: the ``PUBLISH`` script's runs, holes and key sets included);
 
+- ``follow_cpu_us``: what the index thread spends, beside each publish, following the step's
+  events in the node's ``ListedSet`` (``connector/index/listed.py``: the set an idle engine's
+  resync is built from), against the publish itself: ``follow_cpu_over_publish``;
+
 against two baselines measured in the same run, each the same way:
 
 - a PING (``redis-py``'s ``ping``): ``publish_cpu_over_ping``, ``publish_server_over_ping``;
@@ -37,7 +41,7 @@ from typing import Any
 import redis
 from _cluster import start_server
 from _report import add_markdown_option, finish
-from kvbridge.connector.index import IndexNamespace, RedisBlockIndex
+from kvbridge.connector.index import IndexNamespace, ListedSet, RedisBlockIndex
 from kvbridge.kvmanager import BlockStored
 from kvbridge.transport import BlockIdentity
 
@@ -102,6 +106,7 @@ def main() -> None:
             index.register_node("bench", 1, ttl_s=3600)
             client = redis.Redis(port=port)
             index.publish("bench", 1, next(steps))  # warm-up: connection, script cache
+            listed = ListedSet("device", 16)  # (it grows as the index does: no evictions)
 
             def pipeline(step: list[BlockStored]) -> None:
                 pipe = client.pipeline(transaction=False)
@@ -118,6 +123,7 @@ def main() -> None:
                     "publish": _round(lambda step: index.publish("bench", 1, step), inputs,
                                       admin),
                     "pipeline": _round(pipeline, inputs, admin),
+                    "follow": _round(listed.follow, inputs, admin),
                 })
             if index.stats.publishes != 1 + args.repeats * args.steps:
                 raise SystemExit(f"only {index.stats.publishes} publishes were applied")
@@ -146,14 +152,18 @@ def main() -> None:
         "publish_server_over_ping": over("publish", "ping", 1),
         "publish_cpu_over_pipeline": over("publish", "pipeline", 0),
         "publish_server_over_pipeline": over("publish", "pipeline", 1),
+        "follow_cpu_us": round(median("follow", 0), 1),
+        "follow_cpu_over_publish": over("follow", "publish", 0),
     }
     print(f"per call, {num_blocks} blocks a publish (medians of {args.repeats} rounds)")
     print(f"{'call':<34}{'caller CPU us':>15}{'server CPU us':>15}")
     for label, name in (("PING", "ping"), ("publish (PUBLISH script)", "publish"),
-                        (f"{num_blocks} HSETs, one pipeline", "pipeline")):
+                        (f"{num_blocks} HSETs, one pipeline", "pipeline"),
+                        ("follow in the listed set", "follow")):
         print(f"{label:<34}{median(name, 0):>15.1f}{median(name, 1):>15.1f}")
     print(f"publish / pipeline: caller {result['publish_cpu_over_pipeline']}, server "
-          f"{result['publish_server_over_pipeline']}")
+          f"{result['publish_server_over_pipeline']}; follow / publish: caller "
+          f"{result['follow_cpu_over_publish']}")
     finish(result, name="publish", title="Block-index publish of one step / PING and a plain "
            "pipeline", markdown=args.markdown)
 

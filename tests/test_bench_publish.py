@@ -18,6 +18,7 @@ def test_the_publish_benchmark_reports_its_ratios_from_one_run() -> None:
     assert report["benchmark"] == "index_publish" and report["blocks_per_publish"] == 8
     for name in ("publish", "ping", "pipeline"):
         assert report[f"{name}_cpu_us"] > 0 and report[f"{name}_server_us"] >= 0
-    for ratio in ("publish_cpu_over_ping", "publish_cpu_over_pipeline"):
+    for ratio in ("publish_cpu_over_ping", "publish_cpu_over_pipeline", "follow_cpu_over_publish"):
         assert report[ratio] > 0
+    assert report["follow_cpu_us"] > 0 and "follow in the listed set" in out
     assert "publish (PUBLISH script)" in out

@@ -615,16 +615,23 @@ class _ScriptedIndex(InMemoryBlockIndex):
             return super().node_entries(node_id)
 
 
+def pool_client(index: BlockIndex, pool: dict[bytes, int], **kwargs) -> IndexClient:
+    """A started client of node ``A`` (group 0; ``kwargs``: ``ttl_s`` and the rest) whose
+    cached set, read for a resync, is ``pool`` (block hash -> block id) as it is then."""
+    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
+                         group_ids=(0,), **kwargs)
+    client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in list(pool.items())])
+    client.start("127.0.0.1", 1)
+    return client
+
+
 def test_a_batch_dropped_while_a_resync_is_in_flight_gets_a_resync_of_its_own():
     # The resync's set was read before the drop, so it lacks the dropped batch: its success
     # must not end resync mode (before the fix it did, and block 3 was never indexed).
     index = _ScriptedIndex()
     index.hold_when = lambda calls: calls[-1][1]  # the resync's call
     pool: dict[bytes, int] = {}  # what the node caches: block hash -> block id
-    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=5.0, max_queued_ops=1)
-    client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in pool.items()])
-    client.start("127.0.0.1", 1)
+    client = pool_client(index, pool, ttl_s=5.0, max_queued_ops=1)
     try:
         pool[_hash(1)] = 1
         index.fail_next = True  # (1) one publish lost: resync mode
@@ -697,10 +704,7 @@ def test_a_resync_larger_than_the_queue_lands_while_the_engine_keeps_publishing(
     num_blocks, max_queued_ops = 16_000, 8_192
     index = _ScriptedIndex(delay_s=0.02)  # a round trip with a server script
     pool: dict[bytes, int] = {}  # the node's cached set: block hash -> block id
-    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=5.0, max_queued_ops=max_queued_ops)
-    client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in list(pool.items())])
-    client.start("127.0.0.1", 1)
+    client = pool_client(index, pool, ttl_s=5.0, max_queued_ops=max_queued_ops)
 
     def cache(first: int, count: int) -> None:  # an engine step caching blocks first..+count
         hashes = [_chain_hash(i) for i in range(first, first + count)]
@@ -734,10 +738,7 @@ def test_a_resyncs_calls_keep_their_size_and_it_stays_pending_until_the_last_lan
     index = _ScriptedIndex()
     index.hold_when = lambda calls: len(calls) == 2 and calls[0][1]  # the set's second call
     pool: dict[bytes, int] = {}
-    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=5.0)
-    client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in list(pool.items())])
-    client.start("127.0.0.1", 1)
+    client = pool_client(index, pool, ttl_s=5.0)
     hashes = [_chain_hash(i) for i in range(3000)]
     try:
         pool.update((h, i + 1) for i, h in enumerate(hashes))
@@ -804,10 +805,7 @@ def test_a_call_unanswered_past_the_hold_limit_is_lost_and_repaired_by_a_resync(
     monkeypatch.setattr(worker_module, "_MAX_HOLD_S", 0.3)
     index = _ScriptedIndex()
     pool: dict[bytes, int] = {}
-    client = IndexClient(index, InMemoryNodeDirectory(), node_id="A", incarnation=1,
-                         group_ids=(0,), ttl_s=5.0)
-    client.set_resync_source(lambda: [CachedBlock(h, 0, b) for h, b in list(pool.items())])
-    client.start("127.0.0.1", 1)
+    client = pool_client(index, pool, ttl_s=5.0)
     try:
         index.unanswered = 10**9
         pool[_hash(1)] = 1

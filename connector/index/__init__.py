@@ -12,6 +12,7 @@ docs/architecture.md, "The block index".
 
 from .client import IndexClient, block_index_for_url, open_index
 from .in_memory import InMemoryBlockIndex
+from .listed import ListedSet
 from .lookup import LookupResult, LookupStatus, RemotePrefix
 from .node_directory import (
     InMemoryNodeDirectory,
@@ -43,6 +44,7 @@ __all__ = [
     "IndexClient",
     "IndexNamespace",
     "IndexStats",
+    "ListedSet",
     "LookupResult",
     "LookupStatus",
     "NodeAddress",

@@ -234,7 +234,7 @@ class IndexClient:
 
     @property
     def num_lookups_in_flight(self) -> int:
-        return self._worker.num_lookups_in_flight
+        return self._worker.lookups.num_in_flight
 
     # ------------------------------------------------------------------ life
     def start(self, host: str, port: int) -> None:
@@ -256,7 +256,7 @@ class IndexClient:
         possibly lost one is repaired by re-publishing the whole set. Call before ``start``
         and before the first ``publish``."""
         self._snapshot = snapshot
-        self._worker.can_resync = True
+        self._worker.enable_resync()
 
     def set_resync_events(self, make_events: Callable[[], list[Any]]) -> None:
         """As ``set_resync_source``, for a node that knows each block's parent itself (a store
@@ -264,7 +264,7 @@ class IndexClient:
         set as events, ``AllBlocksCleared`` first, then one ``BlockStored`` per block, parents
         before children."""
         self._make_resync_events = make_events
-        self._worker.can_resync = True
+        self._worker.enable_resync()
 
     def resync_from(self, pool: Any) -> None:
         """``set_resync_events(pool.resync_events)`` when the pool builds its own resync batch
@@ -282,7 +282,9 @@ class IndexClient:
         is dropped (counted in ``stats.publish_*_dropped_full``, logged). ``events`` must not
         change afterwards. Call it every step, also with no events: when the worker asks for a
         resync, the node's cached set is read here (the moment after a forward, when every
-        hashed block has its KV) and queued in place of the batch."""
+        hashed block has its KV) and queued in place of the batch; a caller that does not call
+        within a second (an idle engine) leaves it to the worker (``IndexWorker``: the set it
+        listed)."""
         events = list(events)
         if self._snapshot is not None:
             self._parents.observe(events)
@@ -340,7 +342,7 @@ class IndexClient:
         )
         if len(hashes) < num_local_blocks + min_gain_blocks:
             job.result = _NO_HIT  # cannot beat the local hit: no need to ask
-        elif not self._worker.submit_lookup(job):
+        elif not self._worker.lookups.submit(job):
             job.result = _OVERLOADED
             self.index.stats.lookups_refused += 1
         self._key_to_lookup[key] = job
@@ -360,7 +362,7 @@ class IndexClient:
         if result is None:
             if self._clock() < job.deadline_s:
                 return LOOKUP_PENDING
-            self._worker.withdraw_lookup(job)
+            self._worker.lookups.withdraw(job)
             result = _TIMED_OUT
         if result.status == "timed_out":
             self.index.stats.lookups_timed_out += 1
@@ -384,14 +386,14 @@ class IndexClient:
         request is scheduled a step after its answer instead of steps later. The caller thread
         only."""
         jobs = list(self._key_to_lookup.values())
-        return bool(jobs) and self._worker.wait_for_answer(jobs, timeout_s)
+        return bool(jobs) and self._worker.lookups.wait_for_answer(jobs, timeout_s)
 
     def cancel_lookup(self, key: str) -> None:
         """Forget the lookup of ``key`` (request aborted or finished); unknown keys are fine.
         A queued lookup leaves the queue; a running one finishes and its answer is ignored."""
         job = self._key_to_lookup.pop(key, None)
         if job is not None and job.result is None:
-            self._worker.withdraw_lookup(job)
+            self._worker.lookups.withdraw(job)
 
     def find_remote_prefix(
         self,

@@ -6,15 +6,17 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .listed import ListedSet
 from .lookup import LookupQuery, LookupResult
+from .protocol import Tier
 
 __all__ = [
     "Batch", "DropLog", "LookupJob", "LookupSlots", "PublishQueue", "answer_lookups",
-    "count_ops", "resync_batches",
+    "count_ops", "resync_batches", "send_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,9 @@ class PublishQueue:
     ... as queued (``protocol.py``). ``num_delta_ops`` counts the ops of the deltas, which the
     worker bounds; a resync's batches are not counted (what is queued behind them comes after
     the set they carry). ``retry``: the batches of a call that went unanswered, ahead of the
-    rest (``put_back``). Not thread-safe: the worker holds its lock around every use."""
+    rest (``put_back``). ``listed``: when set, every batch taken off the queue (sent or
+    skipped) is followed there, in order (``listed.ListedSet``, by ``follow_taken``). Not
+    thread-safe: the worker holds its lock around every use but ``follow_taken``."""
 
     def __init__(self) -> None:
         self.batches: deque[Batch] = deque()
@@ -68,6 +72,28 @@ class PublishQueue:
         self.num_delta_ops = 0
         self.num_whole_set_ops = 0  # of a resync's batches still queued (or in ``retry``)
         self.next_seq = 1
+        self.listed: ListedSet | None = None
+        self._num_losses = self._losses_at_whole_set = 0  # ``note_lost``; at the last set
+        self._to_follow: list[tuple[Batch, int | None]] = []  # taken, not followed yet
+
+    def follow(self, default_tier: Tier, block_size: int) -> None:
+        """Follow the batches taken from now on in ``listed`` (a ``ListedSet(default_tier,
+        block_size)``; nothing new if one is followed already); not exact if a batch was
+        queued before."""
+        if self.listed is None:
+            self.listed = ListedSet(default_tier, block_size,
+                                    base_losses=self._num_losses if self.next_seq == 1 else -1)
+
+    def note_lost(self) -> None:
+        """A batch was dropped before it was queued (a full queue): ``listed`` is not exact
+        until a whole set queued from now on is followed."""
+        self._num_losses += 1
+
+    @property
+    def listed_exact(self) -> bool:
+        """``listed`` is followed, has followed every batch taken, and is exact."""
+        return (self.listed is not None and not self._to_follow
+                and self.listed.exact_at(self._num_losses))
 
     def append(self, events: list[Any], num_ops: int) -> None:
         """Queue one delta."""
@@ -94,6 +120,7 @@ class PublishQueue:
         """Queue a resync (``resync_batches``) in place of every queued batch (older than the
         set, which covers them); returns how many batches it replaced."""
         num_replaced = len(self.batches) + len(self.retry)
+        self._losses_at_whole_set = self._num_losses
         self.retry = []
         self.batches = deque(resync_batches(events, self.next_seq, max_ops_per_call))
         self.next_seq += len(self.batches)
@@ -115,7 +142,7 @@ class PublishQueue:
         self.held_since_s = None  # a fresh call from here (a held one went, or is dropped)
         num_dropped = len(retry)
         while skip_deltas and self.batches and not self.batches[0].resync:
-            self._count_out(self.batches.popleft())
+            self._count_out(self._pop())
             num_dropped += 1
         taken: list[Batch] = []
         num_ops = 0
@@ -123,10 +150,30 @@ class PublishQueue:
             num_ops + self.batches[0].num_ops <= max_ops
             and not (taken[0].of_whole_set or self.batches[0].of_whole_set)
         )):
-            taken.append(batch := self.batches.popleft())
+            taken.append(batch := self._pop())
             num_ops += batch.num_ops
             self._count_out(batch)
         return taken, num_dropped
+
+    def _pop(self) -> Batch:
+        """The oldest queued batch, to be followed in ``listed`` (``follow_taken``)."""
+        batch = self.batches.popleft()
+        if self.listed is not None:
+            self._to_follow.append((batch, self._losses_at_whole_set if batch.resync else None))
+        return batch
+
+    @property
+    def mark(self) -> tuple[int, int]:
+        """Changes whenever a batch is queued or lost."""
+        return self.next_seq, self._num_losses
+
+    def follow_taken(self) -> None:
+        """Follow the batches taken since the last call in ``listed``, in order. The worker
+        thread alone (the one that takes batches), outside its lock."""
+        to_follow, self._to_follow = self._to_follow, []
+        for batch, whole_set_losses in to_follow:
+            self.listed.follow(batch.events,  # type: ignore[union-attr]
+                               whole_set_losses=whole_set_losses)
 
     def clear(self) -> int:
         """Drop every queued batch; returns their ops."""
@@ -190,23 +237,55 @@ _UNAVAILABLE = LookupResult("unavailable")
 
 class LookupSlots:
     """The lookups handed to an ``IndexWorker``: ``queued`` until its thread takes them, then
-    ``running`` until answered; at most ``max_in_flight`` of both together. Not thread-safe:
-    the worker holds its lock around every use."""
+    ``running`` until answered; at most ``max_in_flight`` of both together.
 
-    def __init__(self, max_in_flight: int) -> None:
+    Thread-safety: ``work`` and ``answered`` are conditions on the worker's lock. The caller
+    thread's calls (``submit``, ``withdraw``, ``wait_for_answer``, ``num_in_flight``) take
+    it; the worker holds it around every other use (``queued``, ``running``, ``start_all``,
+    ``fail_queued``, ``closed``)."""
+
+    def __init__(self, max_in_flight: int, work: threading.Condition,
+                 answered: threading.Condition) -> None:
         self.max_in_flight = max_in_flight
+        self.work, self.answered = work, answered
         self.queued: deque[LookupJob] = deque()
         self.running: list[LookupJob] = []
+        self.closed = False  # the worker stops: a new job answers "unavailable" at once
 
     def __len__(self) -> int:  # in flight (a running job counts even once its caller gave up)
         return len(self.queued) + len(self.running)
 
-    def add(self, job: LookupJob) -> bool:
-        """Queue ``job``; False (nothing queued) when ``max_in_flight`` are in flight."""
-        if len(self) >= self.max_in_flight:
-            return False
-        self.queued.append(job)
+    @property
+    def num_in_flight(self) -> int:
+        """Jobs queued or running."""
+        with self.work:
+            return len(self)
+
+    def submit(self, job: LookupJob) -> bool:
+        """Queue ``job`` and wake the worker; False (nothing queued) when ``max_in_flight``
+        are in flight. Once ``closed``, ``job`` answers ``"unavailable"`` (True)."""
+        with self.work:
+            if self.closed:
+                job.result = _UNAVAILABLE
+                return True
+            if len(self) >= self.max_in_flight:
+                return False
+            self.queued.append(job)
+            self.work.notify()
         return True
+
+    def wait_for_answer(self, jobs: Sequence[LookupJob], timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until one of ``jobs`` has a ``result``; True once one
+        has (at once if one already had), False on timeout."""
+        with self.answered:
+            return self.answered.wait_for(
+                lambda: any(job.result is not None for job in jobs), timeout_s)
+
+    def withdraw(self, job: LookupJob) -> None:
+        """Drop ``job`` if it is still queued (its slot is free at once); a running job
+        finishes and its answer is ignored."""
+        with self.work, contextlib.suppress(ValueError):
+            self.queued.remove(job)
 
     def start_all(self) -> list[LookupJob]:
         """Every queued job, running from now until the worker empties ``running``."""
@@ -214,17 +293,42 @@ class LookupSlots:
         self.queued.clear()
         return self.running
 
-    def withdraw(self, job: LookupJob) -> None:
-        """Drop ``job`` if it is still queued (its slot is free at once); a running job
-        finishes and its answer is ignored."""
-        with contextlib.suppress(ValueError):
-            self.queued.remove(job)
-
     def fail_queued(self) -> None:
         """Answer every queued job ``"unavailable"`` (the worker stops) and drop them."""
         for job in self.queued:
             job.result = _UNAVAILABLE
         self.queued.clear()
+        self.answered.notify_all()
+
+
+def send_batches(
+    batches: list[Batch],
+    publish: Callable[[list[Batch], bool], bool],
+    lose: Callable[[], None],
+    node_id: str,
+) -> int:
+    """Publish ``batches`` as one call (``publish(batches, hold)``, True when the call is held
+    to be made again); if one holds a bad event (``ValueError``), one call per batch, without
+    holding, so that only it is lost (``lose()``: a resync follows). Returns how many are done
+    (0: the call is held). The index worker's thread."""
+    try:
+        return 0 if publish(batches, True) else len(batches)
+    except ValueError as exc:
+        if len(batches) == 1:
+            logger.error("index: publish batch of %s refused: %s", node_id, exc)
+            lose()
+            return 1
+    except Exception:
+        logger.exception("index: publish of %s failed", node_id)
+        lose()
+        return len(batches)
+    for batch in batches:
+        try:
+            publish([batch], False)
+        except Exception as exc:
+            logger.error("index: publish batch of %s refused: %s", node_id, exc)
+            lose()
+    return len(batches)
 
 
 def answer_lookups(

@@ -62,8 +62,8 @@ class ParentMirror:
             known = table.get(block_hash)
             return None if known is None else known[0]
 
-        def medium_of(block_hash: bytes) -> str | None:
-            known = table.get(block_hash)
+        def medium_of(entry: CachedBlock) -> str | None:
+            known = table.get(entry.block_hash)
             return None if known is None else known[1]
 
         return resync_events(cached, parent_of, block_size, medium_of=medium_of,
@@ -71,7 +71,8 @@ class ParentMirror:
 
 
 def resync_events(cached: Sequence[CachedBlock], parent_of: Callable[[bytes], bytes | None],
-                  block_size: int, *, medium_of: Callable[[bytes], str | None] | None = None,
+                  block_size: int, *,
+                  medium_of: Callable[[CachedBlock], str | None] | None = None,
                   max_chain: int) -> list[Any]:
     """The events that make an index say exactly ``cached``: ``AllBlocksCleared``, then one
     ``BlockStored`` per entry, parents before children (the Redis backend extends a run only
@@ -106,7 +107,7 @@ def resync_events(cached: Sequence[CachedBlock], parent_of: Callable[[bytes], by
                 token_ids=[],
                 block_size=block_size,
                 lora_name=None,
-                medium=None if medium_of is None else medium_of(entry.block_hash),
+                medium=None if medium_of is None else medium_of(entry),
                 group_id=entry.group_id,
                 block_ids=[entry.block_id],
             )

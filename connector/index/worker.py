@@ -13,17 +13,13 @@ trip), then every queued publish batch (up to ``_MAX_OPS_PER_SEND`` ops) in one 
 Queue sizes count ops (one per block hash of an event, ``protocol.events_to_ops``), which bound
 memory and send cost.
 
-Batches are numbered ``1, 2, ...`` as accepted (``protocol.py``). A call that goes unanswered
-(Redis slow past its socket timeout) is made again, the same call, once a heartbeat probe (every
-``_RESYNC_PROBE_S``) is answered, for up to ``_MAX_HOLD_S``; the batches behind it wait. A batch
-that may be lost (full queue, a refused or failed call, ``"gap"``, a lapsed registration, a call
-held that long) starts resync mode: no more deltas are sent, the backend is probed the same way,
-and once it answers (at once for a full queue while the backend answers) ``resync_wanted`` asks
-the caller thread for the node's whole cached set (``enqueue_resync``), which replaces every
-queued batch and ends resync mode once its first call is applied, unless a batch was lost since
-its snapshot (then the caller is asked again). While a registration goes unanswered, batches
-wait queued. Neither wait needs an engine step, as a resync does: an engine idle by then is
-still listed once Redis answers."""
+How batches stay true (docs/architecture.md, "Keeping the index true"): they are numbered
+(``protocol.py``); an unanswered call is held and made again, the same call, for up to
+``_MAX_HOLD_S``; a batch that may be lost starts resync mode, which ends once the node's whole
+cached set has landed. That set is the caller's (``resync_wanted``, ``enqueue_resync``: read
+at the engine's next step) or, when the caller has not given it ``_IDLE_RESYNC_S`` after it
+was asked (an idle engine), the worker's own, from the batches it took
+(``listed.ListedSet``), unless a full queue dropped one. No recovery needs an engine step."""
 
 from __future__ import annotations
 
@@ -33,7 +29,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .jobs import Batch, DropLog, LookupJob, LookupSlots, PublishQueue, answer_lookups, count_ops
+from .jobs import (
+    Batch,
+    DropLog,
+    LookupJob,
+    LookupSlots,
+    PublishQueue,
+    answer_lookups,
+    count_ops,
+    send_batches,
+)
 from .lookup import LookupQuery, LookupResult, resolve_remote_prefixes
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
@@ -53,6 +58,7 @@ _GRACE_S = 0.25  # close: how long the worker may finish its call before it is i
 _RESYNC_PROBE_S = 0.05  # resync mode, a held call: how often the backend is probed till it answers
 _REGISTER_RETRY_S = 0.25  # an unanswered registration: how often it is tried again
 _MAX_HOLD_S = 3.0  # an unanswered call: made again until its first try is this old, then lost
+_IDLE_RESYNC_S = 1.0  # a resync the caller has not queued this long after it was asked
 
 
 class IndexWorker:
@@ -61,8 +67,10 @@ class IndexWorker:
     Thread model (each piece of mutable state and its owner):
 
     - under ``_lock`` (held only for queue operations, never across a backend call): the
-      lookups ``_lookups`` (queued and running), the publish queue ``_queue``, the
-      accepted/done batch counts, ``_needs_resync``, the loss counts, ``_resync_wanted``,
+      lookups ``lookups`` (queued and running; the caller's calls lock themselves,
+      ``jobs.LookupSlots``), the publish queue ``_queue`` (its listed set: the worker thread's
+      alone, ``follow_taken``), the accepted/done batch counts, ``_needs_resync``, the loss
+      counts, ``_resync_wanted`` and ``_resync_wanted_at_s``,
       ``_registered`` (the worker writes it), ``_stopping`` and ``_abandoned``;
     - the worker thread alone: ``_next_heartbeat_s``, ``_probe_ok``, ``num_reregistrations``,
       and every call to ``index`` and ``directory`` once ``start`` has started the thread
@@ -105,8 +113,8 @@ class IndexWorker:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the worker waits for work on it
         self._done = threading.Condition(self._lock)  # flush waits for sent batches on it
-        self._answered = threading.Condition(self._lock)  # wait_for_answer waits on it
-        self._lookups = LookupSlots(max_lookups_in_flight)
+        self.lookups = LookupSlots(max_lookups_in_flight, self._work,  # (the caller's calls)
+                                   threading.Condition(self._lock))
         self._queue = PublishQueue()
         self._whole_set_in_call = False  # the worker is sending a batch of a resync's set
         self._num_batches_accepted = 0
@@ -119,11 +127,12 @@ class IndexWorker:
         self._drops = DropLog(node_id, max_queued_ops)
         self.num_reregistrations = 0
         self.hit_rule = hit_rule
-        self.can_resync = False  # set once by the client, before start: batches are numbered
+        self.can_resync = False  # ``enable_resync``: batches are numbered
         self._needs_resync = False  # a batch may be lost: send no delta until a resync lands
         self._num_losses = self._losses_at_resync = 0  # _enter_resync_mode calls; at the last
         # enqueue_resync: a batch lost after its snapshot is not in it, so resync mode outlives it
         self._resync_wanted = False  # the backend answers again: the caller should resync
+        self._resync_wanted_at_s = 0.0  # since when (``_IDLE_RESYNC_S``)
         self.num_resyncs_sent = self.num_batches_skipped = 0  # worker thread; others read them
 
     # ------------------------------------------------------------------ life (caller thread)
@@ -145,7 +154,7 @@ class IndexWorker:
         backends are interrupted), withdraws the address, and exits. Queued work is dropped
         (lookups answer "unavailable"). Returns whether the thread ended within ``timeout_s``."""
         with self._lock:
-            self._stopping = True
+            self._stopping = self.lookups.closed = True
             self._work.notify_all()
             self._done.notify_all()
         thread = self._thread
@@ -165,32 +174,12 @@ class IndexWorker:
         return True
 
     # ------------------------------------------------------------------ work (caller thread)
-    @property
-    def num_lookups_in_flight(self) -> int:  # queued or running (``LookupSlots``)
+    def enable_resync(self) -> None:
+        """Number the batches from now on (``can_resync``) and follow them (``listed``: exact
+        if none was queued before, else once the caller's first resync is taken)."""
         with self._lock:
-            return len(self._lookups)
-
-    def submit_lookup(self, job: LookupJob) -> bool:
-        """Queue ``job``; False (nothing queued) when ``max_lookups_in_flight`` are in flight."""
-        with self._lock:
-            if self._stopping:
-                job.result = LookupResult("unavailable")
-                return True
-            queued = self._lookups.add(job)
-            self._work.notify()
-        return queued
-
-    def wait_for_answer(self, jobs: Sequence[LookupJob], timeout_s: float) -> bool:
-        """Block the caller up to ``timeout_s`` until one of ``jobs`` has a ``result``; True
-        once one has (at once if one already had), False on timeout."""
-        with self._lock:
-            return self._answered.wait_for(
-                lambda: any(job.result is not None for job in jobs), timeout_s)
-
-    def withdraw_lookup(self, job: LookupJob) -> None:
-        """Forget ``job`` (``LookupSlots.withdraw``)."""
-        with self._lock:
-            self._lookups.withdraw(job)
+            self.can_resync = True
+            self._queue.follow(self.tier, self.index.namespace.block_size)
 
     @property
     def resync_wanted(self) -> bool:
@@ -211,15 +200,44 @@ class IndexWorker:
         calls of ``_MAX_OPS_PER_RESYNC_CALL`` ops, ``jobs.resync_batches``) in place of every
         batch still queued (they are older than the set, which covers them)."""
         with self._lock:
-            if self._stopping:
+            self._queue_whole_set(events)
+
+    def _queue_whole_set(self, events: list[Any]) -> None:
+        """``enqueue_resync``'s work, under ``_lock``."""
+        if self._stopping:
+            return
+        self._num_batches_done += self._queue.replace_with_whole_set(
+            events, _MAX_OPS_PER_RESYNC_CALL)
+        self._num_batches_accepted += len(self._queue.batches)
+        self._losses_at_resync = self._num_losses
+        self._resync_wanted = False
+        self._work.notify()
+        self._done.notify_all()
+
+    def _want_resync(self) -> None:  # under ``_lock``; asked again: the first ask's time
+        if not self._resync_wanted:
+            self._resync_wanted, self._resync_wanted_at_s = True, self._clock()
+
+    def _resync_if_idle(self) -> None:
+        """The resync an idle caller owes (``_idle_resync_at_s``), from the listed set, read
+        off the lock (a second per 50k blocks on a busy host), then queued unless a batch was
+        queued or lost meanwhile (the caller woke: it gives its own, or the next turn tries
+        again). Worker thread, after ``follow_taken``."""
+        with self._lock:
+            if self._clock() < self._idle_resync_at_s():
                 return
-            self._num_batches_done += self._queue.replace_with_whole_set(
-                events, _MAX_OPS_PER_RESYNC_CALL)
-            self._num_batches_accepted += len(self._queue.batches)
-            self._losses_at_resync = self._num_losses
-            self._resync_wanted = False
-            self._work.notify()
-            self._done.notify_all()
+            mark = self._queue.mark
+        events = self._queue.listed.resync_events()  # type: ignore[union-attr]
+        with self._lock:
+            if mark == self._queue.mark and self._resync_wanted:
+                logger.info("index: %s resyncs from its index thread", self.node_id)
+                self._queue_whole_set(events)
+
+    def _idle_resync_at_s(self) -> float:
+        """Under ``_lock``: when the worker makes the resync the caller owes from the listed
+        set (infinity: none owed, a batch still queued, or the set misses a dropped batch)."""
+        due = self._resync_wanted and not self._queue.batches and self._queue.listed_exact
+        return self._resync_wanted_at_s + _IDLE_RESYNC_S if due else float("inf")
 
     def enqueue_publish(self, events: list[Any]) -> bool:
         """Queue one batch; False (batch dropped, counted, logged; the worker resyncs) when the
@@ -234,9 +252,10 @@ class IndexWorker:
                 self._num_batches_accepted += 1
                 self._work.notify()
             else:
+                self._queue.note_lost()
                 self._enter_resync_mode()
                 if self.can_resync and self.index.available and not self._resync_unsent:
-                    self._resync_wanted = True  # a full queue, not a lost backend: no probe
+                    self._want_resync()  # a full queue, not a lost backend: no probe
         self._drops.note(accepted, num_ops, self.index.stats)
         return accepted
 
@@ -255,20 +274,22 @@ class IndexWorker:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._lookups.queued or self._can_send()):
+                while not (self._stopping or self.lookups.queued or self._can_send()):
                     if (not self._registered or self._queue.retry
                             or (self._needs_resync and not self._resync_wanted)):
                         probe_s = _RESYNC_PROBE_S if self._registered else _REGISTER_RETRY_S
                         self._next_heartbeat_s = min(self._next_heartbeat_s,
                                                      self._last_probe_s + probe_s)
-                    wait_s = self._next_heartbeat_s - self._clock()
+                    wait_s = min(self._next_heartbeat_s, self._idle_resync_at_s()) - self._clock()
                     if wait_s <= 0:
                         break
                     self._work.wait(wait_s)
                 if self._stopping:
                     break
-                jobs = self._lookups.start_all()
+                jobs = self.lookups.start_all()
                 batches = self._take_batches() if self._can_send() else []
+            self._queue.follow_taken()  # (off the lock: the engine thread may queue meanwhile)
+            self._resync_if_idle()
             try:
                 if self._clock() >= self._next_heartbeat_s:
                     self._heartbeat() if self._registered else self._register_again()
@@ -277,9 +298,9 @@ class IndexWorker:
             if jobs:
                 self._resolve(jobs)
                 with self._lock:
-                    self._lookups.running = []
+                    self.lookups.running = []
             if batches:
-                num_done = self._send(batches)
+                num_done = send_batches(batches, self._publish, self._lose, self.node_id)
                 with self._lock:
                     self._whole_set_in_call = False
                     self._num_batches_done += num_done
@@ -332,37 +353,15 @@ class IndexWorker:
                                     hit_rule=self.hit_rule)
 
         try:
-            answer_lookups(jobs, self._clock(), self._answered, ask)
+            answer_lookups(jobs, self._clock(), self.lookups.answered, ask)
         except Exception:
             logger.exception("index: %d lookup(s) of %s failed", len(jobs), self.node_id)
 
-    def _send(self, batches: list[Batch]) -> int:
-        """Publish the batches as one call numbered ``(first seq, last seq)``; if one holds a
-        bad event, one call per batch, so that only it is lost (a resync follows). Returns how
-        many are done (0: the call is held)."""
-        try:
-            return 0 if self._publish(batches) else len(batches)
-        except ValueError as exc:
-            if len(batches) == 1:
-                logger.error("index: publish batch of %s refused: %s", self.node_id, exc)
-                with self._lock:
-                    self._enter_resync_mode()
-                return 1
-        except Exception:
-            logger.exception("index: publish of %s failed", self.node_id)
-            with self._lock:
-                self._enter_resync_mode()
-            return len(batches)
-        for batch in batches:
-            try:
-                self._publish([batch], hold=False)
-            except Exception as exc:
-                logger.error("index: publish batch of %s refused: %s", self.node_id, exc)
-                with self._lock:
-                    self._enter_resync_mode()
-        return len(batches)
+    def _lose(self) -> None:  # a batch may be lost (``jobs.send_batches``)
+        with self._lock:
+            self._enter_resync_mode()
 
-    def _publish(self, batches: list[Batch], *, hold: bool = True) -> bool:  # True: held
+    def _publish(self, batches: list[Batch], hold: bool = True) -> bool:  # True: held
         events = [event for batch in batches for event in batch.events]
         resync = batches[0].resync
         if self._needs_resync and not resync:
@@ -410,7 +409,8 @@ class IndexWorker:
             registered = self._register()
             with self._lock:
                 self._enter_resync_mode(warn=answered_before)
-                self._resync_wanted = registered
+                if registered:
+                    self._want_resync()
             return
         if self._address is not None and now >= self._next_announce_s:  # also when a shard
             # is down (the live ones serve the address); not at every resync probe
@@ -418,7 +418,7 @@ class IndexWorker:
             self.directory.announce(self.node_id, self._address, ttl_s=self.ttl_s)
         with self._lock:  # ("unavailable": a publish meanwhile is held and made again)
             if status == "ok" and self._needs_resync and not self._resync_unsent:
-                self._resync_wanted = True  # (not while a set is under way: it may land)
+                self._want_resync()  # (not while a set is under way: it may land)
 
     def _register_again(self) -> None:
         """An unanswered registration (at ``start``, after a fence), tried every
@@ -441,8 +441,7 @@ class IndexWorker:
     def _shut_down(self) -> None:
         with self._lock:
             num_ops = self._queue.clear()
-            self._lookups.fail_queued()
-            self._answered.notify_all()
+            self.lookups.fail_queued()
             abandoned = self._abandoned
         if num_ops:
             logger.info("index: %s closed with %d unpublished ops", self.node_id, num_ops)

@@ -19,7 +19,8 @@ Then, one JSON object per line in, one out:
 - ``{"cmd": "stats"}`` -> ``{"ok": true, "stats": <the scheduler-side connector's
   stats.snapshot()> | null, "rank_stats": {tp_rank: snapshot}}`` (each worker rank's own, a
   tensor-parallel engine's; in-process only: in mp mode the scheduler lives in EngineCore),
-  ``"index_available"``: whether its index backend answered its last call (null: no index).
+  ``"index_available"``: whether its index backend answered its last call, ``"index_resyncs"``:
+  how many resyncs of its cached set landed (both null: no index).
 - ``{"cmd": "metrics"}`` -> ``{"ok": true, "metrics": {name: value}}``: vLLM's own metrics as
   ``llm.get_metrics()`` reads them from this process's Prometheus registry (the frontend's, in
   both modes), counters named ``vllm:kvbridge_*``, ``vllm:external_prefix_cache_hits`` and
@@ -135,11 +136,13 @@ class _Engine:
         connector = getattr(sched, "connector", None)
         stats = getattr(connector, "stats", None)
         by_rank = getattr(connector, "rank_stats", None) or {}
-        index_client = getattr(connector, "index_client", None)
+        # (the scheduler half's; ``KVBridgeConnector`` keeps it as ``_scheduler``)
+        index_client = getattr(getattr(connector, "_scheduler", None), "index_client", None)
         return {"stats": None if stats is None else stats.snapshot(),
                 "rank_stats": {str(rank): s.snapshot() for rank, s in by_rank.items()},
                 "index_available": (None if index_client is None
-                                    else bool(index_client.index.available))}
+                                    else bool(index_client.index.available)),
+                "index_resyncs": None if index_client is None else index_client.num_resyncs}
 
     def metrics(self) -> dict[str, Any]:
         from vllm.v1.metrics.reader import Counter, Histogram

@@ -13,8 +13,8 @@ tokens), so that A can be made to evict. Checked:
   as they were before the eviction): A refuses them, B recomputes, the tokens are right;
 - malformed entries in Redis: skipped by B's lookup with a log line, B computes the prompt;
 - Redis stopped mid-run: B keeps serving from its own cache and says so once; Redis back
-  (empty): both register again, A lists its cached blocks again at its next step, and B pulls
-  through the index again;
+  (empty): both register again, A lists its cached blocks again without a step (idle: its
+  index thread resyncs what it had listed), and B pulls through the index again;
 - an engine started while Redis is down starts and serves; on Redis again, being of another
   dtype, it sees none of A's entries (its own namespace);
 - a holder that dies (paused, then killed) while a pull waits on it: B recomputes, the tokens
@@ -84,6 +84,13 @@ def _serve_prefix(node: Node, name: str) -> None:
 
 def _tick(node: Node) -> None:
     node.generate([request(TICK, 1)])
+
+
+def _index_resyncs(node: Node) -> int:
+    """How many resyncs of its cached set the node's index client had land (``_node.py``)."""
+    resyncs = node.call({"cmd": "stats"}, 60)["index_resyncs"]
+    assert isinstance(resyncs, int), f"{node.name}: no index client found: {resyncs!r}"
+    return resyncs
 
 
 def _delta(after: dict, before: dict, *keys: str) -> tuple[int, ...]:
@@ -193,6 +200,8 @@ def test_redis_stopped_mid_run_b_keeps_serving_says_so_once_and_uses_the_index_a
         engines, reference, redis_server):
     a, b = engines
     _serve_prefix(a, "index_before_outage")
+    _serve_prefix(a, "index_after_outage")  # B asks for it once Redis is back
+    resyncs = _index_resyncs(a)
     said = {text: _log_lines(b, text) for text in OUTAGE_LINES}
     redis_server.stop()
     stopped_at = time.monotonic()
@@ -217,11 +226,13 @@ def test_redis_stopped_mid_run_b_keeps_serving_says_so_once_and_uses_the_index_a
                    if "kvbridge" in line][-15:])
     finally:
         redis_server.start()  # empty: every registration and entry is gone
-    # Both register again (heartbeats: a second); A lists its cached blocks again at its next
-    # step (a resync), and B finds A's prefixes through the index again.
-    time.sleep(TTL_S / 3 + 1.0)
-    _tick(a)
-    _serve_prefix(a, "index_after_outage")
+    # Both register again (heartbeats: a second). A, idle (nothing steps it), lists its cached
+    # blocks again from its index thread (a resync of what it had listed; before, only its next
+    # step did), and B finds a prefix A computed before the outage through the index again.
+    deadline = time.monotonic() + 30.0
+    while _index_resyncs(a) == resyncs:
+        assert time.monotonic() < deadline, "idle A never listed its blocks again"
+        time.sleep(0.2)
     outs = b.generate([request(PROMPTS["index_after_outage"], N_NEW)])
     assert outs[0]["token_ids"] == reference["index_after_outage"]
     after = b.stats()
