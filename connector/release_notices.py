@@ -53,6 +53,8 @@ _retries: weakref.WeakKeyDictionary[Transport, set[asyncio.Task[None]]] = (
     weakref.WeakKeyDictionary()
 )
 """The retry tasks of each transport (held here: the loop keeps only weak references)."""
+_closed: weakref.WeakSet[Transport] = weakref.WeakSet()
+"""Transports that sent their last notices (``send_last_notices``): no retry goes over them."""
 
 
 class PullerRank(NamedTuple):
@@ -74,7 +76,8 @@ async def send_notice(
     (``NOTIFY_RETRY_AFTER_S``), so a caller never waits longer than one try
     (``NOTIFY_TIMEOUT_S``). Best effort: a notice that no try delivered is logged, and the
     holder releases the blocks at lease expiry. Never raises. Runs on the connector loop."""
-    if await _try_notice(transport, notice, puller, last=not NOTIFY_RETRY_AFTER_S):
+    if await _try_notice(transport, notice, puller, last=not NOTIFY_RETRY_AFTER_S) or (
+            transport in _closed):
         return
     task = asyncio.get_running_loop().create_task(_retry_notice(transport, notice, puller))
     tasks = _retries.setdefault(transport, set())
@@ -121,9 +124,11 @@ async def send_last_notices(
     transport: Transport, notices: list[ReleaseNotice], puller: PullerRank = SOLE_PULLER
 ) -> None:
     """The last notices over ``transport``, which is about to close (a worker shutting down):
-    one try each, and every retry still pending over it stops (the holders of notices no try
-    delivered release at lease expiry)."""
+    one try each; every retry still pending over it stops, and no notice sent over it from
+    now on (a pull ending as the transport closes) is tried again (the holders of notices no
+    try delivered release at lease expiry)."""
     await send_notices(transport, notices, puller)
+    _closed.add(transport)
     for task in list(_retries.pop(transport, ())):
         task.cancel()
 

@@ -372,8 +372,10 @@ def test_a_closing_worker_stops_its_notice_retries(monkeypatch):
         get_loop_thread().run(send_notice(transport, notice), 5)
         assert len(calls) == 1
         d.shutdown()
+        get_loop_thread().run(send_notice(transport, notice), 5)  # a pull ending meanwhile
+        assert len(calls) == 2
         time.sleep(1.2)  # every retry would have run by now
-        assert len(calls) == 1
+        assert len(calls) == 2
     finally:
         d.shutdown()
         p.shutdown()

@@ -9,11 +9,15 @@ prefixes meanwhile. Every batch a node queues passes through its ``IndexWorker``
 (``jobs.PublishQueue.take``), so the worker can follow the same events and know, at any moment,
 what the index says of the node once every batch taken so far has landed: ``ListedSet``, the
 same entries the backend keeps (``in_memory.InMemoryBlockIndex.publish`` applies the ops the
-same way). That is the set a resync must send, unless a batch never reached the worker (a full
-queue dropped it: the set is then inexact until the engine's own resync is followed).
+same way; keyed here by the whole hash, there by its first ``key_hash_bytes``, which differ
+only for two hashes sharing those bytes). That is the set a resync must send, unless a batch
+never reached the worker (a full queue dropped it: the set is then inexact until the engine's
+own resync is followed).
 
 Cost: one dict write per stored block and one read (and delete) per removed one, on the worker
-thread, off the scheduling step; memory: one entry per block the node has listed.
+thread, off the scheduling step: a quarter of the CPU of the step's publish call itself
+(``benchmarks/bench_publish.py``, ``follow_cpu_over_publish``); memory: one entry per block
+the node has listed.
 
 Owner: the index worker's thread (``jobs.PublishQueue.follow_taken``, outside the worker's lock:
 a step's batch costs about a microsecond per block there, which the engine thread, taking that
