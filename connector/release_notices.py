@@ -38,10 +38,10 @@ NOTIFY_TIMEOUT_S = 5.0
 """How long one try of a release notice may take (seconds): the connection to the holder, its
 handshake included, and the send."""
 NOTIFY_RETRY_AFTER_S = (1.0, 4.0, 12.0)
-"""After a try that failed, the notice is tried again after each
-of these pauses (seconds) until one try delivers it: four tries over at most about 37 s, inside
-a lease that the puller's heartbeats kept alive up to the pull's end (``lease_s``, 30 s by
-default, from there). Why: a puller whose connector loop was starved for longer than a try (a
+"""After a try that failed, the notice is tried again after each of these pauses (seconds)
+until one try delivers it: four tries over at most about 37 s, inside a lease that the
+puller's heartbeats kept alive up to the pull's end (``lease_s``, 30 s by default, from
+there). Why: a puller whose connector loop was starved for longer than a try (a
 decode rank held ~19 s in a torchinductor kernel on a loaded host, seen in CI) lost every
 notice of the pulls that ended meanwhile, and the holder kept those blocks until the leases ran
 out. A second delivery is harmless: the holder counts each puller rank once and ignores an
@@ -76,8 +76,8 @@ async def send_notice(
     (``NOTIFY_RETRY_AFTER_S``), so a caller never waits longer than one try
     (``NOTIFY_TIMEOUT_S``). Best effort: a notice that no try delivered is logged, and the
     holder releases the blocks at lease expiry. Never raises. Runs on the connector loop."""
-    if await _try_notice(transport, notice, puller, last=not NOTIFY_RETRY_AFTER_S) or (
-            transport in _closed):
+    only_try = not NOTIFY_RETRY_AFTER_S or transport in _closed
+    if await _try_notice(transport, notice, puller, last_of=1 if only_try else 0) or only_try:
         return
     task = asyncio.get_running_loop().create_task(_retry_notice(transport, notice, puller))
     tasks = _retries.setdefault(transport, set())
@@ -86,9 +86,10 @@ async def send_notice(
 
 
 async def _try_notice(
-    transport: Transport, notice: ReleaseNotice, puller: PullerRank, *, last: bool
+    transport: Transport, notice: ReleaseNotice, puller: PullerRank, *, last_of: int
 ) -> bool:
-    """One try: True if the holder got the notice. A failed ``last`` try is logged."""
+    """One try: True if the holder got the notice. A failed try that is the last of
+    ``last_of`` tries (not 0) is logged."""
     ticket = notice.ticket
     try:
         await asyncio.wait_for(
@@ -105,18 +106,19 @@ async def _try_notice(
         )
         return True
     except Exception as exc:
-        if last:
-            logger.info("release notice for %s not delivered in %d tries: %r",
-                        ticket.remote_request_id, 1 + len(NOTIFY_RETRY_AFTER_S), exc)
+        if last_of:
+            logger.info("release notice for %s not delivered (tries: %d): %r",
+                        ticket.remote_request_id, last_of, exc)
         return False
 
 
 async def _retry_notice(transport: Transport, notice: ReleaseNotice, puller: PullerRank) -> None:
     """The tries after the first (``NOTIFY_RETRY_AFTER_S``); the last failure is logged."""
-    last = len(NOTIFY_RETRY_AFTER_S) - 1
-    for i, pause_s in enumerate(NOTIFY_RETRY_AFTER_S):
+    num_tries = 1 + len(NOTIFY_RETRY_AFTER_S)
+    for i, pause_s in enumerate(NOTIFY_RETRY_AFTER_S, start=2):
         await asyncio.sleep(pause_s)
-        if await _try_notice(transport, notice, puller, last=i == last):
+        if await _try_notice(transport, notice, puller,
+                             last_of=num_tries if i == num_tries else 0):
             return
 
 

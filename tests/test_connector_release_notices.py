@@ -354,14 +354,15 @@ def test_a_notice_no_try_delivers_is_logged_once_and_the_lease_waits_for_expiry(
         assert _wait_for(lambda: "not delivered" in caplog.text, 5)
         time.sleep(0.3)  # no try after the last
         assert len(calls) == 1 + len(_QUICK_RETRIES)
-        assert caplog.text.count("not delivered in 4 tries") == 1
+        assert caplog.text.count("not delivered (tries: 4)") == 1
         assert p.leases.is_held("p-1")
     finally:
         d.shutdown()
         p.shutdown()
 
 
-def test_a_closing_worker_stops_its_notice_retries(monkeypatch):
+def test_a_closing_worker_stops_its_notice_retries(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="kvbridge.connector.release_notices")
     monkeypatch.setattr(release_notices, "NOTIFY_RETRY_AFTER_S", (0.3, 0.3, 0.3))
     network = LoopbackNetwork()
     p, d = _worker("prefill-0", 8, network=network), _worker("decode-0", 8, network=network)
@@ -376,6 +377,7 @@ def test_a_closing_worker_stops_its_notice_retries(monkeypatch):
         assert len(calls) == 2
         time.sleep(1.2)  # every retry would have run by now
         assert len(calls) == 2
+        assert caplog.text.count("not delivered (tries: 1)") == 1  # (the one after closing)
     finally:
         d.shutdown()
         p.shutdown()
