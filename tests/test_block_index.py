@@ -30,6 +30,7 @@ from kvbridge.connector.index import (
     RedisBlockIndex,
     open_index,
 )
+from kvbridge.connector.index.node_directory import NodeAddress, RedisNodeDirectory
 from kvbridge.connector.index.redis_direct import HeldConnections
 from kvbridge.connector.index.redis_scripts import LOOKUP_SAMPLE_HOLDERS
 from kvbridge.kvmanager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -289,6 +290,53 @@ def test_the_key_prefix_keeps_the_model_readable_and_short() -> None:
     # The model %-quoted (no ':' or '{}' inside a segment: Redis Cluster hash tags wrap the
     # prefix), then 16 hex digits of the identity's digest, whatever the other fields' length.
     assert prefix == f"kvbridge:bi:org%2FModel%3Av1%20%7Bx%7D:{identity.digest[:16]}:k8"
+
+
+def check_keys_of_another_type_are_garbage_not_an_outage(index: RedisBlockIndex, raw) -> None:
+    """Keys of another type in the namespace (not written by kvbridge; ``raw`` writes them): an
+    entry key that is a string, and the namespace's incarnation record. Registration, publish
+    (store, remove, clear) and the holder's block-id read go on without them, counted as
+    garbage: no script error, no back-off, the index stays available. (Before, the scripts
+    raised WRONGTYPE: the node took Redis for down, backed off every lookup for a second, and a
+    publish meeting the key failed whole, every time, so the node was never listed.)"""
+    k = index.namespace.key_hash_bytes
+    prompt = _hashes(10, prompt="foreign")
+    prefix = index._prompt_prefix(prompt[0][:k])
+    raw.set(f"{prefix}:e:0:".encode() + prompt[5][:k], b"not a hash")
+    raw.set(f"{prefix}:maxinc", b"not a hash")
+    assert index.register_node("A", 7, ttl_s=_TTL_S) == "ok"
+    assert index.publish("A", 7, [_stored(prompt)]).status == "ok"
+    assert index.stats.garbage_entries == 1
+    assert _runs(index.longest_prefix(prompt)) == [("A", 5)]  # the run stops at block 5
+    assert index.get_block_ids("A", 7, prompt[:5]) == [[1, 2, 3, 4, 5]]
+    assert index.get_block_ids("A", 7, prompt[:6]) is None  # block 5: not held
+    assert index.publish("A", 7, [_removed(prompt[3:])]).status == "ok"
+    assert _runs(index.longest_prefix(prompt)) == [("A", 3)]
+    assert index.publish("A", 7, [AllBlocksCleared(medium=None)]).status == "ok"
+    assert index.longest_prefix(prompt).num_blocks == 0
+    assert index.register_node("A", 8, ttl_s=_TTL_S) == "ok"  # a new incarnation, too
+    assert (index.stats.errors_by_kind, index.stats.publishes_dropped) == ({}, 0)
+    assert index.available
+
+
+def test_keys_of_another_type_are_garbage_not_an_outage(redis_url: str, caplog) -> None:
+    index = RedisBlockIndex(_NS, redis_url)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        check_keys_of_another_type_are_garbage_not_an_outage(index, raw)
+        # The node directory: an address key of another type is garbage too, not Redis down.
+        directory = RedisNodeDirectory(raw, _NS.key_prefix)
+        directory.announce("B", NodeAddress("10.0.0.9", 5555, 7), ttl_s=_TTL_S)
+        raw.delete(f"{_NS.key_prefix}:addr:A")
+        raw.rpush(f"{_NS.key_prefix}:addr:A", "a list")
+        with caplog.at_level(logging.WARNING, logger="kvbridge.connector.index.node_directory"):
+            assert directory.lookup("A") is None
+        assert "holds a key of another type" in caplog.text
+        assert not directory.reachability.down
+        assert directory.lookup("B") == NodeAddress("10.0.0.9", 5555, 7)
+    finally:
+        raw.close()
+        index.close()
 
 
 def test_garbage_entries_are_skipped_and_counted(redis_url: str, caplog) -> None:

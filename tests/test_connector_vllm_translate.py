@@ -18,6 +18,7 @@ from kvbridge.connector.vllm.engine_identity import (
     hash_root_id,
     kv_cache_dtype_of,
     model_revision_of,
+    warn_unnamed_weights,
 )
 from kvbridge.connector.vllm.load_modes import load_mode_for
 from kvbridge.connector.vllm.request_view import RequestView
@@ -113,6 +114,28 @@ def test_the_model_revision_is_the_commit_vllm_loaded(revision, expected):
     assert model_revision_of(model_config) == expected
     config = config_from_vllm(_vllm_transfer_config(), model_name="m", model_revision=expected)
     assert config.model_revision == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "revision", "warned"),
+    [
+        ({"index_url": "redis://h:6379/0"}, "", True),  # local weights, shared by name alone
+        ({"index_url": "redis://h:6379/0", "model_revision": "ckpt-7"}, "", False),
+        ({"index_url": "redis://h:6379/0"}, "5d0f2ab1" * 5, False),  # the commit vLLM loaded
+        ({}, "", False),  # P/D only: its peer is named by its operator
+    ],
+)
+def test_an_index_shared_by_model_name_alone_is_said_at_start(extra, revision, warned, caplog):
+    """Weights without a revision on a shared index: engines are told apart by the served
+    model name alone (a fine-tune under the same name would be served blocks its weights never
+    computed), so the engine says so once, naming the setting that tells weights apart."""
+    config = config_from_vllm(_vllm_transfer_config(**extra), model_name="m",
+                              model_revision=revision)
+    model_config = SimpleNamespace(model="/models/m")
+    with caplog.at_level("WARNING", logger="kvbridge.connector.vllm.engine_identity"):
+        assert warn_unnamed_weights(config, model_config) is warned
+    assert ("kv_connector_extra_config.model_revision" in caplog.text) is warned
+    assert ("'/models/m'" in caplog.text) is warned
 
 
 def test_a_model_revision_vllm_does_not_know_may_be_set_and_one_it_knows_not_contradicted():

@@ -33,6 +33,7 @@ from kvbridge.transport import BlockIdentity, LoopbackNetwork
 # a middle block without its parent hash, which a block pool never does and which on a cluster
 # puts the block in its own bucket (a miss there).
 from test_block_index import (  # noqa: F401
+    check_keys_of_another_type_are_garbage_not_an_outage,
     test_block_stored_without_its_parent_does_not_extend_a_run,
     test_cleared_drops_only_that_nodes_entries,
     test_equal_runs_report_every_holder_for_the_caller_to_break_ties,
@@ -422,6 +423,14 @@ def test_a_call_one_shard_left_unanswered_is_made_again_as_the_same_bucket_calls
         assert index.publish("n", 1, [stored(chains[8])], seq=(2, 2)).status == "ok"
         for chain in chains:
             assert index.longest_prefix(chain).num_blocks == 2
+    finally:
+        index.close()
+
+
+def test_keys_of_another_type_in_a_bucket_are_garbage_not_an_outage(redis_cluster_url):
+    index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url)
+    try:
+        check_keys_of_another_type_are_garbage_not_an_outage(index, index.client)
     finally:
         index.close()
 

@@ -146,6 +146,15 @@ class RedisNodeDirectory:
         """One command; None (the trouble reported to ``reachability``) if Redis fails."""
         try:
             reply = self._client.execute_command(*command)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                self.reachability.failed("directory", exc)
+                return None
+            # A key of another type under the directory's prefix (not kvbridge's): garbage,
+            # not a server down (the index keeps answering).
+            logger.warning("node directory: %s holds a key of another type; skipped",
+                           command[1])
+            return None
         except redis.RedisError as exc:
             self.reachability.failed("directory", exc)
             return None

@@ -283,7 +283,7 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         for worst in (None, 0, 2):
             if worst in replies:
                 return self._count_publish(worst, len(ops), resync)
-        reply = 3 if replies and all(r == 3 for r in replies) else 1
+        reply = 3 if replies and all(r == 3 for r in replies) else 4 if 4 in replies else 1
         return self._count_publish(reply, len(ops), resync)
 
     def _split(

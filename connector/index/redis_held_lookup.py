@@ -34,8 +34,8 @@ for gi = 6, #ARGV do
   local ids = {}
   for pos = 0, #blob / L - 1 do
     local key = P .. ':e:' .. ARGV[gi] .. ':' .. string.sub(blob, pos * L + 1, (pos + 1) * L)
-    local v = redis.call('HGET', key, node)
-    if not v or #v < 30 or string.sub(v, 1, 20) ~= inc then return false end
+    local v = redis.pcall('HGET', key, node)  -- (a key of another type: not held)
+    if type(v) ~= 'string' or #v < 30 or string.sub(v, 1, 20) ~= inc then return false end
     ids[pos + 1] = string.sub(v, 21, 24)
   end
   out[#out + 1] = table.concat(ids)

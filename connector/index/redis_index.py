@@ -98,7 +98,10 @@ _LOOKUP = _script(scripts.LOOKUP_LUA)
 _GET_BLOCK_IDS = _script(held.GET_BLOCK_IDS_LUA)
 _LOOKUP_HELD = _script(held.LOOKUP_HELD_LUA)
 _LOOKUP_MANY = _script(many.LOOKUP_MANY_LUA)
-_PUBLISH_REPLY_TO_STATUS: dict[Any, str] = {1: "ok", 0: "fenced", 2: "gap", 3: "replayed"}
+_PUBLISH_REPLY_TO_STATUS: dict[Any, str] = {
+    1: "ok", 0: "fenced", 2: "gap", 3: "replayed",
+    4: "ok",  # applied, but for stores whose entry key holds another type (``PUBLISH_LUA``)
+}
 
 
 class RedisBlockIndex:
@@ -296,6 +299,8 @@ class RedisBlockIndex:
             self.stats.publishes_dropped += 1
             self.stats.publish_ops_dropped += num_ops
             return PublishResult("unavailable", num_ops)
+        if reply == 4:  # one count per call: the script says that some were, not how many
+            self.stats.count_garbage(1, self._clock())
         status = _PUBLISH_REPLY_TO_STATUS.get(reply, "fenced")
         if status == "fenced":
             self.stats.publishes_fenced += 1

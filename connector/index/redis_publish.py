@@ -36,8 +36,9 @@ ARGS_PER_OP = 5
 # added to its key set in one SADD (before any remove or clear, and at the end); a group's hole
 # hash is only searched when it existed or a remove in this call made a hole (``holed``).
 # -> 1 applied, 0 fenced, 2 gap (first != last applied + 1, not a resync), 3 replayed (last <=
-# last applied: ignored). ``P:seq:<n>`` = inc(20) .. ':' .. the last batch number applied; it is
-# one of the node's aux keys (same TTL, dropped with the node).
+# last applied: ignored), 4 applied but for the stores whose entry key holds another type (not
+# written by kvbridge: skipped, as lookups skip them). ``P:seq:<n>`` = inc(20) .. ':' .. the
+# last batch number applied; it is one of the node's aux keys (same TTL, dropped with the node).
 PUBLISH_LUA = DROP_NODE_LUA + """
 local P, node, inc = ARGV[1], ARGV[2], ARGV[3]
 local sfirst, slast, resync = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
@@ -66,7 +67,7 @@ local function aux_of(g)
   end
   return a
 end
-local made, added = {}, {}
+local made, added, foreign = {}, {}, 0
 local function add_keys()
   if #added > 0 then
     redis.call('SADD', keyset, unpack(added))
@@ -101,7 +102,7 @@ for i = 7, #ARGV, 5 do
           worst = math.max(worst, known[2])
         end
       else
-        local pv = redis.call('HGET', P .. ':e:' .. g .. ':' .. parent, node)
+        local pv = redis.pcall('HGET', P .. ':e:' .. g .. ':' .. parent, node)
         if mine(pv) then
           local prun = struct.unpack('>I4', pv, 26)
           if prun > 0 then
@@ -112,23 +113,28 @@ for i = 7, #ARGV, 5 do
       end
     end
     local entry = inc .. data .. struct.pack('>I4', run) .. string.char(worst) .. parent
-    local fresh = redis.call('HSETNX', ekey, node, entry) == 1
-    if fresh or not mine(redis.call('HGET', ekey, node)) then
-      if holed[g] and redis.call('HDEL', a[2], h) == 1 then
-        redis.call('ZREM', a[3], h)
-      elseif parent ~= '' then
-        redis.call('HINCRBY', a[1], parent, 1)
+    local set = redis.pcall('HSETNX', ekey, node, entry)
+    if type(set) ~= 'number' then
+      foreign = foreign + 1  -- not a hash: skipped (its children start no run from it)
+    else
+      local fresh = set == 1
+      if fresh or not mine(redis.call('HGET', ekey, node)) then
+        if holed[g] and redis.call('HDEL', a[2], h) == 1 then
+          redis.call('ZREM', a[3], h)
+        elseif parent ~= '' then
+          redis.call('HINCRBY', a[1], parent, 1)
+        end
+        added[#added + 1] = ekey
+        if #added >= 512 then add_keys() end
       end
-      added[#added + 1] = ekey
-      if #added >= 512 then add_keys() end
+      if not fresh then redis.call('HSET', ekey, node, entry) end
+      made[g .. ':' .. h] = {run, worst}
     end
-    if not fresh then redis.call('HSET', ekey, node, entry) end
-    made[g .. ':' .. h] = {run, worst}
   elseif kind == 'R' then
     add_keys()
     made[g .. ':' .. h] = nil
     local a = aux_of(g)
-    local v = redis.call('HGET', ekey, node)
+    local v = redis.pcall('HGET', ekey, node)  -- (a key of another type: not ours)
     if mine(v) and string.sub(v, 25, 25) == string.sub(data, 1, 1)
         and (#data == 1 or string.sub(v, 21, 24) == string.sub(data, 2, 5)) then
       redis.call('HDEL', ekey, node)
@@ -161,6 +167,7 @@ if pttl > 0 then
     for j = 1, 3 do redis.call('PEXPIRE', a[j], pttl) end
   end
 end
+if foreign > 0 then return 4 end
 return 1
 """
 

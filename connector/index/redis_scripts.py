@@ -39,7 +39,7 @@ Scripts build key names from ARGV: fine on one Redis server, not on Redis Cluste
 DROP_NODE_LUA = """
 local function drop_node(P, node)
   local keyset, auxset = P .. ':keys:' .. node, P .. ':aux:' .. node
-  for _, k in ipairs(redis.call('SMEMBERS', keyset)) do redis.call('HDEL', k, node) end
+  for _, k in ipairs(redis.call('SMEMBERS', keyset)) do redis.pcall('HDEL', k, node) end
   for _, k in ipairs(redis.call('SMEMBERS', auxset)) do redis.call('UNLINK', k) end
   redis.call('DEL', keyset, auxset)
 end
@@ -50,9 +50,9 @@ end
 # registering again are swept here.
 REGISTER_LUA = DROP_NODE_LUA + """
 local P, node, inc, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local maxinc = redis.call('HGET', P .. ':maxinc', node)
-if maxinc and inc < maxinc then return 0 end
-redis.call('HSET', P .. ':maxinc', node, inc)
+local maxinc = redis.pcall('HGET', P .. ':maxinc', node)  -- (another type: none known)
+if type(maxinc) == 'string' and inc < maxinc then return 0 end
+redis.pcall('HSET', P .. ':maxinc', node, inc)
 local nodekey = P .. ':node:' .. node
 if redis.call('GET', nodekey) ~= inc then drop_node(P, node) end
 redis.call('SET', nodekey, inc, 'PX', ttl)

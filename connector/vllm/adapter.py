@@ -52,7 +52,7 @@ from ..metadata import (
 from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
 from ..worker_half import KVBridgeWorker
-from .engine_identity import engine_identity_fields, model_revision_of
+from .engine_identity import engine_identity_fields, model_revision_of, warn_unnamed_weights
 from .load_modes import load_mode_for, recompute_shares_in_step_loads
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
@@ -137,6 +137,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config, python_hash_seed=os.environ.get("PYTHONHASHSEED"),
             default_seed=DEFAULT_NONE_HASH_SEED, shared=bool(self.config.index_url))
         check_store_tier(vllm_config, self.config)
+        if role == KVConnectorRole.SCHEDULER:  # (once per engine)
+            warn_unnamed_weights(self.config, model_config)
         self._ours = kv_cache_config_from_vllm(kv_cache_config)
         # Several groups (vLLM's hybrid allocator): a failed pull is reported by request
         # (``failed_recving``), since vLLM refuses block-level load errors there.

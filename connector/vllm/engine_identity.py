@@ -11,6 +11,7 @@ domain"). Nothing of vLLM is imported: its objects are read by attribute.
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 from typing import Any
 
@@ -23,7 +24,10 @@ __all__ = [
     "kv_cache_dtype_of",
     "model_dtype_of",
     "model_revision_of",
+    "warn_unnamed_weights",
 ]
+
+logger = logging.getLogger(__name__)
 
 XXHASH_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
 """vLLM's ``prefix_caching_hash_algo`` values whose root hash (``NONE_HASH``) is random per
@@ -129,3 +133,23 @@ def engine_identity_fields(
         "hash_root": hash_root_id(hash_fn_name, python_hash_seed=python_hash_seed,
                                   default_seed=default_seed, shared=shared),
     }
+
+
+def warn_unnamed_weights(config: Any, model_config: Any) -> bool:
+    """Say once, at start, when this engine shares blocks by name alone: ``index_url`` or
+    ``store_url`` set while its weights have no revision (``config.model_revision`` empty: a
+    model from a local path, or a Hub model without ``--revision``). Any engine on that index
+    or store with the same ``model_name`` (vLLM's served model name) and KV geometry is then
+    taken to hold the same weights; one with other weights under that name (a fine-tune at the
+    same path, weights replaced in place) would be served blocks its weights never computed:
+    wrong tokens, no error. Returns whether it warned. Reads ``config`` (kvbridge's
+    ``KVTransferConfig``) and ``model_config`` (vLLM's) by attribute."""
+    if config.model_revision or not (config.index_url or getattr(config, "store_url", None)):
+        return False
+    logger.warning(
+        "kvbridge: weights %r have no revision, so engines sharing this index or store tell "
+        "weights apart by model name %r alone; set kv_connector_extra_config.model_revision to "
+        "a name for these weights (one value on every engine that loads them, e.g. a checksum "
+        "of the checkpoint) unless every engine under that name loads the same weights",
+        str(getattr(model_config, "model", "?")), config.model_name)
+    return True
