@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +18,10 @@ from kvbridge.connector.vllm.engine_identity import (
     engine_identity_fields,
     hash_root_id,
     kv_cache_dtype_of,
+    local_weights_revision,
     model_revision_of,
     warn_unnamed_weights,
+    weights_revision_of,
 )
 from kvbridge.connector.vllm.load_modes import load_mode_for
 from kvbridge.connector.vllm.request_view import RequestView
@@ -114,6 +117,44 @@ def test_the_model_revision_is_the_commit_vllm_loaded(revision, expected):
     assert model_revision_of(model_config) == expected
     config = config_from_vllm(_vllm_transfer_config(), model_name="m", model_revision=expected)
     assert config.model_revision == expected
+
+
+def test_weights_from_a_local_path_get_a_revision_of_their_bytes(tmp_path):
+    """Weights from a local path have no revision of their own (vLLM's is None): the engine
+    names them by their ``config.json`` and bytes sampled over each weight file. Copies of one
+    checkpoint agree; a fine-tune (other bytes over a run of 1/1024 of a file) or another
+    config does not, so it never shares blocks with them under the same served model name (it
+    did: both had revision "", and decoded over each other's KV)."""
+    rng = random.Random(0)
+    weights = rng.randbytes(8 << 20)
+
+    def checkpoint(name: str, data: bytes, config: bytes = b'{"layers": 4}') -> str:
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "config.json").write_bytes(config)
+        (directory / "model.safetensors").write_bytes(data)
+        (directory / "tokenizer.json").write_bytes(name.encode())  # not weights: not read
+        return str(directory)
+
+    revision = local_weights_revision(checkpoint("a", weights))
+    assert revision.startswith("local-") and len(revision) == len("local-") + 16
+    assert local_weights_revision(checkpoint("copy", weights)) == revision
+    run = len(weights) // 1024
+    for start in (0, 3_000_001, len(weights) - run):  # any run that long, anywhere
+        tuned = bytearray(weights)
+        tuned[start:start + run] = bytes(run)
+        assert local_weights_revision(checkpoint(f"tuned-{start}", bytes(tuned))) != revision
+    assert local_weights_revision(checkpoint("config", weights, b'{"layers": 5}')) != revision
+    (tmp_path / "empty").mkdir()
+    for nothing in ("org/hub-model", str(tmp_path / "missing"), str(tmp_path / "empty")):
+        assert local_weights_revision(nothing) == ""
+    # What the adapter gives config_from_vllm: vLLM's revision first, then the extra config's
+    # (applied there), then the local bytes.
+    local = SimpleNamespace(model=str(tmp_path / "a"), revision=None)
+    assert weights_revision_of(local, _vllm_transfer_config()) == revision
+    assert weights_revision_of(local, _vllm_transfer_config(model_revision="ckpt-7")) == ""
+    assert weights_revision_of(SimpleNamespace(model=str(tmp_path / "a"), revision="v1.1"),
+                               _vllm_transfer_config()) == "v1.1"
 
 
 @pytest.mark.parametrize(

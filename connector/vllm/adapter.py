@@ -52,7 +52,7 @@ from ..metadata import (
 from ..scheduler_half import KVBridgeScheduler
 from ..stats import KVTransferStats
 from ..worker_half import KVBridgeWorker
-from .engine_identity import engine_identity_fields, model_revision_of, warn_unnamed_weights
+from .engine_identity import engine_identity_fields, warn_unnamed_weights, weights_revision_of
 from .load_modes import load_mode_for, recompute_shares_in_step_loads
 from .logs import route_to_vllm
 from .metrics import KVBridgeConnectorStats, KVBridgePromMetrics, StatsTap
@@ -130,7 +130,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = config_from_vllm(
             vllm_config.kv_transfer_config,
             model_name=str(model_config.served_model_name or "vllm"),
-            model_revision=model_revision_of(model_config),
+            model_revision=weights_revision_of(model_config, vllm_config.kv_transfer_config),
         )
         # Refuses index_url on a hash root no other engine shares, before anything starts.
         self._identity = engine_identity_fields(

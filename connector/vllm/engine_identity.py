@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from pathlib import Path
 from typing import Any
 
 from ..errors import KVTransferConfigError
@@ -22,9 +23,11 @@ __all__ = [
     "engine_identity_fields",
     "hash_root_id",
     "kv_cache_dtype_of",
+    "local_weights_revision",
     "model_dtype_of",
     "model_revision_of",
     "warn_unnamed_weights",
+    "weights_revision_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,62 @@ def model_revision_of(model_config: Any) -> str:
     if revision is None:
         return ""
     return str(getattr(revision, "resolved", None) or revision)
+
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLES_PER_FILE = 1024  # read evenly over each weight file, SAMPLE_BYTES each
+SAMPLE_BYTES = 4096
+
+
+def local_weights_revision(model: str) -> str:
+    """A revision for weights vLLM loaded from a local path (``model_config.model``: a
+    directory, or one file such as a GGUF), which have none of their own: ``"local-"`` and 16
+    hex digits of SHA-256 over the directory's ``config.json`` and, for each weight file (by
+    name), its name, its size and ``SAMPLES_PER_FILE`` reads of ``SAMPLE_BYTES`` spaced evenly
+    over it (4 MiB a file, whatever its size: milliseconds from the page cache vLLM has just
+    filled). Copies of one checkpoint on two machines get equal revisions; weights that differ
+    get different ones wherever they differ over a run of bytes at least 1/1024 of a file long
+    (a fine-tune changes whole tensors), and whatever ``config.json`` changes. Not a checksum of
+    every byte: weights differing only in a few short runs may collide, which
+    ``model_revision`` in the extra config settles (docs/vllm-prefix-reuse.md, "One hash
+    domain"). ``""`` when ``model`` is no local path or holds no weight file. Reads files
+    only; raises nothing (an unreadable file gives ``""``)."""
+    path = Path(model)
+    try:
+        if path.is_file():
+            files = [path]
+        elif path.is_dir():
+            files = sorted(f for f in path.iterdir()
+                           if f.suffix in WEIGHT_FILE_SUFFIXES and f.is_file())
+        else:
+            return ""
+        if not files:
+            return ""
+        digest = hashlib.sha256()
+        config = path / "config.json"
+        if path.is_dir() and config.is_file():
+            digest.update(config.read_bytes())
+        for weights in files:
+            size = weights.stat().st_size
+            digest.update(f"\0{weights.name}\0{size}\0".encode())
+            with weights.open("rb") as f:
+                for i in range(SAMPLES_PER_FILE):
+                    f.seek(size * i // SAMPLES_PER_FILE)
+                    digest.update(f.read(SAMPLE_BYTES))
+    except OSError:
+        return ""
+    return "local-" + digest.hexdigest()[:16]
+
+
+def weights_revision_of(model_config: Any, kv_transfer_config: Any) -> str:
+    """The revision ``config_from_vllm`` is given: vLLM's (``model_revision_of``); else, where
+    the extra config names none, ``local_weights_revision`` of the local path vLLM loaded
+    (``""`` where there is none: the engine then says so at start, ``warn_unnamed_weights``)."""
+    revision = model_revision_of(model_config)
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    if revision or extra.get("model_revision"):
+        return revision
+    return local_weights_revision(str(getattr(model_config, "model", "") or ""))
 
 
 def kv_cache_dtype_of(cache_config: Any, model_config: Any) -> str:
@@ -138,7 +197,8 @@ def engine_identity_fields(
 def warn_unnamed_weights(config: Any, model_config: Any) -> bool:
     """Say once, at start, when this engine shares blocks by name alone: ``index_url`` or
     ``store_url`` set while its weights have no revision (``config.model_revision`` empty: a
-    model from a local path, or a Hub model without ``--revision``). Any engine on that index
+    Hub model without ``--revision``, or a local path without weight files of a known suffix,
+    ``local_weights_revision``). Any engine on that index
     or store with the same ``model_name`` (vLLM's served model name) and KV geometry is then
     taken to hold the same weights; one with other weights under that name (a fine-tune at the
     same path, weights replaced in place) would be served blocks its weights never computed:

@@ -40,7 +40,6 @@ from kvbridge.connector.metadata import (
 from kvbridge.connector.serve.demo import tiny_checkpoint as _model
 from kvbridge.connector.transfer_params import RemotePrefillParams
 from kvbridge.connector.vllm.adapter import KVBridgeConnector, _Handshake, _WorkerReport
-from kvbridge.connector.vllm.engine_identity import model_revision_of
 from kvbridge.transport import BlockIdentity
 from vllm import SamplingParams
 from vllm.config import (
@@ -98,9 +97,10 @@ _ids = itertools.count(1)
 def _vllm_config(
     role: str, engine_id: str, policy: str, extra: dict[str, Any] | None, hybrid: bool = False,
     kv_events: bool = False, hash_algo: str = HASH_ALGO, async_scheduling: bool = False,
+    model: str | None = None,
 ) -> VllmConfig:
     model_config = ModelConfig(
-        model=str(_model.tiny_llama(hybrid=hybrid)),
+        model=model or str(_model.tiny_llama(hybrid=hybrid)),
         dtype="float32",
         seed=0,
         skip_tokenizer_init=True,
@@ -149,6 +149,7 @@ def make_scheduler(
     kv_events: bool = False,
     hash_algo: str = HASH_ALGO,
     async_scheduling: bool = False,
+    model: str | None = None,
 ) -> Scheduler:
     """A real vLLM ``Scheduler`` whose connector is ``KVBridgeConnector``'s scheduler half.
 
@@ -167,12 +168,13 @@ def make_scheduler(
     vLLM's own KV events on (``KVEventsConfig``, the "null" publisher). ``hash_algo``: vLLM's
     ``prefix_caching_hash_algo`` (``make_request`` hashes with ``HASH_ALGO``).
     ``async_scheduling``: vLLM's ``AsyncScheduler`` (the next step may be scheduled before
-    the last one's output is given back), as vLLM runs by default on a GPU.
+    the last one's output is given back), as vLLM runs by default on a GPU. ``model``: the
+    checkpoint's path (default the tiny Llama's; the geometry above stays).
     """
     assert incarnation is None or tp_size is None, "incarnation names one rank's"
     engine_id = engine_id or role.removeprefix("kv_")
     vllm_config = _vllm_config(role, engine_id, policy, extra, hybrid, kv_events, hash_algo,
-                               async_scheduling)
+                               async_scheduling, model)
     geometry = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
     groups = [KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(**geometry))]
     if hybrid:
@@ -198,7 +200,7 @@ def make_scheduler(
     )
     identity = BlockIdentity(  # what the worker half's transport would announce
         model_name=connector_of(scheduler).config.model_name,  # as the worker half names it
-        model_revision=model_revision_of(vllm_config.model_config),
+        model_revision=connector_of(scheduler).config.model_revision,  # (the same)
         block_size=BLOCK_SIZE,
         hash_fn_name=str(vllm_config.cache_config.prefix_caching_hash_algo),
         **connector_of(scheduler)._identity,  # dtypes and hash root, as the adapter's worker

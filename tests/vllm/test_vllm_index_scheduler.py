@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -209,6 +210,51 @@ def test_the_index_lists_exactly_what_vllm_caches_through_eviction_and_reset(pai
     assert reset.meta.block_hashes.cleared
     assert client_of(a).flush()
     assert index_entries(a) == pool_entries(a) == set()
+
+
+def test_other_weights_under_one_served_model_name_never_share_blocks(tmp_path):
+    """Engines that name their model alike (``model_name``: vLLM's served model name) but load
+    other weights from a local path (a fine-tune: other bytes over a run of its weights file)
+    are told apart by the revision made of their bytes: B finds none of A's blocks. A copy of
+    A's checkpoint at another path is the same weights: C pulls A's blocks. (Before, every
+    local path had revision "", and B pulled A's KV: wrong tokens, no error.)"""
+    import shutil
+
+    from kvbridge.connector.serve.demo import tiny_checkpoint
+
+    base = tiny_checkpoint.tiny_llama()
+    copy, tuned = (shutil.copytree(base, tmp_path / name) for name in ("copy", "tuned"))
+    (weights,) = Path(tuned).glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    run_len = len(data) // 500
+    data[len(data) // 2:len(data) // 2 + run_len] = bytes(run_len)
+    weights.write_bytes(bytes(data))
+    namespace = _namespace()
+    a = index_node("a", namespace)
+    b = index_node("b", namespace, model=str(tuned))
+    c = index_node("c", namespace, model=str(copy))
+    revisions = [connector_of(s).config.model_revision for s in (a, b, c)]
+    assert revisions[0] == revisions[2] != revisions[1] and revisions[1].startswith("local-")
+    try:
+        shared = _prompt(41, 10 * BLOCK_SIZE)  # (past min_remote_hit_tokens)
+        run(a, make_request(shared, max_tokens=1))
+        pulled = {}
+        for name, scheduler in (("b", b), ("c", c)):
+            request = make_request([*shared, *_prompt(42, 20)], max_tokens=1)
+            scheduler.add_request(request)
+            step(scheduler, **ours())
+            wait_lookups(scheduler)
+            answered = step(scheduler, **ours())
+            pulled[name] = [(p.holder.engine_id, p.num_external_tokens)
+                            for p in answered.meta.pulls]
+            if pulled[name]:  # (the fake worker says the pull landed)
+                step(scheduler, **ours(finished_recving=[request.request_id]))
+            run(scheduler)
+        assert pulled == {"b": [], "c": [("a", 10 * BLOCK_SIZE)]}, pulled
+    finally:
+        for scheduler in (a, b, c):
+            assert_scheduler_empty(scheduler)
+            connector_of(scheduler).shutdown()
 
 
 def test_the_block_events_are_built_after_the_step_not_inside_schedule(pair, monkeypatch):
