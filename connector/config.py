@@ -103,7 +103,8 @@ key                          default   meaning
                                        the handshake checks and the index namespace is made of
 ``model_revision``           ""        the revision of the model's weights, part of the block
                                        identity too (vLLM: the commit ``--revision`` resolved
-                                       to); "": unknown, equal only to another unknown
+                                       to, or for local weights one of their bytes); "":
+                                       unknown, equal only to another unknown
 ``store_url``                None      ``"host:port"`` of a store node's write server (issue 7),
                                        ``"[ipv6]:port"`` for an IPv6 address
 ``offload``                  off       ``"off"``, ``"evict"`` (cold cached blocks, before reuse)

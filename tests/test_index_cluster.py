@@ -20,7 +20,13 @@ from _redis_cluster_fixture import RedisClusterServers
 from kvbridge.connector.index import BlockIndex, IndexNamespace, RedisClusterBlockIndex
 from kvbridge.connector.index.protocol import events_to_ops
 from kvbridge.connector.index.redis_cluster import bucket_of, parse_cluster_url
-from kvbridge.kvmanager import BlockRemoved, BlockStored, Request, SamplingParams
+from kvbridge.kvmanager import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Request,
+    SamplingParams,
+)
 from kvbridge.kvmanager.engine import Engine
 from kvbridge.transport import BlockIdentity, LoopbackNetwork
 
@@ -249,7 +255,13 @@ def _prompt_on(index: RedisClusterBlockIndex, engine, shard: str, *, other: bool
     raise AssertionError("no prompt found for that shard")
 
 
-def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
+@pytest.mark.parametrize("b_serves", ["before", "during"])
+def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster, b_serves):
+    """B computes a prompt of the stopped shard's slots and one of a live shard's, before the
+    shard stops or while it is down. ``during``: B's part for the dead shard's bucket is
+    parked and the other lands at once, so C still pulls the live prompt; before, B's
+    publishes all waited on the dead bucket, then stopped until a resync once the shard was
+    back: nothing B computed during the outage was listed (and ``serve``'s flush timed out)."""
     # C's lookups may wait behind heartbeats that meet the dead shard (each failed call makes
     # redis-py re-read the cluster's topology): a lookup deadline that a loaded host keeps.
     b, c = nodes("node-b"), nodes("node-c", index_lookup_timeout_s=5.0)
@@ -257,12 +269,15 @@ def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
     down = f"127.0.0.1:{redis_cluster.ports[2]}"
     on_down = _prompt_on(index, b, down, other=False, salt="Down")
     on_live = _prompt_on(index, b, down, other=True, salt="Live")
-    serve(b, "warm-down", on_down)
-    serve(b, "warm-live", on_live)
-    assert index.longest_prefix(hashes_of(b, on_live)[:8]).num_blocks == 8
-    # (1) Shard 2 dies. C asks for a prompt of its slots: the lookup fails (counted) and C
-    # computes it with local APC; the answer is still right.
-    redis_cluster.stop(2)
+    for when in ("before", "during"):
+        if when == b_serves:
+            serve(b, "warm-down", on_down)
+            serve(b, "warm-live", on_live)
+            assert index.longest_prefix(hashes_of(b, on_live)[:8]).num_blocks == 8
+        if when == "before":  # (1) Shard 2 dies.
+            redis_cluster.stop(2)
+    # C asks for a prompt of the dead shard's slots: the lookup fails (counted) and C computes
+    # it with local APC; the answer is still right.
     failed_before = index.stats.lookups_failed
     assert serve(c, "req-down", on_down) == reference_greedy(on_down, 3, hybrid=False)
     assert stats(c)["num_index_hits"] == 0
@@ -287,8 +302,10 @@ def test_a_stopped_shard_costs_only_its_slots_prompts(nodes, redis_cluster):
 def test_a_node_started_while_a_shard_is_down_is_listed_on_the_live_shards(nodes, redis_cluster):
     """One shard down when a node starts: its registration is answered by the live buckets, so
     it publishes there at once (before, it counted as unanswered until every shard answered,
-    and the node was listed nowhere meanwhile). Once the shard is back, the node's first call
-    there is fenced; it registers again and resyncs, and its prompt of that shard hits too."""
+    and the node was listed nowhere meanwhile). Once the shard is back, the node's next
+    heartbeat registers it in that shard's buckets (before, that heartbeat was fenced, and the
+    node registered everywhere and resynced its whole set), and its prompt of that shard hits
+    too."""
     c = nodes("node-c", index_lookup_timeout_s=5.0)
     index = index_client(c).index
     down = f"127.0.0.1:{redis_cluster.ports[2]}"
@@ -302,10 +319,14 @@ def test_a_node_started_while_a_shard_is_down_is_listed_on_the_live_shards(nodes
     s = stats(c)
     assert (s["num_index_hits"], s["num_loads"], s["num_failed_loads"]) == (1, 1, 0), (
         index.stats)
-    # (2) The shard comes back, empty: B's first call there is fenced; B registers again and
-    # resyncs. B serves a prompt of that shard's slots, and C pulls it too.
+    # (2) The shard comes back, empty: B's heartbeat registers it there, with no resync. B
+    # serves a prompt of that shard's slots, and C pulls it too.
     redis_cluster.start(2)
-    step_until_resynced(b, min_resyncs=1, timeout_s=15.0)
+    deadline = time.monotonic() + 15.0
+    while index_client(b).index._seqs["node-b"].unregistered:
+        assert time.monotonic() < deadline, "B never registered in the revived shard's buckets"
+        time.sleep(0.05)
+    assert index_client(b).num_resyncs == 0
     serve(b, "warm-down", on_down)
     time.sleep(1.1)  # C's back-off of the shard's buckets runs out
     assert serve(c, "req-down", on_down) == reference_greedy(on_down, 3, hybrid=False)
@@ -331,7 +352,7 @@ def test_open_index_the_proxy_and_pd_pair_take_a_cluster_url(redis_cluster_url):
 
     from kvbridge.connector.index import block_index_for_url, open_index
     from kvbridge.connector.index.node_directory import NodeAddress
-    from kvbridge.connector.index.redis_cluster import RedisClusterNodeDirectory
+    from kvbridge.connector.index.redis_cluster_directory import RedisClusterNodeDirectory
 
     index, directory = open_index(redis_cluster_url, NAMESPACE)
     assert isinstance(index, RedisClusterBlockIndex)
@@ -382,47 +403,116 @@ def test_replay_trace_runs_on_the_cluster_and_names_the_namespaces_it_wrote(
         index.close()
 
 
+def _stored_chain(chain: list[bytes]) -> BlockStored:
+    return BlockStored(block_hashes=chain, parent_block_hash=None, token_ids=[], block_size=16,
+                       lora_name=None, medium=None, group_id=0, block_ids=[1, 2])
+
+
+def _chains_with_two_in_one_bucket(index: RedisClusterBlockIndex) -> list[list[bytes]]:
+    """Two-block chains, the first and the last in one bucket, the rest in others."""
+    k = index.namespace.key_hash_bytes
+
+    def bucket(chain: list[bytes]) -> int:
+        return bucket_of(chain[0][:k], index.num_buckets)
+
+    made = [[hashlib.sha256(f"{p}/{i}".encode()).digest() for i in range(2)] for p in range(400)]
+    first, rest = made[0], made[1:]
+    others = [chain for chain in rest if bucket(chain) != bucket(first)][:7]
+    last = next(chain for chain in rest if bucket(chain) == bucket(first))
+    return [first, *others, last]
+
+
 @pytest.mark.parametrize("ran", [False, True], ids=["part-never-ran", "part-ran-late"])
-def test_a_call_one_shard_left_unanswered_is_made_again_as_the_same_bucket_calls(
+def test_a_part_one_bucket_leaves_unanswered_waits_alone_and_lands_in_order(
     redis_cluster_url, ran
 ):
-    """One bucket leaves its part of a publish call unanswered (a timeout: the shard may have
-    run it or not). The node makes the call again with the same ``seq``, and the index makes
-    the same bucket calls with the same bucket numbers: a part that ran answers "replayed", one
-    that did not applies, the next call continues every bucket (no gap) and the index holds
-    every block. (Before, the call made again answered "replayed" without reaching the shard:
-    the part was missing, and that bucket's next call was refused as a gap.)"""
+    """One bucket leaves its part of a publish unanswered (a timeout: its shard may have run
+    it or not). The other buckets apply theirs at once; the part is parked, with its number,
+    and the node's next part for that bucket queues behind it; the node's worker sends both
+    again, in order (``send_parked``): a part that ran answers "replayed", and the bucket
+    sees no gap. (Before, the whole publish answered "unavailable" and the node held every
+    later batch behind it, for every bucket; past 3 s it stopped publishing until a resync
+    once every bucket answered.)"""
     index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url, retry_interval_s=0.0)
     k = NAMESPACE.key_hash_bytes
-    chains = [[hashlib.sha256(f"{p}/{i}".encode()).digest() for i in range(2)] for p in range(9)]
-    buckets = {bucket_of(chain[0][:k], index.num_buckets) for chain in chains}
-    assert len(buckets) >= 2  # the call spans buckets
+    chains = _chains_with_two_in_one_bucket(index)
     dropped = index.bucket_prefixes[bucket_of(chains[0][0][:k], index.num_buckets)]
-
-    def stored(chain: list[bytes]) -> BlockStored:
-        return BlockStored(block_hashes=chain, parent_block_hash=None, token_ids=[],
-                           block_size=16, lora_name=None, medium=None, group_id=0,
-                           block_ids=[1, 2])
-
-    real, unanswered = index._publish_at, []
+    real, tries = index._publish_at, []
 
     def publish_at(prefix, *args):
-        if prefix == dropped and not unanswered:
-            unanswered.append(real(prefix, *args) if ran else None)
+        if prefix == dropped and len(tries) < 2:  # its first two tries go unanswered
+            tries.append(real(prefix, *args) if ran and not tries else None)
             return None
         return real(prefix, *args)
 
     try:
         assert index.register_node("n", 1, ttl_s=30.0) == "ok"
-        events = [stored(chain) for chain in chains[:8]]
         with mock.patch.object(index, "_publish_at", publish_at):
-            assert index.publish("n", 1, events, seq=(1, 1)).status == "unavailable"
-        assert unanswered == [1 if ran else None]
-        want = "replayed" if ran else "ok"
-        assert index.publish("n", 1, events, seq=(1, 1)).status == want
-        assert index.publish("n", 1, [stored(chains[8])], seq=(2, 2)).status == "ok"
+            first = [_stored_chain(chain) for chain in chains[:8]]
+            assert index.publish("n", 1, first, seq=(1, 1)).status == "ok"
+            for chain in chains[1:8]:  # the live buckets' chains: listed at once
+                assert index.longest_prefix(chain).num_blocks == 2
+            assert index.longest_prefix(chains[0]).num_blocks == (2 if ran else 0)
+            # (the parked part is tried first, unanswered again: the new one queues behind it)
+            assert index.publish("n", 1, [_stored_chain(chains[8])], seq=(2, 2)).status == "ok"
+            assert index.longest_prefix(chains[8]).num_blocks == 0
+        assert tries == [1 if ran else None, None]
+        assert index.parked_parts("n") == (2, 0, 1)  # its oldest: two calls (flush waits no more)
+        assert index.send_parked("n", 1) == "ok"  # both, oldest first (the node's worker)
+        assert index.parked_parts("n") == (0, 0, 0)
+        assert index.stats.publishes_gap == 0 and index.stats.publishes_fenced == 0
         for chain in chains:
             assert index.longest_prefix(chain).num_blocks == 2
+        assert index.publish("n", 1, [_stored_chain(chains[0])], seq=(3, 3)).status == "ok"
+    finally:
+        index.close()
+
+
+def test_parked_parts_past_the_limit_lose_their_bucket_until_it_answers(redis_cluster_url):
+    """A bucket down for long: its parked parts are bounded (``MAX_PARKED_OPS``). Past it they
+    are dropped, counted, and the bucket is lost: its later parts are dropped as they come,
+    while the other buckets take theirs and the heartbeat still says "ok" (some bucket
+    answered). Once the lost bucket answers, the heartbeat says "fenced": the node registers
+    again and resyncs, which clears it. (Before, one dead shard's bucket made every publish and
+    heartbeat "unavailable", and the node stopped publishing anywhere until every shard was
+    back.)"""
+    index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url, retry_interval_s=0.0)
+    k = NAMESPACE.key_hash_bytes
+    chains = _chains_with_two_in_one_bucket(index)
+    dropped = index.bucket_prefixes[bucket_of(chains[0][0][:k], index.num_buckets)]
+    real_publish, real_call = index._publish_at, index._call
+
+    def publish_at(prefix, *args):
+        return None if prefix == dropped else real_publish(prefix, *args)
+
+    def call(what, script, prefix, *args, **kwargs):
+        return None if prefix == dropped else real_call(what, script, prefix, *args, **kwargs)
+
+    try:
+        assert index.register_node("n", 1, ttl_s=30.0) == "ok"
+        with mock.patch.object(index, "_publish_at", publish_at), \
+                mock.patch.object(index, "_call", call), \
+                mock.patch("kvbridge.connector.index.redis_cluster.MAX_PARKED_OPS", 3):
+            assert index.publish("n", 1, [_stored_chain(chains[0])], seq=(1, 1)).status == "ok"
+            assert index.parked_parts("n") == (1, 1, 1)  # one call so far
+            dropped_before = index.stats.publish_ops_dropped
+            assert index.publish("n", 1, [_stored_chain(chains[8])], seq=(2, 2)).status == "ok"
+            assert index.parked_parts("n") == (0, 0, 0)  # 4 ops: over the limit, the bucket lost
+            assert index.stats.publish_ops_dropped == dropped_before + 4
+            events = [_stored_chain(chains[1]), _stored_chain(chains[0])]  # live, lost
+            assert index.publish("n", 1, events, seq=(3, 3)).status == "ok"
+            assert index.stats.publish_ops_dropped == dropped_before + 6
+            assert index.parked_parts("n") == (0, 0, 0)
+            assert index.longest_prefix(chains[1]).num_blocks == 2
+            assert index.heartbeat("n", 1, ttl_s=30.0) == "ok"
+        assert index.heartbeat("n", 1, ttl_s=30.0) == "fenced"  # the lost bucket answers
+        assert index.register_node("n", 1, ttl_s=30.0) == "ok"
+        resync = [AllBlocksCleared(medium=None), *(_stored_chain(c) for c in chains[:2])]
+        assert index.publish("n", 1, resync, seq=(4, 4), resync=True).status == "ok"
+        assert index.heartbeat("n", 1, ttl_s=30.0) == "ok"
+        for chain in chains[:2]:
+            assert index.longest_prefix(chain).num_blocks == 2
+        assert index.longest_prefix(chains[8]).num_blocks == 0
     finally:
         index.close()
 

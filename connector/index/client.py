@@ -35,7 +35,8 @@ from .node_directory import (
 )
 from .protocol import BlockIndex, Holder, IndexNamespace, IndexStats, Tier, check_lookup_args
 from .reachability import NODE_MEANWHILE, Reachability
-from .redis_cluster import RedisClusterBlockIndex, RedisClusterNodeDirectory, cluster_client
+from .redis_cluster import RedisClusterBlockIndex, cluster_client
+from .redis_cluster_directory import RedisClusterNodeDirectory
 from .redis_index import RedisBlockIndex
 from .resync import ParentMirror
 from .url import CLUSTER_SCHEME, REDIS_SCHEMES, check_index_url
@@ -310,8 +311,9 @@ class IndexClient:
         return self._worker.num_resyncs_sent
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every batch queued so far has been handed to the backend; False on
-        timeout. Blocking: for tests and shutdown paths, never for a scheduling step."""
+        """Wait until every batch queued so far has been handed to the backend (and any part a
+        cluster bucket left unanswered has been sent again once); False on timeout. Blocking:
+        for tests and shutdown paths, never for a scheduling step."""
         return self._worker.flush(timeout_s)
 
     # ------------------------------------------------------------------ lookups

@@ -19,6 +19,7 @@ from .protocol import (
     IndexNamespace,
     IndexStats,
     IndexStatus,
+    ParkedParts,
     PrefixHit,
     PublishResult,
     Tier,
@@ -199,6 +200,12 @@ class InMemoryBlockIndex:
         if hit.num_blocks:
             self.stats.lookup_hits += 1
         return hit
+
+    def parked_parts(self, node_id: str) -> ParkedParts:  # (a call lands whole or not)
+        return ParkedParts()
+
+    def send_parked(self, node_id: str, incarnation: int) -> IndexStatus:
+        return "ok"
 
     def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None:
         state = self._live_node(node_id)

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .listed import ListedSet
-from .lookup import LookupQuery, LookupResult
-from .protocol import Tier
+from .lookup import LookupQuery, LookupResult, resolve_remote_prefixes
+from .protocol import BlockIndex, Tier
 
 __all__ = [
     "Batch", "DropLog", "LookupJob", "LookupSlots", "PublishQueue", "answer_lookups",
-    "count_ops", "resync_batches", "send_batches",
+    "count_ops", "resolve_jobs", "resync_batches", "send_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -365,3 +365,19 @@ def answer_lookups(
                 job.result = job.result or _UNAVAILABLE
             answered.notify_all()
         raise
+
+
+def resolve_jobs(jobs: list[LookupJob], now_s: float, answered: threading.Condition,
+                 index: BlockIndex, directory: Any, *, node_id: str, group_ids: Sequence[int],
+                 hit_rule: Any) -> None:
+    """Answer ``jobs`` together, in one backend call (``answer_lookups``, asking through
+    ``lookup.resolve_remote_prefixes``); a failure is logged, never raised. The index
+    worker's thread only."""
+    def ask(queries: list[LookupQuery], answer: Callable[[int, LookupResult], None]) -> None:
+        resolve_remote_prefixes(index, directory, node_id=node_id, group_ids=group_ids,
+                                queries=queries, answer=answer, hit_rule=hit_rule)
+
+    try:
+        answer_lookups(jobs, now_s, answered, ask)
+    except Exception:
+        logger.exception("index: %d lookup(s) of %s failed", len(jobs), node_id)

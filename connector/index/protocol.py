@@ -260,6 +260,16 @@ class PublishResult(NamedTuple):
     num_ops: int
 
 
+class ParkedParts(NamedTuple):
+    """What a backend holds of a node's publish calls it could not deliver yet
+    (``BlockIndex.parked_parts``): ``parts`` parked, ``unretried`` buckets whose oldest part has
+    had fewer than two calls, ``oldest_seq`` the node's batch number of the oldest (0: none)."""
+
+    parts: int = 0
+    unretried: int = 0
+    oldest_seq: int = 0
+
+
 def check_seq(seq: tuple[int, int] | None) -> None:
     """Raise ValueError unless ``seq`` is None or ``(first, last)`` with ``1 <= first <= last``."""
     if seq is not None and not (
@@ -364,6 +374,10 @@ class BlockIndex(Protocol):
       ``NO_HIT`` or None answer read with it says "unavailable", not "not held").
     - ``interrupt``: make calls in flight on other threads return at once as backend trouble
       (sockets closed); later calls reconnect. Safe from any thread; for prompt shutdown.
+    - ``parked_parts`` / ``send_parked``: a backend that holds parts of publish calls it could
+      not deliver yet (``RedisClusterBlockIndex``: one bucket's shard down) counts them
+      (``ParkedParts``) and sends them again ("ok": none left, "unavailable": some, "fenced":
+      one refused); the others hold none (``ParkedParts()``, "ok").
 
     Thread safety: ``RedisBlockIndex`` may be called from any thread (the Redis client's pool
     gives each call its own connection); ``InMemoryBlockIndex`` is not thread-safe by itself
@@ -410,6 +424,10 @@ class BlockIndex(Protocol):
     ) -> list[PrefixHit]: ...
 
     def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None: ...
+
+    def parked_parts(self, node_id: str) -> ParkedParts: ...
+
+    def send_parked(self, node_id: str, incarnation: int) -> IndexStatus: ...
 
     def get_block_ids(
         self,

@@ -18,17 +18,24 @@ root; they only even out many roots.
 A node is registered and heart-beats in every bucket (``num_buckets`` small calls every
 ``ttl / 3``) and announces its address in three buckets on different shards; a publish sends
 one call per bucket its ops touch, each with that bucket's own batch number (a bucket sees
-only the batches that touch it, so its numbers have no holes). A call some bucket left
-unanswered, made again with the same ``seq``, makes the same bucket calls with the same
-numbers (a part that ran answers "replayed"); any other batch number this client sent before
-is not sent again ("replayed"). A bucket whose shard is down is backed off on its own
-(``RedisBlockIndex``, per key prefix): its lookups answer "unavailable" and fall back to local
-APC, the other buckets keep answering. A node registers in the buckets that answer (one shard
-down at start costs only its buckets; once back, the node's first call there is fenced and it
-registers again and resyncs). A publish that meets the down bucket answers "unavailable": the
-node makes it again for up to 3 s, then stops sending deltas and resyncs its whole cached set
-once every bucket answers again (the live buckets keep their entries meanwhile: advisory, at
-worst a recompute).
+only the batches that touch it, so its numbers have no holes). A bucket whose shard is down is
+backed off on its own (``RedisBlockIndex``, per key prefix): its lookups answer "unavailable"
+and fall back to local APC, the other buckets keep answering. A node registers in the buckets
+that answer (one shard down at start costs only its buckets; once back, the node's first call
+there is fenced and it registers again and resyncs).
+
+A bucket that leaves its part of a publish unanswered (its shard down or slow; the part may have
+run) holds only its own part: the part is parked with its number, the node's later parts for
+that bucket queue behind it, and every other bucket applies its parts at once (before, the
+node's whole stream waited on the one shard, then stopped until every shard answered: what it
+cached meanwhile was listed nowhere). The node's index worker sends parked parts again, in
+order, every 50 ms (``send_parked``; nothing while the bucket is backed off); a part that ran
+answers "replayed". A bucket the registration did not reach is registered before its parts go
+and by the next heartbeat, which says "unavailable" only when no bucket answers. A shard back
+with its data takes the parts in order; one back empty refuses them (fenced, a gap) and the node
+resyncs. Past ``MAX_PARKED_OPS`` parked ops, the parked buckets are ``lost``: their parts are
+dropped from then on, and the node resyncs once one answers (the live buckets keep their entries
+and deltas).
 
 Servers: ``cluster-require-full-coverage no`` keeps the live shards serving while one is down.
 """
@@ -37,7 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -48,11 +55,19 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from . import redis_scripts as scripts
-from .node_directory import NodeAddress, decode_address, encode_address
+from .cluster_parts import (
+    MAX_PARKED_OPS,
+    PARKED_CALLS_PER_TURN,
+    NodeSeqs,
+    ParkedPart,
+    next_call,
+    packed_call,
+)
 from .protocol import (
     IndexNamespace,
     IndexOp,
     IndexStatus,
+    ParkedParts,
     PublishResult,
     Tier,
     check_node_id,
@@ -68,7 +83,6 @@ __all__ = [
     "CLUSTER_SCHEME",
     "ClusterUnreachableError",
     "RedisClusterBlockIndex",
-    "RedisClusterNodeDirectory",
     "bucket_of",
     "bucket_prefixes",
     "cluster_client",
@@ -76,7 +90,6 @@ __all__ = [
 ]
 
 _NUM_SLOTS = 16384
-_DIRECTORY_TROUBLE = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 _REGISTER = _script(scripts.REGISTER_LUA)
 _HEARTBEAT = _script(scripts.HEARTBEAT_LUA)
 
@@ -129,24 +142,6 @@ def bucket_of(first_key: bytes, num_buckets: int) -> int:
     return int.from_bytes(first_key[:4], "big") % num_buckets
 
 
-# A publish call as its bucket calls: (seq, each bucket's ops, each bucket's batch number).
-_CallOfBuckets = tuple[tuple[int, int], dict[int, list[IndexOp]], dict[int, int]]
-
-
-class _NodeSeqs:
-    """Per node: its incarnation, the next batch number of each bucket, the last batch number
-    sent, and the last call if a bucket left it unanswered (``seq``, its ops per bucket, their
-    numbers: a retry of that ``seq`` makes the same calls, so each bucket applies its part once,
-    or answers "replayed"). Never reset within an incarnation (a bucket that lost its data then
-    sees a gap and the node resyncs). Guarded by the index's publish lock."""
-
-    def __init__(self, incarnation: int, num_buckets: int) -> None:
-        self.incarnation = incarnation
-        self.next = [1] * num_buckets
-        self.last_batch = 0
-        self.unanswered: _CallOfBuckets | None = None
-
-
 class RedisClusterBlockIndex(RedisBlockIndex):
     """``BlockIndex`` on a Redis or Valkey cluster (module docstring: layout and trade-off).
 
@@ -183,7 +178,7 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         # node -> lookup key -> (root key, the groups holding it): the bucket of every held
         # block (a repeated store or remove of a group changes nothing)
         self._roots: dict[str, dict[bytes, tuple[bytes, set[int]]]] = {}
-        self._seqs: dict[str, _NodeSeqs] = {}
+        self._seqs: dict[str, NodeSeqs] = {}
 
     @property
     def client(self) -> RedisCluster:
@@ -209,34 +204,81 @@ class RedisClusterBlockIndex(RedisBlockIndex):
 
     # -- life ------------------------------------------------------------------------------------
     def _every_bucket(self, what: str, script: Any, node_id: str, incarnation: int,
-                      ttl_s: float, *, some: bool = False) -> IndexStatus:
-        """Run ``script`` in every bucket: "fenced" if any refused, "unavailable" if any did not
-        answer (with ``some``: if none answered), else "ok"."""
+                      ttl_s: float, *, some: bool = False,
+                      registering: Collection[int] = ()) -> tuple[IndexStatus, list[Any]]:
+        """Run ``script`` in every bucket (``REGISTER`` in those of ``registering``): "fenced"
+        if any refused, "unavailable" if any did not answer (with ``some``: if none answered),
+        else "ok"; and each bucket's reply (None: unanswered)."""
         check_node_id(node_id)
         args = (node_id, self._inc_str(incarnation), _ttl_ms(ttl_s))
-        replies = [self._call(what, script, prefix, *args) for prefix in self.bucket_prefixes]
+        replies = [self._call(*(("register", _REGISTER) if b in registering else (what, script)),
+                              prefix, *args) for b, prefix in enumerate(self.bucket_prefixes)]
         if any(reply == 0 for reply in replies):
-            return "fenced"
+            return "fenced", replies
         unanswered = [reply is None for reply in replies]
-        return "unavailable" if (all if some else any)(unanswered) else "ok"
+        return "unavailable" if (all if some else any)(unanswered) else "ok", replies
 
     def register_node(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
         """As ``RedisBlockIndex.register_node``, in every bucket: "ok" once any bucket answered
-        and none refused (a bucket whose shard did not answer fences the node's first call
-        there once it is back, and the node registers again: module docstring)."""
-        status = self._every_bucket("register", _REGISTER, node_id, incarnation, ttl_s, some=True)
+        and none refused. A bucket that did not answer is registered by the node's next
+        heartbeat, or before its next parked part is sent (module docstring)."""
+        status, replies = self._every_bucket("register", _REGISTER, node_id, incarnation, ttl_s,
+                                             some=True)
         with self._publish_lock:
             seqs = self._seqs.get(node_id)
             if seqs is None or seqs.incarnation != incarnation:
-                self._seqs[node_id] = _NodeSeqs(incarnation, self.num_buckets)
+                seqs = self._seqs[node_id] = NodeSeqs(incarnation, self.num_buckets)
                 self._roots[node_id] = {}
+            else:  # registered again (fenced): its resync covers what is parked or lost
+                self.stats.publish_ops_dropped += seqs.drop_parked()
+                seqs.lost.clear()
+            seqs.unregistered = {b for b, reply in enumerate(replies) if reply is None}
+            seqs.ttl_s = ttl_s
         return status
 
     def heartbeat(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
-        status = self._every_bucket("heartbeat", _HEARTBEAT, node_id, incarnation, ttl_s)
-        if status != "ok":
+        """As ``RedisBlockIndex.heartbeat``, in every bucket, but "unavailable" only when no
+        bucket answered: while one shard is down the node's other buckets take its parts (a
+        resync too), so the node need not wait for every shard. A bucket the registration did
+        not reach is registered instead (a heartbeat there would be fenced, and the node would
+        register everywhere and resync); one whose parts were dropped (``lost``) answering
+        again says "fenced": the node registers again and resyncs."""
+        with self._publish_lock:
+            seqs = self._seqs.get(node_id)
+            known = seqs is not None and seqs.incarnation == incarnation
+            registering = set(seqs.unregistered) if known else set()  # type: ignore[union-attr]
+            lost = set(seqs.lost) if known else set()  # type: ignore[union-attr]
+        status, replies = self._every_bucket("heartbeat", _HEARTBEAT, node_id, incarnation,
+                                             ttl_s, some=True, registering=registering)
+        if None in replies:
             self.stats.heartbeats_failed += 1
-        return status
+        if registering:
+            with self._publish_lock:
+                seqs.unregistered -= {b for b in registering if replies[b] == 1}  # type: ignore[union-attr]
+        return "fenced" if any(replies[b] is not None for b in lost) else status
+
+    def parked_parts(self, node_id: str) -> ParkedParts:
+        """``node_id``'s parked parts (module docstring): ``IndexClient.flush`` waits until
+        each bucket's oldest has had a second call, and the worker's resync is under way while
+        a part of its set is parked."""
+        with self._publish_lock:
+            seqs = self._seqs.get(node_id)
+            if seqs is None:
+                return ParkedParts()
+            heads = [parts[0] for parts in seqs.parked.values() if parts]
+            return ParkedParts(seqs.num_parked_parts, sum(part.tries < 2 for part in heads),
+                               min((part.node_seq for part in heads), default=0))
+
+    def send_parked(self, node_id: str, incarnation: int) -> IndexStatus:
+        """Send ``node_id``'s parked parts again, oldest first in each bucket (a backed-off
+        bucket waits for its back-off to end): "ok" when none is left, "unavailable" when some
+        are, "fenced" when one was refused (the node registers again and resyncs)."""
+        seqs = self._seqs.get(node_id)
+        if seqs is None or seqs.incarnation != incarnation:
+            return "ok"
+        if self._send_parked(node_id, self._inc_str(incarnation), seqs) & {0, 2}:
+            return "fenced"
+        return "unavailable" if seqs.num_parked_parts else "ok"
 
     # -- publish ---------------------------------------------------------------------------------
     def publish(
@@ -256,35 +298,85 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         with self._publish_lock:
             seqs = self._seqs.get(node_id)
             if seqs is None or seqs.incarnation != incarnation:
-                seqs = self._seqs[node_id] = _NodeSeqs(incarnation, self.num_buckets)
-            retry, seqs.unanswered = seqs.unanswered, None
-            if retry is not None and seq == retry[0]:
-                _, bucket_to_ops, numbers = retry
-            elif seq is not None and seq[1] <= seqs.last_batch:
+                seqs = self._seqs[node_id] = NodeSeqs(incarnation, self.num_buckets)
+            if seq is not None and seq[1] <= seqs.last_batch:
                 self.stats.publishes_replayed += 1
                 return PublishResult("replayed", len(ops))
-            elif seq is not None and not resync and seq[0] != seqs.last_batch + 1:
+            if seq is not None and not resync and seq[0] != seqs.last_batch + 1:
                 self.stats.publishes_gap += 1  # a batch between was never handed to us
                 return PublishResult("gap", len(ops))
-            else:
-                bucket_to_ops = self._split(node_id, ops, resync)
-                numbers = self._numbers(seqs, seq, bucket_to_ops)
-        replies = [
-            self._publish_at(
-                self.bucket_prefixes[b], node_id, inc, pack_ops(bucket_ops, self._key_hash_bytes),
-                (numbers[b], numbers[b]) if numbers else (0, 0), resync,
-            )
-            for b, bucket_ops in bucket_to_ops.items()
-        ]
-        if None in replies and seq is not None:
-            with self._publish_lock:
-                seqs.unanswered = (seq, bucket_to_ops, numbers)
-        # The worst answer speaks for the batch: lost, refused, out of order, else applied.
-        for worst in (None, 0, 2):
+            if resync:  # the set's clear covers every part parked or lost before it
+                self.stats.publish_ops_dropped += seqs.drop_parked()
+                seqs.lost.clear()
+            bucket_to_ops = self._split(node_id, ops, resync)
+            packed = {b: pack_ops(bucket_ops, self._key_hash_bytes)  # (raises before parking)
+                      for b, bucket_ops in bucket_to_ops.items()}
+            numbers = self._numbers(seqs, seq, bucket_to_ops)
+            for b, bucket_ops in bucket_to_ops.items():  # each bucket's part, behind its own
+                if b in seqs.lost:
+                    self.stats.publish_ops_dropped += len(bucket_ops)
+                else:
+                    seqs.park(b, ParkedPart(numbers.get(b, 0), packed[b], len(bucket_ops),
+                                            resync, seq[1] if seq else 0))
+        replies = self._send_parked(node_id, inc, seqs)
+        with self._publish_lock:
+            if seqs.num_parked_ops > MAX_PARKED_OPS:  # those buckets resync once they answer
+                self.stats.publish_ops_dropped += seqs.drop_parked(lose=True)
+        # The worst answer speaks for the batch: refused, out of order, else applied (a part
+        # left unanswered is parked: it lands later, or the node resyncs).
+        for worst in (0, 2):
             if worst in replies:
                 return self._count_publish(worst, len(ops), resync)
-        reply = 3 if replies and all(r == 3 for r in replies) else 4 if 4 in replies else 1
+        reply = 3 if replies == {3} else 4 if 4 in replies else 1
         return self._count_publish(reply, len(ops), resync)
+
+    def _send_parked(self, node_id: str, inc: str, seqs: NodeSeqs) -> set[Any]:
+        """Send each bucket's parked parts, oldest first (``cluster_parts.next_call``), up to
+        the first call left unanswered (a backed-off bucket: none), ``PARKED_CALLS_PER_TURN``
+        calls a bucket at most. Returns the answers (1 applied, 0 fenced, 2 gap, 3 replayed,
+        4 applied but for foreign keys); a refusal (0, 2) drops every parked part: the node
+        registers again or resyncs, and its set covers them. The node's one publishing
+        thread; parts are read under the publish lock, sent outside it."""
+        replies: set[Any] = set()
+        with self._publish_lock:
+            buckets = list(seqs.parked)
+        for b in buckets:
+            prefix = self.bucket_prefixes[b]
+            for _ in range(PARKED_CALLS_PER_TURN):
+                with self._publish_lock:
+                    batch = next_call(seqs.parked.get(b))
+                    registering = b in seqs.unregistered
+                if not batch or self._backed_off(prefix):
+                    break  # (none left, or tried once the back-off ends)
+                for part in batch:
+                    part.tries += 1
+                if registering:  # its registration first (module docstring)
+                    reply = self._call("register", _REGISTER, prefix, node_id, inc,
+                                       _ttl_ms(seqs.ttl_s))
+                    if reply is None:
+                        break
+                    with self._publish_lock:
+                        if reply == 0:  # a newer incarnation: the node is fenced
+                            self.stats.publish_ops_dropped += seqs.drop_parked()
+                            return {0}
+                        seqs.unregistered.discard(b)
+                reply = self._publish_at(prefix, node_id, inc, packed_call(batch),
+                                         (batch[0].number, batch[-1].number), batch[0].resync)
+                if reply is None:
+                    self.stats.publishes_dropped += 1  # (each unanswered try counts)
+                    break
+                replies.add(reply)
+                with self._publish_lock:
+                    if reply in (0, 2):  # refused: the node resyncs, which covers them all
+                        self.stats.publish_ops_dropped += seqs.drop_parked()
+                        return replies
+                    seqs.unpark(b, batch)
+        return replies
+
+    def _backed_off(self, prefix: str) -> bool:
+        """Calls to the bucket ``prefix`` are backed off now (after trouble: ``_call``)."""
+        down_until = self._down_until.get(prefix)
+        return down_until is not None and self._clock() < down_until
 
     def _split(
         self, node_id: str, ops: Sequence[IndexOp], resync: bool
@@ -321,7 +413,7 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         return out
 
     def _numbers(
-        self, seqs: _NodeSeqs, seq: tuple[int, int] | None, bucket_to_ops: dict[int, list[IndexOp]]
+        self, seqs: NodeSeqs, seq: tuple[int, int] | None, bucket_to_ops: dict[int, list[IndexOp]]
     ) -> dict[int, int]:
         """Each touched bucket's batch number for this call ({}: unnumbered). Called under the
         publish lock."""
@@ -356,51 +448,3 @@ class RedisClusterBlockIndex(RedisBlockIndex):
 
     def _disconnect_all(self) -> None:
         self._client.disconnect_connection_pools()  # type: ignore[attr-defined]
-
-
-class RedisClusterNodeDirectory:
-    """``NodeDirectory`` on a cluster: the address under ``<bucket prefix>:addr:<node_id>`` in
-    three buckets a third of the slot space apart (so, with even slot ranges, on three shards),
-    announced with each heartbeat and read from the first that answers."""
-
-    def __init__(self, client: RedisCluster, bucket_prefixes: Sequence[str]) -> None:
-        self._client = client
-        self._prefixes = list(bucket_prefixes)
-
-    def _keys(self, node_id: str) -> list[str]:
-        num = len(self._prefixes)
-        home = int.from_bytes(node_id.encode()[-4:].rjust(4, b"\0"), "big") % num
-        buckets = dict.fromkeys((home + k * num // 3) % num for k in range(3))
-        return [f"{self._prefixes[b]}:addr:{node_id}" for b in buckets]
-
-    def announce(self, node_id: str, address: NodeAddress, *, ttl_s: float) -> None:
-        value = encode_address(address)
-        for key in self._keys(node_id):
-            try:
-                self._client.set(key, value, px=max(int(ttl_s * 1000), 1))
-            except _DIRECTORY_TROUBLE:
-                continue  # that bucket's shard is down; the others carry the address
-
-    def lookup(self, node_id: str) -> NodeAddress | None:
-        for key in self._keys(node_id):
-            try:
-                raw = self._client.get(key)
-            except _DIRECTORY_TROUBLE:
-                continue
-            if raw is None:
-                return None
-            try:
-                return decode_address(raw)
-            except ValueError:
-                return None  # a garbage entry
-        return None
-
-    def withdraw(self, node_id: str) -> None:
-        for key in self._keys(node_id):
-            try:
-                self._client.delete(key)
-            except _DIRECTORY_TROUBLE:
-                continue
-
-    def interrupt(self) -> None:
-        self._client.disconnect_connection_pools()

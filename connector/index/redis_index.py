@@ -47,6 +47,7 @@ from .protocol import (
     IndexNamespace,
     IndexStats,
     IndexStatus,
+    ParkedParts,
     PrefixHit,
     PublishResult,
     Tier,
@@ -61,7 +62,7 @@ from .protocol import (
 from .reachability import Reachability
 from .redis_direct import LEFT_TO_GENERIC_PATH, HeldConnections, PackedArgs, ScriptHead
 from .redis_entries import read_node_entries
-from .redis_publish import ARGS_PER_OP, PUBLISH_LUA, pack_ops
+from .redis_publish import ARGS_PER_OP, PUBLISH_LUA, count_publish, pack_ops
 
 if TYPE_CHECKING:
     from kvbridge.kvmanager import PrefixHitRule
@@ -98,10 +99,6 @@ _LOOKUP = _script(scripts.LOOKUP_LUA)
 _GET_BLOCK_IDS = _script(held.GET_BLOCK_IDS_LUA)
 _LOOKUP_HELD = _script(held.LOOKUP_HELD_LUA)
 _LOOKUP_MANY = _script(many.LOOKUP_MANY_LUA)
-_PUBLISH_REPLY_TO_STATUS: dict[Any, str] = {
-    1: "ok", 0: "fenced", 2: "gap", 3: "replayed",
-    4: "ok",  # applied, but for stores whose entry key holds another type (``PUBLISH_LUA``)
-}
 
 
 class RedisBlockIndex:
@@ -295,24 +292,7 @@ class RedisBlockIndex:
                                  b"1" if resync else b"0", packed=ops)
 
     def _count_publish(self, reply: Any, num_ops: int, resync: bool) -> PublishResult:
-        if reply is None:
-            self.stats.publishes_dropped += 1
-            self.stats.publish_ops_dropped += num_ops
-            return PublishResult("unavailable", num_ops)
-        if reply == 4:  # one count per call: the script says that some were, not how many
-            self.stats.count_garbage(1, self._clock())
-        status = _PUBLISH_REPLY_TO_STATUS.get(reply, "fenced")
-        if status == "fenced":
-            self.stats.publishes_fenced += 1
-        elif status == "gap":
-            self.stats.publishes_gap += 1
-        elif status == "replayed":
-            self.stats.publishes_replayed += 1
-        else:
-            self.stats.publishes += 1
-            self.stats.publish_ops += num_ops
-            self.stats.resyncs += resync
-        return PublishResult(status, num_ops)  # type: ignore[arg-type]
+        return count_publish(self.stats, reply, num_ops, resync, self._clock())
 
     def longest_prefix(
         self,
@@ -390,6 +370,12 @@ class RedisBlockIndex:
         if hit.num_blocks:
             self.stats.lookup_hits += 1
         return hit
+
+    def parked_parts(self, node_id: str) -> ParkedParts:  # (a call lands whole or not)
+        return ParkedParts()
+
+    def send_parked(self, node_id: str, incarnation: int) -> IndexStatus:
+        return "ok"
 
     def node_entries(self, node_id: str) -> set[tuple[int, bytes, int]] | None:
         """The node's live entries, read with plain commands (not atomic; tests and tools)."""

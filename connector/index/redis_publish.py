@@ -15,12 +15,14 @@ Thread: any (pure functions).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from .protocol import TIER_TO_CODE, OpFields
+from .index_stats import IndexStats
+from .protocol import TIER_TO_CODE, OpFields, PublishResult
 from .redis_direct import PackedArgs
 from .redis_scripts import DROP_NODE_LUA
 
-__all__ = ["ARGS_PER_OP", "PUBLISH_LUA", "pack_ops"]
+__all__ = ["ARGS_PER_OP", "PUBLISH_LUA", "count_publish", "pack_ops"]
 
 ARGS_PER_OP = 5
 """The ``PUBLISH`` script's arguments per op: kind, group id, key, parent key, data."""
@@ -200,3 +202,33 @@ def pack_ops(ops: Iterable[OpFields], key_len: int) -> PackedArgs:
         append(_OP % (_KIND[kind], len(group), group, len(key), key, len(parent), parent,
                       len(data), data))
     return PackedArgs(b"".join(parts), ARGS_PER_OP * len(parts))
+
+
+_REPLY_TO_STATUS: dict[Any, str] = {
+    1: "ok", 0: "fenced", 2: "gap", 3: "replayed",
+    4: "ok",  # applied, but for stores whose entry key holds another type (``PUBLISH_LUA``)
+}
+
+
+def count_publish(stats: IndexStats, reply: Any, num_ops: int, resync: bool,
+                  now_s: float) -> PublishResult:
+    """The ``PublishResult`` of a ``PUBLISH`` call's ``reply`` (None: unanswered), counted in
+    ``stats`` (the publishing thread's); ``now_s``: the backend's clock."""
+    if reply is None:
+        stats.publishes_dropped += 1
+        stats.publish_ops_dropped += num_ops
+        return PublishResult("unavailable", num_ops)
+    if reply == 4:  # one count per call: the script says that some were, not how many
+        stats.count_garbage(1, now_s)
+    status = _REPLY_TO_STATUS.get(reply, "fenced")
+    if status == "fenced":
+        stats.publishes_fenced += 1
+    elif status == "gap":
+        stats.publishes_gap += 1
+    elif status == "replayed":
+        stats.publishes_replayed += 1
+    else:
+        stats.publishes += 1
+        stats.publish_ops += num_ops
+        stats.resyncs += resync
+    return PublishResult(status, num_ops)  # type: ignore[arg-type]

@@ -19,7 +19,8 @@ How batches stay true (docs/architecture.md, "Keeping the index true"): they are
 cached set has landed. That set is the caller's (``resync_wanted``, ``enqueue_resync``: read
 at the engine's next step) or, when the caller has not given it ``_IDLE_RESYNC_S`` after it
 was asked (an idle engine), the worker's own, from the batches it took
-(``listed.ListedSet``), unless a full queue dropped one. No recovery needs an engine step."""
+(``listed.ListedSet``), unless a full queue dropped one. Parts a backend parked (a cluster
+bucket down) go again every ``_RESYNC_PROBE_S``. No recovery needs an engine step."""
 
 from __future__ import annotations
 
@@ -29,17 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .jobs import (
-    Batch,
-    DropLog,
-    LookupJob,
-    LookupSlots,
-    PublishQueue,
-    answer_lookups,
-    count_ops,
-    send_batches,
-)
-from .lookup import LookupQuery, LookupResult, resolve_remote_prefixes
+from .jobs import Batch, DropLog, LookupSlots, PublishQueue, count_ops, resolve_jobs, send_batches
 from .node_directory import NodeAddress, NodeDirectory
 from .protocol import BlockIndex, Tier
 
@@ -122,6 +113,7 @@ class IndexWorker:
         self._stopping = self._abandoned = False  # abandoned: stop gave up waiting: no more calls
         self._thread: threading.Thread | None = None
         self._next_heartbeat_s = self._last_probe_s = self._next_announce_s = 0.0
+        self._last_parked_try_s = self._whole_set_last_seq = 0  # ``_send_parked``; last set's
         self._probe_ok = True  # the last heartbeat was answered (a held call waits for one)
         self._registered = False  # the backend answered our registration: batches may go
         self._drops = DropLog(node_id, max_queued_ops)
@@ -186,14 +178,13 @@ class IndexWorker:
         """True while the worker waits for the caller's ``enqueue_resync`` (one lock-free read)."""
         return self._resync_wanted
 
-    needs_resync = property(
-        lambda self: self._needs_resync or self._resync_unsent,
-        doc="A batch may be lost, or a resync's set has not all landed yet.",
-    )
+    needs_resync = property(lambda self: self._needs_resync or self._resync_unsent,
+                            doc="A batch may be lost, or a resync's set has not all landed yet.")
 
     @property
-    def _resync_unsent(self) -> bool:  # a batch of a resync's set is queued or in a call
-        return self._queue.num_whole_set_ops > 0 or self._whole_set_in_call
+    def _resync_unsent(self) -> bool:  # a batch of a resync's set is queued, in a call or parked
+        return self._queue.num_whole_set_ops > 0 or self._whole_set_in_call or (
+            0 < self.index.parked_parts(self.node_id).oldest_seq <= self._whole_set_last_seq)
 
     def enqueue_resync(self, events: list[Any]) -> None:
         """Queue the node's whole cached set (``resync.ParentMirror.resync_events``; sent in
@@ -208,6 +199,7 @@ class IndexWorker:
             return
         self._num_batches_done += self._queue.replace_with_whole_set(
             events, _MAX_OPS_PER_RESYNC_CALL)
+        self._whole_set_last_seq = self._queue.next_seq - 1
         self._num_batches_accepted += len(self._queue.batches)
         self._losses_at_resync = self._num_losses
         self._resync_wanted = False
@@ -260,15 +252,17 @@ class IndexWorker:
         return accepted
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every batch accepted before this call has been handed to the backend
-        (blocking: for tests and shutdown paths, never for a scheduling step). Returns False
-        on timeout, when the worker stopped first, or at once while its registration goes
-        unanswered (the batches wait queued for it)."""
+        """Wait until every batch accepted before this call has been handed to the backend, and
+        any part of one it parked has been sent again once (blocking: for tests and shutdown
+        paths, never for a scheduling step). Returns False on timeout, when the worker stopped
+        first, or at once while its registration goes unanswered (the batches wait queued)."""
         with self._lock:
             target = self._num_batches_accepted
-            done = self._done.wait_for(lambda: self._num_batches_done >= target
-                                       or self._stopping or not self._registered, timeout_s)
-            return done and self._num_batches_done >= target
+            landed = lambda: self._num_batches_done >= target and not (  # noqa: E731
+                self.index.parked_parts(self.node_id).unretried)  # (parked: once sent again)
+            done = self._done.wait_for(lambda: landed() or self._stopping or not self._registered,
+                                       timeout_s)
+            return done and landed()
 
     # ------------------------------------------------------------------ the worker thread
     def _run(self) -> None:
@@ -280,7 +274,8 @@ class IndexWorker:
                         probe_s = _RESYNC_PROBE_S if self._registered else _REGISTER_RETRY_S
                         self._next_heartbeat_s = min(self._next_heartbeat_s,
                                                      self._last_probe_s + probe_s)
-                    wait_s = min(self._next_heartbeat_s, self._idle_resync_at_s()) - self._clock()
+                    wait_s = min(self._next_heartbeat_s, self._idle_resync_at_s(),
+                                 self._parked_try_at_s()) - self._clock()
                     if wait_s <= 0:
                         break
                     self._work.wait(wait_s)
@@ -293,10 +288,13 @@ class IndexWorker:
             try:
                 if self._clock() >= self._next_heartbeat_s:
                     self._heartbeat() if self._registered else self._register_again()
+                if self._clock() >= self._parked_try_at_s():
+                    self._send_parked()
             except Exception:
                 logger.exception("index: heartbeat of %s failed", self.node_id)
-            if jobs:
-                self._resolve(jobs)
+            if jobs:  # answered together, in one backend call
+                resolve_jobs(jobs, self._clock(), self.lookups.answered, self.index, self.directory,
+                             node_id=self.node_id, group_ids=self.group_ids, hit_rule=self.hit_rule)
                 with self._lock:
                     self.lookups.running = []
             if batches:
@@ -345,18 +343,6 @@ class IndexWorker:
             self._done.notify_all()
         return batches
 
-    def _resolve(self, jobs: list[LookupJob]) -> None:
-        """Answer ``jobs`` together, in one backend call (``jobs.answer_lookups``)."""
-        def ask(queries: list[LookupQuery], answer: Callable[[int, LookupResult], None]) -> None:
-            resolve_remote_prefixes(self.index, self.directory, node_id=self.node_id,
-                                    group_ids=self.group_ids, queries=queries, answer=answer,
-                                    hit_rule=self.hit_rule)
-
-        try:
-            answer_lookups(jobs, self._clock(), self.lookups.answered, ask)
-        except Exception:
-            logger.exception("index: %d lookup(s) of %s failed", len(jobs), self.node_id)
-
     def _lose(self) -> None:  # a batch may be lost (``jobs.send_batches``)
         with self._lock:
             self._enter_resync_mode()
@@ -403,14 +389,7 @@ class IndexWorker:
         status = self.index.heartbeat(self.node_id, self.incarnation, ttl_s=self.ttl_s)
         answered_before, self._probe_ok = self._probe_ok, status != "unavailable"
         if status == "fenced":
-            # Expired (a long pause, Redis restarted): register again, entries empty: resync
-            # (unsaid after an outage, whose own line said its blocks are published once back).
-            self.num_reregistrations += 1
-            registered = self._register()
-            with self._lock:
-                self._enter_resync_mode(warn=answered_before)
-                if registered:
-                    self._want_resync()
+            self._fenced(warn=answered_before)
             return
         if self._address is not None and now >= self._next_announce_s:  # also when a shard
             # is down (the live ones serve the address); not at every resync probe
@@ -419,6 +398,27 @@ class IndexWorker:
         with self._lock:  # ("unavailable": a publish meanwhile is held and made again)
             if status == "ok" and self._needs_resync and not self._resync_unsent:
                 self._want_resync()  # (not while a set is under way: it may land)
+
+    def _fenced(self, warn: bool) -> None:
+        """Expired (a long pause, Redis restarted), or a parked part refused: register, resync."""
+        self.num_reregistrations += 1
+        with self._lock:  # (first: no reader sees a resync landed meanwhile)
+            self._enter_resync_mode(warn=warn)
+        if self._register():
+            with self._lock:
+                self._want_resync()
+
+    def _send_parked(self) -> None:
+        """Parts of calls the backend parked (a bucket's shard down: ``redis_cluster.py``)."""
+        self._last_parked_try_s = self._clock()
+        if self.index.send_parked(self.node_id, self.incarnation) == "fenced":
+            self._fenced(warn=True)
+        with self._lock:
+            self._done.notify_all()  # flush waits for each part's second call
+
+    def _parked_try_at_s(self) -> float:  # infinity: the backend holds none of ours
+        parked = self.index.parked_parts(self.node_id).parts
+        return self._last_parked_try_s + _RESYNC_PROBE_S if parked else float("inf")
 
     def _register_again(self) -> None:
         """An unanswered registration (at ``start``, after a fence), tried every
