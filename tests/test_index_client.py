@@ -21,12 +21,18 @@ from _identity_builders import BASE_IDENTITY
 from kvbridge.connector.index import (
     IndexClient,
     IndexNamespace,
+    InMemoryBlockIndex,
     LookupResult,
     RedisBlockIndex,
     new_incarnation,
     open_index,
 )
-from kvbridge.connector.index.node_directory import NodeAddress, RedisNodeDirectory
+from kvbridge.connector.index.node_directory import (
+    InMemoryNodeDirectory,
+    NodeAddress,
+    RedisNodeDirectory,
+)
+from kvbridge.connector.index.protocol import ParkedParts
 from kvbridge.kvmanager.kv_events import BlockRemoved, BlockStored
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -525,3 +531,45 @@ def test_while_a_registration_is_unanswered_flush_returns_at_once_and_nothing_is
         assert a.num_resyncs == 0
     finally:
         a.close()
+
+
+def test_a_batch_lost_while_a_part_of_the_last_resync_is_parked_asks_for_a_new_resync():
+    """On a cluster with one shard down, part of the node's last resync may sit parked in the
+    index (``ParkedParts.oldest_seq`` within that set): the resync is reported pending. A batch
+    lost after that set was taken needs a new set, so the worker asks for one at its next
+    answered heartbeat. (Before, the parked part counted as a set still under way: no new set
+    was asked for, and every delta was dropped until the shard came back.)"""
+
+    class _Parking(InMemoryBlockIndex):
+        parked = ParkedParts()
+
+        def parked_parts(self, node_id: str) -> ParkedParts:
+            return self.parked
+
+    index = _Parking(_NS)
+    client = IndexClient(index, InMemoryNodeDirectory(), node_id="node-a",
+                         incarnation=new_incarnation(), group_ids=(0,), ttl_s=0.3)
+    sets: list[int] = []
+    client.set_resync_events(lambda: sets.append(1) or [])
+    client.start("127.0.0.1", 5555)
+    worker = client._worker
+
+    def resync_read_within(timeout_s: float) -> None:
+        deadline_s = time.monotonic() + timeout_s
+        before = len(sets)
+        while len(sets) == before:  # the caller reads its set at its next publish
+            assert time.monotonic() < deadline_s, "no resync asked for"
+            client.publish([])
+            time.sleep(0.02)
+
+    try:
+        worker._lose()  # (1) a batch lost: a set is asked for, read, sent
+        resync_read_within(5.0)
+        assert client.flush()
+        assert not client.resync_pending
+        index.parked = ParkedParts(1, 0, worker._whole_set_last_seq)  # part of that set parked
+        assert client.resync_pending
+        worker._lose()  # (2) another loss while it is parked: a new set is asked for
+        resync_read_within(5.0)
+    finally:
+        client.close()

@@ -468,6 +468,29 @@ def test_a_part_one_bucket_leaves_unanswered_waits_alone_and_lands_in_order(
         index.close()
 
 
+def test_an_unnumbered_publish_is_never_parked(redis_cluster_url):
+    """A node without a resync source numbers no batch: a part a bucket leaves unanswered is
+    dropped and counted (the call answers "unavailable"), never sent again (its first try may
+    still run late, and without numbers a second try could apply twice or out of order). The
+    other buckets apply theirs."""
+    index = RedisClusterBlockIndex(NAMESPACE, redis_cluster_url, retry_interval_s=0.0)
+    k = NAMESPACE.key_hash_bytes
+    chains = _chains_with_two_in_one_bucket(index)
+    dropped = index.bucket_prefixes[bucket_of(chains[0][0][:k], index.num_buckets)]
+    real = index._publish_at
+    try:
+        assert index.register_node("n", 1, ttl_s=30.0) == "ok"
+        with mock.patch.object(index, "_publish_at",
+                               lambda prefix, *a: None if prefix == dropped else real(prefix, *a)):
+            events = [_stored_chain(chains[0]), _stored_chain(chains[1])]
+            assert index.publish("n", 1, events).status == "unavailable"
+        assert index.parked_parts("n") == (0, 0, 0)
+        assert index.send_parked("n", 1) == "ok"
+        assert [index.longest_prefix(c).num_blocks for c in chains[:2]] == [0, 2]
+    finally:
+        index.close()
+
+
 def test_parked_parts_past_the_limit_lose_their_bucket_until_it_answers(redis_cluster_url):
     """A bucket down for long: its parked parts are bounded (``MAX_PARKED_OPS``). Past it they
     are dropped, counted, and the bucket is lost: its later parts are dropped as they come,

@@ -237,12 +237,9 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         return status
 
     def heartbeat(self, node_id: str, incarnation: int, *, ttl_s: float) -> IndexStatus:
-        """As ``RedisBlockIndex.heartbeat``, in every bucket, but "unavailable" only when no
-        bucket answered: while one shard is down the node's other buckets take its parts (a
-        resync too), so the node need not wait for every shard. A bucket the registration did
-        not reach is registered instead (a heartbeat there would be fenced, and the node would
-        register everywhere and resync); one whose parts were dropped (``lost``) answering
-        again says "fenced": the node registers again and resyncs."""
+        """As ``RedisBlockIndex.heartbeat``, in every bucket, but "unavailable" only when none
+        answered (the live buckets take a resync while one shard is down). A bucket the
+        registration missed is registered instead; a ``lost`` one answering says "fenced"."""
         with self._publish_lock:
             seqs = self._seqs.get(node_id)
             known = seqs is not None and seqs.incarnation == incarnation
@@ -258,9 +255,8 @@ class RedisClusterBlockIndex(RedisBlockIndex):
         return "fenced" if any(replies[b] is not None for b in lost) else status
 
     def parked_parts(self, node_id: str) -> ParkedParts:
-        """``node_id``'s parked parts (module docstring): ``IndexClient.flush`` waits until
-        each bucket's oldest has had a second call, and the worker's resync is under way while
-        a part of its set is parked."""
+        """``node_id``'s parked parts (module docstring; ``IndexWorker.flush`` and
+        ``needs_resync`` read them)."""
         with self._publish_lock:
             seqs = self._seqs.get(node_id)
             if seqs is None:
@@ -305,20 +301,26 @@ class RedisClusterBlockIndex(RedisBlockIndex):
             if seq is not None and not resync and seq[0] != seqs.last_batch + 1:
                 self.stats.publishes_gap += 1  # a batch between was never handed to us
                 return PublishResult("gap", len(ops))
-            if resync:  # the set's clear covers every part parked or lost before it
-                self.stats.publish_ops_dropped += seqs.drop_parked()
-                seqs.lost.clear()
             bucket_to_ops = self._split(node_id, ops, resync)
             packed = {b: pack_ops(bucket_ops, self._key_hash_bytes)  # (raises before parking)
                       for b, bucket_ops in bucket_to_ops.items()}
+            if resync:  # the set's clear covers every part parked or lost before it
+                self.stats.publish_ops_dropped += seqs.drop_parked()
+                seqs.lost.clear()
             numbers = self._numbers(seqs, seq, bucket_to_ops)
             for b, bucket_ops in bucket_to_ops.items():  # each bucket's part, behind its own
                 if b in seqs.lost:
                     self.stats.publish_ops_dropped += len(bucket_ops)
-                else:
-                    seqs.park(b, ParkedPart(numbers.get(b, 0), packed[b], len(bucket_ops),
-                                            resync, seq[1] if seq else 0))
-        replies = self._send_parked(node_id, inc, seqs)
+                elif seq is not None:
+                    seqs.park(b, ParkedPart(numbers[b], packed[b], len(bucket_ops), resync,
+                                            seq[1]))
+        if seq is None:  # unnumbered: never sent again (a late first try could apply twice)
+            replies = {self._publish_at(self.bucket_prefixes[b], node_id, inc, packed[b], (0, 0),
+                                        resync) for b in bucket_to_ops}
+            if None in replies:
+                return self._count_publish(None, len(ops), resync)
+        else:
+            replies = self._send_parked(node_id, inc, seqs)
         with self._publish_lock:
             if seqs.num_parked_ops > MAX_PARKED_OPS:  # those buckets resync once they answer
                 self.stats.publish_ops_dropped += seqs.drop_parked(lose=True)
@@ -332,11 +334,9 @@ class RedisClusterBlockIndex(RedisBlockIndex):
 
     def _send_parked(self, node_id: str, inc: str, seqs: NodeSeqs) -> set[Any]:
         """Send each bucket's parked parts, oldest first (``cluster_parts.next_call``), up to
-        the first call left unanswered (a backed-off bucket: none), ``PARKED_CALLS_PER_TURN``
-        calls a bucket at most. Returns the answers (1 applied, 0 fenced, 2 gap, 3 replayed,
-        4 applied but for foreign keys); a refusal (0, 2) drops every parked part: the node
-        registers again or resyncs, and its set covers them. The node's one publishing
-        thread; parts are read under the publish lock, sent outside it."""
+        the first call left unanswered, ``PARKED_CALLS_PER_TURN`` calls a bucket at most;
+        returns the answers (``PUBLISH_LUA``'s). A refusal (0, 2) drops every parked part: the
+        node resyncs. The node's one publishing thread; parts read under the publish lock."""
         replies: set[Any] = set()
         with self._publish_lock:
             buckets = list(seqs.parked)
@@ -348,8 +348,6 @@ class RedisClusterBlockIndex(RedisBlockIndex):
                     registering = b in seqs.unregistered
                 if not batch or self._backed_off(prefix):
                     break  # (none left, or tried once the back-off ends)
-                for part in batch:
-                    part.tries += 1
                 if registering:  # its registration first (module docstring)
                     reply = self._call("register", _REGISTER, prefix, node_id, inc,
                                        _ttl_ms(seqs.ttl_s))
@@ -360,6 +358,8 @@ class RedisClusterBlockIndex(RedisBlockIndex):
                             self.stats.publish_ops_dropped += seqs.drop_parked()
                             return {0}
                         seqs.unregistered.discard(b)
+                for part in batch:
+                    part.tries += 1
                 reply = self._publish_at(prefix, node_id, inc, packed_call(batch),
                                          (batch[0].number, batch[-1].number), batch[0].resync)
                 if reply is None:

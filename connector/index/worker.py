@@ -178,13 +178,14 @@ class IndexWorker:
         """True while the worker waits for the caller's ``enqueue_resync`` (one lock-free read)."""
         return self._resync_wanted
 
-    needs_resync = property(lambda self: self._needs_resync or self._resync_unsent,
-                            doc="A batch may be lost, or a resync's set has not all landed yet.")
+    needs_resync = property(lambda self: self._needs_resync or self._resync_unsent or (
+        0 < self.index.parked_parts(self.node_id).oldest_seq <= self._whole_set_last_seq),
+        doc="A batch may be lost, or a resync's set has not all landed (queued, sent, parked).")
 
     @property
-    def _resync_unsent(self) -> bool:  # a batch of a resync's set is queued, in a call or parked
-        return self._queue.num_whole_set_ops > 0 or self._whole_set_in_call or (
-            0 < self.index.parked_parts(self.node_id).oldest_seq <= self._whole_set_last_seq)
+    def _resync_unsent(self) -> bool:  # a batch of a resync's set is queued or in a call (one
+        # parked does not count: a loss after its set was taken needs a new set, which drops it)
+        return self._queue.num_whole_set_ops > 0 or self._whole_set_in_call
 
     def enqueue_resync(self, events: list[Any]) -> None:
         """Queue the node's whole cached set (``resync.ParentMirror.resync_events``; sent in
