@@ -567,7 +567,7 @@ def test_a_batch_lost_while_a_part_of_the_last_resync_is_parked_asks_for_a_new_r
         resync_read_within(5.0)
         assert client.flush()
         assert not client.resync_pending
-        index.parked = ParkedParts(1, 0, worker._whole_set_last_seq)  # part of that set parked
+        index.parked = ParkedParts(1, 0, worker._queue.whole_set_last_seq)  # (part of that set)
         assert client.resync_pending
         worker._lose()  # (2) another loss while it is parked: a new set is asked for
         resync_read_within(5.0)

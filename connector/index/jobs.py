@@ -72,6 +72,7 @@ class PublishQueue:
         self.num_delta_ops = 0
         self.num_whole_set_ops = 0  # of a resync's batches still queued (or in ``retry``)
         self.next_seq = 1
+        self.whole_set_last_seq = 0  # the last batch number of the latest whole set queued
         self.listed: ListedSet | None = None
         self._num_losses = self._losses_at_whole_set = 0  # ``note_lost``; at the last set
         self._to_follow: list[tuple[Batch, int | None]] = []  # taken, not followed yet
@@ -124,6 +125,7 @@ class PublishQueue:
         self.retry = []
         self.batches = deque(resync_batches(events, self.next_seq, max_ops_per_call))
         self.next_seq += len(self.batches)
+        self.whole_set_last_seq = self.next_seq - 1
         self.num_delta_ops = 0
         self.num_whole_set_ops = sum(batch.num_ops for batch in self.batches)
         return num_replaced

@@ -113,7 +113,7 @@ class IndexWorker:
         self._stopping = self._abandoned = False  # abandoned: stop gave up waiting: no more calls
         self._thread: threading.Thread | None = None
         self._next_heartbeat_s = self._last_probe_s = self._next_announce_s = 0.0
-        self._last_parked_try_s = self._whole_set_last_seq = 0  # ``_send_parked``; last set's
+        self._last_parked_try_s = 0.0  # ``_send_parked``
         self._probe_ok = True  # the last heartbeat was answered (a held call waits for one)
         self._registered = False  # the backend answered our registration: batches may go
         self._drops = DropLog(node_id, max_queued_ops)
@@ -179,7 +179,7 @@ class IndexWorker:
         return self._resync_wanted
 
     needs_resync = property(lambda self: self._needs_resync or self._resync_unsent or (
-        0 < self.index.parked_parts(self.node_id).oldest_seq <= self._whole_set_last_seq),
+        0 < self.index.parked_parts(self.node_id).oldest_seq <= self._queue.whole_set_last_seq),
         doc="A batch may be lost, or a resync's set has not all landed (queued, sent, parked).")
 
     @property
@@ -200,7 +200,6 @@ class IndexWorker:
             return
         self._num_batches_done += self._queue.replace_with_whole_set(
             events, _MAX_OPS_PER_RESYNC_CALL)
-        self._whole_set_last_seq = self._queue.next_seq - 1
         self._num_batches_accepted += len(self._queue.batches)
         self._losses_at_resync = self._num_losses
         self._resync_wanted = False
